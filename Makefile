@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch is pinned in the CPU install path: 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow test-gpu lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/cleaner demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check cleaner tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,168 @@
+"""Frozen configuration dataclasses shared by the CLI and the library.
+
+Every field has a one-line comment; invariants are checked in `__post_init__` so a bad value fails
+at construction time with a message naming the field. `to_json()` gives the resolved config that is
+saved next to every output; `config_id` is a stable hash of the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The committed tiny default policy (DESIGN.md section 8).
+ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
+DEFAULT_POLICY = ASSETS_DIR / "tiny-policy"
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+
+
+class _Config:
+    """Mixin: JSON round trip and a stable id."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+
+    @property
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of every parameter."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class SandboxConfig(_Config):
+    backend: str = "local"  # local (worker processes) | docker
+    workers: int = 2  # warm worker processes in the pool
+    timeout_s: float = 4.0  # wall-clock limit per execution (the paper's value)
+    cpu_time_s: int = 5  # RLIMIT_CPU per execution
+    memory_mb: int = 1024  # RLIMIT_AS per execution
+    max_processes: int = 32  # RLIMIT_NPROC for the unprivileged sandbox user
+    max_file_size_mb: int = 16  # RLIMIT_FSIZE
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
+    infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
+    docker_image: str = "python:3.11-slim"  # image for the docker backend
+
+    def __post_init__(self) -> None:
+        _check_choice("backend", self.backend, ("local", "docker"))
+        _check(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
+        _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _check(self.cpu_time_s >= 1, f"cpu_time_s must be >= 1, got {self.cpu_time_s}")
+        _check(self.memory_mb >= 64, f"memory_mb must be >= 64, got {self.memory_mb}")
+        _check(self.max_processes >= 1, f"max_processes must be >= 1, got {self.max_processes}")
+        _check(self.max_file_size_mb >= 1, f"max_file_size_mb must be >= 1, got {self.max_file_size_mb}")
+        _check(self.max_open_files >= 16, f"max_open_files must be >= 16, got {self.max_open_files}")
+        _check(self.max_output_chars >= 64, f"max_output_chars must be >= 64, got {self.max_output_chars}")
+        _check(self.infra_retries >= 0, f"infra_retries must be >= 0, got {self.infra_retries}")
+
+
+SIMILARITY_ON = ("code", "call")
+PURIFY_WHEN = ("always", "positive")
+
+
+@dataclass(frozen=True)
+class CollectConfig(_Config):
+    model: str = str(DEFAULT_POLICY)  # Hugging Face path or local checkpoint directory
+    data: str | None = None  # verl-style RL Parquet file; None = the toy task family
+    iteration: int = 0  # iteration number written to the warehouse
+    n_prompts: int = 64  # prompts per iteration
+    group_size: int = 8  # samples per prompt (one GRPO group)
+    max_turns: int = 8  # assistant generations per rollout
+    max_retries: int = 3  # K: retries per failed tool-call step
+    max_new_tokens: int = 160  # per assistant generation
+    max_response_tokens: int = 768  # budget for everything after the prompt
+    temperature: float = 1.0  # sampling temperature; greedy never shows errors
+    top_p: float = 1.0  # nucleus sampling
+    collect_view: str = "purified"  # raw | purified: context rendering for later turns (4.4)
+    gamma: float = 0.5  # SAAR similarity threshold used for the purified context
+    rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
+    similarity_on: str = "code"  # code | call (DESIGN.md 4.2)
+    seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
+    batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
+    backend: str = "torch"  # torch | sglang
+    device: str = "cpu"  # torch device
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+
+    def __post_init__(self) -> None:
+        _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
+        _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
+        _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
+        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
+        _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.max_response_tokens >= self.max_new_tokens,
+               "max_response_tokens must be >= max_new_tokens")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check_choice("collect_view", self.collect_view, ("raw", "purified"))
+        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
+        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
+        _check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
+        _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
+        _check_choice("backend", self.backend, ("torch", "sglang"))
+
+
+@dataclass(frozen=True)
+class PurifyConfig(_Config):
+    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
+    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its rollback_draw < p
+    similarity_on: str = "code"  # code | call (DESIGN.md 4.2)
+    purify_when: str = "always"  # always (the paper) | positive (reward above group mean only)
+    advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
+
+    def __post_init__(self) -> None:
+        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
+        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
+        _check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
+        _check_choice("purify_when", self.purify_when, PURIFY_WHEN)
+        _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    lr: float = 1e-6  # AdamW learning rate (the tiny policy wants ~1e-3)
+    weight_decay: float = 0.0  # AdamW weight decay
+    clip_eps_low: float = 0.2  # DAPO lower clip
+    clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
+    kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
+    truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (DESIGN.md 5)
+    is_cap: float = 2.0  # cap of the truncated importance ratio
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
+    mini_batch_size: int = 64  # sequences per optimiser step
+    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    epochs: int = 1  # passes over the iteration's rows
+    max_grad_norm: float = 1.0  # gradient clipping
+    engine: str = "torch"  # torch | deepspeed
+    deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (engine = deepspeed)
+    device: str = "cpu"  # torch device
+    seed: int = 0  # shuffling and dropout seed
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(0 <= self.clip_eps_low < 1, f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+        _check(self.clip_eps_high >= 0, f"clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        _check(self.is_cap >= 1, f"is_cap must be >= 1, got {self.is_cap}")
+        _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
+        _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.mini_batch_size >= self.micro_batch_size,
+               "mini_batch_size must be >= micro_batch_size")
+        _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
+        _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        _check_choice("engine", self.engine, ("torch", "deepspeed"))
+        _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
+               "engine deepspeed needs deepspeed_config")

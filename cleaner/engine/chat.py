@@ -51,6 +51,20 @@ def format_call(code: str) -> str:
     return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
 
 
+def format_tool_response(success: bool, stdout: str, stderr: str, reason: str | None = None) -> str:
+    """The tool's answer, as the reference's code_interpreter words it.
+
+    Success: `Tool call success`, then `stdout: ...` / `stderr: ...` for the non-empty streams.
+    Failure: `Tool call failure`, `reason: <reason>`, then the non-empty streams.
+    """
+    parts = ["Tool call success"] if success else ["Tool call failure", f"reason: {reason or 'error'}"]
+    if stdout:
+        parts.append(f"stdout: {stdout}")
+    if stderr:
+        parts.append(f"stderr: {stderr}")
+    return "\n".join(parts)
+
+
 def tool_response_text(response: str) -> str:
     """The text of a tool segment answering a call with `response`."""
     return (

@@ -1,0 +1,186 @@
+"""Loss math against hand-computed values (cleaner/engine/train/loss.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cleaner.engine.train.loss import (
+    dynamic_sampling_mask,
+    entropy_from_logits,
+    group_advantages,
+    kl_penalty,
+    masked_mean,
+    overlong_penalty,
+    policy_loss,
+    token_log_probs,
+    truncated_is_weights,
+)
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _log(values):
+    return torch.log(torch.tensor(values, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------
+# Elementary pieces
+
+
+def test_masked_mean_whole_and_per_row():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
+    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 1]])
+    assert masked_mean(values, mask).item() == pytest.approx((1 + 3 + 40) / 3)
+    assert masked_mean(values, mask, dim=1).tolist() == pytest.approx([2.0, 40.0])
+    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_token_log_probs_are_aligned_with_the_predicted_token():
+    # Logits at position t predict token t+1: [0, 0] -> p = 1/2 each; [ln 3, 0] -> p(1) = 1/4.
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [5.0, 5.0]]])  # (1, 3, 2)
+    token_ids = torch.tensor([[0, 0, 1]])
+    result = token_log_probs(logits, token_ids)
+    assert result.shape == (1, 3)
+    assert result[0].tolist() == pytest.approx([0.0, math.log(0.5), math.log(0.25)], abs=1e-6)
+
+
+def test_entropy_from_logits():
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [1.0, 2.0]]])
+    expected = [0.0, math.log(2.0), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]
+    assert entropy_from_logits(logits)[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Policy loss
+
+
+def test_asymmetric_clip_on_both_sides():
+    # One row, four loss tokens, per-token advantages.
+    ratios = [1.5, 0.5, 1.25, 0.75]
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    old = torch.zeros(1, 4)
+    log_probs = _log([ratios]).requires_grad_(True)
+    out = policy_loss(log_probs, old, advantages, torch.ones(1, 4), EPS_LOW, EPS_HIGH)
+    # t0: A>0, 1.5 > 1.28 -> clipped to 1.28.   t1: A<0, 0.5 < 0.8 -> clipped to 0.8.
+    # t2: A>0, 1.25 < 1.28 -> NOT clipped (it would be with a symmetric 0.2).
+    # t3: A<0, 0.75 < 0.8 -> clipped (it would not be with a symmetric 0.28).
+    expected = (-1.28 + 0.8 - 1.25 + 0.8) / 4
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(3 / 4)
+    out.loss.backward()
+    # d(-ratio * A / 4)/d log_prob = -ratio * A / 4 on the unclipped token; 0 on clipped ones.
+    assert log_probs.grad[0].tolist() == pytest.approx([0.0, 0.0, -1.25 / 4, 0.0], abs=1e-6)
+
+
+def test_pessimistic_side_is_not_clipped():
+    # A<0 with a ratio above 1 + eps_high: min picks the unclipped (worse) term, gradient flows.
+    log_probs = _log([[1.5]]).requires_grad_(True)
+    out = policy_loss(log_probs, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+                      EPS_LOW, EPS_HIGH)
+    assert out.loss.item() == pytest.approx(1.5)
+    assert out.clip_fraction.item() == 0.0
+    out.loss.backward()
+    assert log_probs.grad.item() == pytest.approx(1.5)
+
+
+def test_token_mean_over_all_loss_tokens_of_the_batch():
+    # Row 0 has 1 loss token (A = 2), row 1 has 3 (A = -1); ratios are 1.
+    loss_mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]])
+    zeros = torch.zeros(2, 4)
+    out = policy_loss(zeros, zeros, torch.tensor([2.0, -1.0]), loss_mask, EPS_LOW, EPS_HIGH)
+    assert out.loss.item() == pytest.approx((-2.0 + 3 * 1.0) / 4)  # not the mean of row means (-0.5)
+    assert out.approx_kl.item() == pytest.approx(0.0)
+    # An explicit denominator (the mini batch's total) replaces the local count.
+    scaled = policy_loss(zeros, zeros, torch.tensor([2.0, -1.0]), loss_mask, EPS_LOW, EPS_HIGH,
+                         num_loss_tokens=8)
+    assert scaled.loss.item() == pytest.approx(1.0 / 8)
+
+
+def test_masked_tokens_contribute_nothing():
+    loss_mask = torch.tensor([[0, 1, 1, 0]])
+    old = _log([[0.3, 0.5, 0.2, 0.4]])
+    advantages = torch.tensor([1.5])
+
+    def loss_and_grad(masked_values):
+        log_probs = _log([[masked_values[0], 0.6, 0.1, masked_values[1]]]).requires_grad_(True)
+        out = policy_loss(log_probs, old, advantages, loss_mask, EPS_LOW, EPS_HIGH)
+        out.loss.backward()
+        return out.loss.item(), log_probs.grad.clone()
+
+    loss_a, grad_a = loss_and_grad((0.9, 0.01))
+    loss_b, grad_b = loss_and_grad((1e-6, 0.99))
+    assert loss_a == loss_b
+    assert torch.equal(grad_a, grad_b)
+    assert grad_a[0, 0].item() == 0.0 and grad_a[0, 3].item() == 0.0
+    # Token 1: ratio 1.2 <= 1.28, unclipped: -A * ratio / 2.  Token 2: ratio 0.5, A > 0, unclipped.
+    assert grad_a[0, 1].item() == pytest.approx(-1.5 * 1.2 / 2, abs=1e-6)
+    assert grad_a[0, 2].item() == pytest.approx(-1.5 * 0.5 / 2, abs=1e-6)
+
+
+def test_zero_advantage_gives_zero_gradient():
+    log_probs = _log([[0.2, 0.7, 0.9]]).requires_grad_(True)
+    old = _log([[0.3, 0.3, 0.3]])
+    out = policy_loss(log_probs, old, torch.tensor([0.0]), torch.ones(1, 3), EPS_LOW, EPS_HIGH)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert torch.count_nonzero(log_probs.grad) == 0
+
+
+def test_is_weights_multiply_the_surrogate():
+    log_probs = torch.zeros(1, 2, requires_grad=True)
+    out = policy_loss(log_probs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                      EPS_LOW, EPS_HIGH, is_weights=torch.tensor([[2.0, 0.5]]))
+    assert out.loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+
+
+def test_approx_kl_is_k3_of_the_ratio():
+    # log ratio = ln 2: k3 = exp(-ln 2) - 1 + ln 2 = 0.5 - 1 + 0.693147.
+    out = policy_loss(_log([[2.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
+                      EPS_LOW, EPS_HIGH)
+    assert out.approx_kl.item() == pytest.approx(0.5 - 1 + math.log(2.0), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# KL, importance sampling, batch shaping
+
+
+def test_kl_penalty_k3():
+    log_probs = _log([[0.5, 0.5, 0.9]])
+    ref = _log([[0.25, 0.5, 0.1]])
+    mask = torch.tensor([[1, 1, 0]])
+    # Token 0: exp(ln .5) - ln .5 - 1 = 0.193147; token 1: 0; token 2 masked.
+    expected = (0.5 - math.log(0.5) - 1.0) / 2
+    assert kl_penalty(log_probs, ref, mask).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_truncated_is_weights_cap():
+    old = _log([[3.0, 0.5, 1.0]])
+    behavior = torch.zeros(1, 3)
+    weights = truncated_is_weights(old.requires_grad_(True), behavior, cap=2.0)
+    assert weights[0].tolist() == pytest.approx([2.0, 0.5, 1.0], abs=1e-6)
+    assert not weights.requires_grad
+
+
+def test_dynamic_sampling_drops_equal_reward_groups():
+    group_ids = ["a", "a", "b", "b", "c", "c", "d"]
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    keep = dynamic_sampling_mask(group_ids, rewards)
+    assert keep.tolist() == [False, False, True, True, False, False, False]
+
+
+def test_overlong_penalty():
+    lengths = torch.tensor([5, 6, 8, 10, 12])
+    # max 10, buffer 4: no penalty up to 6, linear to -1 at 10, -1 beyond.
+    assert overlong_penalty(lengths, max_len=10, buffer=4).tolist() == pytest.approx(
+        [0.0, 0.0, -0.5, -1.0, -1.0])
+    assert overlong_penalty(lengths, max_len=10, buffer=0).tolist() == [0.0] * 5
+
+
+def test_group_advantages():
+    advantages = group_advantages(["g", "g", "g", "g", "h"], torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0]))
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 1, 0]
+    expected = [0.5 / std, -0.5 / std, 0.5 / std, -0.5 / std, 0.0]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-4)

@@ -6,8 +6,9 @@ Kept thin on purpose: every command's work lives in `cleaner.engine` or `cleaner
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -33,7 +34,7 @@ DEFAULT_WAREHOUSE = Path("warehouse")
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print an error to stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
     return typer.Exit(code)
 
 
@@ -106,16 +107,73 @@ def sandbox_run() -> None:
 # Warehouse commands
 
 
-@app.command()
-def sql() -> None:
-    """Run DuckDB SQL over the warehouse views."""
-    raise not_built("sql")
+class OutputFormat(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
 
 
 @app.command()
-def show() -> None:
-    """Print one rollout's segments in order, coloured by outcome."""
-    raise not_built("show")
+def sql(
+    query: Annotated[str, typer.Argument(help="DuckDB SQL over the views: rollouts, segments, attempts, ...")],
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Run DuckDB SQL over the warehouse views.
+
+    Views: rollouts, segments, purified, purify_configs, iterations, train_steps, and the convenience
+    views attempts (assistant segments with the outcome of their call) and failures.
+    """
+    import duckdb
+    import polars as pl
+
+    from cleaner.engine.inspect import result_table
+    from cleaner.warehouse import Warehouse, WarehouseError
+
+    try:
+        connection = Warehouse(warehouse).connect()
+        relation = connection.sql(query)  # None for statements that return nothing
+        table = relation.to_arrow_table() if relation is not None else None
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    except duckdb.Error as exc:
+        raise fail(f"query failed: {exc}") from exc
+    if table is None:
+        return
+    if output_format is OutputFormat.table:
+        target = Console(file=open(output, "w"), width=200) if output else console
+        target.print(result_table(table))
+        return
+    frame = pl.from_arrow(table)
+    text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
+    if output:
+        output.write_text(text)
+    else:
+        typer.echo(text, nl=False)
+
+
+@app.command()
+def show(
+    rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+) -> None:
+    """Print one rollout's segments in order, coloured by outcome (failures red, retries yellow)."""
+    from cleaner.engine.inspect import rollout_view
+    from cleaner.warehouse import Warehouse, WarehouseError
+    from cleaner.warehouse.schema import ROLLOUTS, SEGMENTS, from_table
+
+    try:
+        connection = Warehouse(warehouse).connect()
+        rollouts = from_table(ROLLOUTS, connection.sql(
+            "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
+        segments = from_table(SEGMENTS, connection.sql(
+            "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    if not segments:
+        raise fail(f"no rollout {rollout_id!r} in {warehouse}")
+    console.print(rollout_view(rollouts[0] if rollouts else None, segments))
 
 
 if __name__ == "__main__":

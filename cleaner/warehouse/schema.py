@@ -1,0 +1,123 @@
+"""Arrow schemas of the warehouse (DESIGN.md section 3), written once, here and nowhere else.
+
+Each dataset pairs an Arrow schema with the frozen record type whose fields are its columns
+(`cleaner.engine.records`), and the Hive partition keys its part files live under. Conversion
+between records and Arrow tables is generic over that pairing, so a column is named exactly once:
+as a record field, typed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from cleaner.engine import records
+
+_TOKENS = pa.list_(pa.int32())
+_FLOATS = pa.list_(pa.float32())
+_TIME = pa.timestamp("us")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str  # directory under the warehouse root, and the DuckDB view name
+    record: type  # the frozen dataclass whose fields are the columns
+    schema: pa.Schema
+    partition_keys: tuple[str, ...]  # Hive partition directories, outermost first
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(self.schema.names)
+
+
+ROLLOUTS = Dataset("rollouts", records.Rollout, pa.schema([
+    ("rollout_id", pa.string()), ("iteration", pa.int32()), ("group_id", pa.string()),
+    ("prompt_id", pa.string()), ("sample_index", pa.int32()), ("policy_version", pa.string()),
+    ("data_source", pa.string()), ("ground_truth", pa.string()), ("answer", pa.string()),
+    ("reward", pa.float32()), ("correct", pa.bool_()), ("finish_reason", pa.string()),
+    ("rollback_draw", pa.float32()), ("collect_view", pa.string()), ("collect_config_id", pa.string()),
+    ("n_assistant_segments", pa.int32()), ("n_tool_calls", pa.int32()), ("n_failed_calls", pa.int32()),
+    ("created_at", _TIME),
+]), ("iteration",))
+
+SEGMENTS = Dataset("segments", records.Segment, pa.schema([
+    ("rollout_id", pa.string()), ("iteration", pa.int32()), ("seq", pa.int32()), ("kind", pa.string()),
+    ("step", pa.int32()), ("attempt", pa.int32()), ("token_ids", _TOKENS), ("logprobs", _FLOATS),
+    ("text", pa.string()), ("call_start", pa.int32()), ("tool_code", pa.string()),
+    ("tool_status", pa.string()), ("error_type", pa.string()), ("exec_ms", pa.float32()),
+]), ("iteration",))
+
+PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
+    ("config_id", pa.string()), ("iteration", pa.int32()), ("rollout_id", pa.string()),
+    ("group_id", pa.string()), ("token_ids", _TOKENS), ("prompt_len", pa.int32()),
+    ("loss_mask", pa.list_(pa.int8())), ("behavior_logprobs", _FLOATS), ("old_logprobs", _FLOATS),
+    ("reward", pa.float32()), ("advantage", pa.float32()), ("rolled_back", pa.bool_()),
+    ("n_shallow", pa.int32()), ("n_deep", pa.int32()), ("n_unrecovered", pa.int32()),
+    ("tokens_removed", pa.int32()), ("scorer_version", pa.string()),
+]), ("iteration", "config"))
+
+PURIFY_CONFIGS = Dataset("purify_configs", records.PurifyConfigRow, pa.schema([
+    ("config_id", pa.string()), ("gamma", pa.float32()), ("rollback_prob", pa.float32()),
+    ("similarity_on", pa.string()), ("purify_when", pa.string()), ("params_json", pa.string()),
+    ("created_at", _TIME),
+]), ())
+
+ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
+    ("iteration", pa.int32()), ("policy_in", pa.string()), ("policy_out", pa.string()),
+    ("collect_config_json", pa.string()), ("purify_config_json", pa.string()),
+    ("train_config_json", pa.string()), ("collect_s", pa.float32()), ("purify_s", pa.float32()),
+    ("train_s", pa.float32()), ("accuracy", pa.float32()), ("first_attempt_error_rate", pa.float32()),
+    ("failures_per_trajectory", pa.float32()), ("n_shallow", pa.int32()), ("n_deep", pa.int32()),
+    ("created_at", _TIME),
+]), ())
+
+TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
+    ("iteration", pa.int32()), ("step", pa.int32()), ("loss", pa.float32()),
+    ("clip_fraction", pa.float32()), ("approx_kl", pa.float32()), ("entropy", pa.float32()),
+    ("grad_norm", pa.float32()), ("lr", pa.float32()), ("tokens", pa.int32()), ("created_at", _TIME),
+]), ("iteration",))
+
+DATASETS: dict[str, Dataset] = {
+    d.name: d for d in (ROLLOUTS, SEGMENTS, PURIFIED, PURIFY_CONFIGS, ITERATIONS, TRAIN_STEPS)
+}
+
+# Hive partition directory names differ from column names only for purified's config.
+PARTITION_COLUMN = {"iteration": "iteration", "config": "config_id"}
+
+
+def _check_record_fields(dataset: Dataset) -> None:
+    fields = tuple(f.name for f in dataclasses.fields(dataset.record))
+    if fields != dataset.columns:
+        raise AssertionError(f"{dataset.name}: record fields {fields} != schema columns {dataset.columns}")
+
+
+for _dataset in DATASETS.values():
+    _check_record_fields(_dataset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records <-> Arrow
+
+
+def to_table(dataset: Dataset, rows: Sequence[object]) -> pa.Table:
+    """Arrow table of `rows` (records of `dataset.record`) in the dataset's schema."""
+    for row in rows:
+        if not isinstance(row, dataset.record):
+            raise TypeError(f"{dataset.name} takes {dataset.record.__name__} rows, got {type(row).__name__}")
+    columns = {name: [getattr(row, name) for row in rows] for name in dataset.columns}
+    return pa.Table.from_pydict(columns, schema=dataset.schema)
+
+
+def from_table(dataset: Dataset, table: pa.Table) -> list:
+    """Records of `dataset.record` from an Arrow table holding at least the dataset's columns."""
+    list_columns = {f.name for f in dataset.schema if pa.types.is_list(f.type)}
+    columns = {name: table.column(name).to_pylist() for name in dataset.columns}
+    for name in list_columns:
+        columns[name] = [None if v is None else tuple(v) for v in columns[name]]
+    return [
+        dataset.record(**{name: columns[name][i] for name in dataset.columns})
+        for i in range(table.num_rows)
+    ]

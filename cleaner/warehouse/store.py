@@ -1,0 +1,195 @@
+"""The warehouse: typed reads and writes of every dataset, and DuckDB views over them.
+
+Layout (DESIGN.md section 3): `<root>/<dataset>/<key>=<value>/.../part-<uuid>.parquet`.
+
+Commit protocol for collection: a batch of complete rollouts is written as a segments part and then a
+rollouts part with the SAME file name. The rollouts part is the commit marker: a segments part whose
+twin is missing (the writer died in between) is invisible to every reader, so `collect --resume`
+can regenerate those rollouts without duplicating a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from cleaner.engine.records import (
+    IterationRow,
+    PurifiedRow,
+    PurifyConfigRow,
+    Rollout,
+    Segment,
+    TrainStepRow,
+)
+from cleaner.warehouse import schema
+from cleaner.warehouse.parts import (
+    WarehouseError,
+    list_parts,
+    new_part_name,
+    read_parts,
+    validate_part,
+    write_part,
+)
+from cleaner.warehouse.schema import DATASETS, Dataset
+
+__all__ = ["Warehouse", "WarehouseError"]
+
+
+class Warehouse:
+    """A warehouse directory. Cheap to construct; nothing is read until asked."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+
+    def _dir(self, dataset: Dataset, **partition: object) -> Path:
+        path = self.root / dataset.name
+        for key in dataset.partition_keys:
+            path = path / f"{key}={partition[key]}"
+        return path
+
+    def _write(self, dataset: Dataset, rows: Sequence, name: str | None = None, **partition) -> Path:
+        table = schema.to_table(dataset, rows)
+        return write_part(self._dir(dataset, **partition), table, name)
+
+    # -----------------------------------------------------------------------------------------
+    # Collection
+
+    def write_rollouts(self, iteration: int, rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> None:
+        """Commit one batch of complete rollouts (segments first; the rollouts part commits them)."""
+        ids = {r.rollout_id for r in rollouts}
+        stray = {s.rollout_id for s in segments} - ids
+        if stray:
+            raise ValueError(f"segments of rollouts not in this batch: {sorted(stray)[:3]}")
+        name = new_part_name()
+        self._write(schema.SEGMENTS, segments, name, iteration=iteration)
+        self._write(schema.ROLLOUTS, rollouts, name, iteration=iteration)
+
+    def committed_segment_parts(self, iteration: int | None = None) -> list[Path]:
+        partition = {} if iteration is None else {"iteration": iteration}
+        committed = {(p.parent.name, p.name) for p in list_parts(self.root, schema.ROLLOUTS, partition)}
+        return [
+            p for p in list_parts(self.root, schema.SEGMENTS, partition)
+            if (p.parent.name, p.name) in committed
+        ]
+
+    def read_rollouts(self, iteration: int) -> list[Rollout]:
+        table = read_parts(list_parts(self.root, schema.ROLLOUTS, {"iteration": iteration}), schema.ROLLOUTS)
+        return schema.from_table(schema.ROLLOUTS, table)
+
+    def read_segments(self, iteration: int) -> list[Segment]:
+        table = read_parts(self.committed_segment_parts(iteration), schema.SEGMENTS)
+        return schema.from_table(schema.SEGMENTS, table)
+
+    def rollout_ids(self, iteration: int) -> frozenset[str]:
+        """Ids of the rollouts already committed for an iteration (for --resume)."""
+        table = read_parts(list_parts(self.root, schema.ROLLOUTS, {"iteration": iteration}), schema.ROLLOUTS)
+        return frozenset(table.column("rollout_id").to_pylist())
+
+    def iterations_collected(self) -> list[int]:
+        return sorted({int(p.parent.name.split("=", 1)[1]) for p in list_parts(self.root, schema.ROLLOUTS)})
+
+    # -----------------------------------------------------------------------------------------
+    # Purification
+
+    def has_purified(self, iteration: int, config_id: str) -> bool:
+        return bool(list_parts(self.root, schema.PURIFIED, {"iteration": iteration, "config": config_id}))
+
+    def write_purified(self, iteration: int, config: PurifyConfigRow, rows: Sequence[PurifiedRow]) -> None:
+        """Write one config's rows of an iteration, and its config row if new. Idempotent per config."""
+        if self.has_purified(iteration, config.config_id):
+            return
+        if config.config_id not in self.purify_config_ids():
+            self._write(schema.PURIFY_CONFIGS, [config])
+        self._write(schema.PURIFIED, rows, iteration=iteration, config=config.config_id)
+
+    def purify_config_ids(self) -> set[str]:
+        table = read_parts(list_parts(self.root, schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS)
+        return set(table.column("config_id").to_pylist())
+
+    def read_purified(self, iteration: int, config_id: str) -> list[PurifiedRow]:
+        parts = list_parts(self.root, schema.PURIFIED, {"iteration": iteration, "config": config_id})
+        if not parts:
+            raise WarehouseError(
+                f"{self.root}: no purified rows for iteration {iteration} and config {config_id}"
+            )
+        return schema.from_table(schema.PURIFIED, read_parts(parts, schema.PURIFIED))
+
+    # -----------------------------------------------------------------------------------------
+    # Training and the iteration log
+
+    def write_train_steps(self, iteration: int, steps: Sequence[TrainStepRow]) -> None:
+        if steps:
+            self._write(schema.TRAIN_STEPS, steps, iteration=iteration)
+
+    def has_train_steps(self, iteration: int) -> bool:
+        return bool(list_parts(self.root, schema.TRAIN_STEPS, {"iteration": iteration}))
+
+    def write_iteration(self, row: IterationRow) -> None:
+        self._write(schema.ITERATIONS, [row])
+
+    def read_iterations(self) -> list[IterationRow]:
+        table = read_parts(list_parts(self.root, schema.ITERATIONS), schema.ITERATIONS)
+        return schema.from_table(schema.ITERATIONS, table)
+
+    # -----------------------------------------------------------------------------------------
+    # SQL
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """An in-memory DuckDB connection with one view per dataset plus convenience views.
+
+        Every part is validated first: a bad file raises WarehouseError naming it, and nothing is
+        modified. Datasets with no parts yet get an empty view with the right columns.
+        """
+        if not self.root.is_dir():
+            raise WarehouseError(f"{self.root}: no such warehouse directory")
+        connection = duckdb.connect(":memory:")
+        for dataset in DATASETS.values():
+            if dataset is schema.SEGMENTS:
+                parts = self.committed_segment_parts()
+            else:
+                parts = list_parts(self.root, dataset)
+            for part in parts:
+                validate_part(part, dataset)
+            _create_view(connection, dataset, parts)
+        for name, query in CONVENIENCE_VIEWS.items():
+            connection.execute(f"CREATE VIEW {name} AS {query}")
+        return connection
+
+
+def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
+    if not parts:
+        empty: pa.Table = dataset.schema.empty_table()
+        connection.register(f"_empty_{dataset.name}", empty)
+        connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
+        return
+    files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts)
+    columns = ", ".join(dataset.columns)
+    connection.execute(
+        f"CREATE VIEW {dataset.name} AS SELECT {columns} "
+        f"FROM read_parquet([{files}], hive_partitioning = false)"
+    )
+
+
+# Convenience views over the base views.
+CONVENIENCE_VIEWS = {
+    # Every assistant generation with the outcome of the call it made (NULL when it made none).
+    "attempts": """
+        SELECT a.rollout_id, a.iteration, a.seq, a.step, a.attempt,
+               a.call_start IS NOT NULL AS has_call, a.tool_code, len(a.token_ids) AS n_tokens,
+               t.tool_status, t.error_type, t.exec_ms, a.text, t.text AS tool_response
+        FROM segments a
+        LEFT JOIN segments t
+          ON t.rollout_id = a.rollout_id AND t.kind = 'tool' AND t.step = a.step AND t.attempt = a.attempt
+        WHERE a.kind = 'assistant'
+    """,
+    # Tool failures with the rollout they belong to.
+    "failures": """
+        SELECT s.rollout_id, s.iteration, s.step, s.attempt, s.tool_status, s.error_type, s.tool_code,
+               r.correct, r.reward
+        FROM segments s JOIN rollouts r USING (rollout_id)
+        WHERE s.kind = 'tool' AND s.tool_status <> 'ok'
+    """,
+}

@@ -1,0 +1,33 @@
+"""Small hand-made records for warehouse tests."""
+
+from __future__ import annotations
+
+from cleaner.engine.records import Rollout, Segment
+
+
+def make_rollout(rollout_id: str, iteration: int = 0, reward: float = 1.0, n_failed: int = 1) -> Rollout:
+    return Rollout(
+        rollout_id=rollout_id, iteration=iteration, group_id=f"it{iteration}-p0", prompt_id="p0",
+        sample_index=0, policy_version="test", data_source="toy", ground_truth="42", answer="42",
+        reward=reward, correct=reward > 0, finish_reason="answer", rollback_draw=0.25,
+        collect_view="purified", collect_config_id="cfg", n_assistant_segments=3, n_tool_calls=2,
+        n_failed_calls=n_failed,
+    )
+
+
+def make_segments(rollout_id: str, iteration: int = 0) -> list[Segment]:
+    """prompt, a failed call (NameError), its retry (ok), the final answer."""
+    def seg(seq, kind, step, attempt, tokens, **kw):
+        logprobs = tuple(-0.5 for _ in tokens) if kind == "assistant" else None
+        return Segment(rollout_id=rollout_id, iteration=iteration, seq=seq, kind=kind, step=step,
+                       attempt=attempt, token_ids=tuple(tokens), logprobs=logprobs,
+                       text=kw.pop("text", f"{kind}{seq}"), **kw)
+    return [
+        seg(0, "prompt", None, None, [1, 2, 3]),
+        seg(1, "assistant", 0, 0, [4, 5, 6], call_start=1, tool_code="pirnt(1)"),
+        seg(2, "tool", 0, 0, [7, 8], tool_code="pirnt(1)", tool_status="error", error_type="NameError",
+            exec_ms=3.0),
+        seg(3, "assistant", 0, 1, [4, 5, 9], call_start=1, tool_code="print(1)"),
+        seg(4, "tool", 0, 1, [7, 10], tool_code="print(1)", tool_status="ok", exec_ms=2.0),
+        seg(5, "assistant", 1, 0, [11, 12], text="\\boxed{42}"),
+    ]

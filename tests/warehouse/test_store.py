@@ -1,0 +1,139 @@
+"""Warehouse round trips, commit protocol, crash safety and validation errors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.warehouse import Warehouse, WarehouseError
+from cleaner.warehouse import schema
+from cleaner.warehouse.parts import list_parts, write_part
+
+from .factories import make_rollout, make_segments
+
+
+def _fill(tmp_path: Path) -> Warehouse:
+    wh = Warehouse(tmp_path / "wh")
+    rollouts = [make_rollout("r0"), make_rollout("r1", reward=0.0, n_failed=1)]
+    segments = make_segments("r0") + make_segments("r1")
+    wh.write_rollouts(0, rollouts, segments)
+    return wh
+
+
+def test_round_trip_through_records(tmp_path):
+    wh = _fill(tmp_path)
+    assert {r.rollout_id for r in wh.read_rollouts(0)} == {"r0", "r1"}
+    segments = wh.read_segments(0)
+    assert len(segments) == 12
+    original = make_segments("r0")
+    read_back = sorted((s for s in segments if s.rollout_id == "r0"), key=lambda s: s.seq)
+    assert read_back == original  # tuples, None and floats survive the trip
+    assert wh.rollout_ids(0) == frozenset({"r0", "r1"})
+    assert wh.iterations_collected() == [0]
+    assert list((tmp_path / "wh" / "rollouts").iterdir())[0].name == "iteration=0"
+
+
+def test_duckdb_views_and_attempts(tmp_path):
+    connection = _fill(tmp_path).connect()
+    assert connection.sql("SELECT count(*) FROM rollouts").fetchall() == [(2,)]
+    attempts = connection.sql(
+        "SELECT step, attempt, has_call, tool_status, error_type FROM attempts "
+        "WHERE rollout_id = 'r0' ORDER BY seq").fetchall()
+    assert attempts == [(0, 0, True, "error", "NameError"), (0, 1, True, "ok", None), (1, 0, False, None, None)]
+    assert connection.sql("SELECT count(*) FROM failures").fetchall() == [(2,)]
+    # Datasets with no parts yet still have a view with the right columns.
+    assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(0,)]
+    assert "old_logprobs" in [c[0] for c in connection.sql("DESCRIBE purified").fetchall()]
+
+
+def test_uncommitted_segments_are_invisible(tmp_path):
+    wh = _fill(tmp_path)
+    # A writer that died after the segments part and before its rollouts part.
+    table = schema.to_table(schema.SEGMENTS, make_segments("orphan"))
+    write_part(tmp_path / "wh" / "segments" / "iteration=0", table)
+    assert {s.rollout_id for s in wh.read_segments(0)} == {"r0", "r1"}
+    assert wh.connect().sql("SELECT count(DISTINCT rollout_id) FROM segments").fetchall() == [(2,)]
+
+
+def test_purified_write_is_idempotent(tmp_path):
+    wh = _fill(tmp_path)
+    config = PurifyConfigRow(config_id="abc", gamma=0.5, rollback_prob=1.0, similarity_on="code",
+                             purify_when="always", params_json="{}")
+    row = PurifiedRow(config_id="abc", iteration=0, rollout_id="r0", group_id="g", token_ids=(1, 2, 3),
+                      prompt_len=1, loss_mask=(0, 1, 1), behavior_logprobs=(0.0, -0.5, -0.25),
+                      old_logprobs=(0.0, -0.5, -0.25), reward=1.0, advantage=0.5, rolled_back=True,
+                      n_shallow=1, n_deep=0, n_unrecovered=0, tokens_removed=4, scorer_version="t")
+    wh.write_purified(0, config, [row])
+    wh.write_purified(0, config, [row])
+    assert wh.read_purified(0, "abc") == [row]
+    connection = wh.connect()
+    assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(1,)]
+    assert connection.sql("SELECT count(*) FROM purify_configs").fetchall() == [(1,)]
+
+
+_WRITER = """
+import sys
+import pyarrow as pa
+from pathlib import Path
+from cleaner.warehouse.parts import write_part
+table = pa.table({"x": pa.array(range(3_000_000), pa.int64())})
+print("ready", flush=True)
+while True:
+    write_part(Path(sys.argv[1]), table)
+"""
+
+
+def test_sigkill_mid_write_leaves_no_partial_part(tmp_path):
+    directory = tmp_path / "parts"
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(directory)], stdout=subprocess.PIPE)
+    assert process.stdout.readline().strip() == b"ready"
+    deadline = time.monotonic() + 30
+    # Kill while a temporary file exists: a write is in flight.
+    while time.monotonic() < deadline:
+        if any(p.name.endswith(".tmp") for p in directory.glob(".*")) and list(directory.glob("part-*")):
+            break
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    visible = sorted(directory.glob("part-*.parquet"))
+    assert visible, "the writer should have finished at least one part"
+    for path in visible:
+        assert pq.read_table(path).num_rows == 3_000_000
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_truncated_part_is_named_and_nothing_modified(tmp_path):
+    wh = _fill(tmp_path)
+    bad = list_parts(wh.root, schema.ROLLOUTS)[0]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    before = _digest(wh.root)
+    with pytest.raises(WarehouseError, match=str(bad)):
+        wh.connect()
+    assert _digest(wh.root) == before
+
+
+def test_missing_column_is_named(tmp_path):
+    wh = _fill(tmp_path)
+    table = schema.to_table(schema.ROLLOUTS, [make_rollout("r9")]).drop_columns(["reward"])
+    path = write_part(wh.root / "rollouts" / "iteration=1", table)
+    with pytest.raises(WarehouseError, match=rf"{path}.*missing column 'reward'"):
+        wh.connect()
+
+
+def test_wrong_row_type_is_rejected(tmp_path):
+    with pytest.raises(TypeError, match="rollouts takes Rollout rows"):
+        schema.to_table(schema.ROLLOUTS, make_segments("r0"))
+    assert isinstance(schema.to_table(schema.ROLLOUTS, []), pa.Table)

@@ -142,6 +142,7 @@ class TrainConfig(_Config):
     is_cap: float = 2.0  # cap of the truncated importance ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
+    max_response_tokens: int = 768  # DAPO overlong: the response length the buffer counts back from
     mini_batch_size: int = 64  # sequences per optimiser step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     epochs: int = 1  # passes over the iteration's rows
@@ -158,6 +159,8 @@ class TrainConfig(_Config):
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.is_cap >= 1, f"is_cap must be >= 1, got {self.is_cap}")
         _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
+        _check(self.overlong_buffer <= self.max_response_tokens,
+               "overlong_buffer must be <= max_response_tokens")
         _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _check(self.mini_batch_size >= self.micro_batch_size,
                "mini_batch_size must be >= micro_batch_size")

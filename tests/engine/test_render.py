@@ -1,0 +1,347 @@
+"""Renderer tests (DESIGN.md section 4): hand-written chains with exact tokens, then properties.
+
+Token ids are tiny integers. Every assistant token's behaviour logprob is -id / 1000, so a logprob
+that travels with the wrong token is caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cleaner.engine.chat import format_call
+from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TOOL, Segment
+from cleaner.engine.render import RAW, View, render, view_for
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+
+
+def lp(token_id: int) -> float:
+    return -token_id / 1000
+
+
+def prompt(seq: int, ids: tuple[int, ...]) -> Segment:
+    return Segment("r", 0, seq, PROMPT, None, None, ids, None, "")
+
+
+def assistant(seq, step, attempt, reasoning, call=(), code=None) -> Segment:
+    ids = tuple(reasoning) + tuple(call)
+    return Segment("r", 0, seq, ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
+                   call_start=len(reasoning) if call else None, tool_code=code)
+
+
+def tool(seq, step, attempt, ids, status=OK) -> Segment:
+    return Segment("r", 0, seq, TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
+
+
+def expected(*pieces: tuple[tuple[int, ...], bool]):
+    """(token_ids, loss_mask, behaviour logprobs) of spans given as (ids, trained)."""
+    ids = tuple(i for piece, _ in pieces for i in piece)
+    mask = tuple(int(trained) for piece, trained in pieces for _ in piece)
+    lps = tuple(lp(i) if trained else 0.0 for piece, trained in pieces for i in piece)
+    return ids, mask, lps
+
+
+def check(rendered, *pieces) -> None:
+    ids, mask, lps = expected(*pieces)
+    assert rendered.token_ids == ids
+    assert rendered.loss_mask == mask
+    assert rendered.behavior_logprobs == pytest.approx(lps)
+
+
+PURIFIED = View(purified=True, gamma=0.5, similarity_on="code")
+SIMILAR = ("print(1+1)", "print(1+2)")  # ratio 0.9
+DIFFERENT = ("import numpy", "x=2; y=3")  # ratio < 0.5
+
+
+def one_retry(codes: tuple[str, str]) -> list[Segment]:
+    return [
+        prompt(0, (1, 2)),
+        assistant(1, 0, 0, (10, 11), (12, 13), code=codes[0]),
+        tool(2, 0, 0, (14,), ERROR),
+        assistant(3, 0, 1, (20,), (21, 22), code=codes[1]),
+        tool(4, 0, 1, (23,), OK),
+        assistant(5, 1, 0, (30, 31)),  # final answer
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-written chains
+
+
+def test_raw_is_concatenation_in_seq_order():
+    segments = one_retry(SIMILAR)
+    rendered = render(list(reversed(segments)), RAW)
+    check(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False),
+          ((20, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert rendered.prompt_len == 2
+    assert rendered.stats.tokens_removed == 0
+
+
+def test_shallow_merge_keeps_reasoning_and_takes_new_call():
+    rendered = render(one_retry(SIMILAR), PURIFIED)
+    check(rendered, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 0, 0)
+    assert rendered.stats.tokens_removed == 13 - 9
+
+
+def test_deep_merge_replaces_whole_turn():
+    rendered = render(one_retry(DIFFERENT), PURIFIED)
+    check(rendered, ((1, 2), False), ((20, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep) == (0, 1)
+    assert rendered.stats.tokens_removed == 13 - 8
+
+
+def test_three_attempts_deep_then_shallow():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
+        tool(4, 0, 1, (23,), ERROR),
+        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
+        tool(6, 0, 2, (33,), OK),
+        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
+        tool(8, 1, 0, (42,), OK),
+    ]
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((20, 21, 31, 32), True), ((33,), False),
+          ((40, 41), True), ((42,), False))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 1, 0)
+
+
+def test_exhausted_chain_renders_rest_raw():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
+        tool(4, 0, 1, (22,), ERROR),  # K = 1 retries exhausted
+        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
+        tool(6, 1, 0, (32,), ERROR),
+        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
+        tool(8, 1, 1, (42,), OK),
+    ]
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((10, 21), True), ((22,), False),
+          ((30, 31), True), ((32,), False), ((40, 41), True), ((42,), False))
+    assert (rendered.stats.n_shallow, rendered.stats.n_unrecovered) == (1, 1)
+    # In progress (the retry not generated yet) renders the same tokens as exhausted.
+    partial = render(segments[:5], PURIFIED)
+    assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
+    assert len(partial.token_ids) == 4
+
+
+def test_retry_that_answers_keeps_last_error_then_rest_raw():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
+        tool(4, 0, 1, (22,), ERROR),
+        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
+    ]
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((20, 21), True), ((22,), False), ((30, 31), True))
+    assert (rendered.stats.n_deep, rendered.stats.n_unrecovered, rendered.stats.tokens_removed) == (1, 1, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# similarity_on: code vs call on the measured example (DESIGN.md 4.2)
+
+
+def text_assistant(seq, attempt, reasoning: str, code: str | None, call_code: str) -> Segment:
+    text = reasoning + format_call(call_code)
+    ids = tuple(ord(c) for c in text)
+    return Segment("r", 0, seq, ASSISTANT, 0, attempt, ids, tuple(lp(i) for i in ids), text,
+                   call_start=len(reasoning), tool_code=code)
+
+
+def decode(token_ids) -> str:
+    return "".join(chr(i) for i in token_ids)
+
+
+def measured_chain(first_code: str | None) -> list[Segment]:
+    numpy_code, plain_code = "import numpy; print(numpy.add(2,2))", "x=2; print(x+x)"
+    return [
+        prompt(0, (1,)),
+        text_assistant(1, 0, "Add. ", first_code, numpy_code),
+        tool(2, 0, 0, (2,), ERROR),
+        text_assistant(3, 1, "Again. ", plain_code, plain_code),
+        tool(4, 0, 1, (3,), OK),
+    ]
+
+
+def test_code_similarity_is_deep_where_call_similarity_is_shallow():
+    segments = measured_chain("import numpy; print(numpy.add(2,2))")
+    by_code = render(segments, View(True, 0.5, "code"), decode)
+    by_call = render(segments, View(True, 0.5, "call"), decode)
+    assert (by_code.stats.n_deep, by_call.stats.n_shallow) == (1, 1)
+    assert decode(by_code.token_ids[1:-1]) == "Again. " + format_call("x=2; print(x+x)")
+    assert decode(by_call.token_ids[1:-1]) == "Add. " + format_call("x=2; print(x+x)")
+
+
+def test_code_falls_back_to_call_when_code_is_missing():
+    rendered = render(measured_chain(None), View(True, 0.5, "code"), decode)
+    assert rendered.stats.n_shallow == 1
+
+
+def test_call_similarity_without_decode_is_a_clear_error():
+    with pytest.raises(ValueError, match="decode"):
+        render(measured_chain(None), View(True, 0.5, "call"))
+    with pytest.raises(ValueError, match="decode"):
+        render(measured_chain(None), View(True, 0.5, "code"))  # fallback needs decode too
+
+
+def test_malformed_chain_is_rejected():
+    segments = one_retry(SIMILAR)
+    segments[3] = assistant(3, 0, 2, (20,), (21, 22), code="x")  # attempt 2 right after attempt 0
+    with pytest.raises(ValueError, match="expected attempt 1"):
+        render(segments, PURIFIED)
+
+
+def test_view_for_follows_the_draw():
+    assert view_for(0.3, True, 0.7, 0.5, "call") == View(True, 0.7, "call")
+    assert view_for(0.5, True, 0.7, 0.5, "call") == RAW
+    assert view_for(0.0, False, 0.7, 1.0, "code") == RAW
+
+
+# ----------------------------------------------------------------------------------------------
+# Properties over generated attempt chains
+
+
+@dataclass(frozen=True)
+class Plan:
+    segments: tuple[Segment, ...]
+    chains: tuple[tuple[Segment, ...], ...]  # the non-prompt segments of each step
+    outcomes: tuple[str, ...]  # per chain: clean | recovered | unrecovered
+    merges: tuple[int, ...]  # per chain: merges SAAR performs on it
+
+
+@st.composite
+def plans(draw) -> Plan:
+    """A prompt, then steps of attempts; token ids are seq * 100 + k, so each token names its segment."""
+    segments: list[Segment] = []
+
+    def add(kind, step, attempt, n_reasoning, n_call=0, code=None, status=None) -> Segment:
+        seq = len(segments)
+        ids = tuple(seq * 100 + k for k in range(n_reasoning + n_call))
+        lps = tuple(lp(i) for i in ids) if kind == ASSISTANT else None
+        segment = Segment("r", 0, seq, kind, step, attempt, ids, lps, "",
+                          call_start=n_reasoning if n_call else None, tool_code=code,
+                          tool_status=status)
+        segments.append(segment)
+        return segment
+
+    add(PROMPT, None, None, draw(st.integers(1, 3)))
+    chains, outcomes, merges = [], [], []
+    for step in range(draw(st.integers(1, 4))):
+        first = len(segments)
+        statuses = draw(st.lists(st.sampled_from([OK, ERROR]), min_size=1, max_size=4))
+        n_attempts = statuses.index(OK) + 1 if OK in statuses else len(statuses)
+        for attempt in range(n_attempts):
+            code = draw(st.text("ab()+1", max_size=6))
+            add(ASSISTANT, step, attempt, draw(st.integers(0, 2)), draw(st.integers(1, 2)), code)
+            add(TOOL, step, attempt, draw(st.integers(1, 2)), status=statuses[attempt])
+        answered = OK not in statuses and draw(st.booleans())
+        if answered:  # a retry that answers instead of calling
+            add(ASSISTANT, step, n_attempts, draw(st.integers(1, 2)))
+        chains.append(tuple(segments[first:]))
+        if OK in statuses:
+            outcomes.append("clean" if n_attempts == 1 else "recovered")
+            merges.append(n_attempts - 1)
+        else:
+            outcomes.append("unrecovered")
+            merges.append(n_attempts - 1)
+    if draw(st.booleans()):
+        add(ASSISTANT, len(chains), 0, draw(st.integers(1, 2)))  # final answer
+        chains.append(tuple(segments[-1:]))
+        outcomes.append("clean")
+        merges.append(0)
+    return Plan(tuple(segments), tuple(chains), tuple(outcomes), tuple(merges))
+
+
+def raw_ids(segments) -> tuple[int, ...]:
+    return tuple(i for segment in segments for i in segment.token_ids)
+
+
+def processed(plan: Plan) -> list[int]:
+    """Indices of the chains SAAR touches: up to and including the first unrecovered one."""
+    indices = []
+    for index, outcome in enumerate(plan.outcomes):
+        indices.append(index)
+        if outcome == "unrecovered":
+            break
+    return indices
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_mask_and_logprobs_align_with_tokens(plan, gamma):
+    by_seq = {segment.seq: segment for segment in plan.segments}
+    for view in (RAW, View(True, gamma, "code")):
+        rendered = render(plan.segments, view)
+        assert len(rendered.token_ids) == len(rendered.loss_mask) == len(rendered.behavior_logprobs)
+        for token, mask, logprob in zip(rendered.token_ids, rendered.loss_mask,
+                                        rendered.behavior_logprobs, strict=True):
+            origin = by_seq[token // 100]
+            assert mask == int(origin.kind == ASSISTANT)
+            assert logprob == (lp(token) if mask else 0.0)
+        assert rendered.prompt_len == len(plan.segments[0].token_ids)
+        assert rendered.stats.tokens_removed == len(raw_ids(plan.segments)) - len(rendered.token_ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.floats(0, 0.999), st.floats(0, 1.5))
+def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
+    view = view_for(draw, True, gamma, 0.0, "code")
+    assert view == RAW
+    rendered = render(plan.segments, view)
+    assert rendered.token_ids == raw_ids(plan.segments)
+    assert rendered.stats == render(plan.segments, RAW).stats
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
+    expected_merges = sum(plan.merges[index] for index in processed(plan))
+    shallow = render(plan.segments, View(True, 0.0, "code")).stats
+    deep = render(plan.segments, View(True, 1.01, "code")).stats
+    assert (shallow.n_shallow, shallow.n_deep) == (expected_merges, 0)
+    assert (deep.n_shallow, deep.n_deep) == (0, expected_merges)
+    assert shallow.n_unrecovered == deep.n_unrecovered == ("unrecovered" in plan.outcomes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_recovered_chain_leaves_no_failed_call_or_error(plan, gamma):
+    rendered = set(render(plan.segments, View(True, gamma, "code")).token_ids)
+    for index in processed(plan):
+        if plan.outcomes[index] != "recovered":
+            continue
+        chain = plan.chains[index]
+        for position, segment in enumerate(chain):
+            if segment.kind == TOOL and segment.failed:
+                call = chain[position - 1]
+                assert not rendered & set(segment.token_ids)
+                assert not rendered & set(call.token_ids[call.call_start:])
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_unrecovered_chain_renders_rest_raw(plan, gamma):
+    if "unrecovered" not in plan.outcomes:
+        return
+    chain = plan.chains[plan.outcomes.index("unrecovered")]
+    rendered = render(plan.segments, View(True, gamma, "code"))
+    last_tool = [segment for segment in chain if segment.kind == TOOL][-1]
+    rest = [segment for segment in plan.segments if segment.seq > last_tool.seq]
+    tail = raw_ids([last_tool, *rest])
+    assert rendered.token_ids[-len(tail):] == tail
+    # Cut right after the last failed call (a retry not generated yet): a prefix of the full render.
+    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], View(True, gamma, "code"))
+    assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids

@@ -1,0 +1,102 @@
+"""Key/value cache plumbing shared by the torch backend and the prefix-trie scorer.
+
+Design decisions:
+- A KV cache crosses function boundaries as a plain tuple of per-layer `(keys, values)` tensors of
+  shape (B, H, T, D), not as a transformers `Cache` object. The tuple is immutable, so slicing one
+  row out of a batch, truncating it, or expanding it for several suffixes never mutates a cache
+  that another branch of the trie still needs. A fresh `DynamicCache` is built for every forward
+  (`DynamicLayer.update` concatenates, so the old tensors are never written to).
+- Every forward passes an explicit 2-D attention mask and explicit position ids. With a 2-D mask
+  transformers never tries to guess "packed sequences" from the position ids, and left or right
+  padding is handled by the mask alone.
+- Log-probs are `gather(logits) - logsumexp(logits)` in float32: only the (B, T) targets and, where
+  asked, the last position's (B, V) distribution are kept, never a (B, T, V) log-softmax copy.
+- Only full-attention layers are supported (Qwen3, Llama, Mistral without sliding window): the
+  cache keeps every position, so a sliding-window model would get a correct mask but no memory win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer: keys, values, each (B, H, T, D)
+
+
+# ---------------------------------------------------------------------------- cache conversion
+
+
+def kv_from_cache(cache: DynamicCache) -> KV:
+    """Per-layer (keys, values) of a transformers cache."""
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+    return tuple(zip(cache.key_cache, cache.value_cache, strict=True))  # older transformers
+
+
+def kv_to_cache(kv: KV | None) -> DynamicCache | None:
+    """A fresh DynamicCache holding `kv` (None stays None)."""
+    if kv is None:
+        return None
+    return DynamicCache(ddp_cache_data=kv)
+
+
+def kv_length(kv: KV | None) -> int:
+    return 0 if kv is None else int(kv[0][0].shape[-2])
+
+
+def kv_select(kv: KV, rows: torch.Tensor | slice) -> KV:
+    """Keep the batch rows `rows` (an index tensor or a slice)."""
+    return tuple((keys[rows], values[rows]) for keys, values in kv)
+
+
+def kv_truncate(kv: KV, length: int) -> KV:
+    """Keep the first `length` positions (a view, no copy)."""
+    return tuple((keys[:, :, :length], values[:, :, :length]) for keys, values in kv)
+
+
+def kv_expand(kv: KV, n_rows: int) -> KV:
+    """Broadcast a one-row cache to `n_rows` rows (a view; the next forward's concat copies it)."""
+    return tuple(
+        (keys.expand(n_rows, -1, -1, -1), values.expand(n_rows, -1, -1, -1)) for keys, values in kv
+    )
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # (B, T_kept, V) in the model's dtype
+    kv: KV  # cache covering past + the new positions
+
+
+def causal_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor,  # (B, T_past + T), 1 = real token
+    position_ids: torch.Tensor,  # (B, T)
+    past: KV | None = None,
+    logits_to_keep: int = 0,  # 0 = logits at every position, k = only the last k
+) -> ForwardOutput:
+    """One forward of a Hugging Face causal LM on top of an optional cache."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=kv_to_cache(past),
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return ForwardOutput(logits=out.logits, kv=kv_from_cache(out.past_key_values))
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[targets] without materialising the full log-softmax.
+
+    logits (B, T, V), targets (B, T) -> (B, T) float32.
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return picked - torch.logsumexp(logits, dim=-1)  # (B, T)

@@ -1,0 +1,278 @@
+"""Generation and naive scoring with a transformers causal LM, on CPU or one GPU.
+
+Design decisions:
+- `generate` batches every prompt: left padding, a 2-D attention mask and position ids that start
+  at 0 on each row's first real token, one prefill, then one decode step per token with the KV
+  cache. Finished rows (stop token emitted or `max_new_tokens` reached) are dropped from the batch
+  and its cache, so they cost nothing afterwards.
+- Each row samples with its own CPU `torch.Generator` seeded with `seeds[i]`: the row draws one
+  uniform per step and the token is found by inverse CDF on the device. A row's random stream
+  therefore does not depend on which other prompts share the batch, and the RNG never leaves CPU.
+- The behaviour log-prob of a sampled token is its log-prob under the distribution actually
+  sampled from: logits / temperature, then top-p truncation and renormalisation. At temperature
+  0 (greedy) the sampling distribution is a point mass, so we report the plain log-softmax of the
+  raw logits instead (the informative number, and what a T=1 scorer would give).
+- `score` is the NAIVE reference: one full forward per sequence (right-padded batches). The
+  prefix-reusing scorer lives in `cleaner/engine/purify/scorer.py` and is tested against this.
+- `policy_version` = checkpoint dir name + short content hash of the weight files, so two runs
+  that load the same weights agree and a retrained checkpoint in the same dir does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cleaner.engine.backends.base import LENGTH, STOP, Generation, SamplingParams
+from cleaner.engine.backends.kv import causal_forward, kv_select, target_logprobs
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+FULL_HASH_LIMIT_BYTES = 256 * 2**20  # bigger weight files are hashed by sampled blocks
+SAMPLED_BLOCKS, BLOCK_BYTES = 64, 2**20
+
+
+# ---------------------------------------------------------------------------- policy version
+
+
+def weights_digest(model_path: str | Path) -> str:
+    """12 hex digits identifying the weight files of a checkpoint directory.
+
+    Files up to 256 MiB are hashed whole; bigger ones by their size and 64 evenly spaced 1 MiB
+    blocks (an optimiser step changes every block, and hashing 8 GB per load is not cheap).
+    """
+    model_dir = Path(model_path)
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as handle:
+            if size <= FULL_HASH_LIMIT_BYTES:
+                digest.update(handle.read())
+                continue
+            for block in range(SAMPLED_BLOCKS):
+                handle.seek(block * (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1))
+                digest.update(handle.read(BLOCK_BYTES))
+    return digest.hexdigest()[:12]
+
+
+def policy_version_of(model_path: str | Path, model: torch.nn.Module | None = None) -> str:
+    """`<dir name>@<weights digest>`; a hub id (not a local dir) uses the hub commit instead."""
+    if Path(model_path).is_dir():
+        return f"{Path(model_path).resolve().name}@{weights_digest(model_path)}"
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None) or "unhashed"
+    return f"{model_path}@{commit[:12]}"
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs of the distribution a row is sampled from. logits (B, V) -> (B, V) float32.
+
+    temperature 0 returns the raw log-softmax (greedy reports its token's untempered log-prob).
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    if temperature > 0 and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+        outside = mass_before >= top_p  # the first token is always kept
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits.log_softmax(dim=-1)
+
+
+def draw_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. logprobs (B, V), uniforms (B,) in [0, 1) -> token ids (B,)."""
+    cdf = logprobs.exp().cumsum(dim=-1)  # (B, V)
+    targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # (B,)
+    return tokens.clamp(max=cdf.shape[-1] - 1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+    """Left-padded ids (B, T), attention mask (B, T) and position ids (B, T)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+
+
+# ---------------------------------------------------------------------------- backend
+
+
+class TorchBackend:
+    """The Backend protocol (base.py) on a transformers causal LM."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_tokens: int = 8192,  # naive score: rows x padded length per forward
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_batch_tokens = max_batch_tokens
+        self.model: torch.nn.Module
+        self.tokenizer = None
+        self._policy_version = ""
+        self.reload(model_path)
+
+    @property
+    def policy_version(self) -> str:
+        return self._policy_version
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+    def reload(self, model_path: str | Path) -> None:
+        """Load (or replace) the weights and tokenizer from a checkpoint directory."""
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.model_path = Path(model_path)
+        self.tokenizer = _load_tokenizer(model_path)
+        self._policy_version = policy_version_of(model_path, self.model)
+        log.info("loaded %s on %s as %s", model_path, self.device, self._policy_version)
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor], policy_version: str) -> None:
+        """Copy new weights in place (same architecture); the caller names the new version."""
+        self.model.load_state_dict(state_dict, strict=False)
+        self._policy_version = policy_version
+
+    # ------------------------------------------------------------------------ generate
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        """Sample one continuation per prompt, all prompts in one left-padded batch."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+        stop_ids = set(params.stop_token_ids)
+        outputs: list[list[tuple[int, float]]] = [[] for _ in prompts]
+        finish = [LENGTH] * len(prompts)
+
+        input_ids, attention_mask, position_ids = left_pad(prompts, self.pad_id, self.device)
+        step = causal_forward(self.model, input_ids, attention_mask, position_ids, logits_to_keep=1)
+        active = list(range(len(prompts)))  # original index of each batch row
+        next_positions = position_ids[:, -1:] + 1  # (B, 1)
+        for _ in range(params.max_new_tokens):
+            tokens, token_logprobs = self._sample(step.logits[:, -1], params, [generators[i] for i in active])
+            keep = []
+            for row, index in enumerate(active):
+                outputs[index].append((int(tokens[row]), float(token_logprobs[row])))
+                if outputs[index][-1][0] in stop_ids:
+                    finish[index] = STOP
+                elif len(outputs[index]) < params.max_new_tokens:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):  # drop finished rows from the batch and the cache
+                rows = torch.tensor(keep, device=self.device)
+                step_kv, tokens = kv_select(step.kv, rows), tokens[rows]
+                attention_mask, next_positions = attention_mask[rows], next_positions[rows]
+                active = [active[row] for row in keep]
+            else:
+                step_kv = step.kv
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
+            step = causal_forward(
+                self.model, tokens.unsqueeze(-1), attention_mask, next_positions, past=step_kv
+            )
+            next_positions = next_positions + 1
+        return [
+            Generation(tuple(t for t, _ in out), tuple(lp for _, lp in out), reason)
+            for out, reason in zip(outputs, finish, strict=True)
+        ]
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (B, V) -> sampled tokens (B,) and their behaviour log-probs (B,)."""
+        logprobs = sampling_logprobs(logits, params.temperature, params.top_p)  # (B, V)
+        if params.temperature == 0:
+            tokens = logits.argmax(dim=-1)
+        else:
+            uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])  # (B,)
+            tokens = draw_tokens(logprobs, uniforms)
+        return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    # ------------------------------------------------------------------------ score (naive)
+
+    @torch.inference_mode()
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """[log pi(s[t] | s[:t]) for t in range(P, len(s))] by one full forward per sequence."""
+        check_score_inputs(sequences, starts)
+        results: list[list[float]] = [[] for _ in sequences]
+        for batch in token_budget_batches([len(s) for s in sequences], self.max_batch_tokens):
+            self._score_batch([sequences[i] for i in batch], batch, starts, results)
+        return results
+
+    def _score_batch(self, rows, indices, starts, results) -> None:
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, seq in enumerate(rows):
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, : len(seq)] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = torch.arange(width, device=self.device).expand(len(rows), -1)
+        logits = causal_forward(self.model, input_ids, attention_mask, position_ids).logits
+        logprobs = target_logprobs(logits[:, :-1], input_ids[:, 1:]).cpu()  # (B, T-1)
+        for row, (seq, index) in enumerate(zip(rows, indices, strict=True)):
+            results[index] = logprobs[row, starts[index] - 1 : len(seq) - 1].tolist()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def check_score_inputs(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(starts)} starts")
+    for index, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(f"row {index}: start {start} outside [1, {len(seq)}]")
+
+
+def token_budget_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Row indices, longest first, grouped so rows x longest length <= budget (>= 1 row each)."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def _load_tokenizer(model_path: str | Path):
+    """The checkpoint's tokenizer, or None when a local directory has none."""
+    if Path(model_path).is_dir() and not any(
+        (Path(model_path) / name).exists()
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
+        return None
+    return AutoTokenizer.from_pretrained(model_path)

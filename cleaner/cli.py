@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from cleaner.engine.config import DEFAULT_POLICY
+
 app = typer.Typer(
     name="cleaner",
     help="CLEANER: collect tool-using rollouts, purify them with SAAR, train with GRPO/DAPO.",
@@ -55,46 +57,266 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
 # Phase commands (filled in by their engine modules)
 
 
+def _config(factory, **kwargs):
+    """Build a config; an invalid value becomes a clear CLI error."""
+    try:
+        return factory(**kwargs)
+    except ValueError as exc:
+        raise fail(f"invalid option: {exc}") from exc
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise fail(f"{name} takes comma-separated numbers, got {text!r}") from exc
+
+
+def _words(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _run_job(job, *args, **kwargs):
+    """Call a job; its expected failures become CLI errors with exit code 1."""
+    from cleaner.jobs import JobError
+    from cleaner.warehouse import WarehouseError
+
+    try:
+        return job(*args, **kwargs)
+    except (JobError, WarehouseError, FileNotFoundError) as exc:
+        raise fail(str(exc)) from exc
+
+
+ModelOpt = Annotated[str, typer.Option("--model", help="HF model path or checkpoint dir (default: tiny policy).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
+
+
 @app.command()
-def collect() -> None:
+def collect(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    iteration: Annotated[int, typer.Option(help="Iteration number to write.")] = 0,
+    prompts: Annotated[int, typer.Option("--prompts", help="Prompts in the iteration.")] = 64,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).")] = 8,
+    model: ModelOpt = str(DEFAULT_POLICY),
+    data: Annotated[Optional[Path], typer.Option(help="verl-style RL Parquet; default: toy tasks.", exists=True, dir_okay=False)] = None,
+    max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
+    max_retries: Annotated[int, typer.Option(help="K: retries per failed tool call.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
+    max_response_tokens: Annotated[int, typer.Option(help="Token budget after the prompt.")] = 768,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    collect_view: Annotated[str, typer.Option(help="Context rendering for later turns: purified | raw.")] = "purified",
+    gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified context.")] = 0.5,
+    rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts with a purified context.")] = 1.0,
+    similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
+    seed: Annotated[int, typer.Option(help="Base seed.")] = 0,
+    batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
+    sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.")] = 4.0,
+    sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.")] = 2,
+    device: DeviceOpt = "cpu",
+    resume: Annotated[bool, typer.Option(help="Finish a partly collected iteration.")] = False,
+) -> None:
     """Run multi-turn tool-using rollouts and store every attempt in the warehouse."""
-    raise not_built("collect")
+    from cleaner.engine.collect.summary import summary_table
+    from cleaner.engine.config import CollectConfig, SandboxConfig
+    from cleaner.jobs import collect_job
+    from cleaner.warehouse import Warehouse
+
+    sandbox = _config(SandboxConfig, timeout_s=sandbox_timeout_s, workers=sandbox_workers)
+    config = _config(
+        CollectConfig, model=model, data=str(data) if data else None, iteration=iteration,
+        n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
+        max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
+        temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
+        similarity_on=similarity_on, seed=seed, batch_rollouts=batch_rollouts, device=device,
+        sandbox=sandbox,
+    )
+    outcome = _run_job(collect_job, Warehouse(warehouse), config, resume=resume)
+    console.print(summary_table(outcome.summary))
+    console.print(f"iteration {iteration}: {outcome.n_written} rollouts written "
+                  f"({outcome.n_planned} planned) in {outcome.seconds:.1f} s -> {warehouse}")
+
+
+def _purify_configs(gammas, probs, similarity, when) -> list:
+    from itertools import product
+
+    from cleaner.engine.config import PurifyConfig
+
+    return [
+        _config(PurifyConfig, gamma=g, rollback_prob=p, similarity_on=s, purify_when=w)
+        for g, p, s, w in product(gammas, probs, similarity, when)
+    ]
 
 
 @app.command()
-def purify() -> None:
+def purify(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    iteration: Annotated[int, typer.Option(help="Iteration to purify.")] = 0,
+    gamma: Annotated[float, typer.Option(help="SAAR: shallow merge iff similarity >= gamma.")] = 0.5,
+    rollback_prob: Annotated[float, typer.Option(help="p: SAAR applies iff rollback_draw < p.")] = 1.0,
+    similarity_on: Annotated[str, typer.Option(help="code (default) | call (the reference).")] = "code",
+    purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.")] = "always",
+    device: DeviceOpt = "cpu",
+) -> None:
     """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
-    raise not_built("purify")
+    from cleaner.engine.purify.pipeline import stats_table
+    from cleaner.jobs import purify_job
+    from cleaner.warehouse import Warehouse
+
+    configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when])
+    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
+    for config_id in outcome.skipped:
+        console.print(f"config {config_id} of iteration {iteration} is already purified; nothing to do")
+    for result in outcome.results:
+        console.print(stats_table([result.stats]))
+        console.print(f"config_id {result.config.config_id}: {len(result.rows)} rows in {outcome.seconds:.1f} s")
 
 
 @app.command()
-def train() -> None:
+def ablate(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    iteration: Annotated[int, typer.Option(help="Iteration to replay.")] = 0,
+    gamma: Annotated[str, typer.Option(help="Comma-separated gammas.")] = "0.3,0.5,0.7",
+    rollback_prob: Annotated[str, typer.Option(help="Comma-separated p values.")] = "0.7,1.0",
+    similarity_on: Annotated[str, typer.Option(help="Comma-separated: code,call.")] = "code",
+    purify_when: Annotated[str, typer.Option(help="Comma-separated: always,positive.")] = "always",
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
+    from cleaner.engine.purify.pipeline import stats_table
+    from cleaner.jobs import purify_job
+    from cleaner.warehouse import Warehouse
+
+    configs = _purify_configs(_floats(gamma, "--gamma"), _floats(rollback_prob, "--rollback-prob"),
+                              _words(similarity_on), _words(purify_when))
+    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
+    if outcome.results:
+        console.print(stats_table([r.stats for r in outcome.results], configs=[r.config for r in outcome.results]))
+    if outcome.scorer_stats is not None:
+        console.print(f"scorer: {outcome.scorer_stats}")
+    if outcome.skipped:
+        console.print(f"already purified (skipped): {', '.join(outcome.skipped)}")
+    console.print(f"{len(configs)} configs in {outcome.seconds:.1f} s")
+
+
+@app.command()
+def train(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    iteration: Annotated[int, typer.Option(help="Iteration to train on.")] = 0,
+    config_id: Annotated[str, typer.Option(help="Purify config id (see `cleaner sql 'FROM purify_configs'`).")] = ...,
+    policy: Annotated[Path, typer.Option(help="Policy to update (the one that collected).", exists=True)] = ...,
+    out: Annotated[Path, typer.Option(help="Where to write the new checkpoint.")] = ...,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-6,
+    mini_batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 64,
+    micro_batch_size: Annotated[int, typer.Option(help="Sequences per forward/backward.")] = 8,
+    epochs: Annotated[int, typer.Option(help="Passes over the rows.")] = 1,
+    kl_coef: Annotated[float, typer.Option(help="KL to the reference; 0 = off.")] = 0.0,
+    truncated_is: Annotated[bool, typer.Option(help="Truncated IS on rewritten contexts.")] = False,
+    dynamic_sampling: Annotated[bool, typer.Option(help="Drop equal-reward groups.")] = False,
+    engine: Annotated[str, typer.Option(help="torch | deepspeed (multi-GPU).")] = "torch",
+    deepspeed_config: Annotated[Optional[Path], typer.Option(help="DeepSpeed JSON config.", exists=True)] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
     """Take a GRPO/DAPO step on a purified iteration and write a new checkpoint."""
-    raise not_built("train")
+    from cleaner.engine.config import TrainConfig
+    from cleaner.jobs import train_job
+    from cleaner.warehouse import Warehouse
+
+    config = _config(TrainConfig, lr=lr, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+                     epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
+                     dynamic_sampling=dynamic_sampling, engine=engine,
+                     deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
+    result = _run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config)
+    last = result.steps[-1] if result.steps else None
+    if last is not None:
+        console.print(f"{len(result.steps)} steps; last loss {last.loss:.4f} kl {last.approx_kl:.4f} "
+                      f"clip {last.clip_fraction:.3f}")
+    console.print(f"checkpoint -> {out}")
+
+
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
+
+
+def _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when):
+    from cleaner.engine.config import CollectConfig, PurifyConfig, RunConfig, TrainConfig
+
+    return _config(
+        RunConfig, run_dir=str(run_dir), iterations=iterations,
+        collect=_config(CollectConfig, model=model, n_prompts=prompts, group_size=group_size, seed=seed,
+                        device=device),
+        purify=_config(PurifyConfig, purify_when=purify_when),
+        train=_config(TrainConfig, lr=lr, mini_batch_size=prompts * group_size // 4,
+                      micro_batch_size=min(16, prompts * group_size // 4), seed=seed, device=device),
+    )
+
+
+def _run_and_report(config, resume: bool) -> list:
+    from cleaner.engine.report import iteration_table
+    from cleaner.runner import run_loop
+
+    def one_line(row):
+        console.print(
+            f"iteration {row.iteration}: accuracy {row.accuracy:.3f}  1st-call errors "
+            f"{row.first_attempt_error_rate:.3f}  failures/traj {row.failures_per_trajectory:.3f}  "
+            f"merges {row.n_shallow} shallow / {row.n_deep} deep  "
+            f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
+
+    rows = _run_job(run_loop, config, resume=resume, on_iteration=one_line)
+    console.print(iteration_table(rows))
+    return rows
 
 
 @app.command()
-def run() -> None:
-    """Loop collect -> purify -> train for several iterations."""
-    raise not_built("run")
+def run(
+    run_dir: RunDirOpt = Path("runs/default"),
+    iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 3,
+    prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 64,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+    model: ModelOpt = str(DEFAULT_POLICY),
+    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: ~1e-3; 4B: ~1e-6).")] = 1e-3,
+    purify_when: Annotated[str, typer.Option(help="always | positive.")] = "always",
+    seed: Annotated[int, typer.Option(help="Base seed.")] = 0,
+    device: DeviceOpt = "cpu",
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run.")] = False,
+) -> None:
+    """Loop collect -> purify -> train for several iterations, in one process."""
+    _run_and_report(_run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when),
+                    resume)
+
+
+DEMO_SQL = (
+    "SELECT iteration, avg(correct::int) AS accuracy, avg(n_failed_calls) AS failures FROM rollouts GROUP BY 1 ORDER BY 1",
+    "SELECT error_type, count(*) AS n FROM failures GROUP BY 1 ORDER BY 2 DESC",
+    "SELECT attempt, count(*) AS calls, avg((tool_status = 'ok')::int) AS ok_rate FROM attempts WHERE has_call GROUP BY 1 ORDER BY 1",
+)
 
 
 @app.command()
-def ablate() -> None:
-    """Purify one iteration under a grid of (gamma, p) without generating anything."""
-    raise not_built("ablate")
+def demo(
+    run_dir: RunDirOpt = Path("runs/demo"),
+    iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 3,
+    prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 32,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted demo.")] = False,
+) -> None:
+    """Run the whole loop on the tiny default policy and the toy task (a few minutes on two cores)."""
+    from cleaner.engine.report import plot_report
+
+    if run_dir.exists() and not resume:
+        import shutil
+
+        shutil.rmtree(run_dir)  # the demo always starts clean unless asked to resume
+    config = _run_config(run_dir, iterations, prompts, 8, str(DEFAULT_POLICY), 1e-3, 0, "cpu", "always")
+    rows = _run_and_report(config, resume)
+    png = plot_report(rows, run_dir / "report.png")
+    warehouse = run_dir / "warehouse"
+    console.print(f"\nreport: {png}\nwarehouse: {warehouse}\nTry:")
+    for query in DEMO_SQL:
+        console.print(f'  cleaner sql -w {warehouse} "{query}"', soft_wrap=True, highlight=False)
 
 
 @app.command()
 def bootstrap() -> None:
     """Train the tiny default policy into assets/tiny-policy."""
     raise not_built("bootstrap")
-
-
-@app.command()
-def demo() -> None:
-    """Run the whole loop on the tiny default policy and the toy task."""
-    raise not_built("demo")
 
 
 @sandbox_app.command("run")

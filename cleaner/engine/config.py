@@ -169,3 +169,15 @@ class TrainConfig(_Config):
         _check_choice("engine", self.engine, ("torch", "deepspeed"))
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
                "engine deepspeed needs deepspeed_config")
+
+
+@dataclass(frozen=True)
+class RunConfig(_Config):
+    run_dir: str = "runs/default"  # holds warehouse/ and checkpoints/
+    iterations: int = 3  # collect -> purify -> train iterations
+    collect: CollectConfig = field(default_factory=CollectConfig)  # iteration and model are set per iteration
+    purify: PurifyConfig = field(default_factory=PurifyConfig)  # the config trained on
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")

@@ -10,6 +10,7 @@ can regenerate those rollouts without duplicating a row.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -133,6 +134,23 @@ class Warehouse:
     def read_iterations(self) -> list[IterationRow]:
         table = read_parts(list_parts(self.root, schema.ITERATIONS), schema.ITERATIONS)
         return schema.from_table(schema.ITERATIONS, table)
+
+    # -----------------------------------------------------------------------------------------
+    # Resolved configs, saved as JSON next to the outputs they produced
+
+    def save_config(self, name: str, config_json: str) -> Path:
+        """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
+        directory = self.root / "configs"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{name}.json"
+        temporary = directory / f".{name}.json.tmp"
+        temporary.write_text(config_json)
+        os.replace(temporary, path)
+        return path
+
+    def load_config(self, name: str) -> str | None:
+        path = self.root / "configs" / f"{name}.json"
+        return path.read_text() if path.exists() else None
 
     # -----------------------------------------------------------------------------------------
     # SQL

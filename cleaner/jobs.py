@@ -1,0 +1,171 @@
+"""Jobs: each phase of an iteration as one function over a Warehouse.
+
+The engine stages are pure (records in, records out); a job loads its inputs from the warehouse,
+calls the stage, and writes the outputs back, together with the resolved config as JSON. The CLI
+calls exactly one job per command, and `run_loop` chains them in one process so the model is loaded
+once per device and handed from phase to phase.
+
+Idempotence and resume, phase by phase:
+- collect: batches of complete rollouts are committed atomically; `resume` skips committed ids.
+- purify: a (iteration, config) that already has rows is skipped.
+- train: the checkpoint is swapped in atomically, then its train_steps are written; an iteration
+  is complete once its `iterations` row exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
+from cleaner.engine.records import PurifyConfigRow
+from cleaner.warehouse import Warehouse, WarehouseError
+
+logger = logging.getLogger(__name__)
+
+
+class JobError(Exception):
+    """A job cannot start or finish; the message says why and what to do."""
+
+
+def _collect_config_name(iteration: int) -> str:
+    return f"collect-iteration={iteration}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Collect
+
+
+@dataclass(frozen=True)
+class CollectOutcome:
+    iteration: int
+    n_planned: int  # rollouts the iteration should hold
+    n_written: int  # rollouts written by this call (less than planned on resume)
+    summary: object  # engine.collect.summary.CollectSummary over the whole iteration
+    seconds: float
+
+
+def load_tasks(config: CollectConfig) -> list:
+    """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
+    from cleaner.engine.collect.tasks import load_rl_parquet, toy_tasks
+
+    if config.data is None:
+        seed = int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
+        return toy_tasks(config.n_prompts, seed=seed)
+    tasks = load_rl_parquet(config.data)
+    if not tasks:
+        raise JobError(f"{config.data}: the dataset has no rows")
+    start = (config.iteration * config.n_prompts) % len(tasks)
+    return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
+
+
+def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False, backend=None,
+                progress: bool = True) -> CollectOutcome:
+    """Collect one iteration into the warehouse; with `resume`, finish a partly collected one."""
+    from cleaner.engine.backends import load_backend
+    from cleaner.engine.chat import ChatFormat
+    from cleaner.engine.collect.loop import collect
+    from cleaner.engine.collect.sandbox import make_sandbox
+    from cleaner.engine.collect.summary import summarize
+
+    started = time.monotonic()
+    iteration = config.iteration
+    tasks = load_tasks(config)
+    n_planned = len(tasks) * config.group_size
+    stored = warehouse.rollout_ids(iteration)
+    if stored and not resume:
+        raise JobError(
+            f"{warehouse.root}: iteration {iteration} already holds {len(stored)} rollouts; "
+            "pass --resume to finish it, or collect another --iteration"
+        )
+    saved = warehouse.load_config(_collect_config_name(iteration))
+    if resume and saved is not None and json.loads(saved) != json.loads(config.to_json()):
+        raise JobError(f"iteration {iteration} was collected with another config; resume needs the same options")
+    warehouse.save_config(_collect_config_name(iteration), config.to_json())
+    n_written = 0
+    if len(stored) < n_planned:
+        backend = backend or load_backend(config.backend, config.model, device=config.device)
+        chat = ChatFormat(backend.tokenizer)
+        with make_sandbox(config.sandbox) as sandbox:
+            for batch in collect(tasks, config, backend, sandbox, chat, skip_rollout_ids=stored,
+                                 progress=progress):
+                warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
+                n_written += len(batch.rollouts)
+    summary = summarize(warehouse.read_rollouts(iteration), warehouse.read_segments(iteration))
+    return CollectOutcome(iteration, n_planned, n_written, summary, time.monotonic() - started)
+
+
+def collected_policy(warehouse: Warehouse, iteration: int) -> str:
+    """The policy that collected an iteration, from its saved collect config."""
+    saved = warehouse.load_config(_collect_config_name(iteration))
+    if saved is None:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no collect config; was it collected?")
+    return json.loads(saved)["model"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Purify
+
+
+@dataclass(frozen=True)
+class PurifyOutcome:
+    results: list  # engine.purify.pipeline.PurifyResult, one per config computed now
+    skipped: list[str]  # config ids already purified for this iteration
+    scorer_stats: object | None  # engine.purify.scorer stats of the one scorer pass
+    seconds: float
+
+
+def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
+               backend=None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+    """Purify an iteration under every config in ONE scorer pass, and store the rows."""
+    from cleaner.engine.backends import load_backend
+    from cleaner.engine.chat import ChatFormat
+    from cleaner.engine.purify.pipeline import purify_iteration
+    from cleaner.engine.purify.scorer import PrefixTrieScorer
+
+    started = time.monotonic()
+    rollouts = warehouse.read_rollouts(iteration)
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
+    todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
+    skipped = [c.config_id for c in configs if c not in todo]
+    if not todo:
+        return PurifyOutcome([], skipped, None, time.monotonic() - started)
+    segments = warehouse.read_segments(iteration)
+    backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
+    scorer = PrefixTrieScorer(backend.model, device=device)
+    decode = ChatFormat(backend.tokenizer).decode
+    results = purify_iteration(rollouts, segments, todo, scorer, decode,
+                               scorer_version=backend.policy_version)
+    for result in results:
+        config = result.config
+        row = PurifyConfigRow(config_id=config.config_id, gamma=config.gamma,
+                              rollback_prob=config.rollback_prob, similarity_on=config.similarity_on,
+                              purify_when=config.purify_when, params_json=config.to_json())
+        warehouse.write_purified(iteration, row, result.rows)
+        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
+    return PurifyOutcome(results, skipped, getattr(scorer, "stats", None), time.monotonic() - started)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train
+
+
+def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str | Path, out: str | Path,
+              config: TrainConfig, *, model=None, progress: bool = True):
+    """Train on one purified config of an iteration; write the checkpoint and the step metrics."""
+    from cleaner.engine.train.trainer import train_iteration
+
+    try:
+        rows = warehouse.read_purified(iteration, config_id)
+    except WarehouseError as exc:
+        raise JobError(f"{exc}; run `cleaner purify` first") from exc
+    result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress)
+    warehouse.write_train_steps(iteration, result.steps)
+    warehouse.save_config(f"train-iteration={iteration}", config.to_json())
+    return result

@@ -1,0 +1,94 @@
+"""`cleaner run`: collect -> purify -> train, iteration after iteration, in one process.
+
+The policy is loaded once; purify scores with the same in-memory model that collected, and the
+trainer updates that model in place before saving its checkpoint, so no phase reloads weights.
+Every phase is idempotent (see `cleaner.jobs`), so `resume` after a crash, even a SIGKILL, redoes
+only the unfinished part of the unfinished iteration. An iteration is complete once its
+`iterations` row is written; its trained policy is `<run_dir>/checkpoints/iteration-<i+1>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cleaner.engine.config import RunConfig
+from cleaner.engine.records import IterationRow
+from cleaner.jobs import JobError, collect_job, purify_job, train_job
+from cleaner.warehouse import Warehouse
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
+    """Where the policy trained on `iteration` goes (the policy of iteration + 1)."""
+    return run_dir / "checkpoints" / f"iteration-{iteration + 1}"
+
+
+def _ensure_backend(backend, policy: str, device: str):
+    from cleaner.engine.backends import load_backend
+
+    if backend is not None and getattr(backend, "model_path", None) == str(policy):
+        return backend
+    return load_backend("torch", policy, device=device)
+
+
+def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
+             on_iteration: Callable[[IterationRow], None] | None = None) -> list[IterationRow]:
+    """Run `config.iterations` iterations; returns the iteration rows of the whole run."""
+    run_dir = Path(config.run_dir)
+    warehouse = Warehouse(run_dir / "warehouse")
+    exists = warehouse.root.exists()
+    done = {row.iteration: row for row in warehouse.read_iterations()} if exists else {}
+    if exists and not resume and (done or warehouse.iterations_collected()):
+        raise JobError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    warehouse.root.mkdir(parents=True, exist_ok=True)
+    warehouse.save_config("run", config.to_json())
+    policy, backend = config.collect.model, None
+    for iteration in range(config.iterations):
+        if iteration in done:
+            policy = done[iteration].policy_out or policy
+            continue
+        backend = _ensure_backend(backend, policy, config.collect.device)
+        row, trained_here = _one_iteration(config, warehouse, iteration, policy, backend, progress)
+        if trained_here:
+            backend.model_path = row.policy_out  # the in-memory model now equals the saved checkpoint
+        else:
+            backend = None  # trained before a crash: load the saved checkpoint next iteration
+        policy = row.policy_out
+        if on_iteration is not None:
+            on_iteration(row)
+    return warehouse.read_iterations()
+
+
+def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend,
+                   progress: bool) -> tuple[IterationRow, bool]:
+    """One iteration; returns its row and whether the in-memory model was trained here."""
+    collect_config = dataclasses.replace(config.collect, iteration=iteration, model=str(policy))
+    collected = collect_job(warehouse, collect_config, resume=True, backend=backend, progress=progress)
+    started = time.monotonic()
+    purify_job(warehouse, iteration, [config.purify], backend=backend,
+                          device=config.collect.device, progress=progress)
+    purify_s = time.monotonic() - started
+    rows = warehouse.read_purified(iteration, config.purify.config_id)
+    out = checkpoint_dir(Path(config.run_dir), iteration)
+    started = time.monotonic()
+    trained_here = not (warehouse.has_train_steps(iteration) and out.exists())
+    if trained_here:
+        train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
+                  model=backend.model, progress=progress)
+    train_s = time.monotonic() - started
+    summary = collected.summary
+    row = IterationRow(
+        iteration=iteration, policy_in=str(policy), policy_out=str(out),
+        collect_config_json=collect_config.to_json(), purify_config_json=config.purify.to_json(),
+        train_config_json=config.train.to_json(), collect_s=collected.seconds, purify_s=purify_s,
+        train_s=train_s, accuracy=summary.accuracy, first_attempt_error_rate=summary.first_attempt_error_rate,
+        failures_per_trajectory=summary.failures_per_trajectory,
+        n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
+    )
+    warehouse.write_iteration(row)
+    return row, trained_here

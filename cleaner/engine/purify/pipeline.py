@@ -1,0 +1,208 @@
+"""The purify stage as functions over records (DESIGN.md 4.3, 5 and 6); no disk I/O here.
+
+    rollouts + segments --render per config--> rows (old_logprobs 0) --ONE scorer call--> rows
+
+Design decisions:
+- `render_iteration` renders one config: each rollout is purified iff its rollback_draw < p (4.3)
+  and, with purify_when = "positive", its advantage is > 0 (reward above its group mean; a group of
+  one or of equal rewards has advantage 0 and stays raw). Everything else is rendered raw.
+- `purify_iteration` renders every config first, then sends the rows of ALL configs to ONE
+  `scorer.score_rows` call, so a prefix trie shares a rollout's prompt and unchanged spans across
+  configs. Identical (token_ids, start) requests are sent once (raw renderings repeat across
+  configs); the scores are then scattered back: old_logprobs[t] = score of token t for loss_mask 1,
+  0.0 elsewhere.
+- Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
+- errors_by_type counts the failed tool calls in the input rollouts by error_type (tool_status when
+  the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
+- Segments whose rollout is missing (e.g. a crash between writing segments and rollouts) are
+  skipped with a warning; a rollout without segments is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from cleaner.engine.config import PurifyConfig
+from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.records import TOOL, PurifiedRow, Rollout, Segment
+from cleaner.engine.render import render, view_for
+
+logger = logging.getLogger(__name__)
+
+Decode = Callable[[Sequence[int]], str]
+
+# ----------------------------------------------------------------------------------------------
+# Records
+
+
+class RowScorer(Protocol):
+    """Anything that scores token sequences, e.g. the prefix-trie scorer."""
+
+    def score_rows(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        """For each sequence s and start P: [log pi(s[t] | s[:t]) for t in range(P, len(s))]."""
+        ...
+
+
+@dataclass(frozen=True)
+class PurifyStats:
+    config_id: str
+    n_rollouts: int
+    n_rolled_back: int  # rollouts rendered with the purified view
+    n_shallow: int
+    n_deep: int
+    n_unrecovered: int
+    tokens_removed: int  # relative to the raw view, summed over rollouts
+    errors_by_type: tuple[tuple[str, int], ...]  # failed tool calls in the input, by type
+
+
+@dataclass(frozen=True)
+class PurifyPlan:
+    """One config's rendered rows before scoring (old_logprobs all 0, scorer_version empty)."""
+
+    config: PurifyConfig
+    rows: tuple[PurifiedRow, ...]
+    stats: PurifyStats
+
+
+@dataclass(frozen=True)
+class PurifyResult:
+    config: PurifyConfig
+    rows: list[PurifiedRow]  # with old_logprobs from the scorer
+    stats: PurifyStats
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering one config
+
+
+def _segments_by_rollout(
+    rollouts: Sequence[Rollout], segments: Sequence[Segment]
+) -> dict[str, list[Segment]]:
+    wanted = {rollout.rollout_id for rollout in rollouts}
+    grouped: dict[str, list[Segment]] = defaultdict(list)
+    orphans = 0
+    for segment in segments:
+        if segment.rollout_id in wanted:
+            grouped[segment.rollout_id].append(segment)
+        else:
+            orphans += 1
+    if orphans:
+        logger.warning("skipping %d segments whose rollout is not in the input", orphans)
+    missing = [rollout_id for rollout_id in wanted if not grouped[rollout_id]]
+    if missing:
+        raise ValueError(f"rollouts without segments: {sorted(missing)[:5]}")
+    return grouped
+
+
+def _errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
+    counts = Counter(
+        segment.error_type or segment.tool_status
+        for segment in segments
+        if segment.kind == TOOL and segment.failed
+    )
+    return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def render_iteration(
+    rollouts: Sequence[Rollout],
+    segments: Sequence[Segment],
+    config: PurifyConfig,
+    decode: Decode | None,
+) -> tuple[list[PurifiedRow], PurifyStats]:
+    """Render every rollout under one config; old_logprobs are zeros until scored."""
+    plan = _plan(rollouts, _segments_by_rollout(rollouts, segments), config, decode)
+    return list(plan.rows), plan.stats
+
+
+def _plan(
+    rollouts: Sequence[Rollout],
+    grouped: dict[str, list[Segment]],
+    config: PurifyConfig,
+    decode: Decode | None,
+) -> PurifyPlan:
+    advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
+                                 config.advantage_eps)
+    rows = []
+    for rollout, advantage in zip(rollouts, advantages, strict=True):
+        eligible = config.purify_when == "always" or advantage > 0
+        view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
+                        config.similarity_on)
+        rendered = render(grouped[rollout.rollout_id], view, decode)
+        rows.append(PurifiedRow(
+            config_id=config.config_id, iteration=rollout.iteration,
+            rollout_id=rollout.rollout_id, group_id=rollout.group_id,
+            token_ids=rendered.token_ids, prompt_len=rendered.prompt_len,
+            loss_mask=rendered.loss_mask, behavior_logprobs=rendered.behavior_logprobs,
+            old_logprobs=(0.0,) * len(rendered.token_ids), reward=rollout.reward,
+            advantage=advantage, rolled_back=view.purified,
+            n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
+            n_unrecovered=rendered.stats.n_unrecovered,
+            tokens_removed=rendered.stats.tokens_removed, scorer_version="",
+        ))
+    stats = PurifyStats(
+        config_id=config.config_id, n_rollouts=len(rows),
+        n_rolled_back=sum(row.rolled_back for row in rows),
+        n_shallow=sum(row.n_shallow for row in rows), n_deep=sum(row.n_deep for row in rows),
+        n_unrecovered=sum(row.n_unrecovered for row in rows),
+        tokens_removed=sum(row.tokens_removed for row in rows),
+        errors_by_type=_errors_by_type([s for group in grouped.values() for s in group]),
+    )
+    return PurifyPlan(config, tuple(rows), stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring every config in one call
+
+
+def purify_iteration(
+    rollouts: Sequence[Rollout],
+    segments: Sequence[Segment],
+    configs: Sequence[PurifyConfig],
+    scorer: RowScorer,
+    decode: Decode | None,
+    scorer_version: str,
+) -> list[PurifyResult]:
+    """Render under every config, score all rows in ONE scorer call, scatter old_logprobs back."""
+    grouped = _segments_by_rollout(rollouts, segments)
+    plans = [_plan(rollouts, grouped, config, decode) for config in configs]
+    requests: dict[tuple[tuple[int, ...], int], int] = {}  # (token_ids, start) -> request index
+    for plan in plans:
+        for row in plan.rows:
+            requests.setdefault((row.token_ids, _start(row)), len(requests))
+    keys = list(requests)
+    scores = scorer.score_rows([key[0] for key in keys], [key[1] for key in keys]) if keys else []
+    if len(scores) != len(keys):
+        raise ValueError(f"scorer returned {len(scores)} results for {len(keys)} sequences")
+    results = []
+    for plan in plans:
+        rows = [
+            replace(row, old_logprobs=_scatter(row, scores[requests[(row.token_ids, _start(row))]]),
+                    scorer_version=scorer_version)
+            for row in plan.rows
+        ]
+        results.append(PurifyResult(plan.config, rows, plan.stats))
+    return results
+
+
+def _start(row: PurifiedRow) -> int:
+    """First scored position: the prompt is never trained, and position 0 has no context."""
+    return max(row.prompt_len, 1)
+
+
+def _scatter(row: PurifiedRow, scores: Sequence[float]) -> tuple[float, ...]:
+    """old_logprobs aligned with token_ids: the score where loss_mask is 1, 0.0 elsewhere."""
+    start = _start(row)
+    if len(scores) != len(row.token_ids) - start:
+        raise ValueError(f"rollout {row.rollout_id}: scorer returned {len(scores)} logprobs for "
+                         f"{len(row.token_ids) - start} tokens after position {start}")
+    if any(row.loss_mask[:start]):
+        raise ValueError(f"rollout {row.rollout_id}: trained tokens before position {start}")
+    return (0.0,) * start + tuple(
+        float(score) if mask else 0.0 for score, mask in zip(scores, row.loss_mask[start:], strict=True)
+    )

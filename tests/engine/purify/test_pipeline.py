@@ -1,0 +1,143 @@
+"""Purify pipeline on hand-built rollouts, with a fake scorer whose answer is checkable."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cleaner.engine.config import PurifyConfig
+from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
+from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TIMEOUT, TOOL, Rollout, Segment
+
+# ----------------------------------------------------------------------------------------------
+# Four rollouts, each: prompt, a failed call, a similar successful retry, a final answer
+
+
+def rollout(index: int, group_id: str, reward: float, draw: float) -> Rollout:
+    return Rollout(f"r{index}", 3, group_id, group_id, index, "policy", "toy", "4", "4", reward,
+                   reward > 0, "answer", draw, "purified", "collect", 3, 2, 1)
+
+
+def segments(index: int, error_type: str | None = "NameError") -> list[Segment]:
+    b = 100 * index
+    rollout_id = f"r{index}"
+
+    def seg(seq, kind, step, attempt, ids, call_start=None, code=None, status=None, error=None):
+        lps = tuple(-i / 1000 for i in ids) if kind == ASSISTANT else None
+        return Segment(rollout_id, 3, seq, kind, step, attempt, ids, lps, "", call_start, code,
+                       status, error)
+
+    return [
+        seg(0, PROMPT, None, None, (b + 1, b + 2)),
+        seg(1, ASSISTANT, 0, 0, (b + 10, b + 11, b + 12), 2, "print(1+1)"),
+        seg(2, TOOL, 0, 0, (b + 13,), status=ERROR if error_type else TIMEOUT, error=error_type),
+        seg(3, ASSISTANT, 0, 1, (b + 20, b + 21, b + 22), 1, "print(1+2)"),
+        seg(4, TOOL, 0, 1, (b + 23,), status=OK),
+        seg(5, ASSISTANT, 1, 0, (b + 30,)),
+    ]
+
+
+ROLLOUTS = [rollout(1, "g1", 1.0, 0.1), rollout(2, "g1", 0.0, 0.6),
+            rollout(3, "g2", 1.0, 0.3), rollout(4, "g2", 1.0, 0.05)]
+SEGMENTS = segments(1) + segments(2, error_type=None) + segments(3) + segments(4)
+
+
+def raw(b):
+    return (b + 1, b + 2, b + 10, b + 11, b + 12, b + 13, b + 20, b + 21, b + 22, b + 23, b + 30)
+
+
+def shallow(b):
+    return (b + 1, b + 2, b + 10, b + 11, b + 21, b + 22, b + 23, b + 30)
+
+
+def deep(b):
+    return (b + 1, b + 2, b + 20, b + 21, b + 22, b + 23, b + 30)
+
+
+class FakeScorer:
+    """log pi(token) = -0.01 * token id, whatever the context; records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[tuple[int, ...]], list[int]]] = []
+
+    def score_rows(self, sequences, starts):
+        self.calls.append(([tuple(s) for s in sequences], list(starts)))
+        return [[-0.01 * token for token in s[start:]] for s, start in zip(sequences, starts, strict=True)]
+
+
+HALF = PurifyConfig(gamma=0.5, rollback_prob=0.5)
+POSITIVE = PurifyConfig(gamma=0.5, rollback_prob=1.0, purify_when="positive")
+DEEP = PurifyConfig(gamma=1.5, rollback_prob=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# render_iteration
+
+
+def test_render_iteration_follows_the_draw():
+    rows, stats = render_iteration(ROLLOUTS, list(reversed(SEGMENTS)), HALF, decode=None)
+    assert [row.rollout_id for row in rows] == ["r1", "r2", "r3", "r4"]
+    assert [row.rolled_back for row in rows] == [True, False, True, True]  # draw < 0.5
+    assert [row.token_ids for row in rows] == [shallow(100), raw(200), shallow(300), shallow(400)]
+    assert all(set(row.old_logprobs) == {0.0} and row.config_id == HALF.config_id for row in rows)
+    assert rows[0].loss_mask == (0, 0, 1, 1, 1, 1, 0, 1)
+    assert rows[0].behavior_logprobs == pytest.approx((0, 0, -0.11, -0.111, -0.121, -0.122, 0, -0.13))
+    assert (stats.n_rollouts, stats.n_rolled_back, stats.n_shallow, stats.n_deep) == (4, 3, 3, 0)
+    assert (stats.n_unrecovered, stats.tokens_removed) == (0, 9)
+    assert stats.errors_by_type == (("NameError", 3), ("timeout", 1))
+
+
+def test_advantages_per_group():
+    rows, _ = render_iteration(ROLLOUTS, SEGMENTS, HALF, decode=None)
+    spread = 0.5 / (math.sqrt(0.5) + HALF.advantage_eps)  # g1: rewards 1, 0; sample std sqrt(1/2)
+    assert [row.advantage for row in rows] == pytest.approx([spread, -spread, 0.0, 0.0])
+
+
+def test_positive_purifies_only_rewards_above_group_mean():
+    rows, stats = render_iteration(ROLLOUTS, SEGMENTS, POSITIVE, decode=None)
+    # r1 beats its group; r2 is below; g2's rewards are all equal (advantage 0).
+    assert [row.rolled_back for row in rows] == [True, False, False, False]
+    assert [row.token_ids for row in rows] == [shallow(100), raw(200), raw(300), raw(400)]
+    assert stats.n_rolled_back == 1
+
+
+def test_rollout_without_segments_is_an_error():
+    with pytest.raises(ValueError, match="r4"):
+        render_iteration(ROLLOUTS, SEGMENTS[:-6], HALF, decode=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# purify_iteration
+
+
+def test_one_scorer_call_for_all_configs_and_old_logprobs_scattered():
+    scorer = FakeScorer()
+    results = purify_iteration(ROLLOUTS, SEGMENTS, [HALF, POSITIVE, DEEP], scorer, None, "v7")
+    assert len(scorer.calls) == 1
+    sequences, starts = scorer.calls[0]
+    expected = {shallow(100), raw(200), shallow(300), shallow(400), raw(300), raw(400),
+                deep(100), deep(200), deep(300), deep(400)}
+    assert len(sequences) == 10 and set(sequences) == expected  # each distinct row sent once
+    assert set(starts) == {2}  # scoring starts after the prompt
+    assert [result.config for result in results] == [HALF, POSITIVE, DEEP]
+    for result in results:
+        assert len(result.rows) == 4
+        assert result.stats.config_id == result.config.config_id
+        for row in result.rows:
+            assert row.scorer_version == "v7"
+            assert row.old_logprobs == pytest.approx(
+                [-0.01 * token if mask else 0.0 for token, mask in zip(row.token_ids, row.loss_mask, strict=True)])
+    deep_r1 = results[2].rows[0]
+    assert deep_r1.token_ids == deep(100)
+    assert deep_r1.old_logprobs == pytest.approx((0, 0, -1.20, -1.21, -1.22, 0, -1.30))
+    assert (results[2].stats.n_deep, results[2].stats.tokens_removed) == (4, 16)
+
+
+def test_scorer_with_wrong_lengths_is_rejected():
+    class ShortScorer(FakeScorer):
+        def score_rows(self, sequences, starts):
+            return [scores[:-1] for scores in super().score_rows(sequences, starts)]
+
+    with pytest.raises(ValueError, match="logprobs"):
+        purify_iteration(ROLLOUTS, SEGMENTS, [HALF], ShortScorer(), None, "v")

@@ -1,0 +1,204 @@
+"""The training iteration on a tiny random Qwen3 (cleaner/engine/train/trainer.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from cleaner.engine.config import TrainConfig
+from cleaner.engine.records import PurifiedRow
+from cleaner.engine.train.checkpoint import load_policy
+from cleaner.engine.train.loss import token_log_probs
+from cleaner.engine.train.trainer import (
+    collate_rows,
+    iter_mini_batches,
+    micro_batch_loss,
+    prepare_rows,
+    train_iteration,
+)
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("policy") / "policy"
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _row(rollout_id, group_id, token_ids, prompt_len, reward, advantage, loss_mask=None):
+    loss_mask = loss_mask or [0] * prompt_len + [1] * (len(token_ids) - prompt_len)
+    zeros = (0.0,) * len(token_ids)
+    return PurifiedRow(
+        config_id="c", iteration=0, rollout_id=rollout_id, group_id=group_id,
+        token_ids=tuple(token_ids), prompt_len=prompt_len, loss_mask=tuple(loss_mask),
+        behavior_logprobs=zeros, old_logprobs=zeros, reward=reward, advantage=advantage,
+        rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0,
+        scorer_version="test",
+    )
+
+
+def _with_old_logprobs(model, rows):
+    """Score the rows with the model itself, so the first step starts at ratio 1."""
+    scored = []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row.token_ids])
+            log_probs = token_log_probs(model(input_ids=ids).logits, ids)[0]  # (T,)
+            old = tuple(lp if m else 0.0 for lp, m in zip(log_probs.tolist(), row.loss_mask, strict=True))
+            scored.append(dataclasses.replace(row, old_logprobs=old, behavior_logprobs=old))
+    return scored
+
+
+def _batch(model):
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+
+    rows = [
+        _row("r0", "g0", ids(9), 4, 1.0, 1.0),
+        _row("r1", "g0", ids(12), 4, 0.0, -1.0),
+        _row("r2", "g1", ids(7), 3, 1.0, 1.0),
+        _row("r3", "g1", ids(10), 3, 0.0, -1.0),
+    ]
+    return _with_old_logprobs(model, rows)
+
+
+def _batch_loss(model, rows, config):
+    total = sum(sum(row.loss_mask[1:]) for row in rows)
+    with torch.no_grad():
+        return micro_batch_loss(model, None, collate_rows(rows, "cpu"), config, total).loss.item()
+
+
+# ---------------------------------------------------------------------------
+# Training
+
+
+def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tmp_path):
+    model = load_policy(policy_dir)
+    rows = _batch(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2)
+    loss_before = _batch_loss(model, rows, config)
+    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=3, progress=False)
+
+    assert len(result.steps) == 1
+    step = result.steps[0]
+    assert (step.iteration, step.step, step.tokens) == (3, 0, 5 + 8 + 4 + 7)
+    for value in (step.loss, step.clip_fraction, step.approx_kl, step.entropy, step.grad_norm, step.lr):
+        assert math.isfinite(value)
+    assert step.lr == 1e-2 and step.grad_norm > 0 and step.entropy > 0
+    # Ratios are 1 at the start: loss = -sum(A * tokens) / N = -(5 - 8 + 4 - 7) / 24.
+    assert step.loss == pytest.approx(6 / 24, abs=1e-5)
+    assert step.clip_fraction == 0.0 and step.approx_kl == pytest.approx(0.0, abs=1e-6)
+
+    changed = [name for name, p in result.model.named_parameters() if not torch.equal(p, before[name])]
+    assert changed
+    loaded = load_policy(result.out_path)
+    for (name, p), (_, q) in zip(result.model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert (result.out_path / "train_config.json").exists()
+    assert _batch_loss(loaded, rows, config) < loss_before
+
+
+def test_gradient_accumulation_equals_one_big_batch(policy_dir, tmp_path):
+    rows = _batch(load_policy(policy_dir))
+    results = [
+        train_iteration(rows, policy_dir, tmp_path / f"out{micro}",
+                        TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=micro),
+                        iteration=0, progress=False)
+        for micro in (1, 4)
+    ]
+    one, four = (r.steps[0] for r in results)
+    assert one.loss == pytest.approx(four.loss, abs=1e-6)
+    assert one.grad_norm == pytest.approx(four.grad_norm, rel=1e-4)
+    assert one.entropy == pytest.approx(four.entropy, rel=1e-5)
+    for p, q in zip(results[0].model.parameters(), results[1].model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
+    model = load_policy(policy_dir)
+    rows = [dataclasses.replace(row, advantage=0.0) for row in _batch(model)]
+    config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4)
+    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=0, model=model,
+                             progress=False)
+    assert result.steps[0].grad_norm == 0.0
+    for p, q in zip(result.model.parameters(), load_policy(policy_dir).parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_kl_and_truncated_is_options_run(policy_dir, tmp_path):
+    model = load_policy(policy_dir)
+    rows = _batch(model)
+    config = TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.1, truncated_is=True,
+                         epochs=2)
+    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=0, model=model,
+                             progress=False)
+    assert [s.step for s in result.steps] == [0, 1, 2, 3]
+    assert result.steps[0].approx_kl == pytest.approx(0.0, abs=1e-6)
+    assert result.steps[-1].approx_kl > 0  # the policy moved away from the scored old policy
+    assert all(math.isfinite(s.loss) for s in result.steps)
+
+
+# ---------------------------------------------------------------------------
+# Row selection and batching (no model)
+
+
+def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
+    rows = [
+        _row("a0", "a", [1, 2, 3], 1, 1.0, 0.0),
+        _row("a1", "a", [1, 2, 3], 1, 1.0, 0.0),
+        _row("b0", "b", [1, 2, 3], 1, 1.0, 1.0),
+        _row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
+        _row("empty", "b", [1, 2, 3], 1, 0.0, -1.0, loss_mask=[0, 0, 0]),
+        _row("first-only", "b", [1, 2, 3], 0, 0.0, -1.0, loss_mask=[1, 0, 0]),  # position 0 never trains
+    ]
+    assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["a0", "a1", "b0", "b1"]
+    kept = prepare_rows(rows, TrainConfig(dynamic_sampling=True))
+    assert [r.rollout_id for r in kept] == ["b0", "b1"]
+
+
+def test_overlong_shaping_recomputes_group_advantages():
+    # max 10, buffer 4: response lengths 5 (no penalty) and 8 (penalty -0.5), both correct.
+    rows = [_row("short", "g", [1] * 7, 2, 1.0, 0.0), _row("long", "g", [1] * 10, 2, 1.0, 0.0)]
+    shaped = prepare_rows(rows, TrainConfig(overlong_buffer=4, max_response_tokens=10))
+    assert [r.reward for r in shaped] == pytest.approx([1.0, 0.5])
+    std = math.sqrt(0.125)  # unbiased std of [1.0, 0.5]
+    assert [r.advantage for r in shaped] == pytest.approx([0.25 / std, -0.25 / std], abs=1e-4)
+
+
+def test_mini_batches_are_a_seeded_shuffle():
+    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(10)]
+    config = TrainConfig(mini_batch_size=4, micro_batch_size=2, epochs=2)
+
+    def order(cfg, iteration=0):
+        return [[r.rollout_id for r in mini] for mini in iter_mini_batches(rows, cfg, iteration)]
+
+    first = order(config)
+    assert [len(m) for m in first] == [4, 4, 2, 4, 4, 2]
+    assert sorted(sum(first[:3], [])) == sorted(r.rollout_id for r in rows)  # each epoch covers all
+    assert order(config) == first
+    assert order(dataclasses.replace(config, seed=1)) != first
+    assert order(config, iteration=1) != first
+
+
+def test_collate_right_pads_and_masks_position_zero():
+    rows = [_row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]), _row("b", "g", [8], 0, 0.0, -1.0)]
+    batch = collate_rows(rows, "cpu")
+    assert batch.token_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    assert batch.advantages.tolist() == [2.0, -1.0]

@@ -1,0 +1,356 @@
+"""The agent loop of `cleaner collect` (DESIGN.md sections 3, 4.4 and 7).
+
+Every rollout of a batch advances in lock step: one `backend.generate` call per turn for all active
+rollouts, then one `sandbox.run_many` call for all the tool calls of that turn. Each rollout's record
+is a list of raw `Segment`s (prompt, assistant, tool, ...) in generation order; nothing is ever
+dropped, so any (gamma, p) can be replayed later.
+
+Design decisions:
+- Context = `render(segments so far, view).token_ids`, the SAME renderer purify uses. With the
+  purified collect view a retry sees merged(a_0..a_{i-1}) + t_{i-1}, as in the reference agent loop;
+  with the raw view (or a rollout whose draw u >= p) it is the plain concatenation. `collect_view`
+  on the Rollout records which one was actually applied.
+- step/attempt (4.4): a generation after a failed call is the next attempt of the same step, up to
+  K = max_retries retries; after attempt K fails the next generation opens a new step. A tool
+  segment carries the step/attempt of the call it answers.
+- Seeds: every sampling seed and the rollback draw u are hashes of (seed, iteration, prompt_id,
+  sample_index[, turn]), so a rollout does not depend on which batch it landed in: a resumed run
+  (skip_rollout_ids) reproduces exactly the rollouts it had not yet written. u is a multiple of
+  2^-24 so it survives the float32 warehouse column exactly.
+- Response budget: measured on the CONTEXT the model sees (rendered length minus prompt length), as
+  the reference measures its (rolled-back) response. One generate call per turn carries the largest
+  per-rollout limit; a generation is then cut to its own limit (a prefix of a sample is a sample of
+  the shorter request) and marked LENGTH.
+- max_turns: as in the reference, a call in the last allowed generation is not executed.
+- A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
+- Faults: a backend exception ends the affected rollouts with finish_reason `error` (reward 0); a
+  sandbox exception is retried call by call, and a call that still raises gets `infra_error`.
+- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`.
+No disk I/O here: the caller (warehouse writer) stores each yielded batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from cleaner.engine.backends.base import LENGTH, Generation, SamplingParams
+from cleaner.engine.chat import ChatFormat, ToolCall, format_tool_response, parse_tool_call
+from cleaner.engine.collect.rewards import compute_reward
+from cleaner.engine.config import CollectConfig
+from cleaner.engine.records import (
+    ASSISTANT,
+    FORMAT_ERROR,
+    INFRA_ERROR,
+    OK,
+    PROMPT,
+    TOOL,
+    Rollout,
+    Segment,
+)
+from cleaner.engine.render import View, render, view_for
+
+if TYPE_CHECKING:
+    from cleaner.engine.collect.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CollectedBatch:
+    """Complete rollouts and all their segments: the unit the warehouse writes atomically."""
+
+    rollouts: list[Rollout]
+    segments: list[Segment]
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic seeds
+
+
+def _hash64(*parts: object) -> int:
+    digest = hashlib.sha256(json.dumps([str(part) for part in parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def rollout_key(iteration: int, prompt_id: str, sample_index: int) -> tuple[str, str]:
+    """(rollout_id, group_id) of one sample."""
+    group_id = f"it{iteration}-{prompt_id}"
+    return f"{group_id}-s{sample_index}", group_id
+
+
+def turn_seed(base_seed: int, iteration: int, prompt_id: str, sample_index: int, turn: int) -> int:
+    """Sampling seed of one generation (turn = 0, 1, ... within the rollout)."""
+    return _hash64("turn", base_seed, iteration, prompt_id, sample_index, turn) % 2**31
+
+
+def rollback_draw(base_seed: int, iteration: int, prompt_id: str, sample_index: int) -> float:
+    """u in [0, 1), a multiple of 2^-24 (exact in float32)."""
+    return (_hash64("rollback", base_seed, iteration, prompt_id, sample_index) >> 40) / 2**24
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rollout state (private, mutable while the batch runs)
+
+
+@dataclass
+class _State:
+    task: Task
+    iteration: int
+    sample_index: int
+    rollout_id: str
+    group_id: str
+    draw: float
+    view: View
+    segments: list[Segment] = field(default_factory=list)
+    step: int = 0  # of the next generation
+    attempt: int = 0  # of the next generation
+    turns: int = 0  # generations so far
+    finish_reason: str | None = None
+
+    def add(self, kind: str, token_ids: Sequence[int], text: str, **fields) -> Segment:
+        segment = Segment(
+            rollout_id=self.rollout_id, iteration=self.iteration, seq=len(self.segments), kind=kind, token_ids=tuple(int(t) for t in token_ids),
+            text=text, **fields,
+        )
+        self.segments.append(segment)
+        return segment
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one tool call produced, whoever produced it (sandbox, parser, or a fault)."""
+
+    status: str
+    error_type: str | None
+    exec_ms: float | None
+    response: str
+
+
+def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
+          skip_rollout_ids: frozenset[str]) -> list[_State]:
+    states = []
+    for task in tasks:
+        for sample_index in range(config.group_size):
+            rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
+            if rollout_id in skip_rollout_ids:
+                continue
+            draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
+            view = view_for(draw, config.collect_view == "purified", config.gamma,
+                            config.rollback_prob, config.similarity_on)
+            state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
+            prompt_ids = chat.prompt_ids(task.messages)
+            state.add(PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
+                      logprobs=None)
+            states.append(state)
+    return states
+
+
+# ---------------------------------------------------------------------------------------------
+# The collection
+
+
+def collect(
+    tasks: Sequence[Task],
+    config: CollectConfig,
+    backend,
+    sandbox,
+    chat: ChatFormat,
+    *,
+    reward_fn: Callable = compute_reward,
+    skip_rollout_ids: frozenset[str] = frozenset(),
+    on_context: Callable[[str, list[int]], None] | None = None,
+    progress: bool = True,
+) -> Iterator[CollectedBatch]:
+    """Run config.group_size rollouts per task; yield batches of config.batch_rollouts complete ones."""
+    states = _plan(tasks, config, chat, skip_rollout_ids)
+    logger.info("collecting %d rollouts (%d skipped as already stored)", len(states),
+                len(tasks) * config.group_size - len(states))
+    with tqdm(total=len(states), desc="collect", unit="rollout", disable=not progress) as bar:
+        for start in range(0, len(states), config.batch_rollouts):
+            batch = states[start:start + config.batch_rollouts]
+            _run_batch(batch, config, backend, sandbox, chat, on_context)
+            rollouts = [_finish(state, config, backend, reward_fn) for state in batch]
+            segments = [segment for state in batch for segment in state.segments]
+            bar.update(len(batch))
+            yield CollectedBatch(rollouts, segments)
+
+
+def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, chat: ChatFormat,
+               on_context: Callable[[str, list[int]], None] | None) -> None:
+    active = list(states)
+    while active:
+        contexts, limits = [], []
+        for state in active:
+            rendered = render(state.segments, state.view, chat.decode)
+            remaining = config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
+            if remaining <= 0:
+                state.finish_reason = "max_tokens"
+                continue
+            contexts.append(list(rendered.token_ids))
+            limits.append(min(config.max_new_tokens, remaining))
+        active = [state for state in active if state.finish_reason is None]
+        if not active:
+            return
+        if on_context is not None:
+            for state, context in zip(active, contexts, strict=True):
+                on_context(state.rollout_id, context)
+        generations = _generate(active, contexts, limits, config, backend, chat)
+        if generations is None:
+            for state in active:
+                state.finish_reason = "error"
+            return
+        calls = [_record_generation(s, g, config, chat) for s, g in zip(active, generations, strict=True)]
+        pending = [(state, call) for state, call in zip(active, calls, strict=True) if call is not None]
+        outcomes = _execute([call for _, call in pending], sandbox)
+        for (state, call), outcome in zip(pending, outcomes, strict=True):
+            _record_tool(state, call, outcome, config, chat)
+        active = [state for state in active if state.finish_reason is None]
+
+
+def _generate(states: list[_State], contexts: list[list[int]], limits: list[int],
+              config: CollectConfig, backend, chat: ChatFormat) -> list[Generation] | None:
+    """One generate call for the turn; None if the backend failed."""
+    params = SamplingParams(max_new_tokens=max(limits), stop_token_ids=tuple(chat.stop_token_ids),
+                            temperature=config.temperature, top_p=config.top_p)
+    seeds = [turn_seed(config.seed, config.iteration, s.task.prompt_id, s.sample_index, s.turns)
+             for s in states]
+    try:
+        generations = list(backend.generate(contexts, params, seeds))
+        if len(generations) != len(contexts):
+            raise RuntimeError(f"backend returned {len(generations)} generations for {len(contexts)} prompts")
+    except Exception:  # a model fault ends these rollouts, never the whole collection
+        logger.exception("backend failed on a turn of %d rollouts; they end with 'error'", len(states))
+        return None
+    return [_cut(generation, limit) for generation, limit in zip(generations, limits, strict=True)]
+
+
+def _cut(generation: Generation, limit: int) -> Generation:
+    if len(generation.token_ids) <= limit:
+        return generation
+    return Generation(generation.token_ids[:limit], generation.logprobs[:limit], LENGTH)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording a turn
+
+
+@dataclass(frozen=True)
+class _Call:
+    segment: Segment  # the assistant segment that made the call
+    parsed: ToolCall  # code, or why it does not parse
+
+
+def _record_generation(state: _State, generation: Generation, config: CollectConfig,
+                       chat: ChatFormat) -> _Call | None:
+    """Append the assistant segment; return its call if it is to be executed."""
+    text = chat.decode(generation.token_ids)
+    call_start = chat.call_start(generation.token_ids)
+    parsed = parse_tool_call(text) if call_start is not None else None
+    segment = state.add(
+        ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
+        logprobs=tuple(float(x) for x in generation.logprobs), call_start=call_start,
+        tool_code=parsed.code if parsed is not None else None,
+    )
+    state.turns += 1
+    if parsed is None:
+        state.finish_reason = "max_tokens" if generation.finish_reason == LENGTH else "answer"
+        return None
+    if state.turns >= config.max_turns:
+        state.finish_reason = "max_turns"  # the reference does not run the last turn's call
+        return None
+    return _Call(segment, parsed)
+
+
+def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectConfig,
+                 chat: ChatFormat) -> None:
+    """Append the tool segment and move (step, attempt) on for the next generation."""
+    token_ids = chat.tool_response_ids(outcome.response)
+    step, attempt = call.segment.step, call.segment.attempt
+    state.add(
+        TOOL, token_ids, chat.decode(token_ids), step=step, attempt=attempt, logprobs=None,
+        tool_code=call.parsed.code, tool_status=outcome.status, error_type=outcome.error_type,
+        exec_ms=outcome.exec_ms,
+    )
+    if outcome.status != OK and attempt < config.max_retries:
+        state.step, state.attempt = step, attempt + 1  # a retry of the same step
+    else:
+        state.step, state.attempt = step + 1, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool execution
+
+
+def _execute(calls: list[_Call], sandbox) -> list[_Outcome]:
+    """Outcomes aligned with calls: one run_many for every well-formed call of the turn."""
+    outcomes: list[_Outcome | None] = [None] * len(calls)
+    runnable = []
+    for index, call in enumerate(calls):
+        if call.parsed.code is None:
+            response = format_tool_response(False, "", call.parsed.error or "", FORMAT_ERROR)
+            outcomes[index] = _Outcome(FORMAT_ERROR, "FormatError", None, response)
+        else:
+            runnable.append(index)
+    results = _run_codes([calls[index].parsed.code for index in runnable], sandbox)
+    for index, outcome in zip(runnable, results, strict=True):
+        outcomes[index] = outcome
+    return [outcome for outcome in outcomes if outcome is not None]
+
+
+def _run_codes(codes: list[str], sandbox) -> list[_Outcome]:
+    if not codes:
+        return []
+    try:
+        results = list(sandbox.run_many(codes))
+        if len(results) != len(codes):
+            raise RuntimeError(f"sandbox returned {len(results)} results for {len(codes)} codes")
+        return [_from_result(result) for result in results]
+    except Exception:  # find the call at fault: run them one by one
+        logger.exception("sandbox failed on a batch of %d calls; retrying them one by one", len(codes))
+    return [_run_one(code, sandbox) for code in codes]
+
+
+def _run_one(code: str, sandbox) -> _Outcome:
+    try:
+        (result,) = sandbox.run_many([code])
+        return _from_result(result)
+    except Exception as error:  # an infrastructure fault, a row value for this call only
+        logger.warning("sandbox failed on one call: %r", error)
+        reason = f"the sandbox failed ({type(error).__name__}); this is not an error in your code"
+        response = format_tool_response(False, "", reason, INFRA_ERROR)
+        return _Outcome(INFRA_ERROR, type(error).__name__, None, response)
+
+
+def _from_result(result) -> _Outcome:
+    exec_ms = None if result.exec_ms is None else float(result.exec_ms)
+    return _Outcome(result.status, result.error_type, exec_ms, result.response)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finishing a rollout
+
+
+def _finish(state: _State, config: CollectConfig, backend, reward_fn: Callable) -> Rollout:
+    assistants = [segment for segment in state.segments if segment.kind == ASSISTANT]
+    tools = [segment for segment in state.segments if segment.kind == TOOL]
+    reward, correct, answer = 0.0, False, None
+    if state.finish_reason != "error" and assistants:
+        result = reward_fn(assistants[-1].text, state.task.ground_truth, state.task.data_source)
+        reward, correct, answer = float(result.reward), bool(result.correct), result.answer
+    return Rollout(
+        rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,
+        prompt_id=state.task.prompt_id, sample_index=state.sample_index,
+        policy_version=str(backend.policy_version), data_source=state.task.data_source,
+        ground_truth=state.task.ground_truth, answer=answer, reward=reward, correct=correct,
+        finish_reason=state.finish_reason or "error", rollback_draw=state.draw,
+        collect_view="purified" if state.view.purified else "raw",
+        collect_config_id=config.config_id, n_assistant_segments=len(assistants),
+        n_tool_calls=len(tools), n_failed_calls=sum(segment.failed for segment in tools),
+    )

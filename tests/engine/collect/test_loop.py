@@ -1,0 +1,400 @@
+"""The agent loop against a scripted fake backend and a fake sandbox (DESIGN.md 3, 4.4, 7).
+
+The fakes have exactly the interfaces the loop codes against: a character-level tokenizer with the
+ChatML/tool special tokens wrapped in the real ChatFormat, a backend whose output for a request is
+looked up by its seed (the loop's own `turn_seed`, so a script says "rollout r, turn t writes X"),
+and a sandbox whose outcome is read from the code: `oops` -> NameError, `CRASH` -> the sandbox
+itself raises, anything else succeeds and prints the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from cleaner.engine.backends.base import LENGTH, STOP, Generation
+from cleaner.engine.chat import ChatFormat, format_call, format_tool_response, tool_response_text
+from cleaner.engine.collect.loop import CollectedBatch, collect, rollback_draw, turn_seed
+from cleaner.engine.collect.tasks import Task
+from cleaner.engine.config import CollectConfig
+from cleaner.engine.render import RAW, render, view_for
+
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+            "</tool_response>")
+
+# ---------------------------------------------------------------------------------------------
+# Fakes
+
+
+class CharTokenizer:
+    """One id per character; the special tokens are single ids 0..5."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            special = next((s for s in SPECIALS if text.startswith(s, i)), None)
+            if special is not None:
+                ids.append(SPECIALS.index(special))
+                i += len(special)
+            else:
+                ids.append(100 + ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(SPECIALS[i] if i < len(SPECIALS) else chr(i - 100) for i in ids)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return self.encode(text + "<|im_start|>assistant\n")
+
+
+CHAT = ChatFormat(CharTokenizer())
+
+
+def call(reasoning: str, code: str) -> str:
+    return reasoning + format_call(code)
+
+
+def answer(text: str) -> str:
+    return text + "<|im_end|>"
+
+
+class ScriptedBackend:
+    """Request with seed s writes script[s]; logprob of token k of any request is -(k + 1) / 100."""
+
+    policy_version = "fake-policy@1"
+
+    def __init__(self, scripts: dict[tuple[str, int], list[str]], config: CollectConfig,
+                 raise_on: set[tuple[str, int, int]] = frozenset()):
+        self.texts, self.raise_seeds = {}, set()
+        for (prompt_id, sample_index), texts in scripts.items():
+            for turn, text in enumerate(texts):
+                seed = turn_seed(config.seed, config.iteration, prompt_id, sample_index, turn)
+                self.texts[seed] = text
+        for prompt_id, sample_index, turn in raise_on:
+            self.raise_seeds.add(turn_seed(config.seed, config.iteration, prompt_id, sample_index, turn))
+        self.calls: list[tuple[int, int]] = []  # (number of prompts, max_new_tokens) per call
+
+    def generate(self, prompts, params, seeds):
+        self.calls.append((len(prompts), params.max_new_tokens))
+        if self.raise_seeds & set(seeds):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return [self._one(self.texts[seed], params) for seed in seeds]
+
+    @staticmethod
+    def _one(text, params):
+        ids = CHAT.encode(text)
+        stop = next((k for k, t in enumerate(ids) if t in params.stop_token_ids), None)
+        if stop is not None and stop < params.max_new_tokens:
+            ids, reason = ids[: stop + 1], STOP
+        else:
+            ids, reason = ids[: params.max_new_tokens], LENGTH
+        return Generation(tuple(ids), tuple(-(k + 1) / 100 for k in range(len(ids))), reason)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    status: str
+    error_type: str | None
+    stdout: str
+    stderr: str
+    exec_ms: float
+    response: str
+
+
+class FakeSandbox:
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def run_many(self, codes):
+        self.batches.append(list(codes))
+        if any("CRASH" in code for code in codes):
+            raise ConnectionError("worker lost")
+        return [self._one(code) for code in codes]
+
+    @staticmethod
+    def _one(code):
+        if "oops" in code:
+            stderr = "NameError: name 'oops' is not defined"
+            return ExecResult("error", "NameError", "", stderr, 1.5,
+                              format_tool_response(False, "", stderr, "error"))
+        return ExecResult("ok", None, code, "", 2.5, format_tool_response(True, code, ""))
+
+
+@dataclass(frozen=True)
+class Reward:
+    reward: float
+    correct: bool
+    answer: str | None
+
+
+def fake_reward(text, ground_truth, data_source):
+    correct = ground_truth in text
+    return Reward(float(correct), correct, ground_truth if correct else None)
+
+
+def task(prompt_id: str) -> Task:
+    return Task(prompt_id, ({"role": "user", "content": f"Question {prompt_id}?"},), "42", "toy")
+
+
+def run(scripts, config, sandbox=None, raise_on=frozenset(), **kwargs) -> CollectedBatch:
+    """Collect every scripted prompt (sample 0 only unless group_size says otherwise); merge batches."""
+    prompt_ids = list(dict.fromkeys(prompt_id for prompt_id, _ in scripts))
+    backend = ScriptedBackend(scripts, config, raise_on)
+    batches = list(collect([task(p) for p in prompt_ids], config, backend, sandbox or FakeSandbox(),
+                           CHAT, reward_fn=fake_reward, progress=False, **kwargs))
+    run.backend = backend
+    return CollectedBatch([r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments])
+
+
+def segments_of(batch: CollectedBatch, rollout_id: str):
+    return sorted((s for s in batch.segments if s.rollout_id == rollout_id), key=lambda s: s.seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chains of DESIGN.md 4.2 (K = 3)
+
+BASE = CollectConfig(group_size=1, max_turns=8, max_retries=3, max_new_tokens=120,
+                     max_response_tokens=2000, batch_rollouts=8, collect_view="purified")
+
+CHAINS = {
+    # shallow retry: similar code, so the merged turn keeps "Let me compute." and takes the new call
+    ("shallow", 0): [call("Let me compute.", "print(6*7+oops)"), call("Fixed.", "print(6*7)"),
+                     answer("The answer is 42.")],
+    # deep retry (dissimilar code), then a second step that succeeds at once, then the answer
+    ("deep", 0): [call("Try a name.", "x = undefined_oops"), call("New plan.", "print(42)"),
+                  call("Check.", "print(40+2)"), answer("So 42.")],
+    # exhausted: attempts 0..3 all fail, then a new step succeeds, then the answer
+    ("exhausted", 0): [call(f"Try {i}.", f"print(oops{i})") for i in range(4)]
+    + [call("Again.", "print(42)"), answer("42.")],
+    # a retry that answers instead of calling
+    ("gives_up", 0): [call("Compute.", "print(oops)"), answer("I think 41.")],
+}
+
+EXPECTED_STEPS = {  # (kind, step, attempt, tool_status) of every non-prompt segment
+    "shallow": [("assistant", 0, 0, None), ("tool", 0, 0, "error"), ("assistant", 0, 1, None),
+                ("tool", 0, 1, "ok"), ("assistant", 1, 0, None)],
+    "deep": [("assistant", 0, 0, None), ("tool", 0, 0, "error"), ("assistant", 0, 1, None),
+             ("tool", 0, 1, "ok"), ("assistant", 1, 0, None), ("tool", 1, 0, "ok"),
+             ("assistant", 2, 0, None)],
+    "exhausted": [x for i in range(4) for x in (("assistant", 0, i, None), ("tool", 0, i, "error"))]
+    + [("assistant", 1, 0, None), ("tool", 1, 0, "ok"), ("assistant", 2, 0, None)],
+    "gives_up": [("assistant", 0, 0, None), ("tool", 0, 0, "error"), ("assistant", 0, 1, None)],
+}
+
+
+def collect_chains(config):
+    contexts: dict[str, list[list[int]]] = {}
+    batch = run(CHAINS, config, on_context=lambda rid, ctx: contexts.setdefault(rid, []).append(ctx))
+    return batch, contexts
+
+
+@pytest.mark.parametrize("collect_view", ["purified", "raw"])
+def test_render_of_stored_segments_reproduces_every_context(collect_view):
+    config = dataclasses.replace(BASE, collect_view=collect_view)
+    batch, contexts = collect_chains(config)
+    n_purified_differs = 0
+    for rollout in batch.rollouts:
+        segments = segments_of(batch, rollout.rollout_id)
+        view = view_for(rollout.rollback_draw, collect_view == "purified", config.gamma,
+                        config.rollback_prob, config.similarity_on)
+        assistants = [s for s in segments if s.kind == "assistant"]
+        assert len(contexts[rollout.rollout_id]) == len(assistants)
+        for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
+            before = segments[: assistant.seq]
+            assert context == list(render(before, view, CHAT.decode).token_ids)
+            raw = [t for s in before for t in s.token_ids]
+            if collect_view == "raw":
+                assert context == raw
+            n_purified_differs += context != raw
+        assert rollout.collect_view == collect_view
+    # Purified differs from raw once a chain holds 2+ attempts: shallow turn 2, deep turns 2-3,
+    # exhausted turns 2-5; gives_up only ever retries once (merged(a_0) + t_0 is raw).
+    assert n_purified_differs == (0 if collect_view == "raw" else 1 + 2 + 4 + 0)
+
+
+def test_purified_contexts_by_hand():
+    batch, contexts = collect_chains(BASE)
+    prompt = "<|im_start|>user\nQuestion shallow?<|im_end|>\n<|im_start|>assistant\n"
+    ok = tool_response_text(format_tool_response(True, "print(6*7)", ""))
+    # Shallow: the answer sees the first attempt's reasoning with the fixed call, no error.
+    expected = prompt + "Let me compute." + format_call("print(6*7)") + ok
+    assert contexts["it0-shallow-s0"][2] == CHAT.encode(expected)
+    # Deep: the whole failed turn is replaced by the second attempt.
+    prompt = prompt.replace("shallow", "deep")
+    ok = tool_response_text(format_tool_response(True, "print(42)", ""))
+    assert contexts["it0-deep-s0"][2] == CHAT.encode(prompt + call("New plan.", "print(42)") + ok)
+    # Exhausted chain in progress: the 4th attempt sees merged(a_0..a_2) + the last error only.
+    shallow_merged = "Try 0." + format_call("print(oops2)")  # print(oopsI) are all similar
+    error = "NameError: name 'oops' is not defined"
+    t2 = tool_response_text(format_tool_response(False, "", error, "error"))
+    prompt = prompt.replace("deep", "exhausted")
+    assert contexts["it0-exhausted-s0"][3] == CHAT.encode(prompt + shallow_merged + t2)
+
+
+def test_step_attempt_numbering_and_finish():
+    batch = run(CHAINS, BASE)
+    for name, expected in EXPECTED_STEPS.items():
+        segments = segments_of(batch, f"it0-{name}-s0")
+        assert (segments[0].kind, segments[0].seq, segments[0].step, segments[0].attempt) == (
+            "prompt", 0, None, None)
+        got = [(s.kind, s.step, s.attempt, s.tool_status) for s in segments[1:]]
+        assert got == expected, name
+        assert [s.seq for s in segments] == list(range(len(segments)))
+    rollouts = {r.prompt_id: r for r in batch.rollouts}
+    assert {p: r.finish_reason for p, r in rollouts.items()} == dict.fromkeys(rollouts, "answer")
+    assert (rollouts["exhausted"].n_assistant_segments, rollouts["exhausted"].n_tool_calls,
+            rollouts["exhausted"].n_failed_calls) == (6, 5, 4)
+    assert [rollouts[p].correct for p in ("shallow", "deep", "exhausted", "gives_up")] == [
+        True, True, True, False]
+    assert rollouts["gives_up"].reward == 0.0 and rollouts["shallow"].answer == "42"
+
+
+def test_segment_fields():
+    batch = run({("shallow", 0): CHAINS[("shallow", 0)]}, BASE)
+    first, tool = segments_of(batch, "it0-shallow-s0")[1:3]
+    assert first.text == call("Let me compute.", "print(6*7+oops)")
+    assert first.token_ids == tuple(CHAT.encode(first.text))
+    assert first.logprobs == tuple(-(k + 1) / 100 for k in range(len(first.token_ids)))
+    assert first.call_start == len("Let me compute.") and first.tool_code == "print(6*7+oops)"
+    assert (tool.tool_code, tool.error_type, tool.exec_ms, tool.logprobs) == (
+        "print(6*7+oops)", "NameError", 1.5, None)
+    assert tool.text == CHAT.decode(tool.token_ids) and "Tool call failure" in tool.text
+    rollout = batch.rollouts[0]
+    assert rollout.policy_version == "fake-policy@1" and rollout.collect_config_id == BASE.config_id
+    assert rollout.rollback_draw == rollback_draw(BASE.seed, 0, "shallow", 0)
+
+
+def test_one_generate_and_one_sandbox_call_per_turn():
+    sandbox = FakeSandbox()
+    run(CHAINS, BASE, sandbox=sandbox)
+    assert [n for n, _ in run.backend.calls] == [4, 4, 3, 2, 1, 1]  # active rollouts per turn
+    assert [len(codes) for codes in sandbox.batches] == [4, 3, 2, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ends
+
+
+def test_max_turns_leaves_the_last_call_unexecuted():
+    config = dataclasses.replace(BASE, max_turns=2)
+    batch = run({("loop", 0): [call("A.", "print(1)"), call("B.", "print(2)")]}, config)
+    kinds = [(s.kind, s.tool_status) for s in segments_of(batch, "it0-loop-s0")]
+    assert kinds == [("prompt", None), ("assistant", None), ("tool", "ok"), ("assistant", None)]
+    assert batch.rollouts[0].finish_reason == "max_turns"
+    assert batch.rollouts[0].n_tool_calls == 1
+
+
+def test_length_without_call_is_max_tokens():
+    config = dataclasses.replace(BASE, max_new_tokens=10, max_response_tokens=100)
+    batch = run({("long", 0): ["x" * 50]}, config)
+    (assistant,) = [s for s in batch.segments if s.kind == "assistant"]
+    assert len(assistant.token_ids) == 10 and batch.rollouts[0].finish_reason == "max_tokens"
+
+
+def test_response_budget_cuts_the_turn_then_ends():
+    config = dataclasses.replace(BASE, max_new_tokens=80, max_response_tokens=150)
+    batch = run({("budget", 0): [call("", "print(1)"), "y" * 200], ("short", 0): [answer("42")]},
+                config)
+    segments = segments_of(batch, "it0-budget-s0")
+    used = len(segments[1].token_ids) + len(segments[2].token_ids)  # the call and its response
+    assert 0 < 150 - used < 80  # so the second turn is limited by the budget, not max_new_tokens
+    assert len(segments[3].token_ids) == 150 - used
+    assert run.backend.calls == [(2, 80), (1, 150 - used)]
+    assert batch.rollouts[0].finish_reason == "max_tokens"
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds and resume
+
+
+class RandomBackend:
+    """Samples one of a few turns from random.Random(seed): the output depends on the seed only."""
+
+    policy_version = "random@1"
+
+    def generate(self, prompts, params, seeds):
+        turns = [call("T.", "print(oops)"), call("T.", "print(1)"), answer("42"), answer("7")]
+        return [ScriptedBackend._one(random.Random(seed).choice(turns), params) for seed in seeds]
+
+
+def collect_random(config, skip=frozenset()):
+    tasks = [task(f"p{i}") for i in range(3)]
+    batches = list(collect(tasks, config, RandomBackend(), FakeSandbox(), CHAT, reward_fn=fake_reward,
+                           skip_rollout_ids=skip, progress=False))
+    rollouts = [dataclasses.replace(r, created_at=None) for b in batches for r in b.rollouts]
+    return batches, rollouts, [s for b in batches for s in b.segments]
+
+
+def test_same_seed_same_records_and_resume():
+    config = dataclasses.replace(BASE, group_size=4, batch_rollouts=5, rollback_prob=0.5)
+    batches, rollouts, segments = collect_random(config)
+    assert [len(b.rollouts) for b in batches] == [5, 5, 2]
+    assert [r.rollout_id for r in rollouts][:5] == [f"it0-p0-s{i}" for i in range(4)] + ["it0-p1-s0"]
+    assert {r.group_id for r in rollouts} == {"it0-p0", "it0-p1", "it0-p2"}
+    assert len({r.n_assistant_segments for r in rollouts}) > 1  # the samples really differ
+    assert {r.collect_view for r in rollouts} == {"raw", "purified"}  # u < p = 0.5 for some only
+    assert all((r.collect_view == "purified") == (r.rollback_draw < 0.5) for r in rollouts)
+    _, again, again_segments = collect_random(config)
+    assert again == rollouts and again_segments == segments
+    _, other, _ = collect_random(dataclasses.replace(config, seed=1))
+    assert [r.rollback_draw for r in other] != [r.rollback_draw for r in rollouts]
+    done = frozenset(r.rollout_id for r in rollouts[:7])
+    resumed_batches, resumed, resumed_segments = collect_random(config, skip=done)
+    assert [len(b.rollouts) for b in resumed_batches] == [5]
+    assert resumed == rollouts[7:]
+    assert resumed_segments == [s for s in segments if s.rollout_id not in done]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+
+def test_backend_failure_ends_only_the_affected_rollouts():
+    config = dataclasses.replace(BASE, batch_rollouts=2)
+    scripts = {(p, 0): [call("A.", "print(1)"), answer("42")] for p in ("a", "b", "c", "d")}
+    batch = run(scripts, config, raise_on={("c", 0, 1)})
+    reasons = {r.prompt_id: (r.finish_reason, r.reward) for r in batch.rollouts}
+    assert reasons == {"a": ("answer", 1.0), "b": ("answer", 1.0), "c": ("error", 0.0),
+                       "d": ("error", 0.0)}
+    assert [s.kind for s in segments_of(batch, "it0-c-s0")] == ["prompt", "assistant", "tool"]
+
+
+def test_sandbox_failure_is_infra_error_for_that_call_only():
+    sandbox = FakeSandbox()
+    scripts = {("crash", 0): [call("A.", "print('CRASH')"), call("B.", "print(42)"), answer("42")],
+               ("fine", 0): [call("A.", "print(1)"), answer("42")]}
+    batch = run(scripts, BASE, sandbox=sandbox)
+    crash = segments_of(batch, "it0-crash-s0")
+    assert [(s.tool_status, s.error_type) for s in crash if s.kind == "tool"] == [
+        ("infra_error", "ConnectionError"), ("ok", None)]
+    assert "reason: infra_error" in crash[2].text
+    assert crash[3].attempt == 1  # an infra failure is still a failed call: the model retries
+    assert [s.tool_status for s in segments_of(batch, "it0-fine-s0") if s.kind == "tool"] == ["ok"]
+    assert sandbox.batches[:3] == [["print('CRASH')", "print(1)"], ["print('CRASH')"], ["print(1)"]]
+    assert {r.finish_reason for r in batch.rollouts} == {"answer"}
+
+
+def test_malformed_call_is_a_format_error_and_not_run():
+    sandbox = FakeSandbox()
+    bad = '<tool_call>\n{"name": "code_interpreter", "arguments": {"cod": 1}}\n</tool_call>'
+    batch = run({("bad", 0): ["Hmm." + bad, call("Fix.", "print(42)"), answer("42")]}, BASE,
+                sandbox=sandbox)
+    segments = segments_of(batch, "it0-bad-s0")
+    assert (segments[1].call_start, segments[1].tool_code) == (4, None)
+    tool = segments[2]
+    assert (tool.tool_status, tool.error_type, tool.tool_code, tool.exec_ms) == (
+        "format_error", "FormatError", None, None)
+    assert tool.text == tool_response_text(format_tool_response(
+        False, "", 'the call needs "arguments": {"code": "..."}', "format_error"))
+    assert sandbox.batches == [["print(42)"]]
+    assert (segments[3].step, segments[3].attempt) == (0, 1)
+    assert batch.rollouts[0].n_failed_calls == 1 and batch.rollouts[0].correct
+
+
+def test_raw_view_constant_matches_view_for():
+    assert view_for(0.99, True, 0.5, 0.5, "code") == RAW

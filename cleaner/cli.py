@@ -158,7 +158,7 @@ def purify(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
-    from cleaner.engine.purify.pipeline import stats_table
+    from cleaner.engine.purify.report import stats_table
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
@@ -182,7 +182,7 @@ def ablate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
-    from cleaner.engine.purify.pipeline import stats_table
+    from cleaner.engine.purify.report import stats_table
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
@@ -314,9 +314,28 @@ def demo(
 
 
 @app.command()
-def bootstrap() -> None:
+def bootstrap(
+    out: Annotated[Path, typer.Option("--out", help="Model directory to write.")] = Path("assets/tiny-policy"),
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimiser steps.")] = 2000,
+    seed: Annotated[int, typer.Option("--seed", help="Corpus, init and batch-order seed.")] = 0,
+    corpus_size: Annotated[int, typer.Option("--corpus-size", min=1, help="Synthetic trajectories.")] = 40_000,
+    fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
+) -> None:
     """Train the tiny default policy into assets/tiny-policy."""
-    raise not_built("bootstrap")
+    from cleaner.engine.bootstrap.corpus import CorpusConfig
+    from cleaner.engine.bootstrap.sft import BootstrapConfig, bootstrap_policy
+
+    try:
+        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share)
+        config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed,
+                                 checkpoint_every=checkpoint_every)
+    except ValueError as error:
+        raise fail(str(error)) from error
+    result = bootstrap_policy(config, out)
+    console.print(f"wrote {result.out_dir} (final loss {result.final_loss:.4f}, "
+                  f"{result.tokens_seen} tokens, {result.wall_s:.0f} s)")
 
 
 @sandbox_app.command("run")

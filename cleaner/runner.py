@@ -31,7 +31,7 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
 def _ensure_backend(backend, policy: str, device: str):
     from cleaner.engine.backends import load_backend
 
-    if backend is not None and getattr(backend, "model_path", None) == str(policy):
+    if backend is not None and str(getattr(backend, "model_path", "")) == str(policy):
         return backend
     return load_backend("torch", policy, device=device)
 

@@ -14,7 +14,7 @@ Design decisions:
 - Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
 - errors_by_type counts the failed tool calls in the input rollouts by error_type (tool_status when
   the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
-- `stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
+- `cleaner.engine.purify.report.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
   `cleaner ablate` print: one line per config.
 - Segments whose rollout is missing (e.g. a crash between writing segments and rollouts) are
   skipped with a warning; a rollout without segments is an error.
@@ -208,34 +208,3 @@ def _scatter(row: PurifiedRow, scores: Sequence[float]) -> tuple[float, ...]:
     return (0.0,) * start + tuple(
         float(score) if mask else 0.0 for score, mask in zip(scores, row.loss_mask[start:], strict=True)
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Report
-
-
-def stats_table(stats: Sequence[PurifyStats], configs: Sequence[PurifyConfig] | None = None):
-    """A rich Table with one line per config: what SAAR rewrote and which errors it met."""
-    from rich.table import Table
-
-    if configs is not None and len(configs) != len(stats):
-        raise ValueError(f"{len(configs)} configs for {len(stats)} stats")
-    table = Table(title="purify")
-    table.add_column("config_id")
-    if configs is not None:
-        for name in ("gamma", "p", "similarity_on", "purify_when"):
-            table.add_column(name)
-    for name in ("rollouts", "rolled back", "shallow", "deep", "unrecovered", "tokens removed"):
-        table.add_column(name, justify="right")
-    table.add_column("errors by type")
-    for index, stat in enumerate(stats):
-        described = []
-        if configs is not None:
-            config = configs[index]
-            described = [f"{config.gamma:g}", f"{config.rollback_prob:g}", config.similarity_on,
-                         config.purify_when]
-        counts = [stat.n_rollouts, stat.n_rolled_back, stat.n_shallow, stat.n_deep,
-                  stat.n_unrecovered, stat.tokens_removed]
-        errors = ", ".join(f"{name} {count}" for name, count in stat.errors_by_type[:4])
-        table.add_row(stat.config_id, *described, *(str(count) for count in counts), errors or "-")
-    return table

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from cleaner.engine.config import PurifyConfig
-from cleaner.engine.purify.pipeline import purify_iteration, render_iteration, stats_table
+from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
+from cleaner.engine.purify.report import stats_table
 from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TIMEOUT, TOOL, Rollout, Segment
 
 # ----------------------------------------------------------------------------------------------

@@ -137,6 +137,7 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
           skip_rollout_ids: frozenset[str]) -> list[_State]:
     states = []
     for task in tasks:
+        prompt_ids = chat.prompt_ids(task.messages)  # the same for every sample of the group
         for sample_index in range(config.group_size):
             rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
             if rollout_id in skip_rollout_ids:
@@ -145,7 +146,6 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
             view = view_for(draw, config.collect_view == "purified", config.gamma,
                             config.rollback_prob, config.similarity_on)
             state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
-            prompt_ids = chat.prompt_ids(task.messages)
             state.add(PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
                       logprobs=None)
             states.append(state)

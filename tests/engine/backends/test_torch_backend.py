@@ -96,16 +96,16 @@ def test_sample_does_not_depend_on_batch_neighbours(backend):
     alone = backend.generate([PROMPTS[1]], params, seeds=[5])[0]
     batched = backend.generate(PROMPTS, params, seeds=[1, 5, 2])[1]
     assert alone.token_ids == batched.token_ids
-    assert max(abs(x - y) for x, y in zip(alone.logprobs, batched.logprobs)) < 1e-4
+    assert max(abs(x - y) for x, y in zip(alone.logprobs, batched.logprobs, strict=True)) < 1e-4
 
 
 def test_padded_batch_equals_alone_at_temperature_zero(backend):
     params = SamplingParams(max_new_tokens=8, stop_token_ids=(), temperature=0.0)
     batched = backend.generate(PROMPTS, params, seeds=[0, 0, 0])
-    for prompt, in_batch in zip(PROMPTS, batched):
+    for prompt, in_batch in zip(PROMPTS, batched, strict=True):
         alone = backend.generate([prompt], params, seeds=[0])[0]
         assert alone.token_ids == in_batch.token_ids
-        assert max(abs(x - y) for x, y in zip(alone.logprobs, in_batch.logprobs)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(alone.logprobs, in_batch.logprobs, strict=True)) < 1e-4
 
 
 def test_stop_token_ends_generation_and_is_kept(backend):
@@ -125,7 +125,7 @@ def test_stop_token_ends_generation_and_is_kept(backend):
 def test_logprobs_at_temperature_one_match_naive_forward(backend):
     params = SamplingParams(max_new_tokens=10, stop_token_ids=())
     generations = backend.generate(PROMPTS, params, seeds=[3, 4, 5])
-    for prompt, generation in zip(PROMPTS, generations):
+    for prompt, generation in zip(PROMPTS, generations, strict=True):
         expected = naive_logprobs(backend.model, prompt + list(generation.token_ids))[len(prompt) - 1 :]
         assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
 
@@ -146,7 +146,7 @@ def test_score_matches_unpadded_forward(backend):
     sequences = [PROMPTS[0] + [4, 4, 6], PROMPTS[1], PROMPTS[2]]
     starts = [5, 1, 3]
     scored = backend.score(sequences, starts)
-    for seq, start, row in zip(sequences, starts, scored):
+    for seq, start, row in zip(sequences, starts, scored, strict=True):
         assert len(row) == len(seq) - start
         assert torch.allclose(torch.tensor(row), naive_logprobs(backend.model, seq)[start - 1 :], atol=1e-5)
 

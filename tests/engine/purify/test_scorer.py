@@ -1,0 +1,140 @@
+"""PrefixTrieScorer against a naive full forward per row, on a tiny random Qwen3 (DESIGN.md 5)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from cleaner.engine.backends.torch_backend import TorchBackend
+from cleaner.engine.purify.scorer import (
+    BackendScorer,
+    PrefixTrieScorer,
+    build_radix_tree,
+)
+
+PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return TorchBackend(path)
+
+
+def unpadded_reference(model, seq: list[int], start: int) -> list[float]:
+    """One forward of one row, no batching at all."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].float()  # (T, V)
+    logprobs = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+    return logprobs[start - 1 :].tolist()
+
+
+def assert_rows_close(got: list[list[float]], expected: list[list[float]], atol: float = 1e-4) -> None:
+    assert [len(row) for row in got] == [len(row) for row in expected]
+    for row_got, row_expected in zip(got, expected, strict=True):
+        assert not any(math.isnan(x) for x in row_got)
+        assert row_got == pytest.approx(row_expected, abs=atol)
+
+
+# ---------------------------------------------------------------------------- radix tree
+
+
+def test_radix_tree_shares_prefixes_and_splits_long_edges():
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2], [7]]
+    root = build_radix_tree(rows, max_edge_tokens=8)
+    assert sorted(child.edge for child in root.children) == [(1, 2), (7,)]
+    shared = next(c for c in root.children if c.edge == (1, 2))
+    assert shared.ending_rows == [2]  # row 2 is a prefix of rows 0 and 1
+    (middle,) = shared.children
+    assert middle.edge == (3,) and middle.depth == 2
+    assert sorted(c.edge for c in middle.children) == [(4,), (5, 6)]
+    chained = build_radix_tree([[1, 2, 3, 4, 5]], max_edge_tokens=2)
+    edges, node = [], chained
+    while node.children:
+        (node,) = node.children
+        edges.append((node.edge, node.depth))
+    assert edges == [((1, 2), 0), ((3, 4), 2), ((5,), 4)]
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+
+CASES = {
+    "shared prompt, different responses": (
+        [PROMPT + [3, 4, 5, 6], PROMPT + [10, 11], PROMPT + [20, 21, 22, 23, 24, 25]], [8, 8, 8]
+    ),
+    "identical up to a divergence": (
+        [PROMPT + [3, 4, 5, 6, 7, 8], PROMPT + [3, 4, 5, 30, 31], PROMPT + [3, 4, 50]], [8, 8, 8]
+    ),
+    "identical rows": ([PROMPT + [3, 4, 5]] * 3, [8, 8, 10]),
+    "one token after the prompt": ([PROMPT + [3], PROMPT + [4], PROMPT + [3, 9]], [8, 8, 8]),
+    "a row that is a prefix of another": ([PROMPT + [3, 4], PROMPT + [3, 4, 5, 6], PROMPT], [8, 9, 1]),
+    "no sharing, mixed lengths": ([[5, 6, 7], [8, 9], PROMPT + [1]], [1, 1, 4]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trie_equals_naive_full_forward(backend, case):
+    sequences, starts = CASES[case]
+    scorer = PrefixTrieScorer(backend.model, max_batch_tokens=64, max_edge_tokens=16)
+    got = scorer.score_rows(sequences, starts)
+    expected = [unpadded_reference(backend.model, s, p) for s, p in zip(sequences, starts, strict=True)]
+    assert_rows_close(got, expected)
+    assert_rows_close(got, backend.score(sequences, starts))
+
+
+def test_trie_forwards_each_distinct_position_once(backend):
+    sequences = [PROMPT + [3, 4, 5, 6], PROMPT + [3, 4, 7], PROMPT + [9]]
+    scorer = PrefixTrieScorer(backend.model)
+    scorer.score_rows(sequences, [8, 8, 8])
+    # distinct positions: the 8-token prompt, then 3 and 4 shared, then 5, 6 | 7 | 9
+    assert scorer.stats.tokens_forwarded == 8 + 2 + 2 + 1 + 1
+    assert scorer.stats.tokens_naive == 12 + 11 + 9
+    assert scorer.stats.n_prefix_groups == 2  # the prompt node and the [3, 4] node
+    assert scorer.stats.reuse_ratio == pytest.approx(32 / 14)
+
+
+def test_tiny_budgets_chunk_and_chain_without_changing_results(backend):
+    rng = random.Random(7)
+    prompt = [rng.randrange(64) for _ in range(30)]
+    sequences = []
+    for _ in range(6):
+        shared = rng.randrange(0, 6)
+        sequences.append(prompt + sequences[-1][30 : 30 + shared] if sequences else list(prompt))
+        sequences[-1] = sequences[-1] + [rng.randrange(64) for _ in range(rng.randrange(1, 12))]
+    starts = [30] * len(sequences)
+    small = PrefixTrieScorer(backend.model, max_batch_tokens=12, max_edge_tokens=4)
+    assert_rows_close(small.score_rows(sequences, starts), backend.score(sequences, starts))
+    assert small.stats.n_forwards > len(sequences)  # the budget really forced chunks and chains
+
+
+def test_bfloat16_is_close_to_float32(backend):
+    sequences, starts = CASES["identical up to a divergence"]
+    model = Qwen3ForCausalLM(backend.model.config).to(torch.bfloat16)
+    model.load_state_dict(backend.model.state_dict())
+    got = PrefixTrieScorer(model.eval()).score_rows(sequences, starts)
+    assert_rows_close(got, backend.score(sequences, starts), atol=0.1)
+
+
+def test_backend_scorer_restores_row_order(backend):
+    sequences = [PROMPT + [9, 9], [3, 2, 1], PROMPT + [1]]
+    starts = [8, 1, 8]
+    got = BackendScorer(backend).score_rows(sequences, starts)
+    assert_rows_close(got, backend.score(sequences, starts), atol=1e-6)
+
+
+def test_rejects_start_outside_row(backend):
+    with pytest.raises(ValueError, match="row 1: start 4 outside"):
+        PrefixTrieScorer(backend.model).score_rows([[1, 2], [1, 2, 3]], [1, 4])

@@ -52,7 +52,7 @@ def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution, aligned like `token_log_probs`.
 
-    logits (B, T, V) -> (B, T); position t is the entropy of the distribution that predicted token t.
+    logits (B, T, V) -> (B, T); position t: entropy of the distribution that predicted token t.
     """
     logits = logits[:, :-1].float()  # (B, T-1, V)
     probs = F.softmax(logits, dim=-1)
@@ -170,7 +170,9 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer: int) 
     return torch.where(lengths <= expected, torch.zeros_like(lengths), ramp.clamp(min=-1.0))
 
 
-def group_advantages(group_ids: Sequence[str], rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    group_ids: Sequence[str], rewards: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO advantage (r - mean_group) / (std_group + eps), unbiased std; (B,) -> (B,).
 
     A single-row group gets advantage 0.

@@ -1,4 +1,4 @@
-"""One training iteration: purified rows in, a new Hugging Face checkpoint out (DESIGN.md section 6).
+"""One training iteration: purified rows in, a new Hugging Face checkpoint out (DESIGN.md 6).
 
 The job reads top to bottom as stages:
     prepare_rows (skip rows with no loss tokens, dynamic sampling, overlong shaping)
@@ -94,7 +94,9 @@ def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[Purif
     if len(kept) < len(rows):
         logger.info("skipped %d rows with no loss tokens", len(rows) - len(kept))
     if config.dynamic_sampling and kept:
-        keep = dynamic_sampling_mask([row.group_id for row in kept], torch.tensor([r.reward for r in kept]))
+        keep = dynamic_sampling_mask(
+            [row.group_id for row in kept], torch.tensor([r.reward for r in kept])
+        )
         logger.info("dynamic sampling dropped %d rows in equal-reward groups", int((~keep).sum()))
         kept = [row for row, k in zip(kept, keep.tolist(), strict=True) if k]
     if config.overlong_buffer > 0 and kept:
@@ -149,7 +151,9 @@ def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device) -> Mic
         behavior_log_probs=pad([row.behavior_logprobs for row in rows], 0.0, torch.float32),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
     )
-    return MicroBatch(**{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)})
+    return MicroBatch(
+        **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)}
+    )
 
 
 @dataclass(frozen=True)
@@ -168,24 +172,44 @@ def micro_batch_loss(
     num_loss_tokens: int,
 ) -> MicroLoss:
     """Forward one micro batch; the loss is normalised by the mini batch's `num_loss_tokens`."""
-    logits = model(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
+    logits = model(
+        input_ids=batch.token_ids, attention_mask=batch.attention_mask
+    ).logits  # (B, T, V)
     log_probs = token_log_probs(logits, batch.token_ids)  # (B, T)
     is_weights = None
     if config.truncated_is:
-        is_weights = truncated_is_weights(batch.old_log_probs, batch.behavior_log_probs, config.is_cap)
-    out = policy_loss(log_probs, batch.old_log_probs, batch.advantages, batch.loss_mask,
-                      config.clip_eps_low, config.clip_eps_high, is_weights, num_loss_tokens)
+        is_weights = truncated_is_weights(
+            batch.old_log_probs, batch.behavior_log_probs, config.is_cap
+        )
+    out = policy_loss(
+        log_probs,
+        batch.old_log_probs,
+        batch.advantages,
+        batch.loss_mask,
+        config.clip_eps_low,
+        config.clip_eps_high,
+        is_weights,
+        num_loss_tokens,
+    )
     loss = out.loss
     if config.kl_coef > 0 and reference is not None:
         with torch.no_grad():
-            ref_logits = reference(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits
+            ref_logits = reference(
+                input_ids=batch.token_ids, attention_mask=batch.attention_mask
+            ).logits
             ref_log_probs = token_log_probs(ref_logits, batch.token_ids)  # (B, T)
-        loss = loss + config.kl_coef * kl_penalty(log_probs, ref_log_probs, batch.loss_mask, num_loss_tokens)
+        loss = loss + config.kl_coef * kl_penalty(
+            log_probs, ref_log_probs, batch.loss_mask, num_loss_tokens
+        )
     with torch.no_grad():
         entropy = entropy_from_logits(logits)  # (B, T)
         entropy_share = (entropy * batch.loss_mask).sum() / max(num_loss_tokens, 1)
-    return MicroLoss(loss=loss, clip_fraction=out.clip_fraction.item(),
-                     approx_kl=out.approx_kl.item(), entropy=entropy_share.item())
+    return MicroLoss(
+        loss=loss,
+        clip_fraction=out.clip_fraction.item(),
+        approx_kl=out.approx_kl.item(),
+        entropy=entropy_share.item(),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -205,7 +229,9 @@ def _optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     parts: list[MicroLoss] = []
     for micro_rows in chunks(mini_rows, config.micro_batch_size):
-        part = micro_batch_loss(model, reference, collate_rows(micro_rows, config.device), config, total_tokens)
+        part = micro_batch_loss(
+            model, reference, collate_rows(micro_rows, config.device), config, total_tokens
+        )
         part.loss.backward()
         parts.append(dataclasses.replace(part, loss=part.loss.detach()))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -213,15 +239,20 @@ def _optimizer_step(
     if math.isfinite(grad_norm):
         optimizer.step()
     else:
-        logger.warning("iteration %d step %d: gradient norm %s, step skipped", iteration, step, grad_norm)
+        logger.warning(
+            "iteration %d step %d: gradient norm %s, step skipped", iteration, step, grad_norm
+        )
     optimizer.zero_grad(set_to_none=True)
     return TrainStepRow(
-        iteration=iteration, step=step,
+        iteration=iteration,
+        step=step,
         loss=sum(p.loss.item() for p in parts),
         clip_fraction=sum(p.clip_fraction for p in parts),
         approx_kl=sum(p.approx_kl for p in parts),
         entropy=sum(p.entropy for p in parts),
-        grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"], tokens=total_tokens,
+        grad_norm=grad_norm,
+        lr=optimizer.param_groups[0]["lr"],
+        tokens=total_tokens,
     )
 
 
@@ -247,16 +278,23 @@ def train_iteration(
     if config.engine == "deepspeed":
         from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 
-        return train_iteration_deepspeed(rows, policy_path, out_path, config, iteration, model, progress)
+        return train_iteration_deepspeed(
+            rows, policy_path, out_path, config, iteration, model, progress
+        )
     torch.manual_seed(config.seed)
     train_rows = prepare_rows(rows, config)
     if not train_rows:
         logger.warning("iteration %d: no rows to train on; saving the policy unchanged", iteration)
-    model = (model if model is not None else load_policy(policy_path, config.device)).to(config.device)
+    model = (model if model is not None else load_policy(policy_path, config.device)).to(
+        config.device
+    )
     model.train()
     reference = load_reference(policy_path, config)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+    )
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     steps: list[TrainStepRow] = []
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not progress)
@@ -265,6 +303,10 @@ def train_iteration(
         steps.append(row)
         bar.set_postfix(loss=f"{row.loss:.4f}", clip=f"{row.clip_fraction:.3f}")
     model.eval()
-    saved = save_checkpoint_atomic(model, load_tokenizer_if_present(policy_path), out_path,
-                                   extra_files={"train_config.json": config.to_json()})
+    saved = save_checkpoint_atomic(
+        model,
+        load_tokenizer_if_present(policy_path),
+        out_path,
+        extra_files={"train_config.json": config.to_json()},
+    )
     return TrainResult(out_path=saved, steps=steps, model=model)

@@ -17,9 +17,16 @@ def _tiny_model(seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     return Qwen3ForCausalLM(config)
 
 
@@ -82,7 +89,9 @@ def test_tokenizer_travels_with_the_checkpoint(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    word_level = Tokenizer(
+        models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]")
+    )
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
     source = tmp_path / "source"
     PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="[UNK]").save_pretrained(source)

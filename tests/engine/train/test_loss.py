@@ -78,8 +78,9 @@ def test_asymmetric_clip_on_both_sides():
 def test_pessimistic_side_is_not_clipped():
     # A<0 with a ratio above 1 + eps_high: min picks the unclipped (worse) term, gradient flows.
     log_probs = _log([[1.5]]).requires_grad_(True)
-    out = policy_loss(log_probs, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
-                      EPS_LOW, EPS_HIGH)
+    out = policy_loss(
+        log_probs, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), EPS_LOW, EPS_HIGH
+    )
     assert out.loss.item() == pytest.approx(1.5)
     assert out.clip_fraction.item() == 0.0
     out.loss.backward()
@@ -91,11 +92,14 @@ def test_token_mean_over_all_loss_tokens_of_the_batch():
     loss_mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]])
     zeros = torch.zeros(2, 4)
     out = policy_loss(zeros, zeros, torch.tensor([2.0, -1.0]), loss_mask, EPS_LOW, EPS_HIGH)
-    assert out.loss.item() == pytest.approx((-2.0 + 3 * 1.0) / 4)  # not the mean of row means (-0.5)
+    assert out.loss.item() == pytest.approx(
+        (-2.0 + 3 * 1.0) / 4
+    )  # not the mean of row means (-0.5)
     assert out.approx_kl.item() == pytest.approx(0.0)
     # An explicit denominator (the mini batch's total) replaces the local count.
-    scaled = policy_loss(zeros, zeros, torch.tensor([2.0, -1.0]), loss_mask, EPS_LOW, EPS_HIGH,
-                         num_loss_tokens=8)
+    scaled = policy_loss(
+        zeros, zeros, torch.tensor([2.0, -1.0]), loss_mask, EPS_LOW, EPS_HIGH, num_loss_tokens=8
+    )
     assert scaled.loss.item() == pytest.approx(1.0 / 8)
 
 
@@ -131,15 +135,23 @@ def test_zero_advantage_gives_zero_gradient():
 
 def test_is_weights_multiply_the_surrogate():
     log_probs = torch.zeros(1, 2, requires_grad=True)
-    out = policy_loss(log_probs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
-                      EPS_LOW, EPS_HIGH, is_weights=torch.tensor([[2.0, 0.5]]))
+    out = policy_loss(
+        log_probs,
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        EPS_LOW,
+        EPS_HIGH,
+        is_weights=torch.tensor([[2.0, 0.5]]),
+    )
     assert out.loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
 
 
 def test_approx_kl_is_k3_of_the_ratio():
     # log ratio = ln 2: k3 = exp(-ln 2) - 1 + ln 2 = 0.5 - 1 + 0.693147.
-    out = policy_loss(_log([[2.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
-                      EPS_LOW, EPS_HIGH)
+    out = policy_loss(
+        _log([[2.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), EPS_LOW, EPS_HIGH
+    )
     assert out.approx_kl.item() == pytest.approx(0.5 - 1 + math.log(2.0), abs=1e-6)
 
 
@@ -175,12 +187,15 @@ def test_overlong_penalty():
     lengths = torch.tensor([5, 6, 8, 10, 12])
     # max 10, buffer 4: no penalty up to 6, linear to -1 at 10, -1 beyond.
     assert overlong_penalty(lengths, max_len=10, buffer=4).tolist() == pytest.approx(
-        [0.0, 0.0, -0.5, -1.0, -1.0])
+        [0.0, 0.0, -0.5, -1.0, -1.0]
+    )
     assert overlong_penalty(lengths, max_len=10, buffer=0).tolist() == [0.0] * 5
 
 
 def test_group_advantages():
-    advantages = group_advantages(["g", "g", "g", "g", "h"], torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0]))
+    advantages = group_advantages(
+        ["g", "g", "g", "g", "h"], torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0])
+    )
     std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 1, 0]
     expected = [0.5 / std, -0.5 / std, 0.5 / std, -0.5 / std, 0.0]
     assert advantages.tolist() == pytest.approx(expected, abs=1e-4)

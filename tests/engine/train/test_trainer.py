@@ -29,9 +29,16 @@ def policy_dir(tmp_path_factory):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("policy") / "policy"
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path
@@ -41,10 +48,22 @@ def _row(rollout_id, group_id, token_ids, prompt_len, reward, advantage, loss_ma
     loss_mask = loss_mask or [0] * prompt_len + [1] * (len(token_ids) - prompt_len)
     zeros = (0.0,) * len(token_ids)
     return PurifiedRow(
-        config_id="c", iteration=0, rollout_id=rollout_id, group_id=group_id,
-        token_ids=tuple(token_ids), prompt_len=prompt_len, loss_mask=tuple(loss_mask),
-        behavior_logprobs=zeros, old_logprobs=zeros, reward=reward, advantage=advantage,
-        rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0,
+        config_id="c",
+        iteration=0,
+        rollout_id=rollout_id,
+        group_id=group_id,
+        token_ids=tuple(token_ids),
+        prompt_len=prompt_len,
+        loss_mask=tuple(loss_mask),
+        behavior_logprobs=zeros,
+        old_logprobs=zeros,
+        reward=reward,
+        advantage=advantage,
+        rolled_back=False,
+        n_shallow=0,
+        n_deep=0,
+        n_unrecovered=0,
+        tokens_removed=0,
         scorer_version="test",
     )
 
@@ -56,7 +75,9 @@ def _with_old_logprobs(model, rows):
         for row in rows:
             ids = torch.tensor([row.token_ids])
             log_probs = token_log_probs(model(input_ids=ids).logits, ids)[0]  # (T,)
-            old = tuple(lp if m else 0.0 for lp, m in zip(log_probs.tolist(), row.loss_mask, strict=True))
+            old = tuple(
+                lp if m else 0.0 for lp, m in zip(log_probs.tolist(), row.loss_mask, strict=True)
+            )
             scored.append(dataclasses.replace(row, old_logprobs=old, behavior_logprobs=old))
     return scored
 
@@ -92,22 +113,35 @@ def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tm
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2)
     loss_before = _batch_loss(model, rows, config)
-    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=3, progress=False)
+    result = train_iteration(
+        rows, policy_dir, tmp_path / "out", config, iteration=3, progress=False
+    )
 
     assert len(result.steps) == 1
     step = result.steps[0]
     assert (step.iteration, step.step, step.tokens) == (3, 0, 5 + 8 + 4 + 7)
-    for value in (step.loss, step.clip_fraction, step.approx_kl, step.entropy, step.grad_norm, step.lr):
+    for value in (
+        step.loss,
+        step.clip_fraction,
+        step.approx_kl,
+        step.entropy,
+        step.grad_norm,
+        step.lr,
+    ):
         assert math.isfinite(value)
     assert step.lr == 1e-2 and step.grad_norm > 0 and step.entropy > 0
     # Ratios are 1 at the start: loss = -sum(A * tokens) / N = -(5 - 8 + 4 - 7) / 24.
     assert step.loss == pytest.approx(6 / 24, abs=1e-5)
     assert step.clip_fraction == 0.0 and step.approx_kl == pytest.approx(0.0, abs=1e-6)
 
-    changed = [name for name, p in result.model.named_parameters() if not torch.equal(p, before[name])]
+    changed = [
+        name for name, p in result.model.named_parameters() if not torch.equal(p, before[name])
+    ]
     assert changed
     loaded = load_policy(result.out_path)
-    for (name, p), (_, q) in zip(result.model.named_parameters(), loaded.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        result.model.named_parameters(), loaded.named_parameters(), strict=True
+    ):
         assert torch.equal(p, q), name
     assert (result.out_path / "train_config.json").exists()
     assert _batch_loss(loaded, rows, config) < loss_before
@@ -116,9 +150,14 @@ def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tm
 def test_gradient_accumulation_equals_one_big_batch(policy_dir, tmp_path):
     rows = _batch(load_policy(policy_dir))
     results = [
-        train_iteration(rows, policy_dir, tmp_path / f"out{micro}",
-                        TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=micro),
-                        iteration=0, progress=False)
+        train_iteration(
+            rows,
+            policy_dir,
+            tmp_path / f"out{micro}",
+            TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=micro),
+            iteration=0,
+            progress=False,
+        )
         for micro in (1, 4)
     ]
     one, four = (r.steps[0] for r in results)
@@ -133,8 +172,9 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
     model = load_policy(policy_dir)
     rows = [dataclasses.replace(row, advantage=0.0) for row in _batch(model)]
     config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4)
-    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=0, model=model,
-                             progress=False)
+    result = train_iteration(
+        rows, policy_dir, tmp_path / "out", config, iteration=0, model=model, progress=False
+    )
     assert result.steps[0].grad_norm == 0.0
     for p, q in zip(result.model.parameters(), load_policy(policy_dir).parameters(), strict=True):
         assert torch.equal(p, q)
@@ -143,10 +183,12 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
 def test_kl_and_truncated_is_options_run(policy_dir, tmp_path):
     model = load_policy(policy_dir)
     rows = _batch(model)
-    config = TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.1, truncated_is=True,
-                         epochs=2)
-    result = train_iteration(rows, policy_dir, tmp_path / "out", config, iteration=0, model=model,
-                             progress=False)
+    config = TrainConfig(
+        lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.1, truncated_is=True, epochs=2
+    )
+    result = train_iteration(
+        rows, policy_dir, tmp_path / "out", config, iteration=0, model=model, progress=False
+    )
     assert [s.step for s in result.steps] == [0, 1, 2, 3]
     assert result.steps[0].approx_kl == pytest.approx(0.0, abs=1e-6)
     assert result.steps[-1].approx_kl > 0  # the policy moved away from the scored old policy
@@ -164,7 +206,9 @@ def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
         _row("b0", "b", [1, 2, 3], 1, 1.0, 1.0),
         _row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
         _row("empty", "b", [1, 2, 3], 1, 0.0, -1.0, loss_mask=[0, 0, 0]),
-        _row("first-only", "b", [1, 2, 3], 0, 0.0, -1.0, loss_mask=[1, 0, 0]),  # position 0 never trains
+        _row(
+            "first-only", "b", [1, 2, 3], 0, 0.0, -1.0, loss_mask=[1, 0, 0]
+        ),  # position 0 never trains
     ]
     assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["a0", "a1", "b0", "b1"]
     kept = prepare_rows(rows, TrainConfig(dynamic_sampling=True))
@@ -196,9 +240,96 @@ def test_mini_batches_are_a_seeded_shuffle():
 
 
 def test_collate_right_pads_and_masks_position_zero():
-    rows = [_row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]), _row("b", "g", [8], 0, 0.0, -1.0)]
+    rows = [
+        _row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]),
+        _row("b", "g", [8], 0, 0.0, -1.0),
+    ]
     batch = collate_rows(rows, "cpu")
     assert batch.token_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch.loss_mask.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
     assert batch.advantages.tolist() == [2.0, -1.0]
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed engine: pure helpers on CPU; the engine itself only with a GPU (unverified here)
+
+
+def test_deepspeed_config_takes_batch_sizes_and_clipping_from_train_config(tmp_path):
+    from cleaner.engine.train.deepspeed_engine import deepspeed_config_for
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}, "train_batch_size": 7}'
+    )
+    config = TrainConfig(
+        mini_batch_size=64,
+        micro_batch_size=8,
+        max_grad_norm=0.5,
+        engine="deepspeed",
+        deepspeed_config=str(path),
+    )
+    ds_config = deepspeed_config_for(config, world_size=2)
+    assert ds_config["zero_optimization"] == {"stage": 2} and ds_config["bf16"] == {"enabled": True}
+    assert (
+        ds_config["train_micro_batch_size_per_gpu"],
+        ds_config["gradient_accumulation_steps"],
+        ds_config["train_batch_size"],
+        ds_config["gradient_clipping"],
+    ) == (8, 4, 64, 0.5)
+
+
+def test_deepspeed_ranks_reach_the_accumulation_boundary_together():
+    from cleaner.engine.train.deepspeed_engine import _rank_micro_batches
+
+    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(5)]
+
+    def plan(rank, world_size=2, accumulation=2):
+        return [
+            ([r.rollout_id for r in micro], weight)
+            for micro, weight in _rank_micro_batches(rows, rank, world_size, 2, accumulation)
+        ]
+
+    assert plan(0) == [(["r0", "r2"], 1.0), (["r4"], 1.0)]
+    assert plan(1) == [(["r1", "r3"], 1.0), (["r1"], 0.0)]  # padded with a zero-weight repeat
+    assert plan(5, world_size=6, accumulation=1) == [(["r0"], 0.0)]  # a rank with no share
+
+
+@pytest.mark.gpu
+def test_deepspeed_engine_trains_one_step(policy_dir, tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29513",
+    }.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    model = load_policy(policy_dir)
+    rows = _batch(model)
+    config = TrainConfig(
+        lr=1e-2,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        engine="deepspeed",
+        deepspeed_config=str(path),
+        device="cuda",
+    )
+    loss_before = _batch_loss(
+        model, rows, dataclasses.replace(config, engine="torch", deepspeed_config=None)
+    )
+    result = train_iteration(
+        rows, policy_dir, tmp_path / "out", config, iteration=0, progress=False
+    )
+    assert len(result.steps) == 1 and math.isfinite(result.steps[0].grad_norm)
+    assert result.steps[0].loss == pytest.approx(6 / 24, abs=1e-4)
+    loaded = load_policy(result.out_path)
+    assert (
+        _batch_loss(
+            loaded, rows, dataclasses.replace(config, engine="torch", deepspeed_config=None)
+        )
+        < loss_before
+    )

@@ -1,0 +1,191 @@
+"""Synthetic tool-using trajectories for the tiny policy's supervised training.
+
+Every example answers one toy problem (tasks.py) with the Python tool. A share `fail_share` of
+first calls fail, then are corrected:
+- TYPO: the same code with one slip (`pirnt(`, a misspelt variable, a missing `)`), giving a
+  NameError or SyntaxError; the retry is the same code corrected (difflib ratio ~0.9-0.98), so
+  SAAR merges it shallow at gamma 0.5.
+- APPROACH: a call to a module that does not exist (`from mathx import mulmod`, `import sympy2`,
+  ...); the retry uses different reasoning and different code (ratio ~0.2-0.45), so SAAR merges it
+  deep.
+Each assistant turn starts with a short reasoning sentence, so shallow and deep merges keep
+different reasoning. Error texts come from really running the code (`local_exec`, worded like the
+sandbox), never from a hand-written string, so they are what the model will see when collecting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cleaner.engine.chat import IM_END, format_call, tool_response_text
+from cleaner.engine.collect.tasks import TOY_SOURCE, Task, ToyProblem, toy_problem
+
+NONE, TYPO, APPROACH = "none", "typo", "approach"
+FAILURE_KINDS = (NONE, TYPO, APPROACH)
+CORPUS_SEED_OFFSET = 1_000_000  # corpus problems never coincide with toy_tasks(n, seed) for small seeds
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    size: int = 40_000  # number of trajectories
+    seed: int = 0  # corpus problems use toy seed `seed + CORPUS_SEED_OFFSET`
+    fail_share: float = 0.3  # share of first calls that fail
+    approach_share: float = 0.5  # among failures: share by wrong approach (the rest are typos)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+        for name in ("fail_share", "approach_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CorpusExample:
+    task: Task
+    failure: str  # none | typo | approach
+    assistant_texts: tuple[str, ...]  # calls end with </tool_call>, the answer with <|im_end|>
+    tool_texts: tuple[str, ...]  # tool segment texts; tool_texts[i] follows assistant_texts[i]
+    failed_code: str | None  # the failing first call's code (None when failure == none)
+    fixed_code: str  # the code of the successful call
+
+    @property
+    def code_ratio(self) -> float | None:
+        """difflib ratio between the failed and the fixed code (None without a failure)."""
+        if self.failed_code is None:
+            return None
+        return difflib.SequenceMatcher(None, self.failed_code, self.fixed_code).ratio()
+
+
+# ---------------------------------------------------------------------------------------------
+# Code and reasoning templates
+
+START_REASONING = (
+    "I will compute this with Python.",
+    "Let me evaluate the expression with the tool.",
+    "I can compute it in Python.",
+)
+TYPO_REASONING = {
+    "NameError": ("I misspelled a name. Let me fix it.", "There is a typo in a name; fixing it."),
+    "SyntaxError": ("I missed a closing parenthesis. Let me fix it.", "The parentheses are unbalanced; fixing it."),
+}
+FINAL_TEMPLATES = ("The result is {n}.\n\\boxed{{{n}}}", "So the answer is \\boxed{{{n}}}.")
+
+# (reasoning, code) of calls to modules that do not exist; the fix is a different program.
+APPROACHES = (
+    ("I will use the mulmod helper from mathx.", "from mathx import mulmod\nprint(mulmod({a}, {b}, {c}, {d}))"),
+    ("Let me use sympy2 for the modulus.", "import sympy2\nprint(sympy2.Mod({a} * {b} + {c}, {d}))"),
+    ("The modcalc module can solve this.", "import modcalc\nprint(modcalc.solve({a}, {b}, {c}, {d}))"),
+)
+APPROACH_FIX_REASONING = (
+    "The module {module} is not available, so I will use plain arithmetic.",
+    "{module} does not exist here. I will compute step by step instead.",
+)
+APPROACH_FIX_CODE = "product = {a} * {b}\ntotal = product + {c}\nremainder = total % {d}\nprint(remainder)"
+
+
+def good_codes(p: ToyProblem) -> tuple[str, ...]:
+    return (
+        f"print(({p.a} * {p.b} + {p.c}) % {p.d})",
+        f"value = {p.a} * {p.b} + {p.c}\nprint(value % {p.d})",
+    )
+
+
+def typo_of(code: str, rng: random.Random) -> str:
+    """One slip in correct code: misspelt print, misspelt variable, or a missing `)`."""
+    kinds = ["print", "paren"] + (["variable"] if code.startswith("value") else [])
+    kind = rng.choice(kinds)
+    if kind == "print":
+        return code.replace("print(", rng.choice(("pirnt(", "prnt(", "pritn(")), 1)
+    if kind == "variable":
+        head, last = code.rsplit("\n", 1)
+        return head + "\n" + last.replace("value", rng.choice(("valeu", "vaule", "valu")))
+    head, _, last = code.rpartition("\n")
+    return (head + "\n" if head else "") + last[:-1]  # drop the final ")"
+
+
+def _call_text(reasoning: str, code: str) -> str:
+    return f"{reasoning}\n{format_call(code)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan -> execute -> assemble
+
+
+@dataclass(frozen=True)
+class _Plan:
+    task: Task
+    problem: ToyProblem
+    failure: str
+    first_reasoning: str
+    failed_code: str | None
+    fixed_code: str
+    rng_state: int  # seed for the wording chosen after execution
+
+
+def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Random) -> _Plan:
+    draw = rng.random()
+    failure = NONE
+    if draw < config.fail_share:
+        failure = APPROACH if rng.random() < config.approach_share else TYPO
+    good = rng.choice(good_codes(problem))
+    values = {"a": problem.a, "b": problem.b, "c": problem.c, "d": problem.d}
+    if failure == APPROACH:
+        reasoning, template = rng.choice(APPROACHES)
+        return _Plan(task, problem, failure, reasoning, template.format(**values),
+                     APPROACH_FIX_CODE.format(**values), rng.getrandbits(32))
+    failed = typo_of(good, rng) if failure == TYPO else None
+    return _Plan(task, problem, failure, rng.choice(START_REASONING), failed, good, rng.getrandbits(32))
+
+
+def _assemble(plan: _Plan, failed_response: str | None, error_type: str | None,
+              fixed_response: str) -> CorpusExample:
+    rng = random.Random(plan.rng_state)
+    assistant, tools = [], []
+    if plan.failed_code is not None:
+        assistant.append(_call_text(plan.first_reasoning, plan.failed_code))
+        tools.append(tool_response_text(failed_response))
+        if plan.failure == APPROACH:
+            module = plan.failed_code.split()[1].split(".")[0]
+            fix_reasoning = rng.choice(APPROACH_FIX_REASONING).format(module=module)
+        else:
+            fix_reasoning = rng.choice(TYPO_REASONING[error_type])
+        assistant.append(_call_text(fix_reasoning, plan.fixed_code))
+    else:
+        assistant.append(_call_text(plan.first_reasoning, plan.fixed_code))
+    tools.append(tool_response_text(fixed_response))
+    assistant.append(rng.choice(FINAL_TEMPLATES).format(n=plan.problem.answer) + IM_END)
+    return CorpusExample(plan.task, plan.failure, tuple(assistant), tuple(tools),
+                         plan.failed_code, plan.fixed_code)
+
+
+Executor = Callable[[Sequence[str]], list]  # codes -> results with .ok, .response, .error_type
+
+
+def build_corpus(config: CorpusConfig, executor: Executor | None = None) -> list[CorpusExample]:
+    """The corpus, deterministic in `config`; every call is really executed by `executor`."""
+    if executor is None:
+        from cleaner.engine.bootstrap.local_exec import run_snippets as executor
+    rng = random.Random(f"corpus/{config.seed}")
+    plans = []
+    for index in range(config.size):
+        problem = toy_problem(config.seed + CORPUS_SEED_OFFSET, index)
+        task = Task(f"corpus-{config.seed}-{index}", ({"role": "user", "content": problem.question},),
+                    str(problem.answer), TOY_SOURCE)
+        plans.append(_plan(problem, task, config, rng))
+    codes = [plan.fixed_code for plan in plans] + [p.failed_code for p in plans if p.failed_code]
+    results = executor(codes)
+    fixed_results, failed_results = results[: len(plans)], iter(results[len(plans):])
+    examples = []
+    for plan, fixed in zip(plans, fixed_results):
+        if not fixed.ok or fixed.response.split("stdout: ")[-1].strip() != str(plan.problem.answer):
+            raise RuntimeError(f"corpus code gave a wrong result: {plan.fixed_code!r} -> {fixed.response!r}")
+        failed = next(failed_results) if plan.failed_code else None
+        if failed is not None and failed.ok:
+            raise RuntimeError(f"corpus failure did not fail: {plan.failed_code!r}")
+        examples.append(_assemble(plan, failed and failed.response, failed and failed.error_type,
+                                  fixed.response))
+    return examples

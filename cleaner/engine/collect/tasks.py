@@ -1,0 +1,153 @@
+"""Tasks: the toy arithmetic family and verl-style RL Parquet datasets.
+
+Design decisions:
+- A `Task` is the unit the agent loop samples a GRPO group for: chat messages, the ground truth
+  and the `data_source` that selects the reward (rewards.py).
+- The toy family asks for `(A * B + C) mod D` with 3-digit A, B, C: too long to do in the head of
+  a 0.5M-parameter model, easy with the Python tool. It is deterministic in (n, seed), and the
+  numbers of prompt i depend only on (seed, i), so `toy_tasks(10, s)[:5] == toy_tasks(5, s)`.
+- `load_rl_parquet` reads the Open-AgentRL-30K layout (`prompt`, `reward_model.ground_truth`,
+  `data_source`, optional `extra_info`). Every bad file or row raises ValueError naming the file,
+  the row and what was expected; nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TOY_SOURCE = "toy"
+
+# Phrasings of the same question; the expression is always (A * B + C) mod D.
+TOY_TEMPLATES = (
+    "What is ({a} * {b} + {c}) mod {d}?",
+    "Compute ({a} * {b} + {c}) mod {d}.",
+    "Find the remainder when {a} * {b} + {c} is divided by {d}.",
+)
+
+
+@dataclass(frozen=True)
+class Task:
+    prompt_id: str
+    messages: tuple[dict, ...]  # chat messages {"role", "content"}: system optional, then user
+    ground_truth: str
+    data_source: str  # selects the reward; "toy" for the toy family
+
+
+@dataclass(frozen=True)
+class ToyProblem:
+    """The numbers behind one toy prompt (the corpus writes code from them)."""
+
+    a: int
+    b: int
+    c: int
+    d: int
+    template: int  # index into TOY_TEMPLATES
+
+    @property
+    def question(self) -> str:
+        return TOY_TEMPLATES[self.template].format(a=self.a, b=self.b, c=self.c, d=self.d)
+
+    @property
+    def answer(self) -> int:
+        return (self.a * self.b + self.c) % self.d
+
+
+# ---------------------------------------------------------------------------------------------
+# Toy family
+
+
+def toy_problem(seed: int, index: int) -> ToyProblem:
+    """The problem of prompt `index` under `seed` (independent of how many are drawn)."""
+    rng = random.Random(f"toy/{seed}/{index}")
+    return ToyProblem(
+        a=rng.randint(100, 999),
+        b=rng.randint(100, 999),
+        c=rng.randint(100, 999),
+        d=rng.randint(11, 97),
+        template=rng.randrange(len(TOY_TEMPLATES)),
+    )
+
+
+def toy_tasks(n: int, seed: int) -> list[Task]:
+    """`n` toy tasks, deterministic in (n, seed); prompt ids are `toy-<seed>-<i>`."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    tasks = []
+    for index in range(n):
+        problem = toy_problem(seed, index)
+        tasks.append(Task(
+            prompt_id=f"toy-{seed}-{index}",
+            messages=({"role": "user", "content": problem.question},),
+            ground_truth=str(problem.answer),
+            data_source=TOY_SOURCE,
+        ))
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# verl-style RL Parquet
+
+REQUIRED_COLUMNS = ("prompt", "reward_model", "data_source")
+
+
+def _row_error(path: Path, index: int, expected: str, got: object) -> ValueError:
+    return ValueError(f"{path}: row {index}: expected {expected}, got {got!r:.120}")
+
+
+def _parse_messages(path: Path, index: int, prompt: object) -> tuple[dict, ...]:
+    if hasattr(prompt, "tolist"):  # numpy arrays from pandas-style readers
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list) or not prompt:
+        raise _row_error(path, index, "`prompt` as a non-empty list of {role, content}", prompt)
+    messages = []
+    for message in prompt:
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise _row_error(path, index, "each `prompt` message to have string role and content", message)
+        messages.append({"role": message["role"], "content": message["content"]})
+    if messages[-1]["role"] != "user":
+        raise _row_error(path, index, "the last `prompt` message to be the user's", messages[-1]["role"])
+    return tuple(messages)
+
+
+def _parse_row(path: Path, index: int, row: dict) -> Task:
+    messages = _parse_messages(path, index, row["prompt"])
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise _row_error(path, index, "`reward_model` as a struct with `ground_truth`", reward_model)
+    ground_truth = reward_model["ground_truth"]
+    if hasattr(ground_truth, "tolist"):
+        ground_truth = ground_truth.tolist()
+    if isinstance(ground_truth, list):  # some sets store a list of accepted answers; keep the first
+        ground_truth = ground_truth[0] if ground_truth else None
+    if not isinstance(ground_truth, (str, int, float)) or ground_truth == "":
+        raise _row_error(path, index, "a non-empty `reward_model.ground_truth`", ground_truth)
+    data_source = row["data_source"]
+    if not isinstance(data_source, str) or not data_source:
+        raise _row_error(path, index, "a non-empty string `data_source`", data_source)
+    extra_info = row.get("extra_info")
+    row_index = extra_info.get("index") if isinstance(extra_info, dict) else None
+    prompt_id = f"{data_source}-{row_index if row_index is not None else index}"
+    return Task(prompt_id, messages, str(ground_truth), data_source)
+
+
+def load_rl_parquet(path: str | Path, limit: int | None = None) -> list[Task]:
+    """Read a verl-style RL Parquet file into tasks (the first `limit` rows if given)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such Parquet file")
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for a corrupt file  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable Parquet file ({error})") from error
+    missing = [name for name in REQUIRED_COLUMNS if name not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; expected {list(REQUIRED_COLUMNS)} "
+                         f"(verl RL layout), found {table.column_names}")
+    if limit is not None:
+        table = table.slice(0, limit)
+    return [_parse_row(path, index, row) for index, row in enumerate(table.to_pylist())]

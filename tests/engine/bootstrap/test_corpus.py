@@ -1,0 +1,64 @@
+"""The corpus has the intended failure mix, real error texts, and the stated similarity ranges."""
+
+from __future__ import annotations
+
+import pytest
+
+from cleaner.engine.bootstrap.corpus import APPROACH, NONE, TYPO, CorpusConfig, build_corpus
+from cleaner.engine.chat import parse_tool_call
+from cleaner.engine.collect.rewards import compute_reward
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(CorpusConfig(size=1000, seed=0, fail_share=0.3, approach_share=0.5))
+
+
+def test_failure_shares_match_the_config(corpus):
+    typo = sum(e.failure == TYPO for e in corpus)
+    approach = sum(e.failure == APPROACH for e in corpus)
+    # 1000 draws: the binomial sd of the failure count is ~14.5, of each kind ~11
+    assert 255 <= typo + approach <= 345
+    assert 110 <= typo <= 190 and 110 <= approach <= 190
+
+
+def test_typo_fixes_are_near_copies_and_approach_fixes_are_different_code(corpus):
+    for example in corpus:
+        ratio = example.code_ratio
+        if example.failure == TYPO:
+            assert 0.9 <= ratio < 1.0
+        elif example.failure == APPROACH:
+            assert 0.2 <= ratio <= 0.45
+        else:
+            assert ratio is None
+
+
+def test_failures_carry_the_real_error_and_are_then_fixed(corpus):
+    for example in corpus:
+        calls = [parse_tool_call(text) for text in example.assistant_texts[:-1]]
+        assert [c.code for c in calls][-1] == example.fixed_code
+        assert "Tool call success" in example.tool_texts[-1]
+        if example.failure == NONE:
+            assert len(example.assistant_texts) == 2
+            continue
+        assert len(example.assistant_texts) == 3 and calls[0].code == example.failed_code
+        error_text = example.tool_texts[0]
+        assert "Tool call failure\nreason: error\nstderr: " in error_text
+        expected = ("ModuleNotFoundError",) if example.failure == APPROACH else ("NameError", "SyntaxError")
+        assert any(f"stderr: {name} at line " in error_text for name in expected)
+        # the retry's reasoning differs from the first attempt's
+        assert example.assistant_texts[0].split("\n")[0] != example.assistant_texts[1].split("\n")[0]
+
+
+def test_final_answers_are_correct_and_boxed(corpus):
+    for example in corpus[:150]:  # math-verify costs ~7 ms a call
+        response = "".join(a + t for a, t in zip(example.assistant_texts, example.tool_texts + ("",)))
+        assert example.assistant_texts[-1].endswith("<|im_end|>")
+        assert compute_reward(response, example.task.ground_truth, "toy").correct
+
+
+def test_deterministic_and_fail_share_zero():
+    assert build_corpus(CorpusConfig(size=50, seed=3)) == build_corpus(CorpusConfig(size=50, seed=3))
+    assert all(e.failure == NONE for e in build_corpus(CorpusConfig(size=100, fail_share=0.0)))
+    with pytest.raises(ValueError, match="fail_share"):
+        CorpusConfig(fail_share=1.5)

@@ -12,8 +12,8 @@ Design decisions:
 - Asymmetric clip ("clip-higher"): the ratio is clipped to [1 - eps_low, 1 + eps_high].
 - Truncated importance sampling multiplies the per-token surrogate by min(pi_old / pi_behaviour,
   cap), detached; the paper's default is off (DESIGN.md section 5).
-- Overlong shaping changes rewards, so it needs advantages recomputed; `group_advantages` is the
-  GRPO normalisation (r - mean_group) / (std_group + eps) for that case.
+- Overlong shaping changes rewards, so the trainer recomputes advantages with the same GRPO
+  normalisation purify uses (`cleaner.engine.purify.advantages.grpo_advantages`).
 
 Shapes: B sequences, T tokens, V vocabulary.
 """
@@ -168,21 +168,3 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer: int) 
     expected = max_len - buffer
     ramp = (expected - lengths) / buffer  # (B,), negative inside the buffer
     return torch.where(lengths <= expected, torch.zeros_like(lengths), ramp.clamp(min=-1.0))
-
-
-def group_advantages(
-    group_ids: Sequence[str], rewards: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
-    """GRPO advantage (r - mean_group) / (std_group + eps), unbiased std; (B,) -> (B,).
-
-    A single-row group gets advantage 0.
-    """
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    advantages = torch.zeros_like(rewards)
-    for group in set(group_ids):
-        members = torch.tensor([g == group for g in group_ids])
-        group_rewards = rewards[members]
-        if group_rewards.numel() < 2:
-            continue
-        advantages[members] = (group_rewards - group_rewards.mean()) / (group_rewards.std() + eps)
-    return advantages

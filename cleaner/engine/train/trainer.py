@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.engine.config import TrainConfig
+from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.records import PurifiedRow, TrainStepRow
 from cleaner.engine.train.checkpoint import (
     load_policy,
@@ -47,7 +48,6 @@ from cleaner.engine.train.checkpoint import (
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     entropy_from_logits,
-    group_advantages,
     kl_penalty,
     overlong_penalty,
     policy_loss,
@@ -81,10 +81,10 @@ def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[Purifi
     lengths = torch.tensor([len(row.token_ids) - row.prompt_len for row in rows])
     penalties = overlong_penalty(lengths, config.max_response_tokens, config.overlong_buffer)
     rewards = torch.tensor([row.reward for row in rows]) + penalties  # (B,)
-    advantages = group_advantages([row.group_id for row in rows], rewards, OVERLONG_ADVANTAGE_EPS)
+    advantages = grpo_advantages([row.group_id for row in rows], rewards.tolist(), OVERLONG_ADVANTAGE_EPS)
     return [
         dataclasses.replace(row, reward=float(reward), advantage=float(advantage))
-        for row, reward, advantage in zip(rows, rewards.tolist(), advantages.tolist(), strict=True)
+        for row, reward, advantage in zip(rows, rewards.tolist(), advantages, strict=True)
     ]
 
 

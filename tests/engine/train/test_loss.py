@@ -10,7 +10,6 @@ import torch
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     entropy_from_logits,
-    group_advantages,
     kl_penalty,
     masked_mean,
     overlong_penalty,
@@ -192,10 +191,3 @@ def test_overlong_penalty():
     assert overlong_penalty(lengths, max_len=10, buffer=0).tolist() == [0.0] * 5
 
 
-def test_group_advantages():
-    advantages = group_advantages(
-        ["g", "g", "g", "g", "h"], torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0])
-    )
-    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 1, 0]
-    expected = [0.5 / std, -0.5 / std, 0.5 / std, -0.5 / std, 0.0]
-    assert advantages.tolist() == pytest.approx(expected, abs=1e-4)

@@ -86,14 +86,26 @@ class Scorer(Protocol):
 
 @dataclass
 class BackendScorer:
-    """A Scorer over a Backend whose own `score` reuses prefixes (SGLang's radix cache)."""
+    """A Scorer over a Backend whose own `score` reuses prefixes (SGLang's radix cache).
+
+    With `warm_prefixes`, the shared prefix of every branching node of the batch's radix tree is
+    scored first (one token each), so the engine's cache holds it before the full rows arrive and
+    rows scheduled together do not all miss it.
+    """
 
     backend: Backend
+    warm_prefixes: bool = False
+    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a warm-up request
     version: str = "backend-score-1"
     stats: ScorerStats = field(default_factory=ScorerStats)
 
     def score_rows(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        check_score_inputs(sequences, starts)
         began = time.perf_counter()
+        if self.warm_prefixes:
+            prefixes = shared_prefixes(sequences, self.min_prefix_tokens)
+            self.backend.score(prefixes, [len(p) - 1 for p in prefixes])
+            self.stats.n_prefix_groups += len(prefixes)
         order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))  # prefixes first
         scored = self.backend.score([sequences[i] for i in order], [starts[i] for i in order])
         results: list[list[float]] = [[] for _ in sequences]
@@ -103,6 +115,19 @@ class BackendScorer:
         self.stats.tokens_forwarded += sum(len(s) for s in sequences)  # unknown: engine-side cache
         self.stats.seconds += time.perf_counter() - began
         return results
+
+
+def shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) -> list[list[int]]:
+    """The token path to every radix-tree node that two or more rows continue past."""
+    root = build_radix_tree(sequences, max_edge_tokens=max(len(s) for s in sequences) if sequences else 1)
+    found: list[list[int]] = []
+    pending = [(child, list(child.edge)) for child in root.children]
+    while pending:
+        node, path = pending.pop()
+        if len(node.children) + len(node.ending_rows) >= 2 and node.children and len(path) >= min_tokens:
+            found.append(path)
+        pending.extend((child, path + list(child.edge)) for child in node.children)
+    return sorted(found, key=len)
 
 
 # ---------------------------------------------------------------------------- radix tree

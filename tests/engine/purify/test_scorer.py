@@ -138,3 +138,19 @@ def test_backend_scorer_restores_row_order(backend):
 def test_rejects_start_outside_row(backend):
     with pytest.raises(ValueError, match="row 1: start 4 outside"):
         PrefixTrieScorer(backend.model).score_rows([[1, 2], [1, 2, 3]], [1, 4])
+
+
+def test_shared_prefixes_are_the_branching_paths():
+    from cleaner.engine.purify.scorer import shared_prefixes
+
+    rows = [PROMPT + [3, 4, 5], PROMPT + [3, 4, 6], PROMPT + [9], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
+    assert shared_prefixes(rows, min_tokens=2) == [PROMPT, PROMPT + [3, 4]]
+    assert shared_prefixes(rows, min_tokens=9) == [PROMPT + [3, 4]]
+
+
+def test_backend_scorer_warm_up_does_not_change_results(backend):
+    sequences = [PROMPT + [9, 9], PROMPT + [9, 8, 1], PROMPT + [1]]
+    scorer = BackendScorer(backend, warm_prefixes=True, min_prefix_tokens=4)
+    got = scorer.score_rows(sequences, [8, 8, 8])
+    assert scorer.stats.n_prefix_groups == 2  # PROMPT and PROMPT + [9]
+    assert_rows_close(got, backend.score(sequences, [8, 8, 8]), atol=1e-6)

@@ -87,7 +87,7 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
         collect_config_json=collect_config.to_json(), purify_config_json=config.purify.to_json(),
         train_config_json=config.train.to_json(), collect_s=collected.seconds, purify_s=purify_s,
         train_s=train_s, accuracy=summary.accuracy, first_attempt_error_rate=summary.first_attempt_error_rate,
-        failures_per_trajectory=summary.failures_per_trajectory,
+        failures_per_trajectory=summary.failed_calls_per_rollout,
         n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
     )
     warehouse.write_iteration(row)

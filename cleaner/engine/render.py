@@ -23,6 +23,10 @@ Design decisions:
   in progress during collection (stats of partial renders are not used).
 - Malformed chains (attempt numbers out of order, an attempt after a successful call, a tool segment
   without its call) raise ValueError naming the rollout and seq: they are collector bugs.
+- `explain(segments, view)` reports, per step, the outcome and every merge decision (similarity and
+  shallow/deep) and which raw tokens survive. It reads them off the very walk `render` does (each
+  span carries its provenance: the (seq, start, end) token ranges of the raw segments it came from),
+  so the explanation cannot drift from the rendering; there is no second implementation of SAAR.
 """
 
 from __future__ import annotations
@@ -66,6 +70,47 @@ class RenderStats:
 
 
 @dataclass(frozen=True)
+class KeptTokens:
+    """Tokens [start, end) of raw segment `seq` that appear in a rendering."""
+
+    seq: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class MergeDecision:
+    """One SAAR merge of attempt a_i into the turn built from the earlier attempts."""
+
+    attempt: int  # i of the attempt merged in (>= 1)
+    similarity: float | None  # difflib ratio; None when either side had no call (always deep)
+    kind: str  # shallow | deep
+
+
+# Per-step outcomes of `explain`.
+CLEAN = "clean"  # one attempt, no failed call: unchanged
+SHALLOW, DEEP, MIXED = "shallow", "deep", "mixed"  # recovered; the merges were all shallow, all deep, both
+UNRECOVERED = "unrecovered"  # no successful call (retries exhausted, or still in progress)
+ANSWERED = "answered"  # a retry answered instead of calling
+RAW_STEP = "raw"  # rendered raw: the view is raw, or an earlier step was unrecovered
+STEP_OUTCOMES = (CLEAN, SHALLOW, DEEP, MIXED, UNRECOVERED, ANSWERED, RAW_STEP)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How one step (chain) of a rollout was rendered."""
+
+    step: int | None
+    seqs: tuple[int, ...]  # the chain's raw segments, in order
+    attempts: int  # assistant attempts at this step
+    outcome: str  # one of STEP_OUTCOMES
+    merges: tuple[MergeDecision, ...]  # in order of the attempts merged in
+    kept: tuple[KeptTokens, ...]  # raw token ranges the rendering emits for this step, in order
+    removed_seqs: tuple[int, ...]  # raw segments of which no token is emitted
+    tokens_removed: int  # raw tokens of the chain minus emitted tokens
+
+
+@dataclass(frozen=True)
 class Rendered:
     token_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]  # 1 = assistant token that is trained
@@ -94,14 +139,29 @@ class _Span:
     trained: bool
     call_start: int | None = None  # assistant spans: where the call begins
     code: str | None = None  # assistant spans: the code of the call
+    origin: tuple[KeptTokens, ...] = ()  # the raw token ranges these tokens are, in order
 
 
 def _span(segment: Segment) -> _Span:
+    origin = (KeptTokens(segment.seq, 0, len(segment.token_ids)),)
     if segment.kind != ASSISTANT:
-        return _Span(segment.token_ids, (0.0,) * len(segment.token_ids), trained=False)
+        return _Span(segment.token_ids, (0.0,) * len(segment.token_ids), trained=False, origin=origin)
     if segment.logprobs is None:
         raise ValueError(f"assistant segment {segment.rollout_id}#{segment.seq} has no logprobs")
-    return _Span(segment.token_ids, segment.logprobs, True, segment.call_start, segment.tool_code)
+    return _Span(segment.token_ids, segment.logprobs, True, segment.call_start, segment.tool_code, origin)
+
+
+def _cut_origin(origin: Sequence[KeptTokens], start: int, end: int) -> tuple[KeptTokens, ...]:
+    """The provenance of tokens [start, end) of a span whose provenance is `origin`."""
+    pieces: list[KeptTokens] = []
+    offset = 0
+    for piece in origin:
+        length = piece.end - piece.start
+        low, high = max(start, offset), min(end, offset + length)
+        if low < high:
+            pieces.append(KeptTokens(piece.seq, piece.start + low - offset, piece.start + high - offset))
+        offset += length
+    return tuple(pieces)
 
 
 def _assemble(spans: Sequence[_Span], prompt_len: int, stats: RenderStats) -> Rendered:
@@ -119,8 +179,10 @@ def _assemble(spans: Sequence[_Span], prompt_len: int, stats: RenderStats) -> Re
 # Rendering
 
 
-def render(segments: Sequence[Segment], view: View, decode: Decode | None = None) -> Rendered:
-    """Render the segments of ONE rollout under `view` (sorted by seq here)."""
+def _split(
+    segments: Sequence[Segment], view: View, decode: Decode | None
+) -> tuple[list[Segment], list[Segment]]:
+    """Check the input; the prompt segments and the rest, in seq order."""
     if not segments:
         raise ValueError("render needs at least one segment")
     ordered = sorted(segments, key=lambda segment: segment.seq)
@@ -132,25 +194,60 @@ def render(segments: Sequence[Segment], view: View, decode: Decode | None = None
     body = [segment for segment in ordered if segment.kind != PROMPT]
     if ordered[: len(prompt)] != prompt:
         raise ValueError(f"rollout {ordered[0].rollout_id}: prompt segments must come first")
+    return prompt, body
+
+
+def render(segments: Sequence[Segment], view: View, decode: Decode | None = None) -> Rendered:
+    """Render the segments of ONE rollout under `view` (sorted by seq here)."""
+    prompt, body = _split(segments, view, decode)
     prompt_len = sum(len(segment.token_ids) for segment in prompt)
-    raw_len = sum(len(segment.token_ids) for segment in ordered)
+    raw_len = prompt_len + sum(len(segment.token_ids) for segment in body)
     spans = [_span(segment) for segment in prompt]
-    n_shallow = n_deep = n_unrecovered = 0
-    chains = _chains(body)
-    for index, chain in enumerate(chains):
-        if not view.purified:
-            spans.extend(_span(segment) for segment in chain)
-            continue
-        result = _render_chain(chain, view, decode)
+    results = [result for _, result in _walk(body, view, decode)]
+    for result in results:
         spans.extend(result.spans)
-        n_shallow, n_deep = n_shallow + result.n_shallow, n_deep + result.n_deep
-        if result.unrecovered:  # the rest of the trajectory is raw
-            n_unrecovered += 1
-            spans.extend(_span(segment) for later in chains[index + 1:] for segment in later)
-            break
     length = sum(len(span.token_ids) for span in spans)
-    stats = RenderStats(n_shallow, n_deep, n_unrecovered, raw_len - length)
+    stats = RenderStats(
+        n_shallow=sum(result.n_shallow for result in results),
+        n_deep=sum(result.n_deep for result in results),
+        n_unrecovered=sum(result.outcome in (UNRECOVERED, ANSWERED) for result in results),
+        tokens_removed=raw_len - length,
+    )
     return _assemble(spans, prompt_len, stats)
+
+
+def explain(segments: Sequence[Segment], view: View, decode: Decode | None = None) -> list[StepOutcome]:
+    """Step by step, how `render(segments, view, decode)` treats each chain (prompt excluded)."""
+    _, body = _split(segments, view, decode)
+    outcomes = []
+    for chain, result in _walk(body, view, decode):
+        kept = tuple(piece for span in result.spans for piece in span.origin)
+        emitted = {piece.seq for piece in kept}
+        outcomes.append(StepOutcome(
+            step=chain[0].step,
+            seqs=tuple(segment.seq for segment in chain),
+            attempts=sum(segment.kind == ASSISTANT for segment in chain),
+            outcome=result.outcome,
+            merges=result.merges,
+            kept=kept,
+            removed_seqs=tuple(segment.seq for segment in chain if segment.seq not in emitted),
+            tokens_removed=sum(len(segment.token_ids) for segment in chain)
+            - sum(piece.end - piece.start for piece in kept),
+        ))
+    return outcomes
+
+
+def _walk(
+    body: Sequence[Segment], view: View, decode: Decode | None
+) -> list[tuple[list[Segment], _ChainResult]]:
+    """Each chain with its rendering; after an unrecovered chain (or in the raw view) chains are raw."""
+    walked = []
+    raw = not view.purified
+    for chain in _chains(body):
+        result = _raw_chain(chain) if raw else _render_chain(chain, view, decode)
+        raw = raw or result.outcome in (UNRECOVERED, ANSWERED)  # the rest of the trajectory is raw
+        walked.append((chain, result))
+    return walked
 
 
 def _chains(body: Sequence[Segment]) -> list[list[Segment]]:
@@ -169,7 +266,18 @@ class _ChainResult:
     spans: tuple[_Span, ...]
     n_shallow: int
     n_deep: int
-    unrecovered: bool  # no successful call: the rest of the trajectory renders raw
+    outcome: str  # one of STEP_OUTCOMES; unrecovered or answered: the rest renders raw
+    merges: tuple[MergeDecision, ...] = ()
+
+
+def _raw_chain(chain: Sequence[Segment]) -> _ChainResult:
+    return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, RAW_STEP)
+
+
+def _recovered(merged: _Merged) -> str:
+    if merged.n_deep == 0:
+        return SHALLOW
+    return DEEP if merged.n_shallow == 0 else MIXED
 
 
 def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
@@ -195,21 +303,22 @@ def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
 def _render_chain(chain: Sequence[Segment], view: View, decode: Decode | None) -> _ChainResult:
     pairs = _attempts(chain)
     if len(pairs) == 1 and (pairs[0][1] is None or not pairs[0][1].failed):
-        return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, False)  # unchanged
+        return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, CLEAN)  # unchanged
     for i, (assistant, tool) in enumerate(pairs):
         if i > 0 and not assistant.has_call:  # the retry answered instead of calling
             merged = _merge([a for a, _ in pairs[:i]], view, decode)
             rest = chain[chain.index(assistant):]  # a_i and anything after it, raw
             spans = (merged.turn, _span(pairs[i - 1][1]), *(_span(segment) for segment in rest))
-            return _ChainResult(spans, merged.n_shallow, merged.n_deep, True)
+            return _ChainResult(spans, merged.n_shallow, merged.n_deep, ANSWERED, merged.decisions)
         if tool is not None and not tool.failed:  # first success at attempt i
             merged = _merge([a for a, _ in pairs[: i + 1]], view, decode)
-            return _ChainResult((merged.turn, _span(tool)), merged.n_shallow, merged.n_deep, False)
+            return _ChainResult((merged.turn, _span(tool)), merged.n_shallow, merged.n_deep,
+                                _recovered(merged), merged.decisions)
     # No success: exhausted, or in progress during collection; both render the same tokens.
     merged = _merge([a for a, _ in pairs], view, decode)
     last_tool = pairs[-1][1]
     spans = (merged.turn,) if last_tool is None else (merged.turn, _span(last_tool))
-    return _ChainResult(spans, merged.n_shallow, merged.n_deep, True)
+    return _ChainResult(spans, merged.n_shallow, merged.n_deep, UNRECOVERED, merged.decisions)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,16 +330,18 @@ class _Merged:
     turn: _Span
     n_shallow: int
     n_deep: int
+    decisions: tuple[MergeDecision, ...]
 
 
 def _merge(attempts: Sequence[Segment], view: View, decode: Decode | None) -> _Merged:
     """cur = a_0; for each later a_i: shallow (prefix(cur) + call(a_i)) if similar enough, else deep."""
     current = _span(attempts[0])
-    n_shallow = n_deep = 0
+    decisions: list[MergeDecision] = []
     for attempt in attempts[1:]:
         following = _span(attempt)
         both_call = current.call_start is not None and following.call_start is not None
-        if both_call and _similarity(current, following, view.similarity_on, decode) >= view.gamma:
+        similarity = _similarity(current, following, view.similarity_on, decode) if both_call else None
+        if similarity is not None and similarity >= view.gamma:
             cut, start = current.call_start, following.call_start
             current = _Span(
                 current.token_ids[:cut] + following.token_ids[start:],
@@ -238,12 +349,15 @@ def _merge(attempts: Sequence[Segment], view: View, decode: Decode | None) -> _M
                 True,
                 call_start=cut,
                 code=following.code,
+                origin=_cut_origin(current.origin, 0, cut)
+                + _cut_origin(following.origin, start, len(following.token_ids)),
             )
-            n_shallow += 1
+            decisions.append(MergeDecision(attempt.attempt, similarity, SHALLOW))
         else:
             current = following
-            n_deep += 1
-    return _Merged(current, n_shallow, n_deep)
+            decisions.append(MergeDecision(attempt.attempt, similarity, DEEP))
+    n_shallow = sum(decision.kind == SHALLOW for decision in decisions)
+    return _Merged(current, n_shallow, len(decisions) - n_shallow, tuple(decisions))
 
 
 def _similarity(earlier: _Span, later: _Span, similarity_on: str, decode: Decode | None) -> float:

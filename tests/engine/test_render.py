@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cleaner.engine.chat import format_call
 from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TOOL, Segment
-from cleaner.engine.render import RAW, View, render, view_for
+from cleaner.engine.render import RAW, KeptTokens, MergeDecision, View, explain, render, view_for
 
 # ----------------------------------------------------------------------------------------------
 # Builders
@@ -345,3 +345,107 @@ def test_unrecovered_chain_renders_rest_raw(plan, gamma):
     # Cut right after the last failed call (a retry not generated yet): a prefix of the full render.
     partial = render([s for s in plan.segments if s.seq <= last_tool.seq], View(True, gamma, "code"))
     assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# explain: the renderer's own decisions, step by step
+
+
+def kept(*ranges: tuple[int, int, int]) -> tuple[KeptTokens, ...]:
+    return tuple(KeptTokens(*r) for r in ranges)
+
+
+def test_explain_shallow_keeps_first_reasoning_and_second_call():
+    steps = explain(one_retry(SIMILAR), PURIFIED)
+    assert [s.outcome for s in steps] == ["shallow", "clean"]
+    first, answer = steps
+    assert (first.step, first.seqs, first.attempts) == (0, (1, 2, 3, 4), 2)
+    assert first.merges == (MergeDecision(1, pytest.approx(0.9), "shallow"),)
+    assert first.kept == kept((1, 0, 2), (3, 1, 3), (4, 0, 1))  # reasoning of a_0, call of a_1, t_1
+    assert (first.removed_seqs, first.tokens_removed) == ((2,), 4)
+    assert (answer.step, answer.kept, answer.removed_seqs, answer.merges) == (1, kept((5, 0, 2)), (), ())
+
+
+def test_explain_deep_drops_the_failed_attempt_and_its_error():
+    first = explain(one_retry(DIFFERENT), PURIFIED)[0]
+    assert first.outcome == "deep"
+    assert first.merges == (MergeDecision(1, pytest.approx(0.2), "deep"),)  # "import numpy" vs "x=2; y=3"
+    assert first.kept == kept((3, 0, 3), (4, 0, 1))
+    assert (first.removed_seqs, first.tokens_removed) == ((1, 2), 5)
+
+
+def test_explain_three_attempts_is_mixed():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),
+        tool(4, 0, 1, (23,), ERROR),
+        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),
+        tool(6, 0, 2, (33,), OK),
+    ]
+    (step,) = explain(segments, PURIFIED)
+    assert step.outcome == "mixed" and step.attempts == 3
+    assert [(m.attempt, m.kind) for m in step.merges] == [(1, "deep"), (2, "shallow")]
+    # difflib is order-sensitive: ("import numpy", "print(1+1)") matches 2 chars, 2 * 2 / 22 = 2 / 11
+    assert [m.similarity for m in step.merges] == [pytest.approx(2 / 11), pytest.approx(0.9)]
+    assert step.kept == kept((3, 0, 2), (5, 1, 3), (6, 0, 1))
+    assert step.removed_seqs == (1, 2, 4)
+
+
+def test_explain_unrecovered_then_raw():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
+        tool(4, 0, 1, (22,), ERROR),
+        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),
+        tool(6, 1, 0, (32,), ERROR),
+        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
+        tool(8, 1, 1, (42,), OK),
+    ]
+    first, second = explain(segments, PURIFIED)
+    assert (first.outcome, first.kept, first.removed_seqs) == ("unrecovered", kept((1, 0, 1), (3, 1, 2), (4, 0, 1)), (2,))
+    assert [m.kind for m in first.merges] == ["shallow"]
+    assert (second.outcome, second.merges, second.removed_seqs, second.tokens_removed) == ("raw", (), (), 0)
+    assert second.kept == kept((5, 0, 2), (6, 0, 1), (7, 0, 2), (8, 0, 1))
+
+
+def test_explain_answered_keeps_last_error():
+    segments = [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
+        tool(4, 0, 1, (22,), ERROR),
+        assistant(5, 0, 2, (30, 31)),
+    ]
+    (step,) = explain(segments, PURIFIED)
+    assert (step.outcome, step.attempts, step.tokens_removed) == ("answered", 3, 3)
+    assert step.merges == (MergeDecision(1, pytest.approx(0.2), "deep"),)
+    assert step.kept == kept((3, 0, 2), (4, 0, 1), (5, 0, 2))
+    assert step.removed_seqs == (1, 2)
+
+
+def test_explain_raw_view_removes_nothing():
+    steps = explain(one_retry(SIMILAR), RAW)
+    assert [s.outcome for s in steps] == ["raw", "raw"]
+    assert all(s.removed_seqs == () and s.tokens_removed == 0 and s.merges == () for s in steps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_explain_agrees_with_render(plan, gamma):
+    view = View(True, gamma, "code")
+    rendered = render(plan.segments, view)
+    steps = explain(plan.segments, view)
+    by_seq = {segment.seq: segment for segment in plan.segments}
+    ids = raw_ids(s for s in plan.segments if s.kind == PROMPT)
+    ids += tuple(i for s in steps for k in s.kept for i in by_seq[k.seq].token_ids[k.start:k.end])
+    assert ids == rendered.token_ids  # the kept ranges ARE the rendering
+    assert sum(s.tokens_removed for s in steps) == rendered.stats.tokens_removed
+    merges = [m.kind for s in steps for m in s.merges]
+    assert (merges.count("shallow"), merges.count("deep")) == (rendered.stats.n_shallow, rendered.stats.n_deep)
+    assert sum(s.outcome in ("unrecovered", "answered") for s in steps) == rendered.stats.n_unrecovered
+    assert all((m.kind == "shallow") == (m.similarity >= gamma) for s in steps for m in s.merges)

@@ -60,9 +60,7 @@ def make_executor():
         logging.info("executing calls in the real sandbox")
 
         def run_sandbox(codes):
-            results = [sandbox.run(code) for code in codes]
-            return [(r.response.startswith("Tool call success"), r.response, getattr(r, "error_type", None))
-                    for r in results]
+            return [(r.status == "ok", r.response, r.error_type) for r in sandbox.run_many(codes)]
         return run_sandbox
     except (ImportError, AttributeError, RuntimeError, TypeError) as error:
         logging.info("real sandbox unavailable (%s); using local_exec", error)

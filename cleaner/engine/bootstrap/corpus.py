@@ -9,8 +9,10 @@ first calls fail, then are corrected:
   ...); the retry uses different reasoning and different code (ratio ~0.2-0.45), so SAAR merges it
   deep.
 Each assistant turn starts with a short reasoning sentence, so shallow and deep merges keep
-different reasoning. Error texts come from really running the code (`local_exec`, worded like the
-sandbox), never from a hand-written string, so they are what the model will see when collecting.
+different reasoning. Error texts come from really running the code, never from a hand-written
+string. The default executor is `local_exec` (one child process for the whole corpus, ~1 s): its
+texts are tested to equal the real sandbox's word for word (tests/engine/bootstrap/test_corpus.py),
+while the sandbox would need ~15 min of forks for a 40k corpus; pass `executor` to use another.
 """
 
 from __future__ import annotations

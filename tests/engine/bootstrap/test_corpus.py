@@ -62,3 +62,18 @@ def test_deterministic_and_fail_share_zero():
     assert all(e.failure == NONE for e in build_corpus(CorpusConfig(size=100, fail_share=0.0)))
     with pytest.raises(ValueError, match="fail_share"):
         CorpusConfig(fail_share=1.5)
+
+
+def test_local_exec_words_errors_exactly_like_the_real_sandbox():
+    sandbox_module = pytest.importorskip("cleaner.engine.collect.sandbox")
+    from cleaner.engine.bootstrap.local_exec import run_snippets
+    from cleaner.engine.config import SandboxConfig
+
+    examples = build_corpus(CorpusConfig(size=80, seed=5, fail_share=0.6))
+    codes = [e.failed_code for e in examples if e.failed_code] + [e.fixed_code for e in examples[:10]]
+    assert {e.failure for e in examples} == {NONE, TYPO, APPROACH}
+    with sandbox_module.make_sandbox(SandboxConfig()) as sandbox:
+        real = sandbox.run_many(codes)
+    local = run_snippets(codes)
+    assert [r.response for r in local] == [r.response for r in real]
+    assert [r.error_type for r in local] == [r.error_type for r in real]

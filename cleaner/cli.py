@@ -339,44 +339,9 @@ def bootstrap(
 
 
 @sandbox_app.command("run")
-def sandbox_run(
-    file: Annotated[Path, typer.Argument(help="Python file to run.")],
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Wall-clock limit in seconds.")] = 4.0,
-    stdin: Annotated[Optional[Path], typer.Option("--stdin", help="File fed to the code's stdin.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-) -> None:
-    """Run one Python file through the sandbox and print the result.
-
-    Exits 0 whenever the sandbox worked, whatever the code did; non-zero if FILE is missing or the
-    sandbox itself failed.
-    """
-    import dataclasses
-    import json
-
-    from rich.table import Table
-
-    from cleaner.engine.collect.sandbox import SandboxError, make_sandbox
-    from cleaner.engine.config import SandboxConfig
-
-    for path in (file, stdin):
-        if path is not None and not path.is_file():
-            raise fail(f"no such file: {path}")
-    try:
-        config = SandboxConfig(workers=1, timeout_s=timeout_s)
-        with make_sandbox(config) as sandbox:
-            result = sandbox.run(file.read_text(), stdin.read_text() if stdin else None)
-    except (SandboxError, ValueError) as error:
-        raise fail(f"sandbox failed: {error}") from error
-    if result.status == "infra_error":
-        raise fail(f"sandbox failed: {result.stderr}")
-    if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(result)))
-        return
-    table = Table(show_header=False, title=str(file))
-    for name in ("status", "error_type", "stdout", "stderr", "exec_ms"):
-        value = getattr(result, name)
-        table.add_row(name, f"{value:.1f}" if name == "exec_ms" else str(value), end_section=True)
-    console.print(table)
+def sandbox_run() -> None:
+    """Run one Python file through the sandbox and print the result."""
+    raise not_built("sandbox run")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,28 +394,40 @@ def sql(
         typer.echo(text, nl=False)
 
 
+class ShowView(str, Enum):
+    raw = "raw"
+    purified = "purified"
+    both = "both"
+
+
 @app.command()
 def show(
     rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified view.")] = 0.5,
+    similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
+    view: Annotated[ShowView, typer.Option("--view", help="raw | purified | both.")] = ShowView.both,
+    tokenizer: Annotated[bool, typer.Option(help="Decode with the collecting policy's tokenizer.")] = True,
 ) -> None:
-    """Print one rollout's segments in order, coloured by outcome (failures red, retries yellow)."""
-    from cleaner.engine.inspect import rollout_view
-    from cleaner.warehouse import Warehouse, WarehouseError
-    from cleaner.warehouse.schema import ROLLOUTS, SEGMENTS, from_table
+    """Print one rollout raw (failures red, retries yellow, what SAAR drops struck through) and purified.
 
+    The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
+    each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
+    """
+    from cleaner.engine.inspect import Decoder, load_decoder, load_inspection, show_rollout
+    from cleaner.engine.render import View
+    from cleaner.warehouse import Warehouse, WarehouseError
+
+    saar = _config(View, purified=True, gamma=gamma, similarity_on=similarity_on)
     try:
-        connection = Warehouse(warehouse).connect()
-        rollouts = from_table(ROLLOUTS, connection.sql(
-            "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
-        segments = from_table(SEGMENTS, connection.sql(
-            "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
+        inspection = load_inspection(Warehouse(warehouse), rollout_id)
     except WarehouseError as exc:
         raise fail(str(exc)) from exc
-    if not segments:
+    if inspection is None:
         raise fail(f"no rollout {rollout_id!r} in {warehouse}")
-    console.print(rollout_view(rollouts[0] if rollouts else None, segments))
-
+    decoder = load_decoder(inspection.model) if tokenizer and view is not ShowView.raw else Decoder(
+        None, "--no-tokenizer: text below is the stored segment text, not decoded tokens")
+    console.print(show_rollout(inspection, saar, decoder, view.value))
 
 if __name__ == "__main__":
     app()

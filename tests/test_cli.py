@@ -74,3 +74,60 @@ def test_show_prints_segments_in_order(tmp_path):
     assert "error NameError" in out and "retry" in out
     missing = runner.invoke(app, ["show", "nope", "-w", str(wh.root)])
     assert missing.exit_code == 1 and "no rollout 'nope'" in missing.output
+
+
+# ---------------------------------------------------------------------------------------------
+# show: the purified view beside the raw one (no tokenizer: no collect config in these warehouses)
+
+
+def _show(wh, *options):
+    return runner.invoke(app, ["show", "r0", "-w", str(wh.root), *options], env={"COLUMNS": "200"})
+
+
+def test_show_marks_outcomes_and_removed_spans(tmp_path):
+    # make_segments: a_0 calls pirnt(1) (NameError), a_1 calls print(1): difflib ratio 0.875.
+    result = _show(_warehouse(tmp_path))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "step 0 · shallow · 2 attempts · a1 shallow (sim 0.88) · removed #2, 5 tok" in out
+    assert "step 1 · clean · 1 attempt" in out
+    assert "tokens removed 5 · shallow 1 · deep 0 · unrecovered 0" in out
+    assert "#1 (3 tok)  partly removed (keeps tokens 0:1)" in out  # a_0's reasoning stays
+    assert "error NameError  #2 (2 tok)  removed" in out  # the error response goes
+    assert "#3 (3 tok)  partly removed (keeps tokens 1:3)" in out  # a_1's call replaces a_0's
+    assert "no collect config" in out and "no purified rows for this rollout in iteration 0" in out
+    deep = _show(_warehouse(tmp_path / "deep"), "--gamma", "0.9").output
+    assert "step 0 · deep · 2 attempts · a1 deep (sim 0.88) · removed #1 #2, 5 tok" in deep
+    assert "#1 (3 tok)  removed" in deep and "#3 (3 tok)  partly" not in deep
+    assert "shallow 0 · deep 1 · unrecovered 0" in deep
+
+
+def test_show_lists_purified_configs_and_advantage(tmp_path):
+    from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+
+    wh = _warehouse(tmp_path)
+
+    def row(rollout_id, advantage):
+        return PurifiedRow("cfg0123abcd", 0, rollout_id, "it0-p0", (1, 2), 1, (0, 1), (0.0, -0.5),
+                           (0.0, -0.5), 1.0, advantage, True, 1, 0, 0, 5, "test")
+
+    wh.write_purified(0, PurifyConfigRow("cfg0123abcd", 0.7, 0.5, "call", "positive", "{}"),
+                      [row("r0", 0.70710677), row("r1", -0.70710677)])
+    out = _show(wh).output
+    assert "purified rows of this rollout (iteration 0)" in out
+    line = next(line for line in out.splitlines() if "cfg0123abcd" in line)
+    assert [cell.strip() for cell in line.strip("│ ").split("│")] == [
+        "cfg0123abcd", "0.7", "0.5", "call", "positive", "True", "1", "0", "0", "5", "1", "+0.7071"]
+
+
+def test_show_view_option_and_bad_options(tmp_path):
+    wh = _warehouse(tmp_path)
+    raw = _show(wh, "--view", "raw").output
+    assert "attempt 1" in raw and "purified view" not in raw and "removed" not in raw
+    purified = _show(wh, "--view", "purified").output
+    assert "purified view (gamma 0.5, similarity on code)" in purified and "(3 tok)" not in purified
+    no_decode = _show(wh, "--similarity-on", "call").output  # call similarity needs the tokenizer
+    assert "cannot render the purified view" in no_decode and "decode" in no_decode
+    bad = _show(wh, "--gamma", "-1")
+    assert bad.exit_code == 1 and "gamma must be >= 0" in bad.output
+    assert _show(wh, "--view", "sideways").exit_code == 2

@@ -1,11 +1,24 @@
-"""Human-readable views of warehouse contents: query results and one rollout's segments.
+"""Human-readable views of warehouse contents: query results and one rollout, raw and purified.
 
-Presentation only: callers pass records or Arrow tables, this module returns rich renderables.
+`cleaner show` is built here; the CLI only parses options. Design decisions:
+- The purified view is whatever `render.explain` says the renderer does: the kept token ranges,
+  each step's outcome and each merge's similarity come from the renderer's own walk, never from a
+  re-implementation. The raw view marks what that rendering drops (struck through and dim), so the
+  two views are two readings of one decision.
+- Text of the purified sequence is decoded from the spliced token ids with the tokenizer of the
+  policy that collected the iteration (its collect config's "model"), loaded with
+  `local_files_only=True`: showing a rollout never downloads anything. Without a tokenizer the
+  segment texts stand in, split at `<tool_call>` where a shallow merge cut a turn; the view says so.
+- Loading is read-only: one DuckDB connection from `Warehouse.connect()` plus the saved collect
+  config. The queries live here rather than in cli.py so that the command stays a thin wrapper.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 from rich.console import Group
@@ -13,7 +26,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from cleaner.engine.chat import TOOL_CALL_OPEN
 from cleaner.engine.records import ASSISTANT, OK, PROMPT, TOOL, Rollout, Segment
+from cleaner.engine.render import Decode, StepOutcome, View, explain, render
+
+logger = logging.getLogger(__name__)
 
 MAX_CELL_CHARS = 80
 
@@ -58,23 +75,307 @@ def _segment_label(segment: Segment) -> Text:
     return label
 
 
-def rollout_view(rollout: Rollout | None, segments: Sequence[Segment], max_chars: int = 400) -> Group:
-    """Segments in order, each a panel coloured by kind and tool outcome."""
-    panels = []
-    if rollout is not None:
-        verdict = Text("correct" if rollout.correct else "wrong", style="green" if rollout.correct else "red")
-        header = Text.assemble(
-            (f"{rollout.rollout_id}", "bold"), f"  group {rollout.group_id}  reward {rollout.reward:g}  ",
-            verdict, f"  finish {rollout.finish_reason}  answer {rollout.answer!r}  "
-            f"calls {rollout.n_tool_calls} failed {rollout.n_failed_calls}  view {rollout.collect_view}",
-        )
-        panels.append(header)
+def _header(rollout: Rollout) -> Text:
+    verdict = Text("correct" if rollout.correct else "wrong", style="green" if rollout.correct else "red")
+    return Text.assemble(
+        (f"{rollout.rollout_id}", "bold"), f"  group {rollout.group_id}  reward {rollout.reward:g}  ",
+        verdict, f"  finish {rollout.finish_reason}  answer {rollout.answer!r}  "
+        f"calls {rollout.n_tool_calls} failed {rollout.n_failed_calls}  view {rollout.collect_view}  "
+        f"rollback_draw {rollout.rollback_draw:.3f}",
+    )
+
+
+def _clip(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[:max_chars] + " …"
+
+
+def rollout_view(
+    rollout: Rollout | None,
+    segments: Sequence[Segment],
+    max_chars: int = 400,
+    steps: Sequence[StepOutcome] = (),
+    decode: Decode | None = None,
+) -> Group:
+    """Segments in order, each a panel coloured by kind and tool outcome.
+
+    With `steps` (from `render.explain`), what that rendering drops is struck through and dimmed:
+    whole segments are titled `removed`; in segments it cuts (shallow merges), titled `partly
+    removed`, the dropped text is also bracketed [-like this-].
+    """
+    panels: list = [] if rollout is None else [_header(rollout)]
+    kept_by_seq: dict[int, list[tuple[int, int]]] = {}
+    for step in steps:
+        for seq in step.seqs:
+            kept_by_seq.setdefault(seq, [])
+        for piece in step.kept:
+            kept_by_seq[piece.seq].append((piece.start, piece.end))
     for segment in sorted(segments, key=lambda s: s.seq):
-        text = segment.text if len(segment.text) <= max_chars else segment.text[:max_chars] + " …"
         border = KIND_STYLE[segment.kind]
         if segment.kind == TOOL:
             border = STATUS_STYLE.get(segment.tool_status or "", "white")
         title = _segment_label(segment)
         title.append(f"  #{segment.seq} ({len(segment.token_ids)} tok)", style="dim")
-        panels.append(Panel(Text(text), title=title, title_align="left", border_style=border))
+        kept = kept_by_seq.get(segment.seq)
+        body = Text(_clip(segment.text, max_chars))
+        if kept == []:
+            title.append("  removed", style="bold red")
+            body.stylize("strike dim")
+            border = "dim"
+        elif kept is not None and kept != [(0, len(segment.token_ids))]:
+            ranges = ", ".join(f"{start}:{end}" for start, end in kept)
+            title.append(f"  partly removed (keeps tokens {ranges})", style="bold yellow")
+            body = Text.assemble(*(  # [- -] marks the drop where the terminal shows no style
+                (_clip(text, max_chars), "") if inside else (f"[-{_clip(text, max_chars)}-]", "strike dim")
+                for text, inside in _pieces(segment, kept, decode)
+            ))
+        panels.append(Panel(body, title=title, title_align="left", border_style=border))
     return Group(*panels)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ranges as text
+
+
+def _token_text(segment: Segment, start: int, end: int, decode: Decode | None) -> str:
+    """Text of tokens [start, end): decoded, or else cut from the segment text at `<tool_call>`."""
+    if decode is not None:
+        return decode(segment.token_ids[start:end])
+    if (start, end) == (0, len(segment.token_ids)):
+        return segment.text
+    marker = segment.text.find(TOOL_CALL_OPEN)
+    if segment.call_start is not None and marker >= 0:
+        if (start, end) == (0, segment.call_start):
+            return segment.text[:marker]
+        if (start, end) == (segment.call_start, len(segment.token_ids)):
+            return segment.text[marker:]
+    return f"<tokens {start}:{end} of #{segment.seq}>"
+
+
+def _pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | None) -> list[tuple[str, bool]]:
+    """The segment cut at the kept ranges' edges: (text, kept?) in token order."""
+    bounds = sorted({0, len(segment.token_ids), *(edge for span in kept for edge in span)})
+    return [
+        (_token_text(segment, low, high, decode), any(a <= low and high <= b for a, b in kept))
+        for low, high in zip(bounds, bounds[1:])
+    ]
+
+
+@dataclass(frozen=True)
+class StepText:
+    """The text one step contributes to the purified sequence (step None: the prompt)."""
+
+    step: StepOutcome | None
+    text: str
+
+
+def purified_texts(segments: Sequence[Segment], steps: Sequence[StepOutcome], decode: Decode | None) -> list[StepText]:
+    """The purified sequence as text, step by step: each step's spliced token ids decoded at once."""
+    by_seq = {segment.seq: segment for segment in segments}
+    prompt = [segment for segment in sorted(segments, key=lambda s: s.seq) if segment.kind == PROMPT]
+    texts = [StepText(None, "".join(_token_text(s, 0, len(s.token_ids), decode) for s in prompt))]
+    for step in steps:
+        if decode is not None:
+            ids = [i for piece in step.kept for i in by_seq[piece.seq].token_ids[piece.start:piece.end]]
+            texts.append(StepText(step, decode(ids)))
+        else:
+            texts.append(StepText(step, "".join(
+                _token_text(by_seq[piece.seq], piece.start, piece.end, None) for piece in step.kept)))
+    return texts
+
+
+# ----------------------------------------------------------------------------------------------
+# The purified view
+
+
+OUTCOME_STYLE = {"clean": "green", "shallow": "bold cyan", "deep": "bold magenta", "mixed": "bold blue",
+                 "unrecovered": "bold red", "answered": "bold yellow", "raw": "dim"}
+
+
+def step_label(step: StepOutcome) -> str:
+    """One line: step, outcome, each merge with its similarity, what was removed."""
+    parts = [f"step {step.step}", step.outcome + (" (after an unrecovered step)" if step.outcome == "raw" else ""),
+             f"{step.attempts} attempt{'s' if step.attempts != 1 else ''}"]
+    for merge in step.merges:
+        similarity = "no call" if merge.similarity is None else f"sim {merge.similarity:.2f}"
+        parts.append(f"a{merge.attempt} {merge.kind} ({similarity})")
+    if step.tokens_removed:
+        removed = " ".join(f"#{seq}" for seq in step.removed_seqs) or "none whole"
+        parts.append(f"removed {removed}, {step.tokens_removed} tok")
+    return " · ".join(parts)
+
+
+def purified_view(
+    segments: Sequence[Segment], view: View, decode: Decode | None, note: str, max_chars: int = 2000
+) -> Panel:
+    """The purified token sequence as text, each step headed by its outcome, then the row's stats."""
+    try:
+        steps = explain(segments, view, decode)
+        stats = render(segments, view, decode).stats
+    except ValueError as exc:  # e.g. similarity on call tokens without a tokenizer
+        return Panel(Text(f"cannot render the purified view: {exc}\n{note}", style="red"),
+                     title="purified view", title_align="left", border_style="red")
+    body = Text()
+    for piece in purified_texts(segments, steps, decode):
+        if piece.step is None:
+            body.append(_clip(piece.text, max_chars), style="dim")
+            continue
+        body.append(f"\n── {step_label(piece.step)} ──\n", style=OUTCOME_STYLE[piece.step.outcome])
+        body.append(_clip(piece.text, max_chars))
+    body.append(f"\n\ntokens removed {stats.tokens_removed} · shallow {stats.n_shallow} · deep {stats.n_deep}"
+                f" · unrecovered {stats.n_unrecovered}\n", style="bold")
+    body.append(note, style="dim italic")
+    title = f"purified view (gamma {view.gamma:g}, similarity on {view.similarity_on})"
+    return Panel(body, title=title, title_align="left", border_style="cyan")
+
+
+# ----------------------------------------------------------------------------------------------
+# Purified rows of this rollout in the warehouse
+
+
+@dataclass(frozen=True)
+class ConfigOutcome:
+    """This rollout's purified row under one stored purify config."""
+
+    config_id: str
+    gamma: float | None  # None if the config row is missing
+    rollback_prob: float | None
+    similarity_on: str | None
+    purify_when: str | None
+    rolled_back: bool
+    n_shallow: int
+    n_deep: int
+    n_unrecovered: int
+    tokens_removed: int
+    reward: float
+    advantage: float
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"  # float32 columns: 0.699999988 -> 0.7
+
+
+def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Text:
+    """The stored purify configs of the iteration and this rollout's advantage under each."""
+    if not configs:
+        return Text(f"no purified rows for this rollout in iteration {iteration} (run `cleaner purify`)",
+                    style="dim")
+    table = Table(title=f"purified rows of this rollout (iteration {iteration})", header_style="bold")
+    for name in ("config_id", "gamma", "p", "similarity_on", "purify_when", "rolled_back", "shallow",
+                 "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
+        table.add_column(name, justify="right" if name not in ("config_id", "similarity_on", "purify_when") else "left")
+    for c in configs:
+        table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), _cell(c.similarity_on),
+                      _cell(c.purify_when), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
+                      str(c.n_unrecovered), str(c.tokens_removed), f"{c.reward:g}", f"{c.advantage:+.4f}")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading (read-only) and the whole `cleaner show` output
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything `cleaner show` prints about one rollout."""
+
+    rollout: Rollout | None  # None if only its segments are committed (should not happen)
+    segments: tuple[Segment, ...]  # in seq order
+    configs: tuple[ConfigOutcome, ...]  # its purified rows, one per stored config
+    model: str | None  # the policy that collected the iteration, from its saved collect config
+
+    @property
+    def iteration(self) -> int:
+        return self.rollout.iteration if self.rollout is not None else self.segments[0].iteration
+
+
+CONFIGS_QUERY = """
+    SELECT p.config_id, c.gamma, c.rollback_prob, c.similarity_on, c.purify_when, p.rolled_back,
+           p.n_shallow, p.n_deep, p.n_unrecovered, p.tokens_removed, p.reward, p.advantage
+    FROM purified p LEFT JOIN purify_configs c USING (config_id)
+    WHERE p.rollout_id = ? AND p.iteration = ?
+    ORDER BY c.gamma, c.rollback_prob, c.similarity_on, c.purify_when, p.config_id
+"""
+
+
+def load_inspection(warehouse, rollout_id: str) -> Inspection | None:
+    """Read one rollout, its segments and purified rows (None if it has no segments).
+
+    `warehouse` is a `cleaner.warehouse.Warehouse`; WarehouseError propagates.
+    """
+    from cleaner.warehouse.schema import ROLLOUTS, SEGMENTS, from_table
+
+    connection = warehouse.connect()
+    rollouts = from_table(ROLLOUTS, connection.sql(
+        "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
+    segments = from_table(SEGMENTS, connection.sql(
+        "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
+    if not segments:
+        return None
+    iteration = rollouts[0].iteration if rollouts else segments[0].iteration
+    rows = connection.sql(CONFIGS_QUERY, params=[rollout_id, iteration]).fetchall()
+    configs = tuple(ConfigOutcome(*row) for row in rows)
+    return Inspection(rollouts[0] if rollouts else None, tuple(segments), configs,
+                      _collect_model(warehouse, iteration))
+
+
+def _collect_model(warehouse, iteration: int) -> str | None:
+    text = warehouse.load_config(f"collect-iteration={iteration}")  # name as written by jobs.collect_job
+    if text is None:
+        return None
+    try:
+        model = json.loads(text).get("model")
+    except (json.JSONDecodeError, AttributeError):
+        logger.warning("collect config of iteration %d is not a JSON object; ignoring it", iteration)
+        return None
+    return model if isinstance(model, str) else None
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """How token ids become text in `cleaner show`."""
+
+    decode: Decode | None  # None: fall back to the stored segment texts
+    note: str  # said under the purified view: where its text comes from
+
+
+def load_decoder(model: str | None) -> Decoder:
+    """The collecting policy's tokenizer (local files only), or the segment-text fallback."""
+    if model is None:
+        return Decoder(None, "no collect config for this iteration: text below is the stored segment "
+                             "text, not decoded tokens")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return Decoder(None, f"tokenizer of {model} could not be loaded ({reason}): text below is the "
+                             "stored segment text, not decoded tokens")
+
+    def decode(token_ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    return Decoder(decode, f"text decoded from the purified token ids with the tokenizer of {model}")
+
+
+SHOW_VIEWS = ("raw", "purified", "both")
+
+
+def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: str = "both") -> Group:
+    """The whole `cleaner show` output: raw segments (drops marked), purified view, stored configs."""
+    if which not in SHOW_VIEWS:
+        raise ValueError(f"view must be one of {SHOW_VIEWS}, got {which!r}")
+    segments = inspection.segments
+    parts: list = []
+    if which in ("raw", "both"):
+        try:
+            steps = explain(segments, view, decoder.decode) if which == "both" else ()
+        except ValueError:
+            steps = ()  # the purified panel below says why
+        parts.append(rollout_view(inspection.rollout, segments, steps=steps, decode=decoder.decode))
+    elif inspection.rollout is not None:
+        parts.append(_header(inspection.rollout))
+    if which in ("purified", "both"):
+        parts.append(purified_view(segments, view, decoder.decode, decoder.note))
+        parts.append(config_table(inspection.configs, inspection.iteration))
+    return Group(*parts)

@@ -339,9 +339,44 @@ def bootstrap(
 
 
 @sandbox_app.command("run")
-def sandbox_run() -> None:
-    """Run one Python file through the sandbox and print the result."""
-    raise not_built("sandbox run")
+def sandbox_run(
+    file: Annotated[Path, typer.Argument(help="Python file to run.")],
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Wall-clock limit in seconds.")] = 4.0,
+    stdin: Annotated[Optional[Path], typer.Option("--stdin", help="File fed to the code's stdin.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run one Python file through the sandbox and print the result.
+
+    Exits 0 whenever the sandbox worked, whatever the code did; non-zero if FILE is missing or the
+    sandbox itself failed.
+    """
+    import dataclasses
+    import json
+
+    from rich.table import Table
+
+    from cleaner.engine.collect.sandbox import SandboxError, make_sandbox
+    from cleaner.engine.config import SandboxConfig
+
+    for path in (file, stdin):
+        if path is not None and not path.is_file():
+            raise fail(f"no such file: {path}")
+    try:
+        config = SandboxConfig(workers=1, timeout_s=timeout_s)
+        with make_sandbox(config) as sandbox:
+            result = sandbox.run(file.read_text(), stdin.read_text() if stdin else None)
+    except (SandboxError, ValueError) as error:
+        raise fail(f"sandbox failed: {error}") from error
+    if result.status == "infra_error":
+        raise fail(f"sandbox failed: {result.stderr}")
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(result)))
+        return
+    table = Table(show_header=False, title=str(file))
+    for name in ("status", "error_type", "stdout", "stderr", "exec_ms"):
+        value = getattr(result, name)
+        table.add_row(name, f"{value:.1f}" if name == "exec_ms" else str(value), end_section=True)
+    console.print(table)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -464,5 +464,6 @@ def show(
         None, "--no-tokenizer: text below is the stored segment text, not decoded tokens")
     console.print(show_rollout(inspection, saar, decoder, view.value))
 
+
 if __name__ == "__main__":
     app()

@@ -4,8 +4,7 @@ Rows are either synthetic (groups of G rows sharing a P-token prompt; a share of
 random-length prefix of an earlier row's response before diverging, as renderings of one rollout
 do) or the purified rows of one iteration and config of a warehouse. Both scorers see the same rows
 on the same model; we report tokens forwarded, wall time (best of --repeats, the two scorers
-alternating within each round) and the largest
-absolute difference between the two.
+alternating within each round) and the largest absolute difference between the two.
 
     .venv/bin/python bench/scorer.py --prompts 8 --group-size 8 --prompt-len 256 --response-len 256
     .venv/bin/python bench/scorer.py --warehouse runs/w --iteration 0 --config-id abc123 --model assets/tiny-policy

@@ -154,8 +154,16 @@ class TorchBackend:
         log.info("loaded %s on %s as %s", model_path, self.device, self._policy_version)
 
     def set_weights(self, state_dict: dict[str, torch.Tensor], policy_version: str) -> None:
-        """Copy new weights in place (same architecture); the caller names the new version."""
-        self.model.load_state_dict(state_dict, strict=False)
+        """Copy new weights in place (same architecture); the caller names the new version.
+
+        A tied output embedding may be left out of `state_dict`; any other missing or unknown
+        key is an error.
+        """
+        result = self.model.load_state_dict(state_dict, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = set(result.missing_keys) - tied
+        if missing or result.unexpected_keys:
+            raise ValueError(f"set_weights: missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
         self._policy_version = policy_version
 
     # ------------------------------------------------------------------------ generate

@@ -174,3 +174,9 @@ def test_set_weights_changes_outputs(model_dir):
     backend.set_weights({k: v * 0.5 for k, v in backend.model.state_dict().items()}, "half")
     assert backend.policy_version == "half"
     assert backend.score([PROMPTS[0]], [1])[0] != pytest.approx(before, abs=1e-3)
+
+
+def test_set_weights_rejects_a_foreign_state_dict(model_dir):
+    backend = TorchBackend(model_dir)
+    with pytest.raises(ValueError, match="missing"):
+        backend.set_weights({"model.norm.weight": torch.ones(32)}, "partial")

@@ -131,3 +131,22 @@ def test_show_view_option_and_bad_options(tmp_path):
     bad = _show(wh, "--gamma", "-1")
     assert bad.exit_code == 1 and "gamma must be >= 0" in bad.output
     assert _show(wh, "--view", "sideways").exit_code == 2
+
+
+def test_show_decodes_with_the_collecting_policys_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    wh = _warehouse(tmp_path)
+    tokenizer = Tokenizer(models.WordLevel({chr(ord("a") + i): i for i in range(26)}, unk_token="a"))
+    tokenizer.decoder = decoders.Fuse()  # id i <-> letter i, no spaces
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(tmp_path / "policy")
+    wh.save_config("collect-iteration=0", json.dumps({"model": str(tmp_path / "policy")}))
+    out = _show(wh, "--view", "purified").output
+    lines = [line.strip("│ ") for line in out.splitlines()]
+    # prompt 1 2 3; merged turn: a_0's reasoning (4) + a_1's call (5 9), then t_1 (7 10); the answer 11 12
+    assert lines[lines.index("bcd") + 1:lines.index("bcd") + 5] == [
+        "── step 0 · shallow · 2 attempts · a1 shallow (sim 0.88) · removed #2, 5 tok ──", "efjhk",
+        "── step 1 · clean · 1 attempt ──", "lm"]
+    assert f"with the tokenizer of {tmp_path / 'policy'}" in out.replace("│\n│ ", "")
+    assert "stored segment text" in _show(wh, "--view", "purified", "--no-tokenizer").output

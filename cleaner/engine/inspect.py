@@ -19,6 +19,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import pyarrow as pa
 from rich.console import Group
@@ -156,7 +157,7 @@ def _pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | 
     bounds = sorted({0, len(segment.token_ids), *(edge for span in kept for edge in span)})
     return [
         (_token_text(segment, low, high, decode), any(a <= low and high <= b for a, b in kept))
-        for low, high in zip(bounds, bounds[1:])
+        for low, high in pairwise(bounds)
     ]
 
 

@@ -21,10 +21,18 @@ from cleaner.engine.inspect import (
     rollout_view,
     show_rollout,
 )
-from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TOOL, PurifiedRow, PurifyConfigRow, Segment
+from cleaner.engine.records import (
+    ASSISTANT,
+    ERROR,
+    OK,
+    PROMPT,
+    TOOL,
+    PurifiedRow,
+    PurifyConfigRow,
+    Segment,
+)
 from cleaner.engine.render import View, explain, render
 from cleaner.warehouse import Warehouse
-
 from tests.warehouse.factories import make_rollout, make_segments
 
 # ----------------------------------------------------------------------------------------------

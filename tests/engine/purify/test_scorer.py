@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cleaner.engine.backends.torch_backend import TorchBackend
@@ -154,3 +156,16 @@ def test_backend_scorer_warm_up_does_not_change_results(backend):
     got = scorer.score_rows(sequences, [8, 8, 8])
     assert scorer.stats.n_prefix_groups == 2  # PROMPT and PROMPT + [9]
     assert_rows_close(got, backend.score(sequences, [8, 8, 8]), atol=1e-6)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=8),
+    data=st.data(),
+)
+def test_trie_equals_naive_on_random_small_alphabet_rows(backend, rows, data):
+    # a 4-token alphabet makes shared prefixes, duplicates and prefix-of-another rows common
+    starts = [data.draw(st.integers(1, len(row))) for row in rows]
+    scorer = PrefixTrieScorer(backend.model, max_batch_tokens=48, max_edge_tokens=4)
+    assert_rows_close(scorer.score_rows(rows, starts), backend.score(rows, starts))
+    assert scorer.stats.tokens_forwarded == len({tuple(row[: t + 1]) for row in rows for t in range(len(row))})

@@ -191,8 +191,9 @@ class TorchBackend:
         for _ in range(params.max_new_tokens):
             tokens, token_logprobs = self._sample(step.logits[:, -1], params, [generators[i] for i in active])
             keep = []
-            for row, index in enumerate(active):
-                outputs[index].append((int(tokens[row]), float(token_logprobs[row])))
+            sampled = zip(tokens.tolist(), token_logprobs.tolist(), strict=True)  # one device sync
+            for row, (index, token_and_logprob) in enumerate(zip(active, sampled, strict=True)):
+                outputs[index].append(token_and_logprob)
                 if outputs[index][-1][0] in stop_ids:
                     finish[index] = STOP
                 elif len(outputs[index]) < params.max_new_tokens:

@@ -94,8 +94,8 @@ def _child_main(code: str, config, uid: int | None, workdir: str, fds: tuple[int
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.path.insert(0, workdir)
     sys.argv = [""]
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()  # `random` reseeds itself after fork; numpy does not
+    if "numpy.random" in sys.modules:  # `random` reseeds itself after fork; numpy does not
+        sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
     os.write(RESULT_FD, b"S")
     error_type, error_text = sandbox_child.execute_user_code(code)
     sandbox_child.flush_standard_streams()

@@ -5,10 +5,12 @@ It talks to the pool over its stdin/stdout with length-prefixed JSON messages (`
 `receive_message`) and never prints anything else there.
 
 Design decisions:
-- Warm: common modules (`WARM_IMPORTS`, plus numpy and sympy when installed) are imported once at
-  start-up, so a snippet pays a fork (~1 ms), not an interpreter start (~30 ms) or `import sympy`.
-  BLAS thread pools are pinned to one thread before any import, so the worker stays single-threaded
-  and fork-safe.
+- Warm: common modules (`WARM_IMPORTS`; with `preload_scientific` also numpy and sympy) are
+  imported once at start-up, so a snippet pays a fork, not an interpreter start (~30 ms) or an
+  `import sympy` (~0.3 s). The cost: fork and exit scale with the worker's resident memory, so the
+  scientific preload makes every execution a few ms slower (BENCHMARKS.md, "Sandbox"). BLAS thread
+  pools are pinned to one thread before any import, so the worker stays single-threaded and
+  fork-safe; `gc.freeze()` keeps the warm objects out of the children's collections.
 - Fresh child per execution: state never leaks between executions; the child runs with its own
   session, a private working directory, resource limits and (as root) an unprivileged uid.
 - Isolation set up once per worker (when running as root): a private network namespace (only a
@@ -41,7 +43,7 @@ WARM_IMPORTS = (
     "bisect", "re", "string", "json", "random", "statistics", "operator", "datetime", "time", "copy",
     "typing", "ast", "base64", "builtins", "io", "signal", "resource", "shutil", "uuid", "select",
 )
-OPTIONAL_WARM_IMPORTS = ("numpy", "numpy.random", "sympy")  # imported when installed
+SCIENTIFIC_WARM_IMPORTS = ("numpy", "numpy.random", "sympy")  # with preload_scientific, if installed
 SINGLE_THREAD_ENV = {name: "1" for name in (
     "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")}
 
@@ -256,12 +258,12 @@ def reap_zombies() -> None:
 # Main loop
 
 
-def _warm_up() -> None:
+def _warm_up(preload_scientific: bool) -> None:
     import importlib
 
     for name in WARM_IMPORTS:
         importlib.import_module(name)
-    for name in OPTIONAL_WARM_IMPORTS:
+    for name in SCIENTIFIC_WARM_IMPORTS if preload_scientific else ():
         try:
             importlib.import_module(name)
         except ImportError:
@@ -297,7 +299,7 @@ def main(argv: list[str]) -> int:
         global _reaper
         _reaper = ReaperServer(uid)
     root = "/tmp" if report["filesystem_isolated"] else tempfile.mkdtemp(prefix="cleaner-sandbox-")
-    _warm_up()
+    _warm_up(config.preload_scientific)
     gc.freeze()  # keep the warm objects out of the children's collections: no copy-on-write storm
     send_message(reply_fd, {"pid": os.getpid(), "uid": uid, **report})
     while True:

@@ -20,9 +20,10 @@ state leaks between executions. What is enforced on Linux:
   directory left outside its workdir, the code cannot write anywhere else (the rest of the host
   filesystem is as writable as it is to an ordinary user: root-owned directories are not);
 - always: wall clock (timeout_s, from the fork), RLIMIT_CPU, RLIMIT_AS (memory_mb, which includes
-  the ~200 MB of the warm interpreter), RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps, stdin from
+  the warm interpreter's own address space: ~25 MB, ~180 MB with preload_scientific), RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps, stdin from
   /dev/null unless given, stdout/stderr truncated with a `...[truncated N chars]` marker.
-Not enforced: without root there is no uid drop, no network or mount namespace and no NPROC bound
+Needs Linux (fork, namespaces, prctl; pidfd_open from 5.3, else the child is polled). Not
+enforced: without root there is no uid drop, no network or mount namespace and no NPROC bound
 (the kill is of the child's process group; a process that calls setsid escapes it); /proc still
 shows the host's processes (read-only, as to any user); there is no seccomp filter and no cgroup,
 so memory is bounded per process (RLIMIT_AS), not per execution.

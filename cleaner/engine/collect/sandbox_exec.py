@@ -36,6 +36,7 @@ RESULT_FD = 3
 SETUP_FAILED_EXIT = 121  # exit code of a child whose confinement failed before user code ran
 DRAIN_GRACE_S = 1.0  # after the kill, how long to wait for the output pipes to close
 CHUNK_BYTES = 1 << 16
+POLL_S = 0.002  # child-exit polling period where pidfd_open is missing
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
              **sandbox_worker.SINGLE_THREAD_ENV}
@@ -149,16 +150,26 @@ def _pump(streams: dict[int, _Capture], timeout_s: float, extra_fds: tuple[int, 
 
 def _supervise(pid: int, streams: dict[int, _Capture], deadline: float) -> int | None:
     """Pump output until the child exits (its wait status) or the deadline passes (None)."""
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # Linux < 5.3: poll the child every POLL_S instead
+        pidfd = None
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if _pump(streams, remaining, (pidfd,)):
-                return os.waitpid(pid, 0)[1]
+            if pidfd is not None:
+                if _pump(streams, remaining, (pidfd,)):
+                    return os.waitpid(pid, 0)[1]
+                continue
+            _pump(streams, min(remaining, POLL_S))
+            exited_pid, wait_status = os.waitpid(pid, os.WNOHANG)
+            if exited_pid:
+                return wait_status
     finally:
-        os.close(pidfd)
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _kill_everything(pid: int, uid: int | None, collect_child: bool) -> None:

@@ -31,6 +31,8 @@ import fcntl
 import gc
 import json
 import os
+import pwd
+import shutil
 import struct
 import sys
 import tempfile
@@ -98,12 +100,23 @@ def _libc_call(name: str, *args) -> None:
         raise OSError(code, f"{name}: {os.strerror(code)}")
 
 
+def _is_account(uid: int) -> bool:
+    """True if `uid` belongs to a real account, which a sandbox must never impersonate."""
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
 def claim_uid(preferred: int | None) -> tuple[int, int]:
     """Lock a free sandbox uid; returns (uid, lock fd). The lock lives as long as the fd."""
     os.makedirs(LOCK_DIR, mode=0o755, exist_ok=True)
     start = preferred - UID_BASE if preferred is not None else (os.getpid() % UID_SLOTS)
     for offset in range(UID_SLOTS):
         uid = UID_BASE + (start + offset) % UID_SLOTS
+        if _is_account(uid):
+            continue
         fd = os.open(os.path.join(LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -315,6 +328,8 @@ def main(argv: list[str]) -> int:
             clean_up()
     if uid is not None:
         reap_uid(uid)
+    if not report["filesystem_isolated"]:
+        shutil.rmtree(root, ignore_errors=True)  # a host directory; the private /tmp vanishes by itself
     return 0
 
 

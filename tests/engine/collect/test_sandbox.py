@@ -339,6 +339,22 @@ def test_busy_daemon_thread_does_not_outlive_the_code(sandbox):
     assert_pool_alive(sandbox)
 
 
+def test_fallback_without_uid_drop_or_pidfd(tmp_path, monkeypatch):
+    """The path taken without root (no uid: the process group is killed) and on Linux < 5.3 (no
+    pidfd: the child is polled), exercised directly on sandbox_exec."""
+    from cleaner.engine.collect import sandbox_exec
+
+    monkeypatch.delattr(os, "pidfd_open")
+    config = SandboxConfig(timeout_s=1.0)
+    outcomes = []
+    for code in ("print(2 + 2)", "import os\nos.fork()\nwhile True:\n    pass"):
+        reply, clean_up = sandbox_exec.execute(code, None, config, None, str(tmp_path))
+        clean_up()
+        outcomes.append((reply["status"], reply["stdout"]))
+    assert outcomes == [("ok", "4\n"), ("timeout", "")]
+    assert list(tmp_path.iterdir()) == []  # workdirs removed
+
+
 # ---------------------------------------------------------------------------------------------
 # Infrastructure faults
 

@@ -26,6 +26,8 @@ sandbox_app = typer.Typer(help="Run code through the Python tool's sandbox.", no
 app.add_typer(sandbox_app, name="sandbox")
 
 console = Console()
+if not console.is_terminal:  # pipes, logs and CI: wide tables instead of rich's 80-column default
+    console = Console(width=160)
 err_console = Console(stderr=True)
 
 WarehouseOpt = Annotated[
@@ -158,17 +160,26 @@ def purify(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
-    from cleaner.engine.purify.report import stats_table
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
     configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when])
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
-    for config_id in outcome.skipped:
-        console.print(f"config {config_id} of iteration {iteration} is already purified; nothing to do")
-    for result in outcome.results:
-        console.print(stats_table([result.stats]))
-        console.print(f"config_id {result.config.config_id}: {len(result.rows)} rows in {outcome.seconds:.1f} s")
+    _print_purify(outcome)
+
+
+def _print_purify(outcome) -> None:
+    from cleaner.engine.purify.report import stats_table
+
+    console.print(stats_table(outcome.results))
+    stored = [r.config.config_id for r in outcome.results if r.config.config_id not in outcome.computed]
+    if stored:
+        console.print(f"already stored, not recomputed: {', '.join(stored)}")
+    if outcome.scorer_stats is not None:
+        s = outcome.scorer_stats
+        console.print(f"scorer: forwarded {s.tokens_forwarded} of {s.tokens_naive} tokens "
+                      f"({s.tokens_forwarded / max(s.tokens_naive, 1):.2f} of a naive pass) in {s.seconds:.1f} s")
+    console.print(f"{len(outcome.results)} config(s) in {outcome.seconds:.1f} s")
 
 
 @app.command()
@@ -182,20 +193,13 @@ def ablate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
-    from cleaner.engine.purify.report import stats_table
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
     configs = _purify_configs(_floats(gamma, "--gamma"), _floats(rollback_prob, "--rollback-prob"),
                               _words(similarity_on), _words(purify_when))
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
-    if outcome.results:
-        console.print(stats_table([r.stats for r in outcome.results], configs=[r.config for r in outcome.results]))
-    if outcome.scorer_stats is not None:
-        console.print(f"scorer: {outcome.scorer_stats}")
-    if outcome.skipped:
-        console.print(f"already purified (skipped): {', '.join(outcome.skipped)}")
-    console.print(f"{len(configs)} configs in {outcome.seconds:.1f} s")
+    _print_purify(outcome)
 
 
 @app.command()

@@ -114,42 +114,58 @@ def collected_policy(warehouse: Warehouse, iteration: int) -> str:
 
 @dataclass(frozen=True)
 class PurifyOutcome:
-    results: list  # engine.purify.pipeline.PurifyResult, one per config computed now
-    skipped: list[str]  # config ids already purified for this iteration
-    scorer_stats: object | None  # engine.purify.scorer stats of the one scorer pass
+    results: list  # engine.purify.pipeline.PurifyResult per requested config, in request order
+    computed: list[str]  # config ids purified by this call (the rest were already stored)
+    scorer_stats: object | None  # the one scorer pass's ScorerStats; None if nothing was scored
     seconds: float
 
 
 def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
                backend=None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
-    """Purify an iteration under every config in ONE scorer pass, and store the rows."""
+    """Purify an iteration under every config in ONE scorer pass, and store the rows.
+
+    Configs already stored for the iteration are not recomputed (idempotent); their results are
+    rebuilt from the stored rows so a comparison always covers every requested config.
+    """
     from cleaner.engine.backends import load_backend
     from cleaner.engine.chat import ChatFormat
-    from cleaner.engine.purify.pipeline import purify_iteration
+    from cleaner.engine.purify.pipeline import PurifyResult, errors_by_type, purify_iteration, stats_from_rows
     from cleaner.engine.purify.scorer import PrefixTrieScorer
 
     started = time.monotonic()
     rollouts = warehouse.read_rollouts(iteration)
     if not rollouts:
         raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
-    todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
-    skipped = [c.config_id for c in configs if c not in todo]
-    if not todo:
-        return PurifyOutcome([], skipped, None, time.monotonic() - started)
     segments = warehouse.read_segments(iteration)
-    backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
-    scorer = PrefixTrieScorer(backend.model, device=device)
-    decode = ChatFormat(backend.tokenizer).decode
-    results = purify_iteration(rollouts, segments, todo, scorer, decode,
-                               scorer_version=backend.policy_version)
-    for result in results:
-        config = result.config
-        row = PurifyConfigRow(config_id=config.config_id, gamma=config.gamma,
-                              rollback_prob=config.rollback_prob, similarity_on=config.similarity_on,
-                              purify_when=config.purify_when, params_json=config.to_json())
-        warehouse.write_purified(iteration, row, result.rows)
-        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
-    return PurifyOutcome(results, skipped, getattr(scorer, "stats", None), time.monotonic() - started)
+    todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
+    computed, scorer_stats = {}, None
+    if todo:
+        backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
+        scorer = PrefixTrieScorer(backend.model, device=device)
+        decode = ChatFormat(backend.tokenizer).decode
+        for result in purify_iteration(rollouts, segments, todo, scorer, decode,
+                                       scorer_version=f"{scorer.version}:{backend.policy_version}"):
+            _store_purified(warehouse, iteration, result)
+            computed[result.config.config_id] = result
+        scorer_stats = scorer.stats
+    errors = errors_by_type(segments)
+    results = []
+    for config in configs:
+        if config.config_id in computed:
+            results.append(computed[config.config_id])
+            continue
+        rows = warehouse.read_purified(iteration, config.config_id)
+        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors)))
+    return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
+
+
+def _store_purified(warehouse: Warehouse, iteration: int, result) -> None:
+    config = result.config
+    row = PurifyConfigRow(config_id=config.config_id, gamma=config.gamma, rollback_prob=config.rollback_prob,
+                          similarity_on=config.similarity_on, purify_when=config.purify_when,
+                          params_json=config.to_json())
+    warehouse.write_purified(iteration, row, result.rows)
+    warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -102,13 +102,24 @@ def _segments_by_rollout(
     return grouped
 
 
-def _errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
+def errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
     counts = Counter(
         segment.error_type or segment.tool_status
         for segment in segments
         if segment.kind == TOOL and segment.failed
     )
     return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
+                    errors_by_type: tuple[tuple[str, int], ...] = ()) -> PurifyStats:
+    """The stats of a config from its stored rows (for configs purified in an earlier run)."""
+    return PurifyStats(
+        config_id=config_id, n_rollouts=len(rows), n_rolled_back=sum(r.rolled_back for r in rows),
+        n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
+        n_unrecovered=sum(r.n_unrecovered for r in rows),
+        tokens_removed=sum(r.tokens_removed for r in rows), errors_by_type=errors_by_type,
+    )
 
 
 def render_iteration(
@@ -153,7 +164,7 @@ def _plan(
         n_shallow=sum(row.n_shallow for row in rows), n_deep=sum(row.n_deep for row in rows),
         n_unrecovered=sum(row.n_unrecovered for row in rows),
         tokens_removed=sum(row.tokens_removed for row in rows),
-        errors_by_type=_errors_by_type([s for group in grouped.values() for s in group]),
+        errors_by_type=errors_by_type([s for group in grouped.values() for s in group]),
     )
     return PurifyPlan(config, tuple(rows), stats)
 

@@ -1,4 +1,10 @@
-"""Comparison tables of purify configs (one row per config), built with polars."""
+"""Comparison tables of purify configs (one row per config), built with polars.
+
+Beyond SAAR's own counters, each config reports the tokens it trains and how many of them are
+`ctx-rewritten`: loss tokens whose recomputed old log-prob differs from the behaviour log-prob
+(|diff| > 1e-3), i.e. tokens whose context purification rewrote after they were sampled. That is
+the off-policy share a config creates, which truncated IS (DESIGN.md 5) can correct.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +13,57 @@ from collections.abc import Sequence
 import polars as pl
 from rich.table import Table
 
-
-def stats_frame(stats: Sequence, configs: Sequence | None = None) -> pl.DataFrame:
-    """One row per PurifyStats, with its config's parameters when given."""
-    rows = []
-    for i, s in enumerate(stats):
-        row = {"config_id": s.config_id}
-        if configs is not None:
-            c = configs[i]
-            row.update(gamma=c.gamma, p=c.rollback_prob, similarity=c.similarity_on, when=c.purify_when)
-        top = sorted(s.errors_by_type, key=lambda kv: -kv[1])[:3]
-        row.update(
-            rollouts=s.n_rollouts, rolled_back=s.n_rolled_back, shallow=s.n_shallow, deep=s.n_deep,
-            unrecovered=s.n_unrecovered, tokens_removed=s.tokens_removed,
-            errors=", ".join(f"{name} {count}" for name, count in top),
-        )
-        rows.append(row)
-    return pl.DataFrame(rows)
+REWRITTEN_TOLERANCE = 1e-3
 
 
-def stats_table(stats: Sequence, configs: Sequence | None = None) -> Table:
-    frame = stats_frame(stats, configs)
-    table = Table(title="purify", header_style="bold")
+def _token_counts(rows: Sequence) -> tuple[int, int]:
+    trained = rewritten = 0
+    for row in rows:
+        for mask, old, behaviour in zip(row.loss_mask, row.old_logprobs, row.behavior_logprobs, strict=True):
+            if mask:
+                trained += 1
+                rewritten += abs(old - behaviour) > REWRITTEN_TOLERANCE
+    return trained, rewritten
+
+
+def stats_frame(results: Sequence) -> pl.DataFrame:
+    """One row per PurifyResult (config, rows, stats)."""
+    records = []
+    for result in results:
+        config, stats = result.config, result.stats
+        trained, rewritten = _token_counts(result.rows)
+        records.append({
+            "config_id": stats.config_id, "gamma": config.gamma, "p": config.rollback_prob,
+            "sim": config.similarity_on, "when": config.purify_when, "rollouts": stats.n_rollouts,
+            "rolled": stats.n_rolled_back, "shallow": stats.n_shallow, "deep": stats.n_deep,
+            "unrecov": stats.n_unrecovered, "removed": stats.tokens_removed, "trained": trained,
+            "rewritten": rewritten,
+        })
+    return pl.DataFrame(records)
+
+
+def _cell(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+PARAMETERS = ("gamma", "p", "sim", "when")
+
+
+def stats_table(results: Sequence, title: str = "purify") -> Table:
+    """The comparison table; of the parameters, only those that vary across configs are shown."""
+    frame = stats_frame(results)
+    if frame.is_empty():
+        return Table(title=title)
+    constant = [name for name in PARAMETERS if frame[name].n_unique() == 1 and frame.height > 1]
+    facts = [f"{frame['rollouts'][0]} rollouts"] + [f"{name} {_cell(frame[name][0])}" for name in constant]
+    title += " (" + ", ".join(facts) + ")"
+    frame = frame.drop([*constant, "rollouts"]).with_columns(pl.col("config_id").str.slice(0, 8))
+    table = Table(title=title, header_style="bold")
     for name in frame.columns:
-        table.add_column(name, justify="left" if name in ("config_id", "similarity", "when", "errors") else "right")
+        table.add_column(name, justify="left" if frame[name].dtype == pl.String else "right", no_wrap=True)
     for record in frame.iter_rows():
-        table.add_row(*(f"{v:g}" if isinstance(v, float) else str(v) for v in record))
+        table.add_row(*(_cell(v) for v in record))
+    errors = results[0].stats.errors_by_type if results else ()
+    if errors:
+        table.caption = "failed calls in the input: " + ", ".join(f"{name} {count}" for name, count in errors)
     return table

@@ -8,7 +8,6 @@ import pytest
 
 from cleaner.engine.config import PurifyConfig
 from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
-from cleaner.engine.purify.report import stats_table
 from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TIMEOUT, TOOL, Rollout, Segment
 
 # ----------------------------------------------------------------------------------------------
@@ -142,17 +141,3 @@ def test_scorer_with_wrong_lengths_is_rejected():
 
     with pytest.raises(ValueError, match="logprobs"):
         purify_iteration(ROLLOUTS, SEGMENTS, [HALF], ShortScorer(), None, "v")
-
-
-def test_stats_table_shows_one_line_per_config():
-    from rich.console import Console
-
-    stats = [render_iteration(ROLLOUTS, SEGMENTS, config, decode=None)[1] for config in (HALF, DEEP)]
-    console = Console(width=200, record=True)
-    console.print(stats_table(stats, configs=[HALF, DEEP]))
-    text = console.export_text()
-    half_line = next(line for line in text.splitlines() if HALF.config_id in line)
-    cells = [cell.strip() for cell in half_line.split("│")[1:-1]]
-    assert cells == [HALF.config_id, "0.5", "0.5", "code", "always", "4", "3", "3", "0", "0", "9",
-                     "NameError 3, timeout 1"]
-    assert DEEP.config_id in text

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -100,7 +100,7 @@ def collect(
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts in the iteration.")] = 64,
     group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).")] = 8,
     model: ModelOpt = str(DEFAULT_POLICY),
-    data: Annotated[Optional[Path], typer.Option(help="verl-style RL Parquet; default: toy tasks.", exists=True, dir_okay=False)] = None,
+    data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", exists=True, dir_okay=False)] = None,
     max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool call.")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
@@ -217,7 +217,7 @@ def train(
     truncated_is: Annotated[bool, typer.Option(help="Truncated IS on rewritten contexts.")] = False,
     dynamic_sampling: Annotated[bool, typer.Option(help="Drop equal-reward groups.")] = False,
     engine: Annotated[str, typer.Option(help="torch | deepspeed (multi-GPU).")] = "torch",
-    deepspeed_config: Annotated[Optional[Path], typer.Option(help="DeepSpeed JSON config.", exists=True)] = None,
+    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", exists=True)] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Take a GRPO/DAPO step on a purified iteration and write a new checkpoint."""
@@ -346,7 +346,7 @@ def bootstrap(
 def sandbox_run(
     file: Annotated[Path, typer.Argument(help="Python file to run.")],
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Wall-clock limit in seconds.")] = 4.0,
-    stdin: Annotated[Optional[Path], typer.Option("--stdin", help="File fed to the code's stdin.")] = None,
+    stdin: Annotated[Path | None, typer.Option("--stdin", help="File fed to the code's stdin.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run one Python file through the sandbox and print the result.
@@ -398,7 +398,7 @@ def sql(
     query: Annotated[str, typer.Argument(help="DuckDB SQL over the views: rollouts, segments, attempts, ...")],
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
 ) -> None:
     """Run DuckDB SQL over the warehouse views.
 

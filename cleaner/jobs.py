@@ -129,7 +129,12 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     """
     from cleaner.engine.backends import load_backend
     from cleaner.engine.chat import ChatFormat
-    from cleaner.engine.purify.pipeline import PurifyResult, errors_by_type, purify_iteration, stats_from_rows
+    from cleaner.engine.purify.pipeline import (
+        PurifyResult,
+        errors_by_type,
+        purify_iteration,
+        stats_from_rows,
+    )
     from cleaner.engine.purify.scorer import PrefixTrieScorer
 
     started = time.monotonic()

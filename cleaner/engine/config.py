@@ -55,7 +55,7 @@ class SandboxConfig(_Config):
     max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
     infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
     docker_image: str = "python:3.11-slim"  # image for the docker backend
-    preload_scientific: bool = False  # warm workers also import numpy+sympy: slower fork, fast `import sympy`
+    preload_scientific: bool = True  # warm workers also import numpy+sympy: fast `import sympy`, costlier fork
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, ("local", "docker"))

@@ -2,15 +2,15 @@
 
 Design decisions:
 - The child is confined in this order (each step needs the privileges the next one drops): own
-  session; fds 0-3 set (stdin = /dev/null or a memfd holding the given stdin; stdout and stderr are
-  pipes; fd 3 is the result pipe), every other fd closed (the protocol pipes, the uid lock);
+  session; fds set (stdin = /dev/null or a memfd holding the given stdin; stdout and stderr are
+  pipes; the result pipe sits at the highest fd RLIMIT_NOFILE allows), every other fd closed (the protocol pipes, the uid lock);
   SIGXFSZ ignored so an oversized write fails with EFBIG instead of killing the process; resource
   limits; chdir into the private workdir; then setgroups([]) / setgid / setuid to the worker's
   sandbox uid, PR_SET_NO_NEW_PRIVS (no setuid binary can give root back) and a parent-death signal.
 - The worker reads stdout/stderr while the child runs, keeping only the first
   `4 * max_output_chars` bytes and counting the rest, so printing 100 MB costs pipe bandwidth, not
   memory, and never blocks the child on a full pipe.
-- The child writes `S` on the result pipe just before user code starts and a JSON result after it
+- The child writes `S` on the result pipe (its highest allowed fd) just before user code starts and a JSON result after it
   ends. No `S` means the sandbox itself failed (an infrastructure error, retried by the pool);
   `S` without a result means the user code ended the process itself (os._exit, a signal).
 - Wall clock: the deadline runs from the fork. On timeout, and after every execution, every process
@@ -32,11 +32,12 @@ from collections.abc import Callable
 
 from cleaner.engine.collect import sandbox_child, sandbox_worker
 
-RESULT_FD = 3
+RESULT_LOST_EXIT = 1  # exit code of a child whose code failed but whose result pipe the code closed
 SETUP_FAILED_EXIT = 121  # exit code of a child whose confinement failed before user code ran
 DRAIN_GRACE_S = 1.0  # after the kill, how long to wait for the output pipes to close
 CHUNK_BYTES = 1 << 16
 POLL_S = 0.002  # child-exit polling period where pidfd_open is missing
+REPORTED = 0  # the "wait status" of a child that reported its result and closed its pipes
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
              **sandbox_worker.SINGLE_THREAD_ENV}
@@ -46,11 +47,14 @@ CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONI
 # Child side (runs after fork; never returns)
 
 
-def _place_fds(stdin_fd: int, out_w: int, err_w: int, result_w: int) -> None:
-    high = [os.dup(fd) for fd in (stdin_fd, out_w, err_w, result_w)]  # dodge clashes with 0..3
-    for target, fd in enumerate(high):
+def _place_fds(stdin_fd: int, out_w: int, err_w: int, result_w: int, result_fd: int) -> None:
+    """fds 0-2 and the result pipe at `result_fd` (the highest fd allowed, out of the way of the
+    user's own files); every other fd is closed."""
+    high = [os.dup(fd) for fd in (stdin_fd, out_w, err_w, result_w)]  # dodge clashes with targets
+    for target, fd in zip((0, 1, 2, result_fd), high, strict=True):
         os.dup2(fd, target)
-    os.closerange(RESULT_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    os.closerange(3, result_fd)
+    os.closerange(result_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def _set_limits(config) -> None:
@@ -88,7 +92,8 @@ def _confine(config, uid: int | None, workdir: str) -> None:
 
 
 def _child_main(code: str, config, uid: int | None, workdir: str, fds: tuple[int, ...]) -> None:
-    _place_fds(*fds)
+    result_fd = config.max_open_files - 1
+    _place_fds(*fds, result_fd)
     _confine(config, uid, workdir)
     sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
@@ -97,14 +102,24 @@ def _child_main(code: str, config, uid: int | None, workdir: str, fds: tuple[int
     sys.argv = [""]
     if "numpy.random" in sys.modules:  # `random` reseeds itself after fork; numpy does not
         sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
-    os.write(RESULT_FD, b"S")
+    os.write(result_fd, b"S")
     error_type, error_text = sandbox_child.execute_user_code(code)
     sandbox_child.flush_standard_streams()
+    for fd in (0, 1, 2):  # EOF now lets the worker answer without waiting for this exit's teardown
+        _close_quietly(fd)
     try:
-        os.write(RESULT_FD, json.dumps({"error_type": error_type, "error_text": error_text}).encode())
-    except OSError:
-        pass  # the user closed fd 3; the exit status still classifies the run
+        os.write(result_fd, json.dumps({"error_type": error_type, "error_text": error_text}).encode())
+    except OSError:  # the code closed the result pipe: the exit status is all that is left
+        os._exit(0 if error_type is None else RESULT_LOST_EXIT)
+    _close_quietly(result_fd)
     os._exit(0)  # daemon threads die here, mid-loop, as they should
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +163,11 @@ def _pump(streams: dict[int, _Capture], timeout_s: float, extra_fds: tuple[int, 
     return [fd for fd in ready if fd in extra_fds]
 
 
-def _supervise(pid: int, streams: dict[int, _Capture], deadline: float) -> int | None:
-    """Pump output until the child exits (its wait status) or the deadline passes (None)."""
+def _supervise(pid: int, streams: dict[int, _Capture], result_fd: int, deadline: float) -> int | None:
+    """Pump output until the child is done or the deadline passes (None). Done is: the child
+    exited (its wait status), or it closed the result pipe after its closing JSON (0; its exit is
+    collected later, so the teardown of a large address space is not on the critical path)."""
+    result = streams[result_fd]
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # Linux < 5.3: poll the child every POLL_S instead
@@ -162,11 +180,13 @@ def _supervise(pid: int, streams: dict[int, _Capture], deadline: float) -> int |
             if pidfd is not None:
                 if _pump(streams, remaining, (pidfd,)):
                     return os.waitpid(pid, 0)[1]
-                continue
-            _pump(streams, min(remaining, POLL_S))
-            exited_pid, wait_status = os.waitpid(pid, os.WNOHANG)
-            if exited_pid:
-                return wait_status
+            else:
+                _pump(streams, min(remaining, POLL_S))
+                exited_pid, wait_status = os.waitpid(pid, os.WNOHANG)
+                if exited_pid:
+                    return wait_status
+            if result_fd not in streams and _parse_outcome(bytes(result.head)) is not None:
+                return REPORTED
     finally:
         if pidfd is not None:
             os.close(pidfd)
@@ -186,7 +206,20 @@ def _kill_everything(pid: int, uid: int | None, collect_child: bool) -> None:
             os.waitpid(pid, 0)
         except ChildProcessError:
             pass  # already collected with the orphans
-    sandbox_worker.reap_zombies()
+    if sandbox_worker.is_subreaper:
+        sandbox_worker.reap_zombies()
+
+
+def _parse_outcome(result: bytes) -> dict | None:
+    """The child's closing JSON (the last one: user code may have scribbled on the pipe before it)."""
+    start = result.rfind(b'{"error_type"')
+    if start < 0:
+        return None
+    try:
+        outcome = json.loads(result[start:])
+    except ValueError:
+        return None
+    return outcome if isinstance(outcome, dict) and {"error_type", "error_text"} <= outcome.keys() else None
 
 
 def _classify(wait_status: int | None, result: bytes, config) -> tuple[str, str | None, str | None]:
@@ -195,8 +228,8 @@ def _classify(wait_status: int | None, result: bytes, config) -> tuple[str, str 
         return "timeout", "Timeout", f"Timeout: execution exceeded the {config.timeout_s:g} s time limit"
     if not result.startswith(b"S"):
         return "infra_error", "InfraError", f"sandbox child failed before running code (status {wait_status})"
-    if len(result) > 1:
-        outcome = json.loads(result[1:])
+    outcome = _parse_outcome(result)
+    if outcome is not None:
         if outcome["error_type"] is None:
             return "ok", None, None
         return "error", outcome["error_type"], outcome["error_text"]
@@ -244,7 +277,7 @@ def execute(code: str, stdin: str | None, config, uid: int | None, root: str) ->
     keep_bytes = 4 * config.max_output_chars
     streams = {out_r: _Capture(keep_bytes), err_r: _Capture(keep_bytes), result_r: _Capture(1 << 20)}
     captures = dict(zip(("stdout", "stderr", "result"), streams.values(), strict=True))
-    wait_status = _supervise(pid, streams, start + config.timeout_s)
+    wait_status = _supervise(pid, streams, result_r, start + config.timeout_s)
     exec_ms = (time.monotonic() - start) * 1000.0
     for _ in range(64):  # usually every pipe is at EOF once the child is gone
         if not streams or not select.select(list(streams), [], [], 0)[0]:
@@ -252,7 +285,7 @@ def execute(code: str, stdin: str | None, config, uid: int | None, root: str) ->
         _pump(streams, 0)
     killed_before_reply = bool(streams) or wait_status is None
     if killed_before_reply:  # something still holds the pipes (or runs past the deadline)
-        _kill_everything(pid, uid, collect_child=wait_status is None)
+        _kill_everything(pid, uid, collect_child=True)
         drain_deadline = time.monotonic() + DRAIN_GRACE_S
         while streams and time.monotonic() < drain_deadline:
             _pump(streams, drain_deadline - time.monotonic())
@@ -262,7 +295,7 @@ def execute(code: str, stdin: str | None, config, uid: int | None, root: str) ->
     def clean_up() -> None:
         """Run after the reply is sent: kill whatever is left of the execution, remove its workdir."""
         if not killed_before_reply:
-            _kill_everything(pid, uid, collect_child=False)
+            _kill_everything(pid, uid, collect_child=True)  # waitpid: harmless if already collected
         shutil.rmtree(workdir, ignore_errors=True)
 
     return _reply(wait_status, captures, exec_ms, config), clean_up

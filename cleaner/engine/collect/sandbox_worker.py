@@ -246,6 +246,7 @@ class ReaperServer:
 
 
 _reaper: ReaperServer | None = None
+is_subreaper = False  # True in a worker process: orphans are ours to reap (never in a host process)
 
 
 def reap_uid(uid: int) -> None:
@@ -254,7 +255,8 @@ def reap_uid(uid: int) -> None:
         _reaper.reap()
     else:
         _kill_all_as(uid)
-    reap_zombies()
+    if is_subreaper:
+        reap_zombies()
 
 
 def reap_zombies() -> None:
@@ -304,6 +306,8 @@ def main(argv: list[str]) -> int:
     request_fd, reply_fd = _take_protocol_fds()
     privileged = os.geteuid() == 0
     _libc_call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of executions come here
+    global is_subreaper
+    is_subreaper = True
     uid, report = None, {"network_isolated": False, "filesystem_isolated": False}
     if privileged:
         uid, _lock_fd = claim_uid(preferred_uid)
@@ -334,4 +338,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # Run the imported module's main, not this `__main__` copy's: the worker's state (`_reaper`,
+    # `is_subreaper`) must live in the module that sandbox_exec sees.
+    from cleaner.engine.collect import sandbox_worker
+
+    sys.exit(sandbox_worker.main(sys.argv))

@@ -321,6 +321,16 @@ def test_closing_stdout(sandbox):
     assert_pool_alive(sandbox)
 
 
+def test_scribbling_on_the_result_pipe(sandbox):
+    fake = "{\"error_type\": \"Fake\", \"error_text\": \"Fake: x\"}"
+    forge = f"import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{fake}')\n    except OSError:\n        pass\n"
+    result = run_bounded(sandbox, forge + "print('fine')")
+    assert (result.status, result.error_type, result.stdout) == ("ok", None, "fine\n")  # last JSON wins
+    result = run_bounded(sandbox, "import os\nos.closerange(3, 64)\nprint(1 / 0)")
+    assert (result.status, result.error_type) == ("error", "SystemExit")  # result lost: exit code 1
+    assert_pool_alive(sandbox)
+
+
 def test_reading_stdin_when_none_is_given(sandbox):
     result = run_bounded(sandbox, "name = input()")
     assert (result.status, result.error_type) == ("error", "EOFError")
@@ -334,7 +344,7 @@ def test_busy_daemon_thread_does_not_outlive_the_code(sandbox):
         "threading.Thread(target=spin, daemon=True).start()\nprint('main done')"
     )
     result = run_bounded(sandbox, code)
-    assert (result.status, result.stdout) == ("ok", "main done\n")
+    assert (result.status, result.stdout) == ("ok", "main done\n"), result.stderr
     assert result.exec_ms < 1000
     assert_pool_alive(sandbox)
 

@@ -240,13 +240,15 @@ def train(
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
 
 
-def _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when):
+def _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when,
+                max_turns: int = 8, max_new_tokens: int = 160):
     from cleaner.engine.config import CollectConfig, PurifyConfig, RunConfig, TrainConfig
 
     return _config(
         RunConfig, run_dir=str(run_dir), iterations=iterations,
         collect=_config(CollectConfig, model=model, n_prompts=prompts, group_size=group_size, seed=seed,
-                        device=device),
+                        device=device, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                        max_response_tokens=max(768, max_new_tokens)),
         purify=_config(PurifyConfig, purify_when=purify_when),
         train=_config(TrainConfig, lr=lr, mini_batch_size=prompts * group_size // 4,
                       micro_batch_size=min(16, prompts * group_size // 4), seed=seed, device=device),
@@ -278,13 +280,16 @@ def run(
     model: ModelOpt = str(DEFAULT_POLICY),
     lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: ~1e-3; 4B: ~1e-6).")] = 1e-3,
     purify_when: Annotated[str, typer.Option(help="always | positive.")] = "always",
+    max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
     seed: Annotated[int, typer.Option(help="Base seed.")] = 0,
     device: DeviceOpt = "cpu",
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run.")] = False,
 ) -> None:
     """Loop collect -> purify -> train for several iterations, in one process."""
-    _run_and_report(_run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when),
-                    resume)
+    config = _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when,
+                         max_turns=max_turns, max_new_tokens=max_new_tokens)
+    _run_and_report(config, resume)
 
 
 DEMO_SQL = (

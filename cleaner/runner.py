@@ -55,7 +55,7 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
         backend = _ensure_backend(backend, policy, config.collect.device)
         row, trained_here = _one_iteration(config, warehouse, iteration, policy, backend, progress)
         if trained_here:
-            backend.model_path = row.policy_out  # the in-memory model now equals the saved checkpoint
+            backend.adopt(row.policy_out)  # the in-memory model now equals the saved checkpoint
         else:
             backend = None  # trained before a crash: load the saved checkpoint next iteration
         policy = row.policy_out

@@ -18,3 +18,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def random_policy(tmp_path_factory):
+    """A random-weight tiny Qwen3 with the real tiny-policy tokenizer, saved as an HF directory.
+
+    Independent of the trained asset and fast to build; it rarely closes a tool call, so rollouts
+    run to their token limits. Use it for plumbing (run loop, resume, crash safety).
+    """
+    from cleaner.engine.bootstrap.sft import tiny_model
+    from cleaner.engine.bootstrap.tokenizer import build_tokenizer
+    from cleaner.engine.chat import format_call, format_tool_response, tool_response_text
+    from cleaner.engine.collect.tasks import toy_tasks
+
+    texts = []
+    for task in toy_tasks(64, seed=1):
+        texts.append(task.messages[-1]["content"])
+        texts.append(format_call(f"print(({task.ground_truth} * 3 + 1) % 7)"))
+        texts.append(tool_response_text(format_tool_response(True, task.ground_truth, "")))
+    tokenizer = build_tokenizer(texts)
+    path = tmp_path_factory.mktemp("random-policy")
+    tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -153,6 +153,17 @@ class TorchBackend:
         self._policy_version = policy_version_of(model_path, self.model)
         log.info("loaded %s on %s as %s", model_path, self.device, self._policy_version)
 
+    def adopt(self, model_path: str | Path) -> None:
+        """Declare that the in-memory model was trained in place and saved to `model_path`.
+
+        `cleaner run` trains `self.model` itself and saves it, so no reload is needed: only the
+        path and the policy version (hash of the saved weights) move on, and the model goes back
+        to eval mode for generation.
+        """
+        self.model.eval()
+        self.model_path = Path(model_path)
+        self._policy_version = policy_version_of(model_path, self.model)
+
     def set_weights(self, state_dict: dict[str, torch.Tensor], policy_version: str) -> None:
         """Copy new weights in place (same architecture); the caller names the new version.
 

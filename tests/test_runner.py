@@ -1,0 +1,113 @@
+"""`cleaner run`: the loop over iterations, idempotence, and SIGKILL + --resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cleaner.engine.backends.torch_backend import policy_version_of
+from cleaner.engine.config import CollectConfig, RunConfig, SandboxConfig, TrainConfig
+from cleaner.jobs import JobError
+from cleaner.runner import checkpoint_dir, run_loop
+from cleaner.warehouse import Warehouse
+
+
+def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
+    return RunConfig(
+        run_dir=str(run_dir), iterations=iterations,
+        collect=CollectConfig(model=str(policy), n_prompts=2, group_size=2, max_turns=2,
+                              max_new_tokens=12, max_response_tokens=24,
+                              sandbox=SandboxConfig(workers=1)),
+        train=TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2),
+    )
+
+
+def test_run_loop_chains_iterations_and_is_idempotent(tmp_path, random_policy):
+    config = _config(tmp_path / "run", random_policy)
+    rows = run_loop(config, progress=False)
+    assert [r.iteration for r in rows] == [0, 1]
+    first, second = checkpoint_dir(tmp_path / "run", 0), checkpoint_dir(tmp_path / "run", 1)
+    assert (first / "model.safetensors").exists() and (second / "model.safetensors").exists()
+    assert rows[1].policy_in == str(first) and rows[1].policy_out == str(second)
+    warehouse = Warehouse(tmp_path / "run" / "warehouse")
+    # Iteration 1 was collected by the policy trained in iteration 0, without a reload.
+    versions = {r.policy_version for r in warehouse.read_rollouts(1)}
+    assert versions == {policy_version_of(first)}
+    assert {r.policy_version for r in warehouse.read_rollouts(0)} != versions
+    with pytest.raises(JobError, match="--resume"):
+        run_loop(config, progress=False)
+    run_loop(config, resume=True, progress=False)  # nothing left to do: no new rows
+    connection = warehouse.connect()
+    assert connection.sql("SELECT count(*) FROM iterations").fetchall() == [(2,)]
+    assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
+    assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(8,)]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cleaner.cli", *args]
+
+
+def _wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if process.poll() is not None:
+            pytest.fail(f"process ended (rc {process.returncode}) before the kill point")
+        time.sleep(0.05)
+    pytest.fail("kill point not reached in time")
+
+
+def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_policy):
+    warehouse = tmp_path / "wh"
+    args = ["collect", "-w", str(warehouse), "--prompts", "4", "--group-size", "2", "--batch-rollouts", "2",
+            "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "48",
+            "--max-response-tokens", "96", "--sandbox-workers", "1"]
+    process = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rollouts_dir = warehouse / "rollouts" / "iteration=0"
+    _wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert len(Warehouse(warehouse).rollout_ids(0)) < 8, "killed too late to test resume"
+    refused = subprocess.run(_cli(*args), capture_output=True, text=True)
+    assert refused.returncode == 1 and "--resume" in refused.stderr
+    finished = subprocess.run(_cli(*args, "--resume"), capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    connection = Warehouse(warehouse).connect()
+    assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
+    # Every visible segment belongs to a committed rollout, and no rollout has two copies of a seq.
+    assert connection.sql(
+        "SELECT count(*) FROM segments WHERE rollout_id NOT IN (SELECT rollout_id FROM rollouts)"
+    ).fetchall() == [(0,)]
+    assert connection.sql(
+        "SELECT count(*) FROM (SELECT rollout_id, seq FROM segments GROUP BY 1, 2 HAVING count(*) > 1)"
+    ).fetchall() == [(0,)]
+
+
+@pytest.mark.slow
+def test_sigkill_run_mid_iteration_then_resume(tmp_path, random_policy):
+    run_dir = tmp_path / "run"
+    args = ["run", "--run-dir", str(run_dir), "--iterations", "2", "--prompts", "2", "--group-size", "2",
+            "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24"]
+    process = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    purified = run_dir / "warehouse" / "purified"
+    _wait_for(lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 180, process)
+    os.kill(process.pid, signal.SIGKILL)  # after purify, before or during training of iteration 0
+    process.wait()
+    finished = subprocess.run(_cli(*args, "--resume"), capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    connection = Warehouse(run_dir / "warehouse").connect()
+    assert connection.sql("SELECT list(iteration ORDER BY iteration) FROM iterations").fetchall() == [([0, 1],)]
+    assert connection.sql(
+        "SELECT iteration, count(*), count(DISTINCT rollout_id) FROM rollouts GROUP BY 1 ORDER BY 1"
+    ).fetchall() == [(0, 4, 4), (1, 4, 4)]
+    assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(8,)]
+    steps = connection.sql("SELECT iteration, count(*) FROM train_steps GROUP BY 1 ORDER BY 1").fetchall()
+    assert [iteration for iteration, _ in steps] == [0, 1]
+    assert checkpoint_dir(run_dir, 1).exists()

@@ -5,8 +5,8 @@ is the text shown to the model (`chat.format_tool_response`). `run_many` spreads
 pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from threads.
 
 Local backend (default). `workers` warm worker processes (`sandbox_worker.py`) each fork one fresh
-child per execution (`sandbox_exec.py`), so a snippet pays a fork, not an interpreter start, and no
-state leaks between executions. What is enforced on Linux:
+child per execution (`sandbox_exec.py`; forked and confined ahead of time, waiting for its code), so
+a snippet pays neither an interpreter start nor a fork, and no state leaks between executions. What is enforced on Linux:
 - as root (these machines): the child runs as an unprivileged uid, one per worker and unique on
   the host (61000 + k, claimed with a lock file), with no supplementary groups and
   PR_SET_NO_NEW_PRIVS, so it cannot read root-only files, signal the worker or anything else, or
@@ -68,7 +68,7 @@ class ExecResult:
     error_type: str | None  # exception class name ("NameError"), "Timeout"; None when ok
     stdout: str  # truncated to max_output_chars with a "...[truncated N chars]" marker
     stderr: str  # the user's stderr, then the error text
-    exec_ms: float  # wall time of the execution, fork to exit
+    exec_ms: float  # wall time of the execution, request sent to result received
     response: str  # the text shown to the model (chat.format_tool_response)
 
 

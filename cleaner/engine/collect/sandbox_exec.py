@@ -1,20 +1,28 @@
 """One execution inside a warm worker: fork a fresh child, confine it, supervise it, clean up.
 
 Design decisions:
+- A spare child: right after each execution's clean-up, the worker forks and confines the NEXT
+  child, which waits on a request pipe; an execution only sends it the code. Fork and confinement
+  (the bulk of the cost with numpy and sympy warm) are thus off the critical path. The wall clock
+  starts when the request is sent.
 - The child is confined in this order (each step needs the privileges the next one drops): own
-  session; fds set (stdin = /dev/null or a memfd holding the given stdin; stdout and stderr are
-  pipes; the result pipe sits at the highest fd RLIMIT_NOFILE allows), every other fd closed (the protocol pipes, the uid lock);
-  SIGXFSZ ignored so an oversized write fails with EFBIG instead of killing the process; resource
-  limits; chdir into the private workdir; then setgroups([]) / setgid / setuid to the worker's
-  sandbox uid, PR_SET_NO_NEW_PRIVS (no setuid binary can give root back) and a parent-death signal.
-- The worker reads stdout/stderr while the child runs, keeping only the first
-  `4 * max_output_chars` bytes and counting the rest, so printing 100 MB costs pipe bandwidth, not
-  memory, and never blocks the child on a full pipe.
-- The child writes `S` on the result pipe (its highest allowed fd) just before user code starts and a JSON result after it
-  ends. No `S` means the sandbox itself failed (an infrastructure error, retried by the pool);
-  `S` without a result means the user code ended the process itself (os._exit, a signal).
-- Wall clock: the deadline runs from the fork. On timeout, and after every execution, every process
-  of the sandbox uid is killed (`reap_uid`); without root, the child's process group is killed.
+  session; fds set (stdin = /dev/null, replaced by a memfd holding the given stdin once the request
+  arrives; stdout and stderr are pipes; the result and request pipes sit at the highest fds
+  RLIMIT_NOFILE allows; the request pipe is closed before user code runs), every other fd closed
+  (the worker's protocol pipes, the uid lock); SIGXFSZ ignored so an oversized write fails with
+  EFBIG instead of killing the process; resource limits; chdir into the private workdir; then
+  setgroups([]) / setgid / setuid to the worker's sandbox uid, PR_SET_NO_NEW_PRIVS (no setuid binary
+  can give root back) and a parent-death signal.
+- The worker reads stdout/stderr while the child runs, keeping only the first `4 * max_output_chars`
+  bytes and counting the rest, so printing 100 MB costs pipe bandwidth, not memory, and never blocks
+  the child on a full pipe.
+- The child writes `S` on the result pipe just before user code starts and a JSON result after it
+  ends; it then closes its pipes, so the worker answers without waiting for the exit's teardown. No
+  `S` means the sandbox itself failed (an infrastructure error, retried by the pool); `S` without a
+  result means the user code ended the process itself (os._exit, a signal).
+- Wall clock: the deadline runs from the request. On timeout, and after every execution, every
+  process of the sandbox uid is killed (`reap_uid`); without root, the child's process group is
+  killed.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cleaner.engine.collect import sandbox_child, sandbox_worker
 
@@ -47,14 +56,14 @@ CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONI
 # Child side (runs after fork; never returns)
 
 
-def _place_fds(stdin_fd: int, out_w: int, err_w: int, result_w: int, result_fd: int) -> None:
-    """fds 0-2 and the result pipe at `result_fd` (the highest fd allowed, out of the way of the
-    user's own files); every other fd is closed."""
-    high = [os.dup(fd) for fd in (stdin_fd, out_w, err_w, result_w)]  # dodge clashes with targets
-    for target, fd in zip((0, 1, 2, result_fd), high, strict=True):
+def _place_fds(pipes: tuple[int, ...], targets: tuple[int, ...]) -> None:
+    """Put each pipe end at its target fd; close every other fd."""
+    high = [os.dup(fd) for fd in pipes]  # dodge clashes between sources and targets
+    for target, fd in zip(targets, high, strict=True):
         os.dup2(fd, target)
-    os.closerange(3, result_fd)
-    os.closerange(result_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    keep = sorted(targets)
+    for low, next_kept in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]], strict=True):
+        os.closerange(low + 1, next_kept)
 
 
 def _set_limits(config) -> None:
@@ -91,9 +100,11 @@ def _confine(config, uid: int | None, workdir: str) -> None:
     _set_limits(config)
 
 
-def _child_main(code: str, config, uid: int | None, workdir: str, fds: tuple[int, ...]) -> None:
-    result_fd = config.max_open_files - 1
-    _place_fds(*fds, result_fd)
+def _child_main(config, uid: int | None, workdir: str, pipes: tuple[int, ...]) -> None:
+    """Confine this process, wait for the request, run it. Never returns."""
+    result_fd = config.max_open_files - 1  # the highest fds allowed: out of the way of user files
+    request_fd = result_fd - 1
+    _place_fds(pipes, (0, 1, 2, result_fd, request_fd))
     _confine(config, uid, workdir)
     sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
@@ -102,8 +113,18 @@ def _child_main(code: str, config, uid: int | None, workdir: str, fds: tuple[int
     sys.argv = [""]
     if "numpy.random" in sys.modules:  # `random` reseeds itself after fork; numpy does not
         sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
+    request = sandbox_worker.receive_message(request_fd)  # a spare child waits here
+    if request is None:  # discarded unused
+        os._exit(0)
+    os.close(request_fd)
+    if request["stdin"] is not None:  # a memfd, so reads never block (size bound: RLIMIT_FSIZE)
+        stdin_fd = os.memfd_create("stdin")
+        os.write(stdin_fd, request["stdin"].encode("utf-8"))
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
     os.write(result_fd, b"S")
-    error_type, error_text = sandbox_child.execute_user_code(code)
+    error_type, error_text = sandbox_child.execute_user_code(request["code"])
     sandbox_child.flush_standard_streams()
     for fd in (0, 1, 2):  # EOF now lets the worker answer without waiting for this exit's teardown
         _close_quietly(fd)
@@ -245,60 +266,109 @@ def _classify(wait_status: int | None, result: bytes, config) -> tuple[str, str 
     return "error", "SystemExit", f"SystemExit: the process exited with code {exit_code}"
 
 
-def _stdin_fd(stdin: str | None) -> int:
-    if stdin is None:
-        return os.open(os.devnull, os.O_RDONLY)
-    fd = os.memfd_create("stdin")
-    os.write(fd, stdin.encode("utf-8"))  # a memfd write never blocks
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
+@dataclass
+class _Child:
+    """A forked, confined child waiting for its request, and the worker's ends of its pipes."""
+
+    pid: int
+    workdir: str
+    request_w: int
+    out_r: int
+    err_r: int
+    result_r: int
 
 
-def execute(code: str, stdin: str | None, config, uid: int | None, root: str) -> tuple[dict, Callable]:
-    """Run one snippet in a fresh confined child: (the reply for the pool, a clean-up to run after
-    sending it). The clean-up kills every leftover process of the execution before the next one."""
+def _spawn(config, uid: int | None, root: str) -> _Child:
     workdir = os.path.join(root, uuid.uuid4().hex)
     os.mkdir(workdir, 0o700)
     if uid is not None:
         os.chown(workdir, uid, uid)
     (out_r, out_w), (err_r, err_w), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
-    stdin_fd = _stdin_fd(stdin)
-    start = time.monotonic()
+    request_r, request_w = os.pipe()
+    stdin_fd = os.open(os.devnull, os.O_RDONLY)
+    child_ends = (stdin_fd, out_w, err_w, result_w, request_r)
     pid = os.fork()
     if pid == 0:
         try:
-            _child_main(code, config, uid, workdir, (stdin_fd, out_w, err_w, result_w))
+            _child_main(config, uid, workdir, child_ends)
         except BaseException as error:  # noqa: BLE001 - reported on stderr, classified infra_error
             os.write(2, f"sandbox child set-up failed: {error!r}".encode())
         finally:
             os._exit(SETUP_FAILED_EXIT)
-    for fd in (stdin_fd, out_w, err_w, result_w):
+    for fd in child_ends:
         os.close(fd)
-    keep_bytes = 4 * config.max_output_chars
-    streams = {out_r: _Capture(keep_bytes), err_r: _Capture(keep_bytes), result_r: _Capture(1 << 20)}
-    captures = dict(zip(("stdout", "stderr", "result"), streams.values(), strict=True))
-    wait_status = _supervise(pid, streams, result_r, start + config.timeout_s)
-    exec_ms = (time.monotonic() - start) * 1000.0
-    for _ in range(64):  # usually every pipe is at EOF once the child is gone
-        if not streams or not select.select(list(streams), [], [], 0)[0]:
-            break
-        _pump(streams, 0)
-    killed_before_reply = bool(streams) or wait_status is None
-    if killed_before_reply:  # something still holds the pipes (or runs past the deadline)
-        _kill_everything(pid, uid, collect_child=True)
-        drain_deadline = time.monotonic() + DRAIN_GRACE_S
-        while streams and time.monotonic() < drain_deadline:
-            _pump(streams, drain_deadline - time.monotonic())
-    for fd in streams:
-        os.close(fd)
+    return _Child(pid, workdir, request_w, out_r, err_r, result_r)
 
-    def clean_up() -> None:
-        """Run after the reply is sent: kill whatever is left of the execution, remove its workdir."""
-        if not killed_before_reply:
-            _kill_everything(pid, uid, collect_child=True)  # waitpid: harmless if already collected
-        shutil.rmtree(workdir, ignore_errors=True)
 
-    return _reply(wait_status, captures, exec_ms, config), clean_up
+def _discard(child: _Child, uid: int | None) -> None:
+    """Kill an unused spare. By pid, as well as by uid: it may still be root, mid-confinement."""
+    for fd in (child.request_w, child.out_r, child.err_r, child.result_r):
+        _close_quietly(fd)
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _kill_everything(child.pid, uid, collect_child=True)
+    shutil.rmtree(child.workdir, ignore_errors=True)
+
+
+class Executor:
+    """Runs snippets one at a time, each in a fresh child. With `prefork`, the next child is forked
+    and confined right after each execution's clean-up, so the fork is off the critical path."""
+
+    def __init__(self, config, uid: int | None, root: str, prefork: bool = True) -> None:
+        self.config, self.uid, self.root, self.prefork = config, uid, root, prefork
+        self._spare = _spawn(config, uid, root) if prefork else None
+
+    def _take_child(self, request: dict) -> _Child:
+        child, self._spare = self._spare or _spawn(self.config, self.uid, self.root), None
+        try:
+            sandbox_worker.send_message(child.request_w, request)
+        except BrokenPipeError:  # the spare died while waiting: use a fresh one
+            _discard(child, self.uid)
+            child = _spawn(self.config, self.uid, self.root)
+            sandbox_worker.send_message(child.request_w, request)
+        os.close(child.request_w)
+        return child
+
+    def execute(self, code: str, stdin: str | None) -> tuple[dict, Callable[[], None]]:
+        """(the reply for the pool, a clean-up to run after sending it). The clean-up kills every
+        leftover process of the execution, removes its workdir, and forks the next spare."""
+        start = time.monotonic()
+        child = self._take_child({"code": code, "stdin": stdin})
+        keep_bytes = 4 * self.config.max_output_chars
+        captures = {"stdout": _Capture(keep_bytes), "stderr": _Capture(keep_bytes), "result": _Capture(1 << 20)}
+        streams = dict(zip((child.out_r, child.err_r, child.result_r), captures.values(), strict=True))
+        wait_status = _supervise(child.pid, streams, child.result_r, start + self.config.timeout_s)
+        exec_ms = (time.monotonic() - start) * 1000.0
+        for _ in range(64):  # usually every pipe is at EOF once the child is done
+            if not streams or not select.select(list(streams), [], [], 0)[0]:
+                break
+            _pump(streams, 0)
+        if streams or wait_status is None:  # something still holds the pipes, or the deadline passed
+            _kill_everything(child.pid, self.uid, collect_child=True)
+            drain_deadline = time.monotonic() + DRAIN_GRACE_S
+            while streams and time.monotonic() < drain_deadline:
+                _pump(streams, drain_deadline - time.monotonic())
+        for fd in streams:
+            os.close(fd)
+        return _reply(wait_status, captures, exec_ms, self.config), lambda: self._clean_up(child)
+
+    def _clean_up(self, child: _Child) -> None:
+        _kill_everything(child.pid, self.uid, collect_child=True)  # harmless if already collected
+        shutil.rmtree(child.workdir, ignore_errors=True)
+        if self.prefork:
+            self._spare = _spawn(self.config, self.uid, self.root)
+
+    def close(self) -> None:
+        if self._spare is not None:
+            _discard(self._spare, self.uid)
+            self._spare = None
+
+
+def execute(code: str, stdin: str | None, config, uid: int | None, root: str) -> tuple[dict, Callable]:
+    """One execution without a spare child (the fork is on the critical path)."""
+    return Executor(config, uid, root, prefork=False).execute(code, stdin)
 
 
 def _reply(wait_status: int | None, captures: dict, exec_ms: float, config) -> dict:

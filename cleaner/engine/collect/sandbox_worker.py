@@ -6,9 +6,10 @@ It talks to the pool over its stdin/stdout with length-prefixed JSON messages (`
 
 Design decisions:
 - Warm: common modules (`WARM_IMPORTS`; with `preload_scientific` also numpy and sympy) are
-  imported once at start-up, so a snippet pays a fork, not an interpreter start (~30 ms) or an
+  imported once at start-up, so a snippet pays no interpreter start (~30 ms) and no
   `import sympy` (~0.3 s). The cost: fork and exit scale with the worker's resident memory, so the
-  scientific preload makes every execution a few ms slower (BENCHMARKS.md, "Sandbox"). BLAS thread
+  scientific preload makes every execution's CPU cost higher (BENCHMARKS.md, "Sandbox"); the
+  spare child (sandbox_exec.py) keeps the fork itself off the latency path. BLAS thread
   pools are pinned to one thread before any import, so the worker stays single-threaded and
   fork-safe; `gc.freeze()` keeps the warm objects out of the children's collections.
 - Fresh child per execution: state never leaks between executions; the child runs with its own
@@ -318,18 +319,20 @@ def main(argv: list[str]) -> int:
     root = "/tmp" if report["filesystem_isolated"] else tempfile.mkdtemp(prefix="cleaner-sandbox-")
     _warm_up(config.preload_scientific)
     gc.freeze()  # keep the warm objects out of the children's collections: no copy-on-write storm
+    executor = sandbox_exec.Executor(config, uid, root)
     send_message(reply_fd, {"pid": os.getpid(), "uid": uid, **report})
     while True:
         request = receive_message(request_fd)
         if request is None or request.get("op") == "exit":
             break
-        reply, clean_up = sandbox_exec.execute(request["code"], request.get("stdin"), config, uid, root)
+        reply, clean_up = executor.execute(request["code"], request.get("stdin"))
         try:
             send_message(reply_fd, reply)
         except BrokenPipeError:
             break
         finally:
             clean_up()
+    executor.close()
     if uid is not None:
         reap_uid(uid)
     if not report["filesystem_isolated"]:

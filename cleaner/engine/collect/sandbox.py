@@ -1,12 +1,13 @@
 """The Python tool's sandbox (DESIGN.md section 7): a warm pool of confined interpreters.
 
-`make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` whose `response`
-is the text shown to the model (`chat.format_tool_response`). `run_many` spreads snippets over the
-pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from threads.
+`make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` whose
+`response` is the text shown to the model (`chat.format_tool_response`). `run_many` spreads snippets
+over the pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from threads.
 
 Local backend (default). `workers` warm worker processes (`sandbox_worker.py`) each fork one fresh
-child per execution (`sandbox_exec.py`; forked and confined ahead of time, waiting for its code), so
-a snippet pays neither an interpreter start nor a fork, and no state leaks between executions. What is enforced on Linux:
+child per execution (`sandbox_exec.py`; forked and confined ahead of time, waiting for its code),
+so a snippet pays neither an interpreter start nor a fork, and no state leaks between executions.
+What is enforced on Linux:
 - as root (these machines): the child runs as an unprivileged uid, one per worker and unique on
   the host (61000 + k, claimed with a lock file), with no supplementary groups and
   PR_SET_NO_NEW_PRIVS, so it cannot read root-only files, signal the worker or anything else, or
@@ -18,10 +19,13 @@ a snippet pays neither an interpreter start nor a fork, and no state leaks betwe
   least 64 MB, mode 0711) holding the per-execution workdirs (mode 0700, owned by the sandbox uid,
   removed afterwards) and /var/tmp, /run/lock, /dev/shm are not writable. With no writable
   directory left outside its workdir, the code cannot write anywhere else (the rest of the host
-  filesystem is as writable as it is to an ordinary user: root-owned directories are not);
-- always: wall clock (timeout_s, from the fork), RLIMIT_CPU, RLIMIT_AS (memory_mb, which includes
-  the warm interpreter's own address space: ~25 MB, ~180 MB with preload_scientific), RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps, stdin from
-  /dev/null unless given, stdout/stderr truncated with a `...[truncated N chars]` marker.
+  filesystem is as writable as it is to an ordinary user: root-owned directories are not). An
+  interpreter installed under a directory others cannot enter (pyenv's /root) is bound back
+  read-only over an empty tmpfs there, so the rest of /root stays hidden;
+- always: wall clock (timeout_s, from the moment the code is sent), RLIMIT_CPU, RLIMIT_AS
+  (memory_mb, which includes the warm interpreter's own address space: ~25 MB, ~150 MB with
+  preload_scientific), RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps, stdin from /dev/null unless
+  given, stdout/stderr truncated with a `...[truncated N chars]` marker.
 Needs Linux (fork, namespaces, prctl; pidfd_open from 5.3, else the child is polled). Not
 enforced: without root there is no uid drop, no network or mount namespace and no NPROC bound
 (the kill is of the child's process group; a process that calls setsid escapes it); /proc still

@@ -2,7 +2,8 @@
 
 `make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` whose
 `response` is the text shown to the model (`chat.format_tool_response`). `run_many` spreads snippets
-over the pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from threads.
+over the pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from
+threads.
 
 Local backend (default). `workers` warm worker processes (`sandbox_worker.py`) each fork one fresh
 child per execution (`sandbox_exec.py`; forked and confined ahead of time, waiting for its code),

@@ -133,7 +133,7 @@ class Warehouse:
 
     def read_iterations(self) -> list[IterationRow]:
         table = read_parts(list_parts(self.root, schema.ITERATIONS), schema.ITERATIONS)
-        return schema.from_table(schema.ITERATIONS, table)
+        return sorted(schema.from_table(schema.ITERATIONS, table), key=lambda row: row.iteration)
 
     # -----------------------------------------------------------------------------------------
     # Resolved configs, saved as JSON next to the outputs they produced

@@ -10,6 +10,7 @@ each gone within seconds), so even a broken sandbox cannot exhaust the host.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -168,14 +169,26 @@ def test_scientific_preload_imports_sympy_and_reseeds_numpy():
     assert first.exec_ms < 250  # already imported: no 0.3 s `import sympy`
 
 
-def test_runs_unprivileged_and_cannot_read_a_root_only_file(sandbox):
-    secret = Path(__file__).parent / f".root-only-{uuid.uuid4().hex}"
+@pytest.fixture
+def root_owned_dir():
+    """A root-owned 0755 directory the sandbox can see wherever the checkout lives.
+
+    The sandbox hides /tmp and /root behind private tmpfs mounts, so a checkout under either
+    would make a file next to the tests invisible rather than forbidden.
+    """
+    directory = Path("/opt") / f"cleaner-test-{uuid.uuid4().hex}"
+    directory.mkdir(mode=0o755, parents=True)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_runs_unprivileged_and_cannot_read_a_root_only_file(sandbox, root_owned_dir):
+    secret = root_owned_dir / "root-only"
     secret.write_text("top secret")
     secret.chmod(0o600)
-    try:
-        result = run_bounded(sandbox, f"import os\nprint(os.getuid())\nprint(open({str(secret)!r}).read())")
-    finally:
-        secret.unlink()
+    result = run_bounded(sandbox, f"import os\nprint(os.getuid())\nprint(open({str(secret)!r}).read())")
     if os.geteuid() != 0:
         pytest.skip("the test process is not root: there is no privilege to drop")
     assert int(result.stdout.split()[0]) >= 61000
@@ -260,10 +273,10 @@ def test_writing_a_1_gb_file_hits_the_file_size_limit(sandbox):
     assert_pool_alive(sandbox)
 
 
-def test_writing_outside_the_working_directory_is_refused(sandbox):
+def test_writing_outside_the_working_directory_is_refused(sandbox, root_owned_dir):
     require_privilege_drop(sandbox)
     name = f"cleaner-escape-{uuid.uuid4().hex}"
-    for directory in ("/tmp", "/root", "/var/tmp", "/dev/shm", str(Path(__file__).parent)):
+    for directory in ("/tmp", "/root", "/var/tmp", "/dev/shm", str(root_owned_dir)):
         target = os.path.join(directory, name)
         result = run_bounded(sandbox, f"open({target!r}, 'w').write('x')")
         assert (result.status, result.error_type) == ("error", "PermissionError"), directory

@@ -331,15 +331,23 @@ def bootstrap(
     fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 3e-3,
+    init_from: Annotated[Path | None, typer.Option("--init-from", exists=True, file_okay=False, help="Continue from this policy (and its tokenizer): the calibration stage.")] = None,
 ) -> None:
-    """Train the tiny default policy into assets/tiny-policy."""
+    """Train the tiny default policy into assets/tiny-policy.
+
+    The committed policy took two stages: `cleaner bootstrap --out runs/base --checkpoint-every 250`,
+    then `cleaner bootstrap --init-from runs/base-checkpoints/step-1250 --fail-share 0.4 --steps 300
+    --lr 1e-3 --corpus-size 12000 --seed 1` (both configs are saved next to the model).
+    """
     from cleaner.engine.bootstrap.corpus import CorpusConfig
     from cleaner.engine.bootstrap.sft import BootstrapConfig, bootstrap_policy
 
     try:
         corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share)
-        config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed,
-                                 checkpoint_every=checkpoint_every)
+        config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
+                                 checkpoint_every=checkpoint_every,
+                                 init_from=None if init_from is None else str(init_from))
     except ValueError as error:
         raise fail(str(error)) from error
     result = bootstrap_policy(config, out)

@@ -14,6 +14,11 @@ Design decisions:
 - Batches are length-bucketed and right-padded; with a causal model and right padding no attention
   mask is needed (pad positions only see real tokens and are never trained).
 - Saves are atomic: save_pretrained into a temporary sibling directory, then rename into place.
+- Calibration stage (`init_from`): continue a trained policy, with its tokenizer, on a corpus with
+  another failure mix at a low learning rate. The share of failing first calls the model samples at
+  T=1 drifts a lot during stage 1 (10%-37% between checkpoints 1250 and 2000) and accuracy climbs
+  to ~92%, so the committed policy is stage-1 step 1250 plus 300 calibration steps
+  (bench/calibrate_policy.py measures the rates).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class BootstrapConfig:
     threads: int = 2  # torch CPU threads
     log_every: int = 50  # steps between loss log lines
     checkpoint_every: int = 0  # steps between intermediate saves to <out>-checkpoints/step-N; 0 = off
+    init_from: str | None = None  # continue from this policy dir (its tokenizer too): calibration stage
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -150,9 +156,10 @@ def summed_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 
 
 def lr_at(step: int, config: BootstrapConfig) -> float:
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    warmup_steps = max(1, min(config.warmup_steps, config.steps // 5))  # short runs: a fifth at most
+    if step < warmup_steps:
+        return config.lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, config.steps - warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
 
@@ -183,7 +190,12 @@ def save_atomic(model, tokenizer, out_dir: Path, extra_json: dict[str, str]) -> 
 
 def _prepare(config: BootstrapConfig):
     examples = build_corpus(config.corpus)
-    tokenizer = build_tokenizer(corpus_texts(examples))
+    if config.init_from is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.init_from)
+    else:
+        tokenizer = build_tokenizer(corpus_texts(examples))
     chat = ChatFormat(tokenizer)
     encoded = [encode_example(example, chat) for example in examples]
     longest = max(len(e.token_ids) for e in encoded)
@@ -199,7 +211,13 @@ def bootstrap_policy(config: BootstrapConfig, out_dir: Path, progress: bool = Tr
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
     tokenizer, encoded = _prepare(config)
-    model = tiny_model(tokenizer, config.seed)
+    if config.init_from is not None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_pretrained(config.init_from)
+    else:
+        model = tiny_model(tokenizer, config.seed)
     logger.info("corpus: %d trajectories, %d tokens; model: %d parameters", len(encoded),
                 sum(len(e.token_ids) for e in encoded), sum(p.numel() for p in model.parameters()))
     # The constant that normalises the summed loss: mean trained tokens per sequence.

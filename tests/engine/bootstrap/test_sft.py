@@ -73,3 +73,23 @@ def test_bootstrap_cli_writes_a_loadable_policy(tmp_path):
 def test_bootstrap_cli_rejects_a_bad_fail_share(tmp_path):
     result = CliRunner().invoke(app, ["bootstrap", "--out", str(tmp_path / "p"), "--fail-share", "2"])
     assert result.exit_code == 1 and "fail_share" in result.output
+
+
+def test_calibration_stage_continues_from_a_policy_with_its_tokenizer(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    common = ["--steps", "1", "--corpus-size", "16", "--batch-size", "4"]
+    assert CliRunner().invoke(app, ["bootstrap", "--out", str(base), *common]).exit_code == 0
+    result = CliRunner().invoke(app, ["bootstrap", "--out", str(tuned), "--init-from", str(base),
+                                      "--fail-share", "0.9", "--lr", "1e-3", *common])
+    assert result.exit_code == 0, result.output
+    assert (tuned / "tokenizer.json").read_text() == (base / "tokenizer.json").read_text()
+    recorded = json.loads((tuned / "bootstrap_config.json").read_text())
+    assert recorded["init_from"] == str(base) and recorded["corpus"]["fail_share"] == 0.9
+    before, after = load_file(base / "model.safetensors"), load_file(tuned / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert changed and max((before[n] - after[n]).abs().max().item() for n in changed) < 0.01  # one small step

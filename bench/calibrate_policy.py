@@ -111,7 +111,7 @@ def step_rollouts(model, chat, rollouts, execute, args) -> None:
     for start in range(0, len(active), args.batch):
         batch = active[start:start + args.batch]
         pending = []
-        for rollout, new_ids in zip(batch, generate_turn(model, chat, batch, args)):
+        for rollout, new_ids in zip(batch, generate_turn(model, chat, batch, args), strict=True):
             rollout.token_ids += new_ids
             if not new_ids or new_ids[-1] != chat.tool_call_close_id:
                 rollout.done = True

@@ -182,7 +182,7 @@ def build_corpus(config: CorpusConfig, executor: Executor | None = None) -> list
     results = executor(codes)
     fixed_results, failed_results = results[: len(plans)], iter(results[len(plans):])
     examples = []
-    for plan, fixed in zip(plans, fixed_results):
+    for plan, fixed in zip(plans, fixed_results, strict=True):
         if not fixed.ok or fixed.response.split("stdout: ")[-1].strip() != str(plan.problem.answer):
             raise RuntimeError(f"corpus code gave a wrong result: {plan.fixed_code!r} -> {fixed.response!r}")
         failed = next(failed_results) if plan.failed_code else None

@@ -101,7 +101,7 @@ def encode_example(example: CorpusExample, chat: ChatFormat) -> EncodedExample:
     token_ids = list(chat.prompt_ids(example.task.messages))
     loss_mask = [0] * len(token_ids)
     tool_texts = example.tool_texts + ("",)
-    for assistant_text, tool_text in zip(example.assistant_texts, tool_texts):
+    for assistant_text, tool_text in zip(example.assistant_texts, tool_texts, strict=True):
         assistant_ids = chat.encode(assistant_text)
         token_ids += assistant_ids
         loss_mask += [1] * len(assistant_ids)

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cleaner.engine.chat import IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
+from cleaner.engine.chat import (
+    IM_END,
+    IM_START,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+)
 
 ENDOFTEXT = "<|endoftext|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE,

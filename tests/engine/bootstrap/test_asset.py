@@ -47,5 +47,5 @@ def test_greedy_first_turn_is_a_correct_tool_call(policy):
         codes.append(call.code)
     results = run_snippets(codes)
     printed = [r.response.split("stdout: ")[-1].strip() if r.ok else None for r in results]
-    correct = sum(p == t.ground_truth for p, t in zip(printed, tasks))
-    assert correct >= 5, list(zip(codes, printed, [t.ground_truth for t in tasks]))
+    correct = sum(p == t.ground_truth for p, t in zip(printed, tasks, strict=True))
+    assert correct >= 5, list(zip(codes, printed, [t.ground_truth for t in tasks], strict=True))

@@ -52,7 +52,7 @@ def test_failures_carry_the_real_error_and_are_then_fixed(corpus):
 
 def test_final_answers_are_correct_and_boxed(corpus):
     for example in corpus[:150]:  # math-verify costs ~7 ms a call
-        response = "".join(a + t for a, t in zip(example.assistant_texts, example.tool_texts + ("",)))
+        response = "".join(a + t for a, t in zip(example.assistant_texts, example.tool_texts + ("",), strict=True))
         assert example.assistant_texts[-1].endswith("<|im_end|>")
         assert compute_reward(response, example.task.ground_truth, "toy").correct
 

@@ -10,7 +10,13 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.engine.bootstrap.corpus import TYPO, CorpusConfig, build_corpus
-from cleaner.engine.bootstrap.sft import BootstrapConfig, corpus_texts, encode_example, lr_at, summed_token_loss
+from cleaner.engine.bootstrap.sft import (
+    BootstrapConfig,
+    corpus_texts,
+    encode_example,
+    lr_at,
+    summed_token_loss,
+)
 from cleaner.engine.bootstrap.tokenizer import build_tokenizer
 from cleaner.engine.chat import ChatFormat
 
@@ -27,9 +33,9 @@ def test_only_assistant_tokens_are_trained(chat_and_corpus):
     encoded = encode_example(example, chat)
     prompt = chat.prompt_ids(example.task.messages)
     assert list(encoded.token_ids[: len(prompt)]) == prompt and not any(encoded.loss_mask[: len(prompt)])
-    trained = [t for t, m in zip(encoded.token_ids, encoded.loss_mask) if m]
+    trained = [t for t, m in zip(encoded.token_ids, encoded.loss_mask, strict=True) if m]
     assert chat.decode(trained) == "".join(example.assistant_texts)
-    untrained_after_prompt = [t for t, m in list(zip(encoded.token_ids, encoded.loss_mask))[len(prompt):] if not m]
+    untrained_after_prompt = [t for t, m in list(zip(encoded.token_ids, encoded.loss_mask, strict=True))[len(prompt):] if not m]
     assert chat.decode(untrained_after_prompt) == "".join(example.tool_texts)
 
 

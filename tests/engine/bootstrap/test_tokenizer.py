@@ -48,6 +48,6 @@ def test_chat_template_renders_system_line_user_and_generation_prompt(tokenizer)
 def test_segmentwise_encoding_equals_whole_encoding(tokenizer, corpus):
     chat = ChatFormat(tokenizer)
     for example in corpus[:50]:
-        texts = [t for pair in zip(example.assistant_texts, example.tool_texts + ("",)) for t in pair]
+        texts = [t for pair in zip(example.assistant_texts, example.tool_texts + ("",), strict=True) for t in pair]
         pieces = [i for text in texts for i in chat.encode(text)]
         assert pieces == chat.encode("".join(texts))

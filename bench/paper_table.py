@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out", default="bench/results/paper_table")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

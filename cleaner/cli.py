@@ -278,7 +278,7 @@ def run(
     prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 64,
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
     model: ModelOpt = str(DEFAULT_POLICY),
-    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: ~1e-3; 4B: ~1e-6).")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; a 4B model: ~1e-6).")] = 1e-4,
     purify_when: Annotated[str, typer.Option(help="always | positive.")] = "always",
     max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
@@ -302,7 +302,7 @@ DEMO_SQL = (
 @app.command()
 def demo(
     run_dir: RunDirOpt = Path("runs/demo"),
-    iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 3,
+    iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 6,
     prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 32,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted demo.")] = False,
 ) -> None:
@@ -313,7 +313,7 @@ def demo(
         import shutil
 
         shutil.rmtree(run_dir)  # the demo always starts clean unless asked to resume
-    config = _run_config(run_dir, iterations, prompts, 8, str(DEFAULT_POLICY), 1e-3, 0, "cpu", "always")
+    config = _run_config(run_dir, iterations, prompts, 8, str(DEFAULT_POLICY), 1e-4, 0, "cpu", "always")
     rows = _run_and_report(config, resume)
     png = plot_report(rows, run_dir / "report.png")
     warehouse = run_dir / "warehouse"

@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cleaner.engine.records import PurifiedRow, PurifyConfigRow
-from cleaner.warehouse import Warehouse, WarehouseError
-from cleaner.warehouse import schema
+from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, write_part
 
 from .factories import make_rollout, make_segments

@@ -86,20 +86,28 @@ def policy_loss(
     clip_eps_high: float,
     is_weights: torch.Tensor | None = None,
     num_loss_tokens: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate with asymmetric clip and DAPO token-mean.
 
     log_probs, old_log_probs, loss_mask, is_weights: (B, T); advantages: (B,) or (B, T).
     num_loss_tokens: the denominator (default: loss tokens in this batch).
+    clip_ratio_c: dual clip (as verl): for negative advantages the per-token loss is capped at
+    -A * c, so a token whose ratio exploded (typically one whose context SAAR rewrote, with a very
+    low old log-prob) cannot dominate the step. None = off.
     """
     mask = loss_mask.to(log_probs.dtype)  # (B, T)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = torch.where(mask > 0, log_probs - old_log_probs, 0.0)  # (B, T); 0 when masked
+    log_ratio = torch.clamp(log_ratio, -20.0, 20.0)  # as verl: keeps exp() finite
     ratio = torch.exp(log_ratio)  # (B, T)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
+    if clip_ratio_c is not None:
+        capped = torch.minimum(per_token, -advantages * clip_ratio_c)  # (B, T)
+        per_token = torch.where(advantages < 0, capped, per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
     total = _token_total(mask, num_loss_tokens)

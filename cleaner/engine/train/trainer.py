@@ -190,6 +190,7 @@ def micro_batch_loss(
         config.clip_eps_high,
         is_weights,
         num_loss_tokens,
+        clip_ratio_c=config.clip_ratio_c,
     )
     loss = out.loss
     if config.kl_coef > 0 and reference is not None:

@@ -86,6 +86,20 @@ def test_pessimistic_side_is_not_clipped():
     assert log_probs.grad.item() == pytest.approx(1.5)
 
 
+def test_dual_clip_caps_negative_advantage_tokens():
+    # Ratios 5 and 1.5 with A = -1 and c = 3: the first is capped at -A*c = 3 (no gradient), the
+    # second stays 1.5 (gradient 1.5); a positive-advantage token is untouched by the dual clip.
+    log_probs = _log([[5.0, 1.5]]).requires_grad_(True)
+    out = policy_loss(log_probs, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2),
+                      EPS_LOW, EPS_HIGH, clip_ratio_c=3.0)
+    assert out.loss.item() == pytest.approx((3.0 + 1.5) / 2)
+    out.loss.backward()
+    assert log_probs.grad[0].tolist() == pytest.approx([0.0, 1.5 / 2])
+    positive = policy_loss(_log([[5.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
+                           EPS_LOW, EPS_HIGH, clip_ratio_c=3.0)
+    assert positive.loss.item() == pytest.approx(-(1.0 + EPS_HIGH))
+
+
 def test_token_mean_over_all_loss_tokens_of_the_batch():
     # Row 0 has 1 loss token (A = 2), row 1 has 3 (A = -1); ratios are 1.
     loss_mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]])

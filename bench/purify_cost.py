@@ -1,0 +1,85 @@
+"""What purification costs, on one collected toy iteration, measured side by side in one run.
+
+1. collect one iteration (default 64 prompts x 8) with the committed tiny policy: the reference cost;
+2. render the iteration under a grid of purify configs (default 6: gamma 0.3/0.5/0.7 x p 0.7/1.0);
+3. score every rendered row two ways on the same model:
+   naive  one full forward per row (TorchBackend.score, batched with padding), every row of every config;
+   trie   PrefixTrieScorer over the same rows: each distinct (prefix, token) forwarded once;
+   and check they agree;
+4. run the whole `cleaner ablate` job (render + one scorer pass + advantages + writes) for the grid.
+Targets (project issue #4): trie tokens / naive tokens <= 0.5, naive time / trie time >= 2,
+ablate time / collect time <= 0.10.
+
+    python bench/purify_cost.py --prompts 64 --group-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cleaner.engine.backends.torch_backend import TorchBackend
+from cleaner.engine.chat import ChatFormat
+from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
+from cleaner.engine.purify.pipeline import render_iteration
+from cleaner.engine.purify.scorer import PrefixTrieScorer
+from cleaner.jobs import collect_job, purify_job
+from cleaner.warehouse import Warehouse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--model", default=str(DEFAULT_POLICY))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    backend = TorchBackend(args.model)
+    decode = ChatFormat(backend.tokenizer).decode
+    configs = [PurifyConfig(gamma=g, rollback_prob=p) for g, p in itertools.product((0.3, 0.5, 0.7), (0.7, 1.0))]
+    with tempfile.TemporaryDirectory() as root:
+        warehouse = Warehouse(Path(root) / "wh")
+        started = time.perf_counter()
+        collect_job(warehouse, CollectConfig(model=args.model, n_prompts=args.prompts, group_size=args.group_size),
+                    backend=backend, progress=False)
+        collect_s = time.perf_counter() - started
+
+        rollouts, segments = warehouse.read_rollouts(0), warehouse.read_segments(0)
+        rows = [row for c in configs for row in render_iteration(rollouts, segments, c, decode)[0]]
+        sequences = [row.token_ids for row in rows]
+        starts = [max(row.prompt_len, 1) for row in rows]
+
+        started = time.perf_counter()
+        naive = backend.score(sequences, starts)
+        naive_s = time.perf_counter() - started
+        scorer = PrefixTrieScorer(backend.model)
+        started = time.perf_counter()
+        trie = scorer.score_rows(sequences, starts)
+        trie_s = time.perf_counter() - started
+        worst = max((abs(a - b) for x, y in zip(naive, trie, strict=True) for a, b in zip(x, y, strict=True)),
+                    default=0.0)
+
+        started = time.perf_counter()
+        purify_job(warehouse, 0, configs, backend=backend, progress=False)
+        ablate_s = time.perf_counter() - started
+
+    naive_tokens = sum(len(s) for s in sequences)
+    print(f"iteration: {len(rollouts)} rollouts, {len(configs)} configs -> {len(rows)} rows, {naive_tokens} tokens")
+    print(f"collect                      {collect_s:8.2f} s")
+    print(f"naive scoring (every row)    {naive_s:8.2f} s   {naive_tokens} tokens forwarded")
+    print(f"prefix-trie scoring          {trie_s:8.2f} s   {scorer.stats.tokens_forwarded} tokens forwarded")
+    print(f"cleaner ablate job, {len(configs)} configs {ablate_s:8.2f} s")
+    print(f"tokens trie / naive          {scorer.stats.tokens_forwarded / naive_tokens:8.3f}   (target <= 0.5)")
+    print(f"time naive / trie            {naive_s / trie_s:8.2f}x  (target >= 2)")
+    print(f"ablate / collect             {ablate_s / collect_s:8.3f}   (target <= 0.10)")
+    print(f"max |naive - trie| logprob   {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()

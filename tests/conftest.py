@@ -21,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A saved random tiny Qwen3 (vocab 64, no tokenizer); tests must not write into it."""
+    from tests.helpers import tiny_qwen3
+
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_qwen3(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def random_policy(tmp_path_factory):
     """A random-weight tiny Qwen3 with the real tiny-policy tokenizer, saved as an HF directory.
 

@@ -7,7 +7,6 @@ torch backend on the same tiny random Qwen3 checkpoint.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cleaner.engine.backends.base import LENGTH, STOP, SamplingParams
 from cleaner.engine.backends.sglang_backend import (
@@ -60,18 +59,8 @@ def test_input_logprobs_take_the_tail_and_check_ids():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+def model_dir(tiny_qwen3_dir):
+    return tiny_qwen3_dir
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cleaner.engine.backends import load_backend
 from cleaner.engine.backends.base import LENGTH, STOP, SamplingParams
@@ -21,17 +20,9 @@ PROMPTS = [[1, 5, 9, 13, 2], [3, 4], [7, 7, 7, 8, 9, 10, 11, 12, 20]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tiny_qwen3_dir):
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+    return tiny_qwen3_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from cleaner.engine.backends.torch_backend import TorchBackend
 from cleaner.engine.purify.scorer import (
@@ -22,17 +22,9 @@ PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
+def backend(tiny_qwen3_dir):
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return TorchBackend(path)
+    return TorchBackend(tiny_qwen3_dir)
 
 
 def unpadded_reference(model, seq: list[int], start: int) -> list[float]:

@@ -11,23 +11,11 @@ from cleaner.engine.train.checkpoint import (
     load_tokenizer_if_present,
     save_checkpoint_atomic,
 )
+from tests.helpers import tiny_qwen3
 
 
 def _tiny_model(seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(config)
+    return tiny_qwen3(seed=seed, num_hidden_layers=1)
 
 
 def _same_weights(a, b) -> bool:

@@ -19,28 +19,16 @@ from cleaner.engine.train.trainer import (
     prepare_rows,
     train_iteration,
 )
+from tests.helpers import tiny_qwen3  # noqa: E402
 
 VOCAB = 64
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
     path = tmp_path_factory.mktemp("policy") / "policy"
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    tiny_qwen3(seed=0, vocab_size=VOCAB).save_pretrained(path)
     return path
 
 

@@ -435,8 +435,11 @@ def sql(
     if table is None:
         return
     if output_format is OutputFormat.table:
-        target = Console(file=open(output, "w"), width=200) if output else console
-        target.print(result_table(table))
+        if output is None:
+            console.print(result_table(table))
+        else:
+            with open(output, "w") as sink:
+                Console(file=sink, width=200).print(result_table(table))
         return
     frame = pl.from_arrow(table)
     text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()

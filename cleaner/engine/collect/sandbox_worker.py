@@ -157,12 +157,23 @@ def expose_python(paths: list[str]) -> None:
             needed.setdefault(ancestor, []).append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
     for ancestor, entries in needed.items():
         _mount_tmpfs(ancestor, "size=1m,mode=0755")
-        for path, fd in entries:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            source = f"/proc/self/fd/{fd}".encode()
-            _libc_call("mount", source, path.encode(), None, MS_BIND | MS_REC, None)
-            _libc_call("mount", None, path.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-            os.close(fd)
+        _bind_back_read_only(entries)
+
+
+def _bind_back_read_only(entries: list[tuple[str, int]]) -> None:
+    """Bind each directory (held open as an O_PATH fd) back at its path, read-only."""
+    for path, fd in entries:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        source = f"/proc/self/fd/{fd}".encode()
+        _libc_call("mount", source, path.encode(), None, MS_BIND | MS_REC, None)
+        _libc_call("mount", None, path.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+        os.close(fd)
+
+
+def _open_paths_under(root: str, paths: list[str]) -> list[tuple[str, int]]:
+    """O_PATH fds of the existing directories strictly below `root` (to survive covering it)."""
+    real = dict.fromkeys(os.path.realpath(p) for p in paths if os.path.isdir(p))
+    return [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in real if p.startswith(root.rstrip("/") + "/")]
 
 
 def _python_paths() -> list[str]:
@@ -182,8 +193,12 @@ def isolate(config) -> dict:
         _libc_call("unshare", CLONE_NEWNS)
         _libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
         expose_python(_python_paths())
+        # A virtualenv or checkout under /tmp (CI often clones there) must stay importable once the
+        # private tmpfs covers /tmp: bind those directories back, read-only, inside it.
+        python_under_tmp = _open_paths_under("/tmp", _python_paths())
         workdir_mb = max(64, 4 * config.max_file_size_mb)
         _mount_tmpfs("/tmp", f"size={workdir_mb}m,mode=0711")
+        _bind_back_read_only(python_under_tmp)
         for path in ("/var/tmp", "/run/lock", "/dev/shm"):
             if os.path.isdir(path):
                 _mount_tmpfs(path, "size=1m,mode=0755")

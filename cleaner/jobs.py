@@ -178,14 +178,18 @@ def _store_purified(warehouse: Warehouse, iteration: int, result) -> None:
 
 
 def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str | Path, out: str | Path,
-              config: TrainConfig, *, model=None, progress: bool = True):
-    """Train on one purified config of an iteration; write the checkpoint and the step metrics."""
+              config: TrainConfig, *, model=None, rows=None, progress: bool = True):
+    """Train on one purified config of an iteration; write the checkpoint and the step metrics.
+
+    `rows` are that config's purified rows when the caller has already read them.
+    """
     from cleaner.engine.train.trainer import train_iteration
 
-    try:
-        rows = warehouse.read_purified(iteration, config_id)
-    except WarehouseError as exc:
-        raise JobError(f"{exc}; run `cleaner purify` first") from exc
+    if rows is None:
+        try:
+            rows = warehouse.read_purified(iteration, config_id)
+        except WarehouseError as exc:
+            raise JobError(f"{exc}; run `cleaner purify` first") from exc
     result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress)
     warehouse.write_train_steps(iteration, result.steps)
     warehouse.save_config(f"train-iteration={iteration}", config.to_json())

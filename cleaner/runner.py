@@ -79,7 +79,7 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     trained_here = not (warehouse.has_train_steps(iteration) and out.exists())
     if trained_here:
         train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                  model=backend.model, progress=progress)
+                  model=backend.model, rows=rows, progress=progress)
     train_s = time.monotonic() - started
     summary = collected.summary
     row = IterationRow(

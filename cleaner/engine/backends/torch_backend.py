@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from cleaner.engine.backends.base import LENGTH, STOP, Generation, SamplingParams
 from cleaner.engine.backends.kv import causal_forward, kv_select, target_logprobs
+from cleaner.engine.train.checkpoint import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class TorchBackend:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.model_path = Path(model_path)
-        self.tokenizer = _load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer_if_present(model_path)
         self._policy_version = policy_version_of(model_path, self.model)
         log.info("loaded %s on %s as %s", model_path, self.device, self._policy_version)
 
@@ -286,13 +287,3 @@ def token_budget_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[
         else:
             batches.append([index])
     return batches
-
-
-def _load_tokenizer(model_path: str | Path):
-    """The checkpoint's tokenizer, or None when a local directory has none."""
-    if Path(model_path).is_dir() and not any(
-        (Path(model_path) / name).exists()
-        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    ):
-        return None
-    return AutoTokenizer.from_pretrained(model_path)

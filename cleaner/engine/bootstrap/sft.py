@@ -27,9 +27,7 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import torch
 from cleaner.engine.bootstrap.corpus import CorpusConfig, CorpusExample, build_corpus
 from cleaner.engine.bootstrap.tokenizer import build_tokenizer
 from cleaner.engine.chat import ChatFormat
+from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -165,26 +164,6 @@ def lr_at(step: int, config: BootstrapConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Saving
-
-
-def save_atomic(model, tokenizer, out_dir: Path, extra_json: dict[str, str]) -> None:
-    """save_pretrained into a temporary sibling, then rename it over `out_dir`."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    for name, text in extra_json.items():
-        (staging / name).write_text(text)
-    old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-    if out_dir.exists():
-        out_dir.rename(old)
-    staging.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # Training
 
 
@@ -251,9 +230,9 @@ def bootstrap_policy(config: BootstrapConfig, out_dir: Path, progress: bool = Tr
             window_loss, window_tokens = 0.0, 0
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
             checkpoint = Path(f"{out_dir}-checkpoints") / f"step-{step + 1}"
-            save_atomic(model, tokenizer, checkpoint, {"bootstrap_config.json": _config_json(config)})
+            save_checkpoint_atomic(model, tokenizer, checkpoint, {"bootstrap_config.json": _config_json(config)})
     model.eval()
-    save_atomic(model, tokenizer, out_dir, {"bootstrap_config.json": _config_json(config)})
+    save_checkpoint_atomic(model, tokenizer, out_dir, {"bootstrap_config.json": _config_json(config)})
     return BootstrapResult(Path(out_dir), last_loss, tokens_seen, time.perf_counter() - started)
 
 

@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Files that mark a directory as carrying a tokenizer worth copying into the new checkpoint.
-TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json")
+TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 # ---------------------------------------------------------------------------
 # Atomic directory

@@ -28,6 +28,7 @@ from cleaner.engine.chat import ChatFormat
 from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.purify.scorer import PrefixTrieScorer
+from cleaner.engine.render import _ratio
 from cleaner.jobs import collect_job, purify_job
 from cleaner.warehouse import Warehouse
 
@@ -65,6 +66,7 @@ def main() -> None:
         worst = max((abs(a - b) for x, y in zip(naive, trie, strict=True) for a, b in zip(x, y, strict=True)),
                     default=0.0)
 
+        _ratio.cache_clear()  # the ablate job must not reuse similarities computed by the render above
         started = time.perf_counter()
         purify_job(warehouse, 0, configs, backend=backend, progress=False)
         ablate_s = time.perf_counter() - started

@@ -8,6 +8,7 @@ saved next to every output; `config_id` is a stable hash of the parameters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ class _Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, default=str)
 
-    @property
+    @functools.cached_property  # works on frozen dataclasses: it writes __dict__ directly
     def config_id(self) -> str:
         """Stable 12-hex-digit hash of every parameter."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]

@@ -32,6 +32,7 @@ Design decisions:
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -364,10 +365,16 @@ def _merge(attempts: Sequence[Segment], view: View, decode: Decode | None) -> _M
 def _similarity(earlier: _Span, later: _Span, similarity_on: str, decode: Decode | None) -> float:
     """difflib ratio of the two calls' code (`code`) or decoded call tokens (`call`)."""
     if similarity_on == "code" and earlier.code is not None and later.code is not None:
-        return difflib.SequenceMatcher(None, earlier.code, later.code).ratio()
+        return _ratio(earlier.code, later.code)
     if decode is None:
         raise ValueError("comparing calls by their tokens (similarity_on='call', or a call whose "
                          "code did not parse) needs a decode function")
     earlier_text = decode(earlier.token_ids[earlier.call_start:])
     later_text = decode(later.token_ids[later.call_start:])
-    return difflib.SequenceMatcher(None, earlier_text, later_text).ratio()
+    return _ratio(earlier_text, later_text)
+
+
+@functools.lru_cache(maxsize=65536)
+def _ratio(earlier: str, later: str) -> float:
+    """difflib's ratio, memoised: an ablation grid compares the same pair of calls once per config."""
+    return difflib.SequenceMatcher(None, earlier, later).ratio()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cleaner.engine.chat import format_call
@@ -303,6 +303,14 @@ def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
     rendered = render(plan.segments, view)
     assert rendered.token_ids == raw_ids(plan.segments)
     assert rendered.stats == render(plan.segments, RAW).stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans(), st.floats(0, 1.2), st.sampled_from(["code", "call"]))
+def test_rollout_without_a_failed_call_renders_raw_under_every_view(plan, gamma, similarity_on):
+    # purify renders such a rollout once for every config of an ablation grid, relying on this
+    assume(not any(segment.kind == TOOL and segment.failed for segment in plan.segments))
+    assert render(plan.segments, View(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
 
 
 @settings(max_examples=150, deadline=None)

@@ -92,6 +92,50 @@ def causal_forward(
     return ForwardOutput(logits=out.logits, kv=kv_from_cache(out.past_key_values))
 
 
+@dataclass(frozen=True)
+class HiddenOutput:
+    hidden: torch.Tensor  # (B, T, H) final hidden states, after the decoder's last norm
+    kv: KV  # cache covering past + the new positions
+
+
+def hidden_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention_mask: torch.Tensor,  # (B, T_past + T), 1 = real token
+    position_ids: torch.Tensor,  # (B, T)
+    past: KV | None = None,
+) -> HiddenOutput:
+    """The decoder body only: the caller applies the output head to the positions it needs."""
+    out = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=kv_to_cache(past),
+        use_cache=True,
+    )
+    return HiddenOutput(hidden=out.last_hidden_state, kv=kv_from_cache(out.past_key_values))
+
+
+@torch.inference_mode()
+def head_is_plain_linear(model: torch.nn.Module) -> bool:
+    """True when logits == output_embeddings(decoder hidden states), checked on a short probe.
+
+    False for heads that scale or soft-cap the logits after the projection (Gemma 2, Cohere);
+    callers then fall back to full forwards.
+    """
+    try:
+        head, decoder = model.get_output_embeddings(), model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return False
+    if head is None or decoder is None:
+        return False
+    device = next(model.parameters()).device
+    probe = torch.arange(4, device=device).unsqueeze(0) % model.config.vocab_size  # (1, 4)
+    full = model(input_ids=probe).logits.float()
+    split = head(decoder(input_ids=probe).last_hidden_state).float()
+    return full.shape == split.shape and torch.allclose(full, split, atol=1e-4, rtol=1e-3)
+
+
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[targets] without materialising the full log-softmax.
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from cleaner.engine.config import PurifyConfig
 from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.records import TOOL, PurifiedRow, Rollout, Segment
-from cleaner.engine.render import render, view_for
+from cleaner.engine.render import RAW, Rendered, render, view_for
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,21 @@ class PurifyStats:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """One rollout rendered under one config, before scoring."""
+
+    rollout: Rollout
+    advantage: float
+    purified: bool  # rendered with the purified view
+    rendered: Rendered
+
+
+@dataclass(frozen=True)
 class PurifyPlan:
-    """One config's rendered rows before scoring (old_logprobs all 0, scorer_version empty)."""
+    """One config's renderings before scoring."""
 
     config: PurifyConfig
-    rows: tuple[PurifiedRow, ...]
+    drafts: tuple[Draft, ...]
     stats: PurifyStats
 
 
@@ -129,8 +139,8 @@ def render_iteration(
     decode: Decode | None,
 ) -> tuple[list[PurifiedRow], PurifyStats]:
     """Render every rollout under one config; old_logprobs are zeros until scored."""
-    plan = _plan(rollouts, _segments_by_rollout(rollouts, segments), config, decode)
-    return list(plan.rows), plan.stats
+    plan = _plan(rollouts, _segments_by_rollout(rollouts, segments), config, decode, renders={})
+    return [_row(plan.config, draft, None, "") for draft in plan.drafts], plan.stats
 
 
 def _plan(
@@ -138,35 +148,48 @@ def _plan(
     grouped: dict[str, list[Segment]],
     config: PurifyConfig,
     decode: Decode | None,
+    renders: dict,  # (rollout_id, view) -> Rendered, shared by the configs of one call
 ) -> PurifyPlan:
     advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
                                  config.advantage_eps)
-    rows = []
+    drafts = []
     for rollout, advantage in zip(rollouts, advantages, strict=True):
         eligible = config.purify_when == "always" or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on)
-        rendered = render(grouped[rollout.rollout_id], view, decode)
-        rows.append(PurifiedRow(
-            config_id=config.config_id, iteration=rollout.iteration,
-            rollout_id=rollout.rollout_id, group_id=rollout.group_id,
-            token_ids=rendered.token_ids, prompt_len=rendered.prompt_len,
-            loss_mask=rendered.loss_mask, behavior_logprobs=rendered.behavior_logprobs,
-            old_logprobs=(0.0,) * len(rendered.token_ids), reward=rollout.reward,
-            advantage=advantage, rolled_back=view.purified,
-            n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
-            n_unrecovered=rendered.stats.n_unrecovered,
-            tokens_removed=rendered.stats.tokens_removed, scorer_version="",
-        ))
+        chain = grouped[rollout.rollout_id]
+        key = (rollout.rollout_id, view if any(s.kind == TOOL and s.failed for s in chain) else RAW)
+        rendered = renders.get(key)
+        if rendered is None:  # a rollout without a failed call renders raw under every view
+            rendered = renders[key] = render(chain, view, decode)
+        drafts.append(Draft(rollout, advantage, view.purified, rendered))
+    counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
-        config_id=config.config_id, n_rollouts=len(rows),
-        n_rolled_back=sum(row.rolled_back for row in rows),
-        n_shallow=sum(row.n_shallow for row in rows), n_deep=sum(row.n_deep for row in rows),
-        n_unrecovered=sum(row.n_unrecovered for row in rows),
-        tokens_removed=sum(row.tokens_removed for row in rows),
+        config_id=config.config_id, n_rollouts=len(drafts),
+        n_rolled_back=sum(draft.purified for draft in drafts),
+        n_shallow=sum(c.n_shallow for c in counts), n_deep=sum(c.n_deep for c in counts),
+        n_unrecovered=sum(c.n_unrecovered for c in counts),
+        tokens_removed=sum(c.tokens_removed for c in counts),
         errors_by_type=errors_by_type([s for group in grouped.values() for s in group]),
     )
-    return PurifyPlan(config, tuple(rows), stats)
+    return PurifyPlan(config, tuple(drafts), stats)
+
+
+def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | None,
+         scorer_version: str) -> PurifiedRow:
+    """The stored row of a draft; old_logprobs None = zeros (not scored yet)."""
+    rendered, rollout = draft.rendered, draft.rollout
+    return PurifiedRow(
+        config_id=config.config_id, iteration=rollout.iteration,
+        rollout_id=rollout.rollout_id, group_id=rollout.group_id,
+        token_ids=rendered.token_ids, prompt_len=rendered.prompt_len,
+        loss_mask=rendered.loss_mask, behavior_logprobs=rendered.behavior_logprobs,
+        old_logprobs=(0.0,) * len(rendered.token_ids) if old_logprobs is None else old_logprobs,
+        reward=rollout.reward, advantage=draft.advantage, rolled_back=draft.purified,
+        n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
+        n_unrecovered=rendered.stats.n_unrecovered,
+        tokens_removed=rendered.stats.tokens_removed, scorer_version=scorer_version,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,39 +206,44 @@ def purify_iteration(
 ) -> list[PurifyResult]:
     """Render under every config, score all rows in ONE scorer call, scatter old_logprobs back."""
     grouped = _segments_by_rollout(rollouts, segments)
-    plans = [_plan(rollouts, grouped, config, decode) for config in configs]
+    renders: dict = {}
+    plans = [_plan(rollouts, grouped, config, decode, renders) for config in configs]
     requests: dict[tuple[tuple[int, ...], int], int] = {}  # (token_ids, start) -> request index
     for plan in plans:
-        for row in plan.rows:
-            requests.setdefault((row.token_ids, _start(row)), len(requests))
+        for draft in plan.drafts:
+            requests.setdefault((draft.rendered.token_ids, _start(draft.rendered)), len(requests))
     keys = list(requests)
     scores = scorer.score_rows([key[0] for key in keys], [key[1] for key in keys]) if keys else []
     if len(scores) != len(keys):
         raise ValueError(f"scorer returned {len(scores)} results for {len(keys)} sequences")
-    results = []
+    results, scattered = [], {}  # (request, loss_mask) -> old_logprobs: raw rows repeat across configs
     for plan in plans:
-        rows = [
-            replace(row, old_logprobs=_scatter(row, scores[requests[(row.token_ids, _start(row))]]),
-                    scorer_version=scorer_version)
-            for row in plan.rows
-        ]
+        rows = []
+        for draft in plan.drafts:
+            rendered = draft.rendered
+            request = requests[(rendered.token_ids, _start(rendered))]
+            old_logprobs = scattered.get((request, rendered.loss_mask))
+            if old_logprobs is None:
+                old_logprobs = scattered[request, rendered.loss_mask] = _scatter(
+                    draft.rollout.rollout_id, rendered, scores[request])
+            rows.append(_row(plan.config, draft, old_logprobs, scorer_version))
         results.append(PurifyResult(plan.config, rows, plan.stats))
     return results
 
 
-def _start(row: PurifiedRow) -> int:
+def _start(row: Rendered) -> int:
     """First scored position: the prompt is never trained, and position 0 has no context."""
     return max(row.prompt_len, 1)
 
 
-def _scatter(row: PurifiedRow, scores: Sequence[float]) -> tuple[float, ...]:
+def _scatter(rollout_id: str, row: Rendered, scores: Sequence[float]) -> tuple[float, ...]:
     """old_logprobs aligned with token_ids: the score where loss_mask is 1, 0.0 elsewhere."""
     start = _start(row)
     if len(scores) != len(row.token_ids) - start:
-        raise ValueError(f"rollout {row.rollout_id}: scorer returned {len(scores)} logprobs for "
+        raise ValueError(f"rollout {rollout_id}: scorer returned {len(scores)} logprobs for "
                          f"{len(row.token_ids) - start} tokens after position {start}")
     if any(row.loss_mask[:start]):
-        raise ValueError(f"rollout {row.rollout_id}: trained tokens before position {start}")
-    return (0.0,) * start + tuple(
+        raise ValueError(f"rollout {rollout_id}: trained tokens before position {start}")
+    return (0.0,) * start + tuple([  # lengths checked above
         float(score) if mask else 0.0 for score, mask in zip(scores, row.loss_mask[start:], strict=True)
-    )
+    ])

@@ -43,17 +43,15 @@ from cleaner.engine.backends.base import Backend
 from cleaner.engine.backends.kv import (
     KV,
     causal_forward,
-    kv_expand,
-    kv_length,
-    kv_select,
-    kv_truncate,
-    target_logprobs,
+    head_is_plain_linear,
+    hidden_forward,
 )
 from cleaner.engine.backends.torch_backend import check_score_inputs
 
 log = logging.getLogger(__name__)
 
 SCORER_VERSION = "prefix-trie-1"
+CPU_EDGE_TOKENS = 64  # measured best of 32/48/64/96/128/2048 on the toy ablation (BENCHMARKS.md)
 
 
 # ---------------------------------------------------------------------------- interface
@@ -142,7 +140,8 @@ class Node:
     children: list[Node] = field(default_factory=list)
     parent: Node | None = None
     ending_rows: list[int] = field(default_factory=list)  # rows whose sequence ends with this edge
-    logprobs: list[float] = field(default_factory=list)  # per edge token; NaN at absolute position 0
+    logprobs: list[float] = field(default_factory=list)  # per edge token; NaN where nobody asked
+    first_scored: int = 0  # first absolute position whose log-prob some row below this node wants
 
 
 def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int) -> Node:
@@ -205,15 +204,23 @@ class PrefixTrieScorer:
         self,
         model: torch.nn.Module,
         device: str | torch.device = "cpu",
-        max_batch_tokens: int = 8192,  # rows x (prefix + padded edge) per forward
-        max_edge_tokens: int = 2048,  # longer edges are forwarded in pieces
+        max_batch_tokens: int = 8192,  # rows x (longest prefix + longest edge) per forward
+        max_edge_tokens: int | None = None,  # longer edges go in pieces; None: 64 on CPU, else 2048
+        window_batches: int = 4,  # edges taken off the stack at once, in forwards' worth of tokens
     ) -> None:
+        device = torch.device(device)
+        if max_edge_tokens is None:  # short pieces pad less; see the module docstring
+            max_edge_tokens = CPU_EDGE_TOKENS if device.type == "cpu" else 2048
         if max_edge_tokens > max_batch_tokens:
             raise ValueError("max_edge_tokens must be <= max_batch_tokens")
+        if window_batches < 1:
+            raise ValueError("window_batches must be >= 1")
         self.model = model
-        self.device = torch.device(device)
+        self.device = device
         self.max_batch_tokens = max_batch_tokens
         self.max_edge_tokens = max_edge_tokens
+        self.window_batches = window_batches
+        self.split_head = head_is_plain_linear(model)
         self.stats = ScorerStats()
 
     @torch.inference_mode()
@@ -222,7 +229,16 @@ class PrefixTrieScorer:
         check_score_inputs(sequences, starts)
         began = time.perf_counter()
         root = build_radix_tree(sequences, self.max_edge_tokens)
-        self._visit(root, kv=None, last_logprobs=None)
+        _mark_first_scored(root, starts)
+        stack = [_Pending(child, kv=None, first_logprob=float("nan")) for child in root.children]
+        while stack:
+            window = _take_window(stack, self.window_batches * self.max_batch_tokens)
+            for item in window:
+                if item.forward_length == 0:  # a one-token leaf: its log-prob came from the parent
+                    item.node.logprobs = [item.first_logprob]
+            window = [item for item in window if item.forward_length]
+            for batch in _batches(window, self.max_batch_tokens):
+                stack.extend(self._forward(batch))
         results: list[list[float]] = [[] for _ in sequences]
         for node in _nodes_with_ending_rows(root):
             path = _path_logprobs(node)
@@ -232,66 +248,173 @@ class PrefixTrieScorer:
         self.stats.seconds += time.perf_counter() - began
         return results
 
-    def _visit(self, node: Node, kv: KV | None, last_logprobs: torch.Tensor | None) -> None:
-        """Forward the children of `node` in chunks, recursing into each child's subtree."""
-        if kv is not None:
-            self.stats.n_prefix_groups += 1
-        for chunk in _chunks(node.children, kv_length(kv), self.max_batch_tokens):
-            lengths = [len(child.edge) for child in chunk]
-            width = max(lengths)
-            out = self._forward_chunk(chunk, width, kv)
-            targets = torch.tensor(
-                [list(c.edge[1:]) + [0] * (width - len(c.edge)) for c in chunk], device=self.device
-            )  # (C, width - 1)
-            inner = target_logprobs(out.logits[:, :-1], targets).cpu()  # (C, width - 1)
-            lasts = {  # (V,) next-token distribution at the end of each child that has children
-                row: out.logits[row, lengths[row] - 1].float().log_softmax(-1)
-                for row, child in enumerate(chunk) if child.children
-            }
-            chunk_kv = out.kv
-            del out  # the chunk's logits are not needed while its subtrees are walked
-            first = (
-                last_logprobs[[c.edge[0] for c in chunk]].tolist()
-                if last_logprobs is not None
-                else [float("nan")] * len(chunk)  # absolute position 0 has no log-prob
-            )
-            for row, child in enumerate(chunk):
-                child.logprobs = [first[row]] + inner[row, : lengths[row] - 1].tolist()
-                if child.children:
-                    child_kv = kv_truncate(kv_select(chunk_kv, slice(row, row + 1)), child.depth + lengths[row])
-                    self._visit(child, child_kv, lasts.pop(row))
-
-    def _forward_chunk(self, chunk: list[Node], width: int, kv: KV | None):
-        """One forward of the chunk's edges (right-padded to width) after the shared prefix."""
-        prefix_length = kv_length(kv)
-        input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), prefix_length + width), dtype=torch.long)
-        attention_mask[:, :prefix_length] = 1
-        for row, child in enumerate(chunk):
-            input_ids[row, : len(child.edge)] = torch.tensor(child.edge, dtype=torch.long)
-            attention_mask[row, prefix_length : prefix_length + len(child.edge)] = 1
-        position_ids = torch.arange(prefix_length, prefix_length + width).expand(len(chunk), -1)
-        past = kv_expand(kv, len(chunk)) if kv is not None else None
-        self.stats.tokens_forwarded += sum(len(child.edge) for child in chunk)
-        self.stats.n_forwards += 1
-        return causal_forward(
-            self.model, input_ids.to(self.device), attention_mask.to(self.device),
-            position_ids.to(self.device), past=past,
+    def _forward(self, batch: list[_Pending]) -> list[_Pending]:
+        """One forward of the batch's edges; fills their log-probs and returns their children."""
+        lengths = [item.forward_length for item in batch]
+        depths = torch.tensor([item.node.depth for item in batch])  # (C,)
+        prefix_length, width = int(depths.max()), max(lengths)
+        input_ids = torch.tensor(  # (C, W), right-padded
+            [list(item.node.edge[:n]) + [0] * (width - n) for item, n in zip(batch, lengths, strict=True)]
         )
+        columns = torch.arange(prefix_length + width)  # (P + W,)
+        in_prefix = (columns >= prefix_length - depths[:, None]) & (columns < prefix_length)  # left-padded
+        in_edge = (columns >= prefix_length) & (columns < prefix_length + torch.tensor(lengths)[:, None])
+        attention_mask = (in_prefix | in_edge).long()  # (C, P + W)
+        position_ids = depths[:, None] + torch.arange(width)  # (C, W)
+        self.stats.tokens_forwarded += sum(lengths)
+        self.stats.n_forwards += 1
+        past = _padded_prefix_kv(batch, prefix_length) if prefix_length else None
+        arguments = (input_ids.to(self.device), attention_mask.to(self.device), position_ids.to(self.device))
+        plan = _HeadPlan.of(batch)
+        rows, cols, entries, targets = (
+            torch.tensor(index, dtype=torch.long, device=self.device)
+            for index in (plan.rows, plan.cols, plan.pick_entries, plan.pick_targets)
+        )
+        if self.split_head:  # project only the positions someone needs: no padding, no prompt
+            out = hidden_forward(self.model, *arguments, past=past)
+            logits = self.model.get_output_embeddings()(out.hidden[rows, cols]).float()  # (N, V)
+        else:
+            out = causal_forward(self.model, *arguments, past=past)
+            logits = out.logits[rows, cols].float()  # (N, V)
+        values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
+        parents = [row for row, item in enumerate(batch) if item.node.children]
+        stacked = _stack_kv(out.kv, parents) if parents else None  # parent rows only, in order
+        slot = {row: index for index, row in enumerate(parents)}
+        children: list[_Pending] = []
+        for row, item in enumerate(batch):
+            node, offset, n_inner = item.node, plan.value_offsets[row], plan.n_inner[row]
+            n_skipped = len(node.edge) - 1 - n_inner  # positions before anyone's start
+            node.logprobs = [item.first_logprob] + [_NAN] * n_skipped + values[offset : offset + n_inner]
+            if node.children:
+                self.stats.n_prefix_groups += 1
+                # a view: the row's prefix and edge are contiguous because prefixes are left-padded
+                at = slot[row]
+                kv = stacked[:, :, at : at + 1, :, prefix_length - node.depth : prefix_length + lengths[row]]
+                firsts = values[offset + n_inner : offset + n_inner + len(node.children)]
+                children.extend(_Pending(c, kv, first) for c, first in zip(node.children, firsts, strict=True))
+        return children
+
+
+_NAN = float("nan")
+
+
+@dataclass
+class _HeadPlan:
+    """Which output positions of a batch to project, and which token to read at each.
+
+    For each row: its inner positions from the first one a row below it wants, then (for a node
+    with children) its last position once per child. `values` come back in the same order.
+    """
+
+    rows: list[int] = field(default_factory=list)  # per projected position: batch row
+    cols: list[int] = field(default_factory=list)  # per projected position: column in the edge
+    pick_entries: list[int] = field(default_factory=list)  # per read value: projected position
+    pick_targets: list[int] = field(default_factory=list)  # per read value: token id
+    value_offsets: list[int] = field(default_factory=list)  # per row: its first read value
+    n_inner: list[int] = field(default_factory=list)  # per row: inner log-probs it reads
+
+    @classmethod
+    def of(cls, batch: list[_Pending]) -> _HeadPlan:
+        plan = cls()
+        for row, item in enumerate(batch):
+            node, length = item.node, len(item.node.edge)
+            first_col = min(max(0, node.first_scored - node.depth - 1), length - 1)
+            n_inner = length - 1 - first_col  # logits at col score the token at col + 1
+            plan.value_offsets.append(len(plan.pick_entries))
+            plan.n_inner.append(n_inner)
+            plan.pick_entries.extend(range(len(plan.rows), len(plan.rows) + n_inner))
+            plan.pick_targets.extend(node.edge[first_col + 1 : length])
+            plan.rows.extend([row] * n_inner)
+            plan.cols.extend(range(first_col, length - 1))
+            if node.children:  # the last position scores every child's first token
+                entry = len(plan.rows)
+                plan.rows.append(row)
+                plan.cols.append(length - 1)
+                for child in node.children:
+                    plan.pick_entries.append(entry)
+                    plan.pick_targets.append(child.edge[0])
+        return plan
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def _chunks(children: list[Node], prefix_length: int, max_batch_tokens: int) -> list[list[Node]]:
-    """Children grouped longest edge first so rows x (prefix + longest edge) <= budget."""
-    chunks: list[list[Node]] = []
-    for child in sorted(children, key=lambda c: -len(c.edge)):
-        if chunks and (len(chunks[-1]) + 1) * (prefix_length + len(chunks[-1][0].edge)) <= max_batch_tokens:
-            chunks[-1].append(child)
+@dataclass
+class _Pending:
+    """An edge waiting to be forwarded, with what its parent path left for it."""
+
+    node: Node
+    kv: torch.Tensor | None  # (layers, 2, 1, H, node.depth, D): the path's cache; None at depth 0
+    first_logprob: float  # log-prob of node.edge[0] after the path; NaN at absolute position 0
+
+    @property
+    def forward_length(self) -> int:
+        """Edge tokens to forward: a leaf's last token is never context for anything, so it is not."""
+        return len(self.node.edge) if self.node.children else len(self.node.edge) - 1
+
+
+def _cost(item: _Pending) -> int:
+    return item.node.depth + item.forward_length
+
+
+def _take_window(stack: list[_Pending], window_tokens: int) -> list[_Pending]:
+    """Pop edges off the top of the stack until their prefix + edge tokens reach the window."""
+    window = [stack.pop()]
+    total = _cost(window[0])
+    while stack and total + _cost(stack[-1]) <= window_tokens:
+        total += _cost(stack[-1])
+        window.append(stack.pop())
+    return window
+
+
+def _batches(window: list[_Pending], max_batch_tokens: int) -> list[list[_Pending]]:
+    """Edges grouped by similar shape so rows x (longest prefix + longest edge) <= budget."""
+    batches: list[list[_Pending]] = []
+    prefix = edge = 0
+    for item in sorted(window, key=lambda i: (-i.forward_length, -i.node.depth)):
+        grown_prefix, grown_edge = max(prefix, item.node.depth), max(edge, item.forward_length)
+        if batches and (len(batches[-1]) + 1) * (grown_prefix + grown_edge) <= max_batch_tokens:
+            batches[-1].append(item)
+            prefix, edge = grown_prefix, grown_edge
         else:
-            chunks.append([child])
-    return chunks
+            batches.append([item])
+            prefix, edge = item.node.depth, item.forward_length
+    return batches
+
+
+def _padded_prefix_kv(batch: list[_Pending], prefix_length: int) -> KV:
+    """The batch's prefix caches, LEFT-padded with zeros to prefix_length; siblings share one copy."""
+    by_cache: dict[int, list[int]] = {}
+    for row, item in enumerate(batch):
+        if item.kv is not None:
+            by_cache.setdefault(id(item.kv), []).append(row)
+    template = next(item.kv for item in batch if item.kv is not None)  # (layers, 2, 1, H, T, D)
+    layers, _, _, heads, _, head_dim = template.shape
+    padded = template.new_zeros((layers, 2, len(batch), heads, prefix_length, head_dim))
+    for rows in by_cache.values():
+        cache = batch[rows[0]].kv
+        padded[:, :, rows, :, prefix_length - cache.shape[-2] :] = cache  # broadcast over the siblings
+    return tuple((padded[layer, 0], padded[layer, 1]) for layer in range(layers))
+
+
+def _stack_kv(kv: KV, rows: list[int]) -> torch.Tensor:
+    """The caches of `rows` as one (layers, 2, len(rows), H, T, D) tensor: one slice per row, all layers."""
+    index = torch.tensor(rows, device=kv[0][0].device)
+    return torch.stack([torch.stack((keys.index_select(0, index), values.index_select(0, index)))
+                        for keys, values in kv])
+
+
+def _mark_first_scored(root: Node, starts: Sequence[int]) -> None:
+    """Set every node's first_scored: the smallest start among the rows that pass through it."""
+    order, pending = [], [root]
+    while pending:
+        node = pending.pop()
+        order.append(node)
+        pending.extend(node.children)
+    for node in reversed(order):  # children before parents
+        node.first_scored = min(
+            [starts[i] for i in node.ending_rows] + [child.first_scored for child in node.children]
+        )
 
 
 def _nodes_with_ending_rows(root: Node) -> list[Node]:

@@ -93,11 +93,12 @@ def test_trie_forwards_each_distinct_position_once(backend):
     sequences = [PROMPT + [3, 4, 5, 6], PROMPT + [3, 4, 7], PROMPT + [9]]
     scorer = PrefixTrieScorer(backend.model)
     scorer.score_rows(sequences, [8, 8, 8])
-    # distinct positions: the 8-token prompt, then 3 and 4 shared, then 5, 6 | 7 | 9
-    assert scorer.stats.tokens_forwarded == 8 + 2 + 2 + 1 + 1
+    # distinct positions: the 8-token prompt, then 3 and 4 shared, then 5, 6 | 7 | 9; a row's
+    # last token is context for nothing, so 6, 7 and 9 are never forwarded
+    assert scorer.stats.tokens_forwarded == 8 + 2 + 1
     assert scorer.stats.tokens_naive == 12 + 11 + 9
     assert scorer.stats.n_prefix_groups == 2  # the prompt node and the [3, 4] node
-    assert scorer.stats.reuse_ratio == pytest.approx(32 / 14)
+    assert scorer.stats.reuse_ratio == pytest.approx(32 / 11)
 
 
 def test_tiny_budgets_chunk_and_chain_without_changing_results(backend):
@@ -160,4 +161,5 @@ def test_trie_equals_naive_on_random_small_alphabet_rows(backend, rows, data):
     starts = [data.draw(st.integers(1, len(row))) for row in rows]
     scorer = PrefixTrieScorer(backend.model, max_batch_tokens=48, max_edge_tokens=4)
     assert_rows_close(scorer.score_rows(rows, starts), backend.score(rows, starts))
-    assert scorer.stats.tokens_forwarded == len({tuple(row[: t + 1]) for row in rows for t in range(len(row))})
+    # every distinct proper prefix's last position once; nothing else
+    assert scorer.stats.tokens_forwarded == len({tuple(row[: t + 1]) for row in rows for t in range(len(row) - 1)})

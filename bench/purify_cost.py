@@ -8,7 +8,8 @@
    and check they agree;
 4. run the whole `cleaner ablate` job (render + one scorer pass + advantages + writes) for the grid.
 Targets (project issue #4): trie tokens / naive tokens <= 0.5, naive time / trie time >= 2,
-ablate time / collect time <= 0.10.
+ablate time / collect time <= 0.10. Trie scoring and the ablate job are the median of --repeats runs
+(the ablate job on untouched copies of the collected warehouse); collection runs once.
 
     python bench/purify_cost.py --prompts 64 --group-size 8
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ from cleaner.engine.chat import ChatFormat
 from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.purify.scorer import PrefixTrieScorer
-from cleaner.engine.render import _ratio
+from cleaner.engine.render import clear_similarity_cache
 from cleaner.jobs import collect_job, purify_job
 from cleaner.warehouse import Warehouse
 
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--model", default=str(DEFAULT_POLICY))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="trie scoring and ablate job: median of this many runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     backend = TorchBackend(args.model)
@@ -50,6 +54,8 @@ def main() -> None:
         collect_job(warehouse, CollectConfig(model=args.model, n_prompts=args.prompts, group_size=args.group_size),
                     backend=backend, progress=False)
         collect_s = time.perf_counter() - started
+        for repeat in range(args.repeats):  # untouched copies for the ablate runs: purify is idempotent
+            shutil.copytree(warehouse.root, Path(root) / f"ablate-{repeat}")
 
         rollouts, segments = warehouse.read_rollouts(0), warehouse.read_segments(0)
         rows = [row for c in configs for row in render_iteration(rollouts, segments, c, decode)[0]]
@@ -59,28 +65,42 @@ def main() -> None:
         started = time.perf_counter()
         naive = backend.score(sequences, starts)
         naive_s = time.perf_counter() - started
-        scorer = PrefixTrieScorer(backend.model)
-        started = time.perf_counter()
-        trie = scorer.score_rows(sequences, starts)
-        trie_s = time.perf_counter() - started
+        trie_runs = []
+        for _ in range(args.repeats):
+            scorer = PrefixTrieScorer(backend.model)
+            started = time.perf_counter()
+            trie = scorer.score_rows(sequences, starts)
+            trie_runs.append(time.perf_counter() - started)
+        trie_s = statistics.median(trie_runs)
         worst = max((abs(a - b) for x, y in zip(naive, trie, strict=True) for a, b in zip(x, y, strict=True)),
                     default=0.0)
 
-        _ratio.cache_clear()  # the ablate job must not reuse similarities computed by the render above
-        started = time.perf_counter()
-        purify_job(warehouse, 0, configs, backend=backend, progress=False)
-        ablate_s = time.perf_counter() - started
+        ablate_runs, scoring_runs = [], []
+        for repeat in range(args.repeats):
+            clear_similarity_cache()  # each run computes its similarities afresh
+            started = time.perf_counter()
+            outcome = purify_job(Warehouse(Path(root) / f"ablate-{repeat}"), 0, configs, backend=backend,
+                                 progress=False)
+            ablate_runs.append(time.perf_counter() - started)
+            scoring_runs.append(outcome.scorer_stats.seconds)
+        ablate_s = statistics.median(ablate_runs)
 
     naive_tokens = sum(len(s) for s in sequences)
     print(f"iteration: {len(rollouts)} rollouts, {len(configs)} configs -> {len(rows)} rows, {naive_tokens} tokens")
     print(f"collect                      {collect_s:8.2f} s")
     print(f"naive scoring (every row)    {naive_s:8.2f} s   {naive_tokens} tokens forwarded")
-    print(f"prefix-trie scoring          {trie_s:8.2f} s   {scorer.stats.tokens_forwarded} tokens forwarded")
-    print(f"cleaner ablate job, {len(configs)} configs {ablate_s:8.2f} s")
+    print(f"prefix-trie scoring          {trie_s:8.2f} s   {scorer.stats.tokens_forwarded} tokens forwarded, "
+          f"{scorer.stats.n_forwards} forwards; runs {_seconds(trie_runs)}")
+    print(f"cleaner ablate job, {len(configs)} configs {ablate_s:8.2f} s   runs {_seconds(ablate_runs)}, "
+          f"of which scoring {_seconds(scoring_runs)}")
     print(f"tokens trie / naive          {scorer.stats.tokens_forwarded / naive_tokens:8.3f}   (target <= 0.5)")
     print(f"time naive / trie            {naive_s / trie_s:8.2f}x  (target >= 2)")
     print(f"ablate / collect             {ablate_s / collect_s:8.3f}   (target <= 0.10)")
     print(f"max |naive - trie| logprob   {worst:.2e}")
+
+
+def _seconds(runs: list[float]) -> str:
+    return "/".join(f"{run:.2f}" for run in runs) + " s"
 
 
 if __name__ == "__main__":

@@ -148,10 +148,10 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
         backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
         scorer = PrefixTrieScorer(backend.model, device=device)
         decode = ChatFormat(backend.tokenizer).decode
-        for result in purify_iteration(rollouts, segments, todo, scorer, decode,
-                                       scorer_version=f"{scorer.version}:{backend.policy_version}"):
-            _store_purified(warehouse, iteration, result)
-            computed[result.config.config_id] = result
+        purified = purify_iteration(rollouts, segments, todo, scorer, decode,
+                                    scorer_version=f"{scorer.version}:{backend.policy_version}")
+        _store_purified(warehouse, iteration, purified)
+        computed = {result.config.config_id: result for result in purified}
         scorer_stats = scorer.stats
     errors = errors_by_type(segments)
     results = []
@@ -164,13 +164,17 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
 
 
-def _store_purified(warehouse: Warehouse, iteration: int, result) -> None:
-    config = result.config
-    row = PurifyConfigRow(config_id=config.config_id, gamma=config.gamma, rollback_prob=config.rollback_prob,
-                          similarity_on=config.similarity_on, purify_when=config.purify_when,
-                          params_json=config.to_json())
-    warehouse.write_purified(iteration, row, result.rows)
-    warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
+def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> None:
+    rows = [
+        (PurifyConfigRow(config_id=r.config.config_id, gamma=r.config.gamma, rollback_prob=r.config.rollback_prob,
+                         similarity_on=r.config.similarity_on, purify_when=r.config.purify_when,
+                         params_json=r.config.to_json()), r.rows)
+        for r in results
+    ]
+    warehouse.write_purified_many(iteration, rows)
+    for result in results:
+        config = result.config
+        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -374,6 +374,11 @@ def _similarity(earlier: _Span, later: _Span, similarity_on: str, decode: Decode
     return _ratio(earlier_text, later_text)
 
 
+def clear_similarity_cache() -> None:
+    """Forget memoised similarities (benchmarks time a cold ablation)."""
+    _ratio.cache_clear()
+
+
 @functools.lru_cache(maxsize=65536)
 def _ratio(earlier: str, later: str) -> float:
     """difflib's ratio, memoised: an ablation grid compares the same pair of calls once per config."""

@@ -100,11 +100,19 @@ class Warehouse:
 
     def write_purified(self, iteration: int, config: PurifyConfigRow, rows: Sequence[PurifiedRow]) -> None:
         """Write one config's rows of an iteration, and its config row if new. Idempotent per config."""
-        if self.has_purified(iteration, config.config_id):
-            return
-        if config.config_id not in self.purify_config_ids():
-            self._write(schema.PURIFY_CONFIGS, [config])
-        self._write(schema.PURIFIED, rows, iteration=iteration, config=config.config_id)
+        self.write_purified_many(iteration, [(config, rows)])
+
+    def write_purified_many(
+        self, iteration: int, results: Sequence[tuple[PurifyConfigRow, Sequence[PurifiedRow]]]
+    ) -> None:
+        """`write_purified` for several configs: their new config rows go in one part, first."""
+        todo = [(c, rows) for c, rows in results if not self.has_purified(iteration, c.config_id)]
+        known = self.purify_config_ids() if todo else set()
+        new_configs = list({c.config_id: c for c, _ in todo if c.config_id not in known}.values())
+        if new_configs:
+            self._write(schema.PURIFY_CONFIGS, new_configs)
+        for config, rows in todo:
+            self._write(schema.PURIFIED, rows, iteration=iteration, config=config.config_id)
 
     def purify_config_ids(self) -> set[str]:
         table = read_parts(list_parts(self.root, schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS)

@@ -80,6 +80,26 @@ def test_purified_write_is_idempotent(tmp_path):
     assert connection.sql("SELECT count(*) FROM purify_configs").fetchall() == [(1,)]
 
 
+
+def test_purified_many_writes_new_config_rows_once_in_one_part(tmp_path):
+    wh = _fill(tmp_path)
+    configs = [PurifyConfigRow(config_id=c, gamma=0.5, rollback_prob=1.0, similarity_on="code",
+                               purify_when="always", params_json="{}") for c in ("c1", "c2")]
+    rows = {c.config_id: PurifiedRow(
+        config_id=c.config_id, iteration=0, rollout_id="r0", group_id="g", token_ids=(1, 2), prompt_len=1,
+        loss_mask=(0, 1), behavior_logprobs=(0.0, -0.5), old_logprobs=(0.0, -0.25), reward=1.0, advantage=0.5,
+        rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0, scorer_version="t",
+    ) for c in configs}
+    wh.write_purified(0, configs[0], [rows["c1"]])  # c1 is already known and stored
+    wh.write_purified_many(0, [(c, [rows[c.config_id]]) for c in configs])
+    wh.write_purified_many(0, [(c, [rows[c.config_id]]) for c in configs])  # idempotent
+    assert [wh.read_purified(0, c) for c in ("c1", "c2")] == [[rows["c1"]], [rows["c2"]]]
+    assert len(list((tmp_path / "wh" / "purify_configs").glob("*.parquet"))) == 2  # c1's, then c2's
+    connection = wh.connect()
+    assert connection.sql("SELECT config_id FROM purify_configs ORDER BY 1").fetchall() == [("c1",), ("c2",)]
+    assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(2,)]
+
+
 _WRITER = """
 import sys
 import pyarrow as pa

@@ -139,7 +139,8 @@ def render_iteration(
     decode: Decode | None,
 ) -> tuple[list[PurifiedRow], PurifyStats]:
     """Render every rollout under one config; old_logprobs are zeros until scored."""
-    plan = _plan(rollouts, _segments_by_rollout(rollouts, segments), config, decode, renders={})
+    grouped = _segments_by_rollout(rollouts, segments)
+    plan = _plan(rollouts, grouped, config, decode, {}, _input_errors(grouped))
     return [_row(plan.config, draft, None, "") for draft in plan.drafts], plan.stats
 
 
@@ -149,6 +150,7 @@ def _plan(
     config: PurifyConfig,
     decode: Decode | None,
     renders: dict,  # (rollout_id, view) -> Rendered, shared by the configs of one call
+    errors: tuple[tuple[str, int], ...],  # errors_by_type of the input
 ) -> PurifyPlan:
     advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
                                  config.advantage_eps)
@@ -170,9 +172,13 @@ def _plan(
         n_shallow=sum(c.n_shallow for c in counts), n_deep=sum(c.n_deep for c in counts),
         n_unrecovered=sum(c.n_unrecovered for c in counts),
         tokens_removed=sum(c.tokens_removed for c in counts),
-        errors_by_type=errors_by_type([s for group in grouped.values() for s in group]),
+        errors_by_type=errors,
     )
     return PurifyPlan(config, tuple(drafts), stats)
+
+
+def _input_errors(grouped: dict[str, list[Segment]]) -> tuple[tuple[str, int], ...]:
+    return errors_by_type([segment for group in grouped.values() for segment in group])
 
 
 def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | None,
@@ -207,7 +213,8 @@ def purify_iteration(
     """Render under every config, score all rows in ONE scorer call, scatter old_logprobs back."""
     grouped = _segments_by_rollout(rollouts, segments)
     renders: dict = {}
-    plans = [_plan(rollouts, grouped, config, decode, renders) for config in configs]
+    errors = _input_errors(grouped)
+    plans = [_plan(rollouts, grouped, config, decode, renders, errors) for config in configs]
     requests: dict[tuple[tuple[int, ...], int], int] = {}  # (token_ids, start) -> request index
     for plan in plans:
         for draft in plan.drafts:

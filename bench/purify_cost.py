@@ -8,8 +8,9 @@
    and check they agree;
 4. run the whole `cleaner ablate` job (render + one scorer pass + advantages + writes) for the grid.
 Targets (project issue #4): trie tokens / naive tokens <= 0.5, naive time / trie time >= 2,
-ablate time / collect time <= 0.10. Trie scoring and the ablate job are the median of --repeats runs
-(the ablate job on untouched copies of the collected warehouse); collection runs once.
+ablate time / collect time <= 0.10. Collection, trie scoring and the ablate job are each the median of
+--repeats runs (the ablate job on untouched copies of the collected warehouse): on a shared 2-core
+machine single runs of either vary by 10-20%.
 
     python bench/purify_cost.py --prompts 64 --group-size 8
 """
@@ -42,18 +43,21 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--model", default=str(DEFAULT_POLICY))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="trie scoring and ablate job: median of this many runs")
+    parser.add_argument("--repeats", type=int, default=3, help="collect, trie scoring and ablate job: median of this many runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     backend = TorchBackend(args.model)
     decode = ChatFormat(backend.tokenizer).decode
     configs = [PurifyConfig(gamma=g, rollback_prob=p) for g, p in itertools.product((0.3, 0.5, 0.7), (0.7, 1.0))]
     with tempfile.TemporaryDirectory() as root:
-        warehouse = Warehouse(Path(root) / "wh")
-        started = time.perf_counter()
-        collect_job(warehouse, CollectConfig(model=args.model, n_prompts=args.prompts, group_size=args.group_size),
-                    backend=backend, progress=False)
-        collect_s = time.perf_counter() - started
+        collect_runs = []
+        for repeat in range(args.repeats):  # the same seed collects the same iteration each time
+            warehouse = Warehouse(Path(root) / f"collect-{repeat}")
+            started = time.perf_counter()
+            collect_job(warehouse, CollectConfig(model=args.model, n_prompts=args.prompts,
+                                                 group_size=args.group_size), backend=backend, progress=False)
+            collect_runs.append(time.perf_counter() - started)
+        collect_s = statistics.median(collect_runs)
         for repeat in range(args.repeats):  # untouched copies for the ablate runs: purify is idempotent
             shutil.copytree(warehouse.root, Path(root) / f"ablate-{repeat}")
 
@@ -87,7 +91,7 @@ def main() -> None:
 
     naive_tokens = sum(len(s) for s in sequences)
     print(f"iteration: {len(rollouts)} rollouts, {len(configs)} configs -> {len(rows)} rows, {naive_tokens} tokens")
-    print(f"collect                      {collect_s:8.2f} s")
+    print(f"collect                      {collect_s:8.2f} s   runs {_seconds(collect_runs)}")
     print(f"naive scoring (every row)    {naive_s:8.2f} s   {naive_tokens} tokens forwarded")
     print(f"prefix-trie scoring          {trie_s:8.2f} s   {scorer.stats.tokens_forwarded} tokens forwarded, "
           f"{scorer.stats.n_forwards} forwards; runs {_seconds(trie_runs)}")

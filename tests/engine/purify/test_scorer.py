@@ -12,11 +12,8 @@ from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
 from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.purify.scorer import (
-    BackendScorer,
-    PrefixTrieScorer,
-    build_radix_tree,
-)
+from cleaner.engine.purify.radix import build_radix_tree, shared_prefixes
+from cleaner.engine.purify.scorer import BackendScorer, PrefixTrieScorer
 
 PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
 
@@ -101,6 +98,17 @@ def test_trie_forwards_each_distinct_position_once(backend):
     assert scorer.stats.reuse_ratio == pytest.approx(32 / 11)
 
 
+def test_edges_of_different_parents_and_depths_share_one_forward(backend):
+    # root -> PROMPT -> {[3..7] -> {a, b}, [9] -> {c, d}}: the four leaves hang at depths 13 and 9
+    sequences = [PROMPT + [3, 4, 5, 6, 7, 20, 21], PROMPT + [3, 4, 5, 6, 7, 22, 23],
+                 PROMPT + [9, 24, 25, 26], PROMPT + [9, 27, 28]]
+    scorer = PrefixTrieScorer(backend.model)
+    got = scorer.score_rows(sequences, [8, 8, 8, 8])
+    assert scorer.stats.n_forwards == 3  # PROMPT; both inner edges; all four leaves at once
+    expected = [unpadded_reference(backend.model, s, 8) for s in sequences]
+    assert_rows_close(got, expected)
+
+
 def test_tiny_budgets_chunk_and_chain_without_changing_results(backend):
     rng = random.Random(7)
     prompt = [rng.randrange(64) for _ in range(30)]
@@ -136,8 +144,6 @@ def test_rejects_start_outside_row(backend):
 
 
 def test_shared_prefixes_are_the_branching_paths():
-    from cleaner.engine.purify.scorer import shared_prefixes
-
     rows = [PROMPT + [3, 4, 5], PROMPT + [3, 4, 6], PROMPT + [9], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
     assert shared_prefixes(rows, min_tokens=2) == [PROMPT, PROMPT + [3, 4]]
     assert shared_prefixes(rows, min_tokens=9) == [PROMPT + [3, 4]]

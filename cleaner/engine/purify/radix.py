@@ -1,0 +1,117 @@
+"""The radix tree the prefix-trie scorer walks (DESIGN.md 5).
+
+Each node holds an edge of tokens that every row below it shares; the root's edge is empty. Long
+edges become chains of nodes of at most max_edge_tokens, so a forward never exceeds its budget.
+The scorer writes each node's log-probs in place, and `path_logprobs` reads a row back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Node:
+    """A radix-tree node: `edge` follows `depth` tokens shared by every row below it."""
+
+    edge: tuple[int, ...]
+    depth: int  # tokens before the edge
+    children: list[Node] = field(default_factory=list)
+    parent: Node | None = None
+    ending_rows: list[int] = field(default_factory=list)  # rows whose sequence ends with this edge
+    logprobs: list[float] = field(default_factory=list)  # per edge token; NaN where nobody asked
+    first_scored: int = 0  # first absolute position whose log-prob some row below this node wants
+
+
+def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int) -> Node:
+    """Radix tree over the rows (root has an empty edge); long edges become chains of nodes."""
+    root = Node(edge=(), depth=0)
+    order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))
+    pending = [(root, order)]  # (parent, rows below it, sorted, all longer than parent's end)
+    while pending:
+        parent, rows = pending.pop()
+        depth = parent.depth + len(parent.edge)
+        for group in _runs_by_token(sequences, rows, depth):
+            first, last = sequences[group[0]], sequences[group[-1]]
+            shared = _common_prefix_length(first, last, depth)  # sorted: LCP(all) = LCP(first, last)
+            node = _add_chain(parent, tuple(first[depth:shared]), depth, max_edge_tokens)
+            node.ending_rows = [i for i in group if len(sequences[i]) == shared]
+            below = [i for i in group if len(sequences[i]) > shared]
+            if below:
+                pending.append((node, below))
+    return root
+
+
+def _runs_by_token(sequences, rows: list[int], depth: int) -> list[list[int]]:
+    """Split sorted rows into runs that share the token at `depth`."""
+    runs: list[list[int]] = []
+    for index in rows:
+        if runs and sequences[runs[-1][0]][depth] == sequences[index][depth]:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int], start: int) -> int:
+    end = start
+    limit = min(len(a), len(b))
+    while end < limit and a[end] == b[end]:
+        end += 1
+    return end
+
+
+def _add_chain(parent: Node, edge: tuple[int, ...], depth: int, max_edge_tokens: int) -> Node:
+    """Attach `edge` under `parent` as nodes of at most max_edge_tokens; returns the last one."""
+    for offset in range(0, len(edge), max_edge_tokens):
+        piece = edge[offset : offset + max_edge_tokens]
+        node = Node(edge=piece, depth=depth + offset, parent=parent)
+        parent.children.append(node)
+        parent = node
+    return parent
+
+
+def shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) -> list[list[int]]:
+    """The token path to every radix-tree node that two or more rows continue past."""
+    root = build_radix_tree(sequences, max_edge_tokens=max(len(s) for s in sequences) if sequences else 1)
+    found: list[list[int]] = []
+    pending = [(child, list(child.edge)) for child in root.children]
+    while pending:
+        node, path = pending.pop()
+        if len(node.children) + len(node.ending_rows) >= 2 and node.children and len(path) >= min_tokens:
+            found.append(path)
+        pending.extend((child, path + list(child.edge)) for child in node.children)
+    return sorted(found, key=len)
+
+
+def mark_first_scored(root: Node, starts: Sequence[int]) -> None:
+    """Set every node's first_scored: the smallest start among the rows that pass through it."""
+    order, pending = [], [root]
+    while pending:
+        node = pending.pop()
+        order.append(node)
+        pending.extend(node.children)
+    for node in reversed(order):  # children before parents
+        node.first_scored = min(
+            [starts[i] for i in node.ending_rows] + [child.first_scored for child in node.children]
+        )
+
+
+def nodes_with_ending_rows(root: Node) -> list[Node]:
+    found, pending = [], [root]
+    while pending:
+        node = pending.pop()
+        if node.ending_rows:
+            found.append(node)
+        pending.extend(node.children)
+    return found
+
+
+def path_logprobs(node: Node) -> list[float]:
+    """Log-probs of every position from the root to the end of `node` (entry 0 is NaN)."""
+    pieces = []
+    while node is not None:
+        pieces.append(node.logprobs)
+        node = node.parent
+    return [lp for piece in reversed(pieces) for lp in piece]

@@ -2,13 +2,14 @@
 
 Design decisions:
 - A KV cache crosses function boundaries as a plain tuple of per-layer `(keys, values)` tensors of
-  shape (B, H, T, D), not as a transformers `Cache` object. The tuple is immutable, so slicing one
-  row out of a batch, truncating it, or expanding it for several suffixes never mutates a cache
-  that another branch of the trie still needs. A fresh `DynamicCache` is built for every forward
-  (`DynamicLayer.update` concatenates, so the old tensors are never written to).
-- Every forward passes an explicit 2-D attention mask and explicit position ids. With a 2-D mask
-  transformers never tries to guess "packed sequences" from the position ids, and left or right
-  padding is handled by the mask alone.
+  shape (B, H, T, D), not as a transformers `Cache` object. The tuple is immutable, so selecting
+  rows of a batch never mutates a cache that another branch of the trie still needs. A fresh
+  `DynamicCache` is built for every forward (`DynamicLayer.update` concatenates, so the old
+  tensors are never written to).
+- Every forward passes an explicit attention mask and explicit position ids: a 2-D mask (the
+  backend), with which transformers never guesses "packed sequences" from the position ids, or a
+  ready 4-D one (the scorer), which transformers passes through as it is. Left or right padding is
+  handled by the mask alone.
 - Log-probs are `gather(logits) - logsumexp(logits)` in float32: only the (B, T) targets and, where
   asked, the last position's (B, V) distribution are kept, never a (B, T, V) log-softmax copy.
 - Only full-attention layers are supported (Qwen3, Llama, Mistral without sliding window): the
@@ -42,25 +43,9 @@ def kv_to_cache(kv: KV | None) -> DynamicCache | None:
     return DynamicCache(ddp_cache_data=kv)
 
 
-def kv_length(kv: KV | None) -> int:
-    return 0 if kv is None else int(kv[0][0].shape[-2])
-
-
 def kv_select(kv: KV, rows: torch.Tensor | slice) -> KV:
     """Keep the batch rows `rows` (an index tensor or a slice)."""
     return tuple((keys[rows], values[rows]) for keys, values in kv)
-
-
-def kv_truncate(kv: KV, length: int) -> KV:
-    """Keep the first `length` positions (a view, no copy)."""
-    return tuple((keys[:, :, :length], values[:, :, :length]) for keys, values in kv)
-
-
-def kv_expand(kv: KV, n_rows: int) -> KV:
-    """Broadcast a one-row cache to `n_rows` rows (a view; the next forward's concat copies it)."""
-    return tuple(
-        (keys.expand(n_rows, -1, -1, -1), values.expand(n_rows, -1, -1, -1)) for keys, values in kv
-    )
 
 
 # ---------------------------------------------------------------------------- forward
@@ -81,14 +66,7 @@ def causal_forward(
     logits_to_keep: int = 0,  # 0 = logits at every position, k = only the last k
 ) -> ForwardOutput:
     """One forward of a Hugging Face causal LM on top of an optional cache."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=kv_to_cache(past),
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
+    out = _call_with_cache(model, input_ids, attention_mask, position_ids, past, logits_to_keep=logits_to_keep)
     return ForwardOutput(logits=out.logits, kv=kv_from_cache(out.past_key_values))
 
 
@@ -106,14 +84,21 @@ def hidden_forward(
     past: KV | None = None,
 ) -> HiddenOutput:
     """The decoder body only: the caller applies the output head to the positions it needs."""
-    out = model.get_decoder()(
+    out = _call_with_cache(model.get_decoder(), input_ids, attention_mask, position_ids, past)
+    return HiddenOutput(hidden=out.last_hidden_state, kv=kv_from_cache(out.past_key_values))
+
+
+def _call_with_cache(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     position_ids: torch.Tensor, past: KV | None, **extra):
+    """Call a transformers model or decoder with explicit mask and positions, on a fresh cache."""
+    return module(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         past_key_values=kv_to_cache(past),
         use_cache=True,
+        **extra,
     )
-    return HiddenOutput(hidden=out.last_hidden_state, kv=kv_from_cache(out.past_key_values))
 
 
 @torch.inference_mode()

@@ -40,7 +40,6 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -65,8 +64,6 @@ from cleaner.engine.purify.radix import (
     path_logprobs,
     shared_prefixes,
 )
-
-log = logging.getLogger(__name__)
 
 SCORER_VERSION = "prefix-trie-1"
 CPU_EDGE_TOKENS = 64  # measured best of 32/48/64/96/128/2048 on the toy ablation (BENCHMARKS.md)

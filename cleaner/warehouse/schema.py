@@ -107,8 +107,25 @@ def to_table(dataset: Dataset, rows: Sequence[object]) -> pa.Table:
     for row in rows:
         if not isinstance(row, dataset.record):
             raise TypeError(f"{dataset.name} takes {dataset.record.__name__} rows, got {type(row).__name__}")
-    columns = {name: [getattr(row, name) for row in rows] for name in dataset.columns}
-    return pa.Table.from_pydict(columns, schema=dataset.schema)
+    return pa.Table.from_arrays(
+        [_column([getattr(row, f.name) for row in rows], f.type) for f in dataset.schema], schema=dataset.schema
+    )
+
+
+def _column(values: list, type_: pa.DataType) -> pa.Array:
+    """One column; a list column converts each distinct list OBJECT once and repeats it with `take`.
+
+    Purified rows of an ablation grid share their token and log-prob tuples across configs (a raw
+    rendering is the same object under every config), and converting Python lists dominates a write.
+    """
+    if not pa.types.is_list(type_):
+        return pa.array(values, type_)
+    slots: dict[int, int] = {}
+    index = [slots.setdefault(id(value), len(slots)) for value in values]
+    if len(slots) == len(values):
+        return pa.array(values, type_)
+    firsts = list({id(value): value for value in values}.values())  # insertion order = slot order
+    return pa.array(firsts, type_).take(pa.array(index, pa.int32()))
 
 
 def from_table(dataset: Dataset, table: pa.Table) -> list:

@@ -111,8 +111,12 @@ class Warehouse:
         new_configs = list({c.config_id: c for c, _ in todo if c.config_id not in known}.values())
         if new_configs:
             self._write(schema.PURIFY_CONFIGS, new_configs)
+        # one conversion for all configs, so rows they share are converted once (schema._column)
+        table, offset = schema.to_table(schema.PURIFIED, [row for _, rows in todo for row in rows]), 0
         for config, rows in todo:
-            self._write(schema.PURIFIED, rows, iteration=iteration, config=config.config_id)
+            part = table.slice(offset, len(rows))
+            offset += len(rows)
+            write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part)
 
     def purify_config_ids(self) -> set[str]:
         table = read_parts(list_parts(self.root, schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS)

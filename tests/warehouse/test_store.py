@@ -100,6 +100,24 @@ def test_purified_many_writes_new_config_rows_once_in_one_part(tmp_path):
     assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(2,)]
 
 
+def test_to_table_converts_shared_list_objects_once_with_the_same_result(tmp_path):
+    tokens, logprobs = (1, 2, 3), (0.0, -0.5, -0.25)  # one object shared by rows of three configs
+    rows = [PurifiedRow(
+        config_id=c, iteration=0, rollout_id=f"r{i}", group_id="g",
+        token_ids=tokens if i else (7, 8), prompt_len=1, loss_mask=(0, 1, 1) if i else (0, 1),
+        behavior_logprobs=logprobs if i else (0.0, -1.0), old_logprobs=logprobs if i else (0.0, -2.0),
+        reward=1.0, advantage=0.5, rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0,
+        tokens_removed=0, scorer_version="t",
+    ) for c in ("c1", "c2", "c3") for i in range(2)]
+    columns = {name: [getattr(row, name) for row in rows] for name in schema.PURIFIED.columns}
+    assert schema.to_table(schema.PURIFIED, rows).equals(pa.Table.from_pydict(columns, schema=schema.PURIFIED.schema))
+    wh = _fill(tmp_path)
+    configs = [PurifyConfigRow(config_id=c, gamma=0.5, rollback_prob=1.0, similarity_on="code",
+                               purify_when="always", params_json="{}") for c in ("c1", "c2", "c3")]
+    wh.write_purified_many(0, [(c, rows[2 * k : 2 * k + 2]) for k, c in enumerate(configs)])
+    assert [wh.read_purified(0, c) for c in ("c1", "c2", "c3")] == [rows[0:2], rows[2:4], rows[4:6]]
+
+
 _WRITER = """
 import sys
 import pyarrow as pa

@@ -6,6 +6,12 @@ Design decisions:
   rows of a batch never mutates a cache that another branch of the trie still needs. A fresh
   `DynamicCache` is built for every forward (`DynamicLayer.update` concatenates, so the old
   tensors are never written to).
+- The scorer instead hands a forward a `BufferCache`: one fresh (layers, 2, B, H, P + W, D) buffer
+  whose first P positions it has filled with the prefixes; each layer writes its W new positions
+  in place. That saves DynamicCache's two copies of the prefix per forward (its constructor
+  concatenates onto an empty tensor, its update onto the prefix), and after the forward the
+  buffer holds every row's whole path, so a child's cache is a view of it. The buffer is never
+  written again once its forward returns.
 - Every forward passes an explicit attention mask and explicit position ids: a 2-D mask (the
   backend), with which transformers never guesses "packed sequences" from the position ids, or a
   ready 4-D one (the scorer), which transformers passes through as it is. Left or right padding is
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer: keys, values, each (B, H, T, D)
 
@@ -43,6 +50,39 @@ def kv_to_cache(kv: KV | None) -> DynamicCache | None:
     return DynamicCache(ddp_cache_data=kv)
 
 
+class _BufferLayer(DynamicLayer):
+    """One layer of a BufferCache: keys and values are views of the shared buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.length = keys, values, length  # (B, H, T_max, D), filled up to length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise ValueError(f"BufferCache holds {self.keys.shape[-2]} positions, a forward asked for {end}")
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class BufferCache(DynamicCache):
+    """A cache over a preallocated (layers, 2, B, H, T_max, D) buffer whose first `length` positions
+    are filled; forwards write the new positions in place (see the module docstring)."""
+
+    def __init__(self, buffer: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.layers = [_BufferLayer(buffer[layer, 0], buffer[layer, 1], length) for layer in range(buffer.shape[0])]
+        self.layer_class_to_replicate = None
+
+
 def kv_select(kv: KV, rows: torch.Tensor | slice) -> KV:
     """Keep the batch rows `rows` (an index tensor or a slice)."""
     return tuple((keys[rows], values[rows]) for keys, values in kv)
@@ -62,7 +102,7 @@ def causal_forward(
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor,  # (B, T_past + T), 1 = real token
     position_ids: torch.Tensor,  # (B, T)
-    past: KV | None = None,
+    past: KV | BufferCache | None = None,
     logits_to_keep: int = 0,  # 0 = logits at every position, k = only the last k
 ) -> ForwardOutput:
     """One forward of a Hugging Face causal LM on top of an optional cache."""
@@ -81,7 +121,7 @@ def hidden_forward(
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor,  # (B, T_past + T), 1 = real token
     position_ids: torch.Tensor,  # (B, T)
-    past: KV | None = None,
+    past: KV | BufferCache | None = None,
 ) -> HiddenOutput:
     """The decoder body only: the caller applies the output head to the positions it needs."""
     out = _call_with_cache(model.get_decoder(), input_ids, attention_mask, position_ids, past)
@@ -89,13 +129,13 @@ def hidden_forward(
 
 
 def _call_with_cache(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     position_ids: torch.Tensor, past: KV | None, **extra):
+                     position_ids: torch.Tensor, past: KV | BufferCache | None, **extra):
     """Call a transformers model or decoder with explicit mask and positions, on a fresh cache."""
     return module(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=kv_to_cache(past),
+        past_key_values=past if isinstance(past, BufferCache) else kv_to_cache(past),
         use_cache=True,
         **extra,
     )

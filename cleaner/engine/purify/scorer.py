@@ -51,6 +51,7 @@ import torch
 from cleaner.engine.backends.base import Backend
 from cleaner.engine.backends.kv import (
     KV,
+    BufferCache,
     causal_forward,
     head_is_plain_linear,
     hidden_forward,
@@ -199,7 +200,7 @@ class PrefixTrieScorer:
         position_ids = depths[:, None] + torch.arange(width)  # (C, W)
         self.stats.tokens_forwarded += sum(lengths)
         self.stats.n_forwards += 1
-        past = _padded_prefix_kv(batch, prefix_length) if prefix_length else None
+        past = BufferCache(_prefix_buffer(batch, prefix_length, width), prefix_length) if prefix_length else None
         arguments = (input_ids.to(self.device), attention_mask.to(self.device), position_ids.to(self.device))
         plan = _HeadPlan.of(batch)
         rows, cols, entries, targets = (
@@ -215,8 +216,11 @@ class PrefixTrieScorer:
                 logits = out.logits[rows, cols].float()  # (N, V)
         values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
         parents = [row for row, item in enumerate(batch) if item.node.children]
-        stacked = _stack_kv(out.kv, parents) if parents else None  # parent rows only, in order
-        slot = {row: index for index, row in enumerate(parents)}
+        if past is not None and 2 * len(parents) >= len(batch):  # keep the buffer: every path is in it
+            stacked, slot = past.buffer, {row: row for row in parents}
+        else:  # copy the few parent rows out, so the leaves' share of the buffer can be freed
+            stacked = _stack_kv(out.kv, parents) if parents else None
+            slot = {row: index for index, row in enumerate(parents)}
         children: list[_Pending] = []
         for row, item in enumerate(batch):
             node, offset, n_inner = item.node, plan.value_offsets[row], plan.n_inner[row]
@@ -359,19 +363,25 @@ def _grouped_query_sdpa(enabled: bool):
             os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = previous
 
 
-def _padded_prefix_kv(batch: list[_Pending], prefix_length: int) -> KV:
-    """The batch's prefix caches, LEFT-padded with zeros to prefix_length; siblings share one copy."""
-    by_cache: dict[int, list[int]] = {}
-    for row, item in enumerate(batch):
-        if item.kv is not None:
-            by_cache.setdefault(id(item.kv), []).append(row)
+def _prefix_buffer(batch: list[_Pending], prefix_length: int, width: int) -> torch.Tensor:
+    """A (layers, 2, C, H, prefix_length + width, D) buffer holding the batch's prefix caches
+    LEFT-padded with zeros to prefix_length (siblings share one copy); the forward fills the rest."""
     template = next(item.kv for item in batch if item.kv is not None)  # (layers, 2, 1, H, T, D)
     layers, _, _, heads, _, head_dim = template.shape
-    padded = template.new_zeros((layers, 2, len(batch), heads, prefix_length, head_dim))
+    buffer = template.new_empty((layers, 2, len(batch), heads, prefix_length + width, head_dim))
+    by_cache: dict[int, list[int]] = {}
+    for row, item in enumerate(batch):
+        if item.kv is None:
+            buffer[:, :, row, :, :prefix_length] = 0
+        else:
+            by_cache.setdefault(id(item.kv), []).append(row)
     for rows in by_cache.values():
         cache = batch[rows[0]].kv
-        padded[:, :, rows, :, prefix_length - cache.shape[-2] :] = cache  # broadcast over the siblings
-    return tuple((padded[layer, 0], padded[layer, 1]) for layer in range(layers))
+        start = prefix_length - cache.shape[-2]
+        if start:  # padding must be finite: masked scores are added to it, and NaN would survive
+            buffer[:, :, rows, :, :start] = 0
+        buffer[:, :, rows, :, start:prefix_length] = cache  # broadcast over the siblings
+    return buffer
 
 
 def _stack_kv(kv: KV, rows: list[int]) -> torch.Tensor:

@@ -10,28 +10,37 @@ Design decisions:
   every row below it shares. Each edge is forwarded exactly once, on top of the KV cache of its
   parent path, so every distinct (prefix, token) position is computed once.
 - Edges are batched ACROSS nodes, not per parent: pending edges sit on a stack; a window of them
-  (window_batches forwards' worth of tokens) is taken off the top, sorted by length, and cut into
-  batches of rows x (longest prefix + longest edge) <= max_batch_tokens. Forwarding each node's
-  children on their own cost one small forward per internal node (393 on the toy ablation); across
-  nodes it is 38, and scoring went from 2.31 s to about 0.95 s (BENCHMARKS.md).
-- A row of a batch is its edge on top of its own parent's cache. Prefix caches are LEFT-padded to
-  the batch's longest prefix and edges right-padded; positions are explicit, and a 4-D additive
-  mask lets each query see its own prefix and its edge's real tokens up to itself. Left padding
-  keeps each row's prefix and edge contiguous in the output cache, so a child's cache is a view.
-  The mask is built here (float, not transformers' boolean) and SDPA gets `enable_gqa` on CPU:
-  both are faster there, with the same values.
-- Long edges are cut into pieces of max_edge_tokens (64 on CPU): batches then mix pieces of
-  similar length, which measured best of 32/48/64/96/128/2048 (padding 16% of query tokens at 64,
-  58% with whole edges). On CUDA the default stays 2048 (not measured here: no GPU).
+  (window_batches attention batches' worth of tokens) is taken off the top, sorted by length, and
+  cut into attention batches of rows x (longest prefix + longest edge) <= max_batch_tokens.
+  Forwarding each node's children on their own cost one small forward per internal node (393 on
+  the toy ablation); across nodes it was 38 forwards, and scoring went from 2.31 s to about 0.95 s.
+- One forward per window, PACKED: all the window's edges go through the model as one unpadded row
+  with explicit positions, so the linear layers, norms and output head never see padding (49.9k
+  tokens instead of 59.1k on the toy ablation; on a 4-7B model the linear layers are nearly all of
+  the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
+  itself: `_trie_attention` is registered with transformers' `AttentionInterface` and the model is
+  switched to it for the scorer's forwards only (restored in a `finally`). Per attention batch it
+  gathers the rows' queries into a padded batch, writes their keys and values after their
+  prefix caches in the batch's buffer, and calls the attention function the model was loaded with
+  (sdpa or eager, checked at construction: flash kernels take no 4-D mask) with a 4-D additive mask
+  that lets each query see its own prefix and its edge's real tokens up to itself.
+- Prefix caches are LEFT-padded to the batch's longest prefix, so each row's prefix and edge are
+  contiguous in the buffer after the forward and a child's cache is a view. The mask is float (not
+  transformers' boolean) and SDPA gets `enable_gqa` on CPU: both are faster there, same values.
+- Sizes, measured on CPU (BENCHMARKS.md): pieces of max_edge_tokens = 64 (best of 32/48/64/96/128/
+  2048: batches then mix pieces of similar length) and attention batches of 2048 (best of 1024/
+  2048/4096/8192: small batches pad less, and 4 of them per forward keep activations in cache).
+  On CUDA the defaults are 2048 and 8192, not measured here (no GPU).
 - The boundary: the log-prob of an edge's first token comes from the LAST position of its parent
   edge; the rest come from the edge's own positions. The very first token of a row has no
   log-prob (starts are >= 1). A leaf's last token is context for nothing and is not forwarded.
-- Only the positions someone needs go through the output head: from the smallest start among
-  the rows below a node, never padding. That needs `logits == head(decoder(x))`, which is checked
-  on a probe at construction (`head_is_plain_linear`); heads that scale or cap logits fall back to
-  full forwards.
+- Only the positions someone needs go through the output head (transformers' `logits_to_keep`
+  with a tensor of positions, so heads that scale or cap logits stay the model's own): from the
+  smallest start among the rows below a node, never the prompt.
 - Memory: the stack is walked last-in first-out, so the pending caches are those of about one
-  window per tree level; a forward holds about max_batch_tokens of cache plus activations.
+  window per tree level; a forward holds about window_batches x max_batch_tokens of cache plus the
+  activations of the window's tokens. A batch whose rows are mostly leaves hands its few parents a
+  copy of their rows, so the leaves' share of its buffer is freed.
 - Another engine can satisfy the same `Scorer` protocol: `BackendScorer` wraps any Backend whose
   `score` reuses prefixes itself (the SGLang backend: RadixAttention caches prefixes, rows are
   sent shared-prefix-first), so purify codes against `Scorer` and never against torch.
@@ -40,22 +49,21 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import itertools
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cleaner.engine.backends.base import Backend
-from cleaner.engine.backends.kv import (
-    KV,
-    BufferCache,
-    causal_forward,
-    head_is_plain_linear,
-    hidden_forward,
-)
+from cleaner.engine.backends.kv import kv_geometry
 from cleaner.engine.backends.torch_backend import check_score_inputs
 from cleaner.engine.purify.radix import (
     Node,
@@ -68,6 +76,7 @@ from cleaner.engine.purify.radix import (
 
 SCORER_VERSION = "prefix-trie-1"
 CPU_EDGE_TOKENS = 64  # measured best of 32/48/64/96/128/2048 on the toy ablation (BENCHMARKS.md)
+CPU_BATCH_TOKENS = 2048  # measured best of 1024/2048/4096/8192 per attention batch (BENCHMARKS.md)
 
 
 # ---------------------------------------------------------------------------- interface
@@ -143,13 +152,17 @@ class PrefixTrieScorer:
         self,
         model: torch.nn.Module,
         device: str | torch.device = "cpu",
-        max_batch_tokens: int = 8192,  # rows x (longest prefix + longest edge) per forward
+        max_batch_tokens: int | None = None,  # rows x (longest prefix + longest edge) per attention
+        # batch; None: 2048 on CPU, else 8192
         max_edge_tokens: int | None = None,  # longer edges go in pieces; None: 64 on CPU, else 2048
-        window_batches: int = 4,  # edges taken off the stack at once, in forwards' worth of tokens
+        window_batches: int = 4,  # attention batches' worth of tokens per forward
     ) -> None:
         device = torch.device(device)
-        if max_edge_tokens is None:  # short pieces pad less; see the module docstring
-            max_edge_tokens = CPU_EDGE_TOKENS if device.type == "cpu" else 2048
+        on_cpu = device.type == "cpu"  # the CPU defaults are measured; see the module docstring
+        if max_batch_tokens is None:
+            max_batch_tokens = CPU_BATCH_TOKENS if on_cpu else 8192
+        if max_edge_tokens is None:
+            max_edge_tokens = CPU_EDGE_TOKENS if on_cpu else 2048
         if max_edge_tokens > max_batch_tokens:
             raise ValueError("max_edge_tokens must be <= max_batch_tokens")
         if window_batches < 1:
@@ -159,7 +172,11 @@ class PrefixTrieScorer:
         self.max_batch_tokens = max_batch_tokens
         self.max_edge_tokens = max_edge_tokens
         self.window_batches = window_batches
-        self.split_head = head_is_plain_linear(model)
+        loaded = model.config._attn_implementation
+        if loaded not in ("sdpa", "eager"):
+            raise ValueError(f"PrefixTrieScorer needs a model loaded with attn_implementation 'sdpa' or "
+                             f"'eager' (it passes 4-D masks); this one uses {loaded!r}")
+        self.geometry = kv_geometry(model)  # (layers, kv heads, head dim) of the model's cache
         self.dtype = next(model.parameters()).dtype
         self.stats = ScorerStats()
 
@@ -177,8 +194,8 @@ class PrefixTrieScorer:
                 if item.forward_length == 0:  # a one-token leaf: its log-prob came from the parent
                     item.node.logprobs = [item.first_logprob]
             window = [item for item in window if item.forward_length]
-            for batch in _batches(window, self.max_batch_tokens):
-                stack.extend(self._forward(batch))
+            if window:
+                stack.extend(self._forward(_batches(window, self.max_batch_tokens)))
         results: list[list[float]] = [[] for _ in sequences]
         for node in nodes_with_ending_rows(root):
             path = path_logprobs(node)
@@ -188,49 +205,61 @@ class PrefixTrieScorer:
         self.stats.seconds += time.perf_counter() - began
         return results
 
-    def _forward(self, batch: list[_Pending]) -> list[_Pending]:
-        """One forward of the batch's edges; fills their log-probs and returns their children."""
+    def _forward(self, batches: list[list[_Pending]]) -> list[_Pending]:
+        """One packed forward of every edge of the window; fills their log-probs, returns their children.
+
+        The edges go through the model as ONE unpadded row; attention runs per batch, padded (see
+        the module docstring), in `_trie_attention`.
+        """
+        groups, first_packed = [], 0
+        for items in batches:
+            groups.append(_Group.of(items, first_packed, self.geometry, self.dtype, self.device))
+            first_packed += groups[-1].n_tokens
+        batch = [item for group in groups for item in group.items]  # packed order
         lengths = [item.forward_length for item in batch]
-        depths = torch.tensor([item.node.depth for item in batch])  # (C,)
-        prefix_length, width = int(depths.max()), max(lengths)
-        input_ids = torch.tensor(  # (C, W), right-padded
-            [list(item.node.edge[:n]) + [0] * (width - n) for item, n in zip(batch, lengths, strict=True)]
-        )
-        attention_mask = _attention_bias(depths, torch.tensor(lengths), prefix_length, width, self.dtype)
-        position_ids = depths[:, None] + torch.arange(width)  # (C, W)
-        self.stats.tokens_forwarded += sum(lengths)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        input_ids = torch.tensor([list(itertools.chain.from_iterable(
+            item.node.edge[:n] for item, n in zip(batch, lengths, strict=True)))], device=self.device)  # (1, N)
+        position_ids = torch.tensor([list(itertools.chain.from_iterable(
+            range(item.node.depth, item.node.depth + n) for item, n in zip(batch, lengths, strict=True)))],
+            device=self.device)  # (1, N)
+        self.stats.tokens_forwarded += offsets[-1]
         self.stats.n_forwards += 1
-        past = BufferCache(_prefix_buffer(batch, prefix_length, width), prefix_length) if prefix_length else None
-        arguments = (input_ids.to(self.device), attention_mask.to(self.device), position_ids.to(self.device))
         plan = _HeadPlan.of(batch)
-        rows, cols, entries, targets = (
+        positions, entries, targets = (
             torch.tensor(index, dtype=torch.long, device=self.device)
-            for index in (plan.rows, plan.cols, plan.pick_entries, plan.pick_targets)
+            for index in ([offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True)],
+                          plan.pick_entries, plan.pick_targets)
         )
-        with _grouped_query_sdpa(self.device.type == "cpu"):
-            if self.split_head:  # project only the positions someone needs: no padding, no prompt
-                out = hidden_forward(self.model, *arguments, past=past)
-                logits = self.model.get_output_embeddings()(out.hidden[rows, cols]).float()  # (N, V)
-            else:
-                out = causal_forward(self.model, *arguments, past=past)
-                logits = out.logits[rows, cols].float()  # (N, V)
+        with _packed_attention(self.model, groups, self.device.type == "cpu"):
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
         values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
-        parents = [row for row, item in enumerate(batch) if item.node.children]
-        if past is not None and 2 * len(parents) >= len(batch):  # keep the buffer: every path is in it
-            stacked, slot = past.buffer, {row: row for row in parents}
+        children: list[_Pending] = []
+        first_row = 0
+        for group in groups:
+            children.extend(self._children(group, plan, values, first_row))
+            first_row += len(group.items)
+        return children
+
+    def _children(self, group: _Group, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:
+        """Fill the log-probs of a group's edges; the children, each with a view of its path's cache."""
+        parents = [row for row, item in enumerate(group.items) if item.node.children]
+        if 2 * len(parents) >= len(group.items):  # keep the buffer: every row's path is in it
+            stacked, slot = group.buffer, {row: row for row in parents}
         else:  # copy the few parent rows out, so the leaves' share of the buffer can be freed
-            stacked = _stack_kv(out.kv, parents) if parents else None
+            stacked = group.buffer[:, :, parents] if parents else None
             slot = {row: index for index, row in enumerate(parents)}
         children: list[_Pending] = []
-        for row, item in enumerate(batch):
-            node, offset, n_inner = item.node, plan.value_offsets[row], plan.n_inner[row]
+        for row, item in enumerate(group.items):
+            node, offset, n_inner = item.node, plan.value_offsets[first_row + row], plan.n_inner[first_row + row]
             n_skipped = len(node.edge) - 1 - n_inner  # positions before anyone's start
             node.logprobs = [item.first_logprob] + [_NAN] * n_skipped + values[offset : offset + n_inner]
             if node.children:
                 self.stats.n_prefix_groups += 1
                 # a view: the row's prefix and edge are contiguous because prefixes are left-padded
-                at = slot[row]
-                kv = stacked[:, :, at : at + 1, :, prefix_length - node.depth : prefix_length + lengths[row]]
+                at, end = slot[row], group.prefix + item.forward_length
+                kv = stacked[:, :, at : at + 1, :, group.prefix - node.depth : end]
                 firsts = values[offset + n_inner : offset + n_inner + len(node.children)]
                 children.extend(_Pending(c, kv, first) for c, first in zip(node.children, firsts, strict=True))
         return children
@@ -363,29 +392,98 @@ def _grouped_query_sdpa(enabled: bool):
             os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = previous
 
 
-def _prefix_buffer(batch: list[_Pending], prefix_length: int, width: int) -> torch.Tensor:
-    """A (layers, 2, C, H, prefix_length + width, D) buffer holding the batch's prefix caches
-    LEFT-padded with zeros to prefix_length (siblings share one copy); the forward fills the rest."""
-    template = next(item.kv for item in batch if item.kv is not None)  # (layers, 2, 1, H, T, D)
-    layers, _, _, heads, _, head_dim = template.shape
-    buffer = template.new_empty((layers, 2, len(batch), heads, prefix_length + width, head_dim))
-    by_cache: dict[int, list[int]] = {}
-    for row, item in enumerate(batch):
-        if item.kv is None:
-            buffer[:, :, row, :, :prefix_length] = 0
-        else:
-            by_cache.setdefault(id(item.kv), []).append(row)
-    for rows in by_cache.values():
-        cache = batch[rows[0]].kv
-        start = prefix_length - cache.shape[-2]
-        if start:  # padding must be finite: masked scores are added to it, and NaN would survive
-            buffer[:, :, rows, :, :start] = 0
-        buffer[:, :, rows, :, start:prefix_length] = cache  # broadcast over the siblings
-    return buffer
+@dataclass
+class _Group:
+    """Edges of one forward that share an attention call: a padded batch of rows x (prefix + edge).
+
+    `buffer` (layers, 2, C, H_kv, prefix + width, D) holds each row's prefix cache LEFT-padded to
+    `prefix`; `_trie_attention` writes the edges' keys and values after it, layer by layer, so
+    after the forward it holds every row's whole path.
+    """
+
+    items: list[_Pending]
+    prefix: int  # longest prefix
+    width: int  # longest edge
+    buffer: torch.Tensor
+    mask: torch.Tensor  # (C, 1, W, P + W) additive
+    gather: torch.Tensor  # (C * W,) packed index of each (row, column) slot; padding repeats a row's last token
+    real_slots: torch.Tensor  # (n_tokens,) slots holding a real token, in packed order
+    n_tokens: int
+
+    @classmethod
+    def of(cls, items: list[_Pending], first_packed: int, geometry: tuple[int, int, int], dtype: torch.dtype,
+           device: torch.device) -> _Group:
+        """The group of `items`, whose tokens start at packed index `first_packed` of the forward."""
+        layers, kv_heads, head_dim = geometry
+        lengths = [item.forward_length for item in items]
+        depths = [item.node.depth for item in items]
+        prefix, width = max(depths), max(lengths)
+        # zeros: left padding must be finite (masked scores are added to it, and NaN would survive)
+        buffer = torch.zeros((layers, 2, len(items), kv_heads, prefix + width, head_dim), dtype=dtype, device=device)
+        for row, item in enumerate(items):
+            if item.kv is not None:  # plain slice copies: much cheaper than one index_put per parent
+                buffer[:, :, row, :, prefix - item.node.depth : prefix] = item.kv[:, :, 0]
+        length = torch.tensor(lengths)  # (C,)
+        mask = _attention_bias(torch.tensor(depths), length, prefix, width, dtype).to(device)
+        starts = first_packed + torch.cumsum(length, 0) - length  # (C,) packed offset of each row
+        columns = torch.arange(width)[None, :]  # (1, W)
+        gather = (starts[:, None] + torch.minimum(columns, length[:, None] - 1)).flatten()  # padding: last token
+        real_slots = (columns < length[:, None]).flatten().nonzero().squeeze(1)
+        return cls(items, prefix, width, buffer, mask, gather.to(device), real_slots.to(device), sum(lengths))
 
 
-def _stack_kv(kv: KV, rows: list[int]) -> torch.Tensor:
-    """The caches of `rows` as one (layers, 2, len(rows), H, T, D) tensor: one slice per row, all layers."""
-    index = torch.tensor(rows, device=kv[0][0].device)
-    return torch.stack([torch.stack((keys.index_select(0, index), values.index_select(0, index)))
-                        for keys, values in kv])
+@dataclass
+class _AttentionPlan:
+    groups: list[_Group]
+    delegate: Callable | None  # the attention function the model was loaded with; None: its eager one
+
+
+_PLAN: contextvars.ContextVar[_AttentionPlan | None] = contextvars.ContextVar("cleaner_trie_plan", default=None)
+_ATTENTION = "cleaner_trie"
+
+
+def _trie_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one packed forward: per group, gather its rows into a padded batch on top of
+    their prefix caches, run the model's own attention function with the group's mask, scatter back.
+
+    query (1, H, N, D) and key/value (1, H_kv, N, D) hold the forward's N new tokens (no cache:
+    the prefixes live in the groups' buffers). Returns (1, N, H, D) like every attention function.
+    """
+    plan = _PLAN.get()
+    if plan is None:
+        raise RuntimeError("cleaner_trie attention runs only inside PrefixTrieScorer's forwards")
+    delegate = plan.delegate or sys.modules[type(module).__module__].eager_attention_forward
+    layer = module.layer_idx
+    queries, keys, values = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (N, heads, D)
+    out, first = queries.new_empty(queries.shape), 0
+    for group in plan.groups:
+        rows, width, prefix, index = len(group.items), group.width, group.prefix, group.gather
+        q = queries.index_select(0, index).view(rows, width, *queries.shape[1:]).transpose(1, 2)
+        group.buffer[layer, 0, :, :, prefix:] = keys.index_select(0, index).view(
+            rows, width, *keys.shape[1:]).transpose(1, 2)
+        group.buffer[layer, 1, :, :, prefix:] = values.index_select(0, index).view(
+            rows, width, *values.shape[1:]).transpose(1, 2)
+        attended, _ = delegate(module, q, group.buffer[layer, 0], group.buffer[layer, 1], group.mask,
+                               scaling=scaling, dropout=dropout, **kwargs)  # (C, W, H, D)
+        out[first : first + group.n_tokens] = attended.reshape(rows * width, *queries.shape[1:])[group.real_slots]
+        first += group.n_tokens
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(_ATTENTION, _trie_attention)
+
+
+@contextlib.contextmanager
+def _packed_attention(model: torch.nn.Module, groups: list[_Group], grouped_query: bool):
+    """Route the model's attention through `_trie_attention` for one forward."""
+    config = model.config
+    loaded = config._attn_implementation
+    delegate = None if loaded == "eager" else ALL_ATTENTION_FUNCTIONS[loaded]
+    token = _PLAN.set(_AttentionPlan(groups, delegate))
+    config._attn_implementation = _ATTENTION
+    try:
+        with _grouped_query_sdpa(grouped_query):
+            yield
+    finally:
+        config._attn_implementation = loaded
+        _PLAN.reset(token)

@@ -131,6 +131,37 @@ def test_bfloat16_is_close_to_float32(backend):
     assert_rows_close(got, backend.score(sequences, starts), atol=0.1)
 
 
+def test_eager_attention_model_gives_the_same_rows(backend):
+    sequences, starts = CASES["identical up to a divergence"]
+    config = backend.model.config.__class__.from_dict(backend.model.config.to_dict())
+    config._attn_implementation = "eager"
+    model = Qwen3ForCausalLM(config)
+    model.load_state_dict(backend.model.state_dict())
+    scorer = PrefixTrieScorer(model.eval(), max_batch_tokens=64, max_edge_tokens=4)
+    assert_rows_close(scorer.score_rows(sequences, starts), backend.score(sequences, starts))
+    assert model.config._attn_implementation == "eager"
+
+
+def test_the_model_keeps_its_attention_after_scoring_and_after_a_failed_forward(backend):
+    sequences, starts = CASES["shared prompt, different responses"]
+    before = backend.score(sequences, starts)
+    scorer = PrefixTrieScorer(backend.model)
+    scorer.score_rows(sequences, starts)
+    with pytest.raises(IndexError):  # a token outside the vocabulary fails inside the forward
+        scorer.score_rows([PROMPT + [10**6, 3]], [8])
+    assert backend.model.config._attn_implementation == "sdpa"
+    assert_rows_close(backend.score(sequences, starts), before, atol=0.0)
+
+
+def test_rejects_a_model_whose_attention_takes_no_4d_mask(backend):
+    backend.model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="'sdpa' or 'eager'"):
+            PrefixTrieScorer(backend.model)
+    finally:
+        backend.model.config._attn_implementation = "sdpa"
+
+
 def test_backend_scorer_restores_row_order(backend):
     sequences = [PROMPT + [9, 9], [3, 2, 1], PROMPT + [1]]
     starts = [8, 1, 8]

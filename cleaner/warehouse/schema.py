@@ -9,6 +9,7 @@ as a record field, typed here.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,8 +108,13 @@ def to_table(dataset: Dataset, rows: Sequence[object]) -> pa.Table:
     for row in rows:
         if not isinstance(row, dataset.record):
             raise TypeError(f"{dataset.name} takes {dataset.record.__name__} rows, got {type(row).__name__}")
+    fields = operator.attrgetter(*dataset.columns)  # one C call per row, then transpose
+    columns = list(zip(*map(fields, rows), strict=True)) if rows else [() for _ in dataset.columns]
+    if len(dataset.columns) == 1:  # attrgetter of one name returns the value, not a 1-tuple
+        columns = [tuple(map(fields, rows))]
     return pa.Table.from_arrays(
-        [_column([getattr(row, f.name) for row in rows], f.type) for f in dataset.schema], schema=dataset.schema
+        [_column(list(values), f.type) for values, f in zip(columns, dataset.schema, strict=True)],
+        schema=dataset.schema,
     )
 
 

@@ -136,11 +136,8 @@ def _column(values: list, type_: pa.DataType) -> pa.Array:
 
 def from_table(dataset: Dataset, table: pa.Table) -> list:
     """Records of `dataset.record` from an Arrow table holding at least the dataset's columns."""
-    list_columns = {f.name for f in dataset.schema if pa.types.is_list(f.type)}
-    columns = {name: table.column(name).to_pylist() for name in dataset.columns}
-    for name in list_columns:
-        columns[name] = [None if v is None else tuple(v) for v in columns[name]]
-    return [
-        dataset.record(**{name: columns[name][i] for name in dataset.columns})
-        for i in range(table.num_rows)
-    ]
+    columns = []
+    for f in dataset.schema:  # in record field order (checked at import), so rows are positional
+        values = table.column(f.name).to_pylist()
+        columns.append([None if v is None else tuple(v) for v in values] if pa.types.is_list(f.type) else values)
+    return [dataset.record(*values) for values in zip(*columns, strict=True)]

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -218,19 +219,15 @@ class PrefixTrieScorer:
         batch = [item for group in groups for item in group.items]  # packed order
         lengths = [item.forward_length for item in batch]
         offsets = list(itertools.accumulate(lengths, initial=0))
-        input_ids = torch.tensor([list(itertools.chain.from_iterable(
-            item.node.edge[:n] for item, n in zip(batch, lengths, strict=True)))], device=self.device)  # (1, N)
-        position_ids = torch.tensor([list(itertools.chain.from_iterable(
-            range(item.node.depth, item.node.depth + n) for item, n in zip(batch, lengths, strict=True)))],
-            device=self.device)  # (1, N)
+        input_ids = self._long(itertools.chain.from_iterable(
+            item.node.edge[:n] for item, n in zip(batch, lengths, strict=True)))[None]  # (1, N)
+        position_ids = self._long(itertools.chain.from_iterable(
+            range(item.node.depth, item.node.depth + n) for item, n in zip(batch, lengths, strict=True)))[None]
         self.stats.tokens_forwarded += offsets[-1]
         self.stats.n_forwards += 1
         plan = _HeadPlan.of(batch)
-        positions, entries, targets = (
-            torch.tensor(index, dtype=torch.long, device=self.device)
-            for index in ([offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True)],
-                          plan.pick_entries, plan.pick_targets)
-        )
+        positions = self._long(offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True))
+        entries, targets = self._long(plan.pick_entries), self._long(plan.pick_targets)
         with _packed_attention(self.model, groups, self.device.type == "cpu"):
             logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
@@ -241,6 +238,10 @@ class PrefixTrieScorer:
             children.extend(self._children(group, plan, values, first_row))
             first_row += len(group.items)
         return children
+
+    def _long(self, values) -> torch.Tensor:
+        """An int64 tensor on the device from Python ints (numpy builds it ~8x faster than torch.tensor)."""
+        return torch.from_numpy(np.fromiter(values, dtype=np.int64)).to(self.device)
 
     def _children(self, group: _Group, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:
         """Fill the log-probs of a group's edges; the children, each with a view of its path's cache."""

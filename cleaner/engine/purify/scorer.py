@@ -19,7 +19,8 @@ Design decisions:
   tokens instead of 59.1k on the toy ablation; on a 4-7B model the linear layers are nearly all of
   the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
   itself: `_trie_attention` is registered with transformers' `AttentionInterface` and the model is
-  switched to it for the scorer's forwards only (restored in a `finally`). Per attention batch it
+  switched to it for the scorer's forwards only (restored in a `finally`; so no other thread may
+  run the same model object during a scoring call). Per attention batch it
   gathers the rows' queries into a padded batch, writes their keys and values after their
   prefix caches in the batch's buffer, and calls the attention function the model was loaded with
   (sdpa or eager, checked at construction: flash kernels take no 4-D mask) with a 4-D additive mask
@@ -229,7 +230,10 @@ class PrefixTrieScorer:
         positions = self._long(offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True))
         entries, targets = self._long(plan.pick_entries), self._long(plan.pick_targets)
         with _packed_attention(self.model, groups, self.device.type == "cpu"):
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            # a 4-D mask passes through transformers' mask preparation untouched (never an N x N
+            # causal mask); `_trie_attention` ignores it and uses each batch's own
+            logits = self.model(input_ids=input_ids, attention_mask=_PLACEHOLDER_MASK.to(self.device),
+                                position_ids=position_ids, use_cache=False,
                                 logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
         values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
         children: list[_Pending] = []
@@ -267,6 +271,7 @@ class PrefixTrieScorer:
 
 
 _NAN = float("nan")
+_PLACEHOLDER_MASK = torch.zeros((1, 1, 1, 1))
 
 
 @dataclass

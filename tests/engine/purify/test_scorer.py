@@ -142,6 +142,14 @@ def test_eager_attention_model_gives_the_same_rows(backend):
     assert model.config._attn_implementation == "eager"
 
 
+def test_key_values_repeated_per_head_give_the_same_rows(backend):
+    # the CUDA path: no enable_gqa, K/V repeated per query head (the tiny model has 4 heads, 2 K/V heads)
+    sequences, starts = CASES["identical up to a divergence"]
+    scorer = PrefixTrieScorer(backend.model, max_batch_tokens=64, max_edge_tokens=4)
+    scorer.grouped_query = False
+    assert_rows_close(scorer.score_rows(sequences, starts), backend.score(sequences, starts))
+
+
 def test_the_model_keeps_its_attention_after_scoring_and_after_a_failed_forward(backend):
     sequences, starts = CASES["shared prompt, different responses"]
     before = backend.score(sequences, starts)

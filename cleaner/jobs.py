@@ -188,16 +188,16 @@ def _cyclic_gc_paused():
 
 
 def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> None:
-    rows = [
-        (PurifyConfigRow(config_id=r.config.config_id, gamma=r.config.gamma, rollback_prob=r.config.rollback_prob,
-                         similarity_on=r.config.similarity_on, purify_when=r.config.purify_when,
-                         params_json=r.config.to_json()), r.rows)
-        for r in results
-    ]
-    warehouse.write_purified_many(iteration, rows)
-    for result in results:
-        config = result.config
-        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", config.to_json())
+    """The rows of every config in one write, then each config's resolved parameters as JSON."""
+    configs = [(result.config, result.config.to_json()) for result in results]
+    warehouse.write_purified_many(iteration, [
+        (PurifyConfigRow(config_id=config.config_id, gamma=config.gamma, rollback_prob=config.rollback_prob,
+                         similarity_on=config.similarity_on, purify_when=config.purify_when, params_json=params),
+         result.rows)
+        for (config, params), result in zip(configs, results, strict=True)
+    ])
+    for config, params in configs:
+        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", params)
 
 
 # ---------------------------------------------------------------------------------------------

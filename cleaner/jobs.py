@@ -150,7 +150,7 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
         computed, scorer_stats = {}, None
         if todo:
             backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
-            scorer = PrefixTrieScorer(backend.model, device=device)
+            scorer = PrefixTrieScorer(backend.model, device=device, progress=progress)
             decode = ChatFormat(backend.tokenizer).decode
             purified = purify_iteration(rollouts, segments, todo, scorer, decode,
                                         scorer_version=f"{scorer.version}:{backend.policy_version}")

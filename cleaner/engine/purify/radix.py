@@ -98,6 +98,16 @@ def mark_first_scored(root: Node, starts: Sequence[int]) -> None:
         )
 
 
+def tokens_to_forward(root: Node) -> int:
+    """Tokens a scorer forwards over the tree: every edge once, a leaf's last token never."""
+    total, pending = 0, list(root.children)
+    while pending:
+        node = pending.pop()
+        total += len(node.edge) - (0 if node.children else 1)
+        pending.extend(node.children)
+    return total
+
+
 def nodes_with_ending_rows(root: Node) -> list[Node]:
     found, pending = [], [root]
     while pending:

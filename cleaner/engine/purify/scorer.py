@@ -62,6 +62,7 @@ from typing import Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import AttentionInterface
 
 from cleaner.engine.backends.base import Backend
@@ -74,6 +75,7 @@ from cleaner.engine.purify.radix import (
     nodes_with_ending_rows,
     path_logprobs,
     shared_prefixes,
+    tokens_to_forward,
 )
 
 SCORER_VERSION = "prefix-trie-1"
@@ -158,6 +160,7 @@ class PrefixTrieScorer:
         # batch; None: 2048 on CPU, else 8192
         max_edge_tokens: int | None = None,  # longer edges go in pieces; None: 64 on CPU, else 2048
         window_batches: int = 4,  # attention batches' worth of tokens per forward
+        progress: bool = False,  # a tqdm bar over the tokens to forward
     ) -> None:
         device = torch.device(device)
         on_cpu = device.type == "cpu"  # the CPU defaults are measured; see the module docstring
@@ -174,6 +177,7 @@ class PrefixTrieScorer:
         self.max_batch_tokens = max_batch_tokens
         self.max_edge_tokens = max_edge_tokens
         self.window_batches = window_batches
+        self.progress = progress
         loaded = model.config._attn_implementation
         if loaded not in ("sdpa", "eager"):
             raise ValueError(f"PrefixTrieScorer needs a model loaded with attn_implementation 'sdpa' or "
@@ -191,14 +195,17 @@ class PrefixTrieScorer:
         root = build_radix_tree(sequences, self.max_edge_tokens)
         mark_first_scored(root, starts)
         stack = [_Pending(child, kv=None, first_logprob=float("nan")) for child in root.children]
-        while stack:
-            window = _take_window(stack, self.window_batches * self.max_batch_tokens)
-            for item in window:
-                if item.forward_length == 0:  # a one-token leaf: its log-prob came from the parent
-                    item.node.logprobs = [item.first_logprob]
-            window = [item for item in window if item.forward_length]
-            if window:
-                stack.extend(self._forward(_batches(window, self.max_batch_tokens)))
+        with tqdm(total=tokens_to_forward(root), desc="score", unit="tok", disable=not self.progress,
+                  leave=False) as bar:
+            while stack:
+                window = _take_window(stack, self.window_batches * self.max_batch_tokens)
+                for item in window:
+                    if item.forward_length == 0:  # a one-token leaf: its log-prob came from the parent
+                        item.node.logprobs = [item.first_logprob]
+                window = [item for item in window if item.forward_length]
+                if window:
+                    stack.extend(self._forward(_batches(window, self.max_batch_tokens)))
+                    bar.update(sum(item.forward_length for item in window))
         results: list[list[float]] = [[] for _ in sequences]
         for node in nodes_with_ending_rows(root):
             path = path_logprobs(node)

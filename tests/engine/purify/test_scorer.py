@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
 from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.purify.radix import build_radix_tree, shared_prefixes
+from cleaner.engine.purify.radix import build_radix_tree, shared_prefixes, tokens_to_forward
 from cleaner.engine.purify.scorer import BackendScorer, PrefixTrieScorer
 
 PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
@@ -208,3 +208,4 @@ def test_trie_equals_naive_on_random_small_alphabet_rows(backend, rows, data):
     assert_rows_close(scorer.score_rows(rows, starts), backend.score(rows, starts))
     # every distinct proper prefix's last position once; nothing else
     assert scorer.stats.tokens_forwarded == len({tuple(row[: t + 1]) for row in rows for t in range(len(row) - 1)})
+    assert scorer.stats.tokens_forwarded == tokens_to_forward(build_radix_tree(rows, 4))  # the progress bar's total

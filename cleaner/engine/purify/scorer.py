@@ -25,7 +25,9 @@ Design decisions:
   prefix caches in the batch's buffer, and attends with a 4-D additive mask that lets each query
   see its own prefix and its edge's real tokens up to itself: torch SDPA for a model loaded with
   sdpa, the model's own eager function for one loaded with eager (soft-capping models); flash
-  kernels take no 4-D mask, so those are refused at construction.
+  kernels take no 4-D mask, so those are refused at construction. Sliding-window layers are
+  scored only while every row fits in the window (there they are plain causal attention); a
+  longer row raises NotImplementedError rather than scoring with the wrong mask.
 - Prefix caches are LEFT-padded to the batch's longest prefix, so each row's prefix and edge are
   contiguous in the buffer after the forward and a child's cache is a view. The mask is float (not
   transformers' boolean) and SDPA gets `enable_gqa` on CPU: both are faster there, same values.
@@ -431,6 +433,7 @@ class _AttentionPlan:
     groups: list[_Group]
     eager: bool  # the model was loaded with eager attention: use its own eager function, else SDPA
     grouped_query: bool  # SDPA with enable_gqa (CPU) rather than K/V repeated per query head
+    longest: int  # the longest path (prefix + edge) of the forward, for sliding-window layers
 
 
 _PLAN: contextvars.ContextVar[_AttentionPlan | None] = contextvars.ContextVar("cleaner_trie_plan", default=None)
@@ -448,6 +451,10 @@ def _trie_attention(module, query, key, value, attention_mask, scaling=None, dro
     plan = _PLAN.get()
     if plan is None:
         raise RuntimeError("cleaner_trie attention runs only inside PrefixTrieScorer's forwards")
+    window = kwargs.get("sliding_window")
+    if window is not None and plan.longest > window:  # inside the window it is plain causal attention
+        raise NotImplementedError(f"PrefixTrieScorer: a row reaches {plan.longest} tokens, past the model's "
+                                  f"sliding window of {window}; sliding-window attention is not supported")
     eager = sys.modules[type(module).__module__].eager_attention_forward if plan.eager else None
     layer = module.layer_idx
     queries, keys, values = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (N, heads, D)
@@ -491,7 +498,9 @@ def _packed_attention(model: torch.nn.Module, groups: list[_Group], grouped_quer
     """Route the model's attention through `_trie_attention` for one forward."""
     config = model.config
     loaded = config._attn_implementation
-    token = _PLAN.set(_AttentionPlan(groups, eager=loaded == "eager", grouped_query=grouped_query))
+    longest = max(item.node.depth + item.forward_length for group in groups for item in group.items)
+    token = _PLAN.set(_AttentionPlan(groups, eager=loaded == "eager", grouped_query=grouped_query,
+                                     longest=longest))
     config._attn_implementation = _ATTENTION
     try:
         yield

@@ -161,6 +161,22 @@ def test_the_model_keeps_its_attention_after_scoring_and_after_a_failed_forward(
     assert_rows_close(backend.score(sequences, starts), before, atol=0.0)
 
 
+def test_sliding_window_layers_work_inside_the_window_and_refuse_beyond_it(backend):
+    config = backend.model.config.__class__.from_dict(
+        {**backend.model.config.to_dict(), "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 0,
+         "layer_types": None})
+    model = Qwen3ForCausalLM(config)
+    model.load_state_dict(backend.model.state_dict())
+    model.eval()
+    assert model.model.layers[0].self_attn.sliding_window == 12
+    short = [PROMPT + [3, 4, 5], PROMPT + [3, 9]]  # at most 11 tokens: attention is plain causal
+    got = PrefixTrieScorer(model, max_batch_tokens=64, max_edge_tokens=4).score_rows(short, [8, 8])
+    assert_rows_close(got, [unpadded_reference(model, s, 8) for s in short])
+    with pytest.raises(NotImplementedError, match="sliding window of 12"):
+        PrefixTrieScorer(model).score_rows([PROMPT + list(range(3, 13))], [8])
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_rejects_a_model_whose_attention_takes_no_4d_mask(backend):
     backend.model.config._attn_implementation = "flash_attention_2"
     try:

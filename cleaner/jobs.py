@@ -122,52 +122,6 @@ class PurifyOutcome:
     seconds: float
 
 
-def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
-               backend=None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
-    """Purify an iteration under every config in ONE scorer pass, and store the rows.
-
-    Configs already stored for the iteration are not recomputed (idempotent); their results are
-    rebuilt from the stored rows so a comparison always covers every requested config. Python's
-    cyclic garbage collector is paused for the job (`_cyclic_gc_paused`).
-    """
-    from cleaner.engine.backends import load_backend
-    from cleaner.engine.chat import ChatFormat
-    from cleaner.engine.purify.pipeline import (
-        PurifyResult,
-        errors_by_type,
-        purify_iteration,
-        stats_from_rows,
-    )
-    from cleaner.engine.purify.scorer import PrefixTrieScorer
-
-    with _cyclic_gc_paused():
-        started = time.monotonic()
-        rollouts = warehouse.read_rollouts(iteration)
-        if not rollouts:
-            raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
-        segments = warehouse.read_segments(iteration)
-        todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
-        computed, scorer_stats = {}, None
-        if todo:
-            backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
-            scorer = PrefixTrieScorer(backend.model, device=device, progress=progress)
-            decode = ChatFormat(backend.tokenizer).decode
-            purified = purify_iteration(rollouts, segments, todo, scorer, decode,
-                                        scorer_version=f"{scorer.version}:{backend.policy_version}")
-            _store_purified(warehouse, iteration, purified)
-            computed = {result.config.config_id: result for result in purified}
-            scorer_stats = scorer.stats
-        errors = errors_by_type(segments)
-        results = []
-        for config in configs:
-            if config.config_id in computed:
-                results.append(computed[config.config_id])
-                continue
-            rows = warehouse.read_purified(iteration, config.config_id)
-            results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors)))
-        return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
-
-
 @contextlib.contextmanager
 def _cyclic_gc_paused():
     """Pause Python's cyclic garbage collector; it runs again when the block ends.
@@ -185,6 +139,52 @@ def _cyclic_gc_paused():
         yield
     finally:
         gc.enable()
+
+
+@_cyclic_gc_paused()
+def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
+               backend=None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+    """Purify an iteration under every config in ONE scorer pass, and store the rows.
+
+    Configs already stored for the iteration are not recomputed (idempotent); their results are
+    rebuilt from the stored rows so a comparison always covers every requested config. Python's
+    cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
+    """
+    from cleaner.engine.backends import load_backend
+    from cleaner.engine.chat import ChatFormat
+    from cleaner.engine.purify.pipeline import (
+        PurifyResult,
+        errors_by_type,
+        purify_iteration,
+        stats_from_rows,
+    )
+    from cleaner.engine.purify.scorer import PrefixTrieScorer
+
+    started = time.monotonic()
+    rollouts = warehouse.read_rollouts(iteration)
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
+    segments = warehouse.read_segments(iteration)
+    todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
+    computed, scorer_stats = {}, None
+    if todo:
+        backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
+        scorer = PrefixTrieScorer(backend.model, device=device, progress=progress)
+        decode = ChatFormat(backend.tokenizer).decode
+        purified = purify_iteration(rollouts, segments, todo, scorer, decode,
+                                    scorer_version=f"{scorer.version}:{backend.policy_version}")
+        _store_purified(warehouse, iteration, purified)
+        computed = {result.config.config_id: result for result in purified}
+        scorer_stats = scorer.stats
+    errors = errors_by_type(segments)
+    results = []
+    for config in configs:
+        if config.config_id in computed:
+            results.append(computed[config.config_id])
+            continue
+        rows = warehouse.read_purified(iteration, config.config_id)
+        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors)))
+    return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
 
 
 def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> None:

@@ -27,3 +27,21 @@ def test_a_collector_disabled_by_the_caller_stays_disabled():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_purify_job_runs_with_the_collector_paused():
+    from cleaner.jobs import JobError, purify_job
+
+    seen = []
+
+    class EmptyWarehouse:
+        root = "empty"
+
+        def read_rollouts(self, iteration):
+            seen.append(gc.isenabled())
+            return []
+
+    with pytest.raises(JobError, match="no rollouts"):
+        purify_job(EmptyWarehouse(), 0, [])
+    assert seen == [False]
+    assert gc.isenabled()

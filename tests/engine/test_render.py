@@ -73,6 +73,48 @@ def one_retry(codes: tuple[str, str]) -> list[Segment]:
 # Hand-written chains
 
 
+def three_attempts_chain() -> list[Segment]:
+    """a_0 fails; a_1, unlike a_0, fails; a_2, like a_1, succeeds; then a clean step."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
+        tool(4, 0, 1, (23,), ERROR),
+        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
+        tool(6, 0, 2, (33,), OK),
+        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
+        tool(8, 1, 0, (42,), OK),
+    ]
+
+
+def exhausted_chain() -> list[Segment]:
+    """Step 0 fails twice (K = 1 exhausted); step 1 fails then recovers, after the exhaustion."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
+        tool(4, 0, 1, (22,), ERROR),  # K = 1 retries exhausted
+        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
+        tool(6, 1, 0, (32,), ERROR),
+        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
+        tool(8, 1, 1, (42,), OK),
+    ]
+
+
+def answered_chain() -> list[Segment]:
+    """Two failed calls, then a retry that answers instead of calling."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
+        tool(4, 0, 1, (22,), ERROR),
+        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
+    ]
+
+
 def test_raw_is_concatenation_in_seq_order():
     segments = one_retry(SIMILAR)
     rendered = render(list(reversed(segments)), RAW)
@@ -97,17 +139,7 @@ def test_deep_merge_replaces_whole_turn():
 
 
 def test_three_attempts_deep_then_shallow():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
-        tool(4, 0, 1, (23,), ERROR),
-        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
-        tool(6, 0, 2, (33,), OK),
-        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
-        tool(8, 1, 0, (42,), OK),
-    ]
+    segments = three_attempts_chain()
     rendered = render(segments, PURIFIED)
     check(rendered, ((1,), False), ((20, 21, 31, 32), True), ((33,), False),
           ((40, 41), True), ((42,), False))
@@ -115,17 +147,7 @@ def test_three_attempts_deep_then_shallow():
 
 
 def test_exhausted_chain_renders_rest_raw():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
-        tool(4, 0, 1, (22,), ERROR),  # K = 1 retries exhausted
-        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
-        tool(6, 1, 0, (32,), ERROR),
-        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
-        tool(8, 1, 1, (42,), OK),
-    ]
+    segments = exhausted_chain()
     rendered = render(segments, PURIFIED)
     check(rendered, ((1,), False), ((10, 21), True), ((22,), False),
           ((30, 31), True), ((32,), False), ((40, 41), True), ((42,), False))
@@ -137,14 +159,7 @@ def test_exhausted_chain_renders_rest_raw():
 
 
 def test_retry_that_answers_keeps_last_error_then_rest_raw():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
-        tool(4, 0, 1, (22,), ERROR),
-        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
-    ]
+    segments = answered_chain()
     rendered = render(segments, PURIFIED)
     check(rendered, ((1,), False), ((20, 21), True), ((22,), False), ((30, 31), True))
     assert (rendered.stats.n_deep, rendered.stats.n_unrecovered, rendered.stats.tokens_removed) == (1, 1, 3)
@@ -383,16 +398,7 @@ def test_explain_deep_drops_the_failed_attempt_and_its_error():
 
 
 def test_explain_three_attempts_is_mixed():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),
-        tool(4, 0, 1, (23,), ERROR),
-        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),
-        tool(6, 0, 2, (33,), OK),
-    ]
-    (step,) = explain(segments, PURIFIED)
+    (step,) = explain(three_attempts_chain()[:7], PURIFIED)  # step 0 only
     assert step.outcome == "mixed" and step.attempts == 3
     assert [(m.attempt, m.kind) for m in step.merges] == [(1, "deep"), (2, "shallow")]
     # difflib is order-sensitive: ("import numpy", "print(1+1)") matches 2 chars, 2 * 2 / 22 = 2 / 11
@@ -402,18 +408,7 @@ def test_explain_three_attempts_is_mixed():
 
 
 def test_explain_unrecovered_then_raw():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
-        tool(4, 0, 1, (22,), ERROR),
-        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),
-        tool(6, 1, 0, (32,), ERROR),
-        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
-        tool(8, 1, 1, (42,), OK),
-    ]
-    first, second = explain(segments, PURIFIED)
+    first, second = explain(exhausted_chain(), PURIFIED)
     assert (first.outcome, first.kept, first.removed_seqs) == ("unrecovered", kept((1, 0, 1), (3, 1, 2), (4, 0, 1)), (2,))
     assert [m.kind for m in first.merges] == ["shallow"]
     assert (second.outcome, second.merges, second.removed_seqs, second.tokens_removed) == ("raw", (), (), 0)
@@ -421,15 +416,7 @@ def test_explain_unrecovered_then_raw():
 
 
 def test_explain_answered_keeps_last_error():
-    segments = [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
-        tool(4, 0, 1, (22,), ERROR),
-        assistant(5, 0, 2, (30, 31)),
-    ]
-    (step,) = explain(segments, PURIFIED)
+    (step,) = explain(answered_chain(), PURIFIED)
     assert (step.outcome, step.attempts, step.tokens_removed) == ("answered", 3, 3)
     assert step.merges == (MergeDecision(1, pytest.approx(0.2), "deep"),)
     assert step.kept == kept((3, 0, 2), (4, 0, 1), (5, 0, 2))

@@ -91,6 +91,9 @@ def _run_job(job, *args, **kwargs):
 
 ModelOpt = Annotated[str, typer.Option("--model", help="HF model path or checkpoint dir (default: tiny policy).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
+MaxTurnsOpt = Annotated[int, typer.Option(help="Assistant generations per rollout.")]
+MaxNewTokensOpt = Annotated[int, typer.Option(help="Tokens per generation.")]
+SeedOpt = Annotated[int, typer.Option(help="Base seed.")]
 
 
 @app.command()
@@ -101,16 +104,16 @@ def collect(
     group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).")] = 8,
     model: ModelOpt = str(DEFAULT_POLICY),
     data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", exists=True, dir_okay=False)] = None,
-    max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
+    max_turns: MaxTurnsOpt = 8,
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool call.")] = 3,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
+    max_new_tokens: MaxNewTokensOpt = 160,
     max_response_tokens: Annotated[int, typer.Option(help="Token budget after the prompt.")] = 768,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     collect_view: Annotated[str, typer.Option(help="Context rendering for later turns: purified | raw.")] = "purified",
     gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified context.")] = 0.5,
     rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts with a purified context.")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
-    seed: Annotated[int, typer.Option(help="Base seed.")] = 0,
+    seed: SeedOpt = 0,
     batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
     sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.")] = 4.0,
     sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.")] = 2,
@@ -280,9 +283,9 @@ def run(
     model: ModelOpt = str(DEFAULT_POLICY),
     lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; a 4B model: ~1e-6).")] = 1e-4,
     purify_when: Annotated[str, typer.Option(help="always | positive.")] = "always",
-    max_turns: Annotated[int, typer.Option(help="Assistant generations per rollout.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.")] = 160,
-    seed: Annotated[int, typer.Option(help="Base seed.")] = 0,
+    max_turns: MaxTurnsOpt = 8,
+    max_new_tokens: MaxNewTokensOpt = 160,
+    seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run.")] = False,
 ) -> None:

@@ -23,6 +23,11 @@ class Node:
     logprobs: list[float] = field(default_factory=list)  # per edge token; NaN where nobody asked
     first_scored: int = 0  # first absolute position whose log-prob some row below this node wants
 
+    @property
+    def forward_length(self) -> int:
+        """Edge tokens a scorer forwards: a leaf's last token is context for nothing, so not it."""
+        return len(self.edge) if self.children else len(self.edge) - 1
+
 
 def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int) -> Node:
     """Radix tree over the rows (root has an empty edge); long edges become chains of nodes."""
@@ -99,11 +104,11 @@ def mark_first_scored(root: Node, starts: Sequence[int]) -> None:
 
 
 def tokens_to_forward(root: Node) -> int:
-    """Tokens a scorer forwards over the tree: every edge once, a leaf's last token never."""
+    """Tokens a scorer forwards over the tree: every edge once (`Node.forward_length`)."""
     total, pending = 0, list(root.children)
     while pending:
         node = pending.pop()
-        total += len(node.edge) - (0 if node.children else 1)
+        total += node.forward_length
         pending.extend(node.children)
     return total
 

@@ -336,8 +336,7 @@ class _Pending:
 
     @property
     def forward_length(self) -> int:
-        """Edge tokens to forward: a leaf's last token is never context for anything, so it is not."""
-        return len(self.node.edge) if self.node.children else len(self.node.edge) - 1
+        return self.node.forward_length
 
 
 def _cost(item: _Pending) -> int:

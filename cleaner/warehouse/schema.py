@@ -109,9 +109,10 @@ def to_table(dataset: Dataset, rows: Sequence[object]) -> pa.Table:
         if not isinstance(row, dataset.record):
             raise TypeError(f"{dataset.name} takes {dataset.record.__name__} rows, got {type(row).__name__}")
     fields = operator.attrgetter(*dataset.columns)  # one C call per row, then transpose
-    columns = list(zip(*map(fields, rows), strict=True)) if rows else [() for _ in dataset.columns]
     if len(dataset.columns) == 1:  # attrgetter of one name returns the value, not a 1-tuple
         columns = [tuple(map(fields, rows))]
+    else:
+        columns = list(zip(*map(fields, rows), strict=True)) if rows else [() for _ in dataset.columns]
     return pa.Table.from_arrays(
         [_column(list(values), f.type) for values, f in zip(columns, dataset.schema, strict=True)],
         schema=dataset.schema,

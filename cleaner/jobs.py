@@ -205,10 +205,11 @@ def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> 
 
 
 def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str | Path, out: str | Path,
-              config: TrainConfig, *, model=None, rows=None, progress: bool = True):
+              config: TrainConfig, *, model=None, rows=None, optimization=None, progress: bool = True):
     """Train on one purified config of an iteration; write the checkpoint and the step metrics.
 
-    `rows` are that config's purified rows when the caller has already read them.
+    `rows` are that config's purified rows when the caller has already read them; `optimization`
+    is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
     from cleaner.engine.train.trainer import train_iteration
 
@@ -217,7 +218,8 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
             rows = warehouse.read_purified(iteration, config_id)
         except WarehouseError as exc:
             raise JobError(f"{exc}; run `cleaner purify` first") from exc
-    result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress)
+    result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress,
+                             optimization=optimization)
     warehouse.write_train_steps(iteration, result.steps)
     warehouse.save_config(f"train-iteration={iteration}", config.to_json())
     return result

@@ -2,8 +2,10 @@
 
 The policy is loaded once; purify scores with the same in-memory model that collected, and the
 trainer updates that model in place before saving its checkpoint, so no phase reloads weights.
+One optimiser lives for the whole run: each iteration's training continues the previous one's
+AdamW and lr schedule, and every checkpoint carries that state (cleaner.engine.train.optim).
 Every phase is idempotent (see `cleaner.jobs`), so `resume` after a crash, even a SIGKILL, redoes
-only the unfinished part of the unfinished iteration. An iteration is complete once its
+only the unfinished part of the unfinished iteration, and continues from the saved optimiser. An iteration is complete once its
 `iterations` row is written; its trained policy is `<run_dir>/checkpoints/iteration-<i+1>`.
 """
 
@@ -14,11 +16,15 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cleaner.engine.config import RunConfig
 from cleaner.engine.records import IterationRow
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
+
+if TYPE_CHECKING:
+    from cleaner.engine.train.trainer import TrainResult
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +53,18 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
         raise JobError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     warehouse.root.mkdir(parents=True, exist_ok=True)
     warehouse.save_config("run", config.to_json())
-    policy, backend = config.collect.model, None
+    policy, backend, optimization = config.collect.model, None, None
     for iteration in range(config.iterations):
         if iteration in done:
             policy = done[iteration].policy_out or policy
             continue
         backend = _ensure_backend(backend, policy, config.collect.device)
-        row, trained_here = _one_iteration(config, warehouse, iteration, policy, backend, progress)
-        if trained_here:
-            backend.adopt(row.policy_out)  # the in-memory model now equals the saved checkpoint
-        else:
-            backend = None  # trained before a crash: load the saved checkpoint next iteration
+        row, trained = _one_iteration(config, warehouse, iteration, policy, backend, optimization, progress)
+        if trained is not None:  # the in-memory model and optimiser now equal the saved checkpoint
+            backend.adopt(row.policy_out)
+            optimization = trained.optimization
+        else:  # trained before a crash: the next iteration loads the checkpoint and its optimiser
+            backend, optimization = None, None
         policy = row.policy_out
         if on_iteration is not None:
             on_iteration(row)
@@ -65,8 +72,9 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
 
 
 def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend,
-                   progress: bool) -> tuple[IterationRow, bool]:
-    """One iteration; returns its row and whether the in-memory model was trained here."""
+                   optimization, progress: bool) -> tuple[IterationRow, TrainResult | None]:
+    """One iteration; returns its row and the training result if the in-memory model was trained
+    here (None if a previous process had already trained and saved it)."""
     collect_config = dataclasses.replace(config.collect, iteration=iteration, model=str(policy))
     collected = collect_job(warehouse, collect_config, resume=True, backend=backend, progress=progress)
     started = time.monotonic()
@@ -76,10 +84,10 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     rows = warehouse.read_purified(iteration, config.purify.config_id)
     out = checkpoint_dir(Path(config.run_dir), iteration)
     started = time.monotonic()
-    trained_here = not (warehouse.has_train_steps(iteration) and out.exists())
-    if trained_here:
-        train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                  model=backend.model, rows=rows, progress=progress)
+    trained = None
+    if not (warehouse.has_train_steps(iteration) and out.exists()):
+        trained = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
+                            model=backend.model, rows=rows, optimization=optimization, progress=progress)
     train_s = time.monotonic() - started
     summary = collected.summary
     row = IterationRow(
@@ -91,4 +99,4 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
         n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
     )
     warehouse.write_iteration(row)
-    return row, trained_here
+    return row, trained

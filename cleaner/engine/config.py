@@ -135,11 +135,12 @@ class PurifyConfig(_Config):
 
 @dataclass(frozen=True)
 class TrainConfig(_Config):
-    lr: float = 1e-6  # AdamW learning rate (the tiny policy wants ~1e-3)
+    lr: float = 1e-6  # AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: 1e-4)
+    warmup_steps: int = 0  # linear warmup from 0 over this many optimiser steps; 0 = constant lr
     weight_decay: float = 0.0  # AdamW weight decay
     clip_eps_low: float = 0.2  # DAPO lower clip
     clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
-    clip_ratio_c: float | None = 3.0  # dual clip for negative advantages (verl's default); None = off
+    clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
     truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (DESIGN.md 5)
     is_cap: float = 2.0  # cap of the truncated importance ratio
@@ -157,10 +158,12 @@ class TrainConfig(_Config):
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.clip_eps_low < 1, f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         _check(self.clip_eps_high >= 0, f"clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
-               f"clip_ratio_c must be > 1 or None, got {self.clip_ratio_c}")
+        _check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
+               f"clip_ratio_c must be > 1, or 0 for off, got {self.clip_ratio_c}")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.is_cap >= 1, f"is_cap must be >= 1, got {self.is_cap}")
         _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")

@@ -122,6 +122,7 @@ class PurifiedRow:
     n_unrecovered: int
     tokens_removed: int
     scorer_version: str
+    infra_fault: bool = False  # an infrastructure fault ended or broke the rollout: advantage 0, not trained
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -163,7 +164,8 @@ class IterationRow:
 @dataclass(frozen=True)
 class TrainStepRow:
     iteration: int
-    step: int
+    step: int  # optimiser step within the iteration, from 0
+    optimizer_step: int  # run-wide optimiser step, from 0; continues across iterations
     loss: float
     clip_fraction: float
     approx_kl: float

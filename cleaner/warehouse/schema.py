@@ -57,7 +57,7 @@ PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
     ("loss_mask", pa.list_(pa.int8())), ("behavior_logprobs", _FLOATS), ("old_logprobs", _FLOATS),
     ("reward", pa.float32()), ("advantage", pa.float32()), ("rolled_back", pa.bool_()),
     ("n_shallow", pa.int32()), ("n_deep", pa.int32()), ("n_unrecovered", pa.int32()),
-    ("tokens_removed", pa.int32()), ("scorer_version", pa.string()),
+    ("tokens_removed", pa.int32()), ("scorer_version", pa.string()), ("infra_fault", pa.bool_()),
 ]), ("iteration", "config"))
 
 PURIFY_CONFIGS = Dataset("purify_configs", records.PurifyConfigRow, pa.schema([
@@ -76,7 +76,7 @@ ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
 ]), ())
 
 TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
-    ("iteration", pa.int32()), ("step", pa.int32()), ("loss", pa.float32()),
+    ("iteration", pa.int32()), ("step", pa.int32()), ("optimizer_step", pa.int32()), ("loss", pa.float32()),
     ("clip_fraction", pa.float32()), ("approx_kl", pa.float32()), ("entropy", pa.float32()),
     ("grad_norm", pa.float32()), ("lr", pa.float32()), ("tokens", pa.int32()), ("created_at", _TIME),
 ]), ("iteration",))

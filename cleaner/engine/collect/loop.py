@@ -13,6 +13,14 @@ Design decisions:
 - step/attempt (4.4): a generation after a failed call is the next attempt of the same step, up to
   K = max_retries retries; after attempt K fails the next generation opens a new step. A tool
   segment carries the step/attempt of the call it answers.
+- Turn accounting as the reference's: rolling back restores its turn counter, so retries do not
+  use up `max_turns`. `max_turns` bounds the STEPS (each tool-call step and the answer count one,
+  however many attempts a step takes) and K bounds the retries per step. The same rule holds in
+  the raw view, so both views get the same budget (the reference, with rollback off for a sample,
+  counts every generation; we keep one rule so that p only changes what SAAR renders).
+- When a step's retries run out after two or more retries, the last error text carries the
+  reference's note ("This approach has been attempted N times ...", N = retries made). It is part
+  of the stored tool segment, so a replay renders exactly what the model saw.
 - Seeds: every sampling seed and the rollback draw u are hashes of (seed, iteration, prompt_id,
   sample_index[, turn]), so a rollout does not depend on which batch it landed in: a resumed run
   (skip_rollout_ids) reproduces exactly the rollouts it had not yet written. u is a multiple of
@@ -21,7 +29,8 @@ Design decisions:
   the reference measures its (rolled-back) response. One generate call per turn carries the largest
   per-rollout limit; a generation is then cut to its own limit (a prefix of a sample is a sample of
   the shorter request) and marked LENGTH.
-- max_turns: as in the reference, a call in the last allowed generation is not executed.
+- max_turns: as in the reference, a call opening the last allowed step is not executed; a retry
+  is always executed (the reference regenerates it with its termination checks off).
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
 - Faults: a backend exception ends the affected rollouts with finish_reason `error` (reward 0); a
   sandbox exception is retried call by call, and a call that still raises gets `infra_error`.
@@ -60,6 +69,14 @@ if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
 
 logger = logging.getLogger(__name__)
+
+# The reference's note on the last error of a step whose retries ran out (tool_agent_loop.py,
+# `_handle_max_retry_exceeded`), shown when at least NOTE_MIN_RETRIES retries were made.
+RETRIES_EXHAUSTED_NOTE = (
+    "\n\nNote: This approach has been attempted {retries} times with the same type of error. "
+    "Consider trying a different algorithm, method, or approach to solve this problem."
+)
+NOTE_MIN_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,8 @@ class _State:
     segments: list[Segment] = field(default_factory=list)
     step: int = 0  # of the next generation
     attempt: int = 0  # of the next generation
-    turns: int = 0  # generations so far
+    turns: int = 0  # generations so far (indexes the sampling seeds)
+    steps: int = 0  # steps opened so far: generations at attempt 0 (bounded by max_turns)
     finish_reason: str | None = None
 
     def add(self, kind: str, token_ids: Sequence[int], text: str, **fields) -> Segment:
@@ -259,11 +277,12 @@ def _record_generation(state: _State, generation: Generation, config: CollectCon
         tool_code=parsed.code if parsed is not None else None,
     )
     state.turns += 1
+    state.steps += state.attempt == 0
     if parsed is None:
         state.finish_reason = "max_tokens" if generation.finish_reason == LENGTH else "answer"
         return None
-    if state.turns >= config.max_turns:
-        state.finish_reason = "max_turns"  # the reference does not run the last turn's call
+    if state.attempt == 0 and state.steps >= config.max_turns:
+        state.finish_reason = "max_turns"  # the reference does not run the last step's call
         return None
     return _Call(segment, parsed)
 
@@ -271,8 +290,11 @@ def _record_generation(state: _State, generation: Generation, config: CollectCon
 def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectConfig,
                  chat: ChatFormat) -> None:
     """Append the tool segment and move (step, attempt) on for the next generation."""
-    token_ids = chat.tool_response_ids(outcome.response)
     step, attempt = call.segment.step, call.segment.attempt
+    response = outcome.response
+    if outcome.status != OK and attempt >= config.max_retries and attempt >= NOTE_MIN_RETRIES:
+        response += RETRIES_EXHAUSTED_NOTE.format(retries=attempt)
+    token_ids = chat.tool_response_ids(response)
     state.add(
         TOOL, token_ids, chat.decode(token_ids), step=step, attempt=attempt, logprobs=None,
         tool_code=call.parsed.code, tool_status=outcome.status, error_type=outcome.error_type,

@@ -16,6 +16,9 @@ Design decisions:
   the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
 - `cleaner.engine.purify.report.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
   `cleaner ablate` print: one line per config.
+- A rollout that an infrastructure fault ended (`infra_fault`) gets advantage 0 and is left out of
+  its group's statistics; its row is still rendered and stored (the trainer skips it), and the
+  stats count it.
 - Segments whose rollout is missing (e.g. a crash between writing segments and rollouts) are
   skipped with a warning; a rollout without segments is an error.
 """
@@ -30,7 +33,7 @@ from typing import Protocol
 
 from cleaner.engine.config import PurifyConfig
 from cleaner.engine.purify.advantages import grpo_advantages
-from cleaner.engine.records import TOOL, PurifiedRow, Rollout, Segment
+from cleaner.engine.records import INFRA_ERROR, TOOL, PurifiedRow, Rollout, Segment
 from cleaner.engine.render import RAW, Rendered, render, view_for
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class PurifyStats:
     n_unrecovered: int
     tokens_removed: int  # relative to the raw view, summed over rollouts
     errors_by_type: tuple[tuple[str, int], ...]  # failed tool calls in the input, by type
+    n_infra_fault: int = 0  # rollouts an infrastructure fault ended: advantage 0, out of group stats
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Draft:
     advantage: float
     purified: bool  # rendered with the purified view
     rendered: Rendered
+    infra_fault: bool  # see `infra_fault`
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,14 @@ def _segments_by_rollout(
     return grouped
 
 
+def infra_fault(rollout: Rollout, segments: Sequence[Segment]) -> bool:
+    """True if an infrastructure fault, not the policy, decided the rollout's outcome: its
+    generation failed (finish_reason `error`) or a call still failed with `infra_error` after the
+    sandbox's transparent retries."""
+    return rollout.finish_reason == "error" or any(
+        segment.kind == TOOL and segment.tool_status == INFRA_ERROR for segment in segments)
+
+
 def errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
     counts = Counter(
         segment.error_type or segment.tool_status
@@ -129,6 +142,7 @@ def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
         n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
         n_unrecovered=sum(r.n_unrecovered for r in rows),
         tokens_removed=sum(r.tokens_removed for r in rows), errors_by_type=errors_by_type,
+        n_infra_fault=sum(r.infra_fault for r in rows),
     )
 
 
@@ -152,10 +166,11 @@ def _plan(
     renders: dict,  # (rollout_id, view) -> Rendered, shared by the configs of one call
     errors: tuple[tuple[str, int], ...],  # errors_by_type of the input
 ) -> PurifyPlan:
+    faults = [infra_fault(rollout, grouped[rollout.rollout_id]) for rollout in rollouts]
     advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
-                                 config.advantage_eps)
+                                 config.advantage_eps, counted=[not fault for fault in faults])
     drafts = []
-    for rollout, advantage in zip(rollouts, advantages, strict=True):
+    for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
         eligible = config.purify_when == "always" or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on)
@@ -164,7 +179,7 @@ def _plan(
         rendered = renders.get(key)
         if rendered is None:  # a rollout without a failed call renders raw under every view
             rendered = renders[key] = render(chain, view, decode)
-        drafts.append(Draft(rollout, advantage, view.purified, rendered))
+        drafts.append(Draft(rollout, advantage, view.purified, rendered, fault))
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
         config_id=config.config_id, n_rollouts=len(drafts),
@@ -173,6 +188,7 @@ def _plan(
         n_unrecovered=sum(c.n_unrecovered for c in counts),
         tokens_removed=sum(c.tokens_removed for c in counts),
         errors_by_type=errors,
+        n_infra_fault=sum(faults),
     )
     return PurifyPlan(config, tuple(drafts), stats)
 
@@ -195,6 +211,7 @@ def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | N
         n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
         n_unrecovered=rendered.stats.n_unrecovered,
         tokens_removed=rendered.stats.tokens_removed, scorer_version=scorer_version,
+        infra_fault=draft.infra_fault,
     )
 
 

@@ -36,7 +36,8 @@ def stats_frame(results: Sequence) -> pl.DataFrame:
             "config_id": stats.config_id, "gamma": config.gamma, "p": config.rollback_prob,
             "sim": config.similarity_on, "when": config.purify_when, "rollouts": stats.n_rollouts,
             "rolled": stats.n_rolled_back, "shallow": stats.n_shallow, "deep": stats.n_deep,
-            "unrecov": stats.n_unrecovered, "removed": stats.tokens_removed, "trained": trained,
+            "unrecov": stats.n_unrecovered, "infra": stats.n_infra_fault,
+            "removed": stats.tokens_removed, "trained": trained,
             "rewritten": rewritten,
         })
     return pl.DataFrame(records)

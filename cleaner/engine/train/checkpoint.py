@@ -92,8 +92,10 @@ def save_checkpoint_atomic(
     tokenizer: object | None,
     out_path: str | Path,
     extra_files: dict[str, str] | None = None,
+    state_files: dict[str, object] | None = None,
 ) -> Path:
-    """save_pretrained the model (+ tokenizer, + extra text files) atomically at out_path."""
+    """save_pretrained the model (+ tokenizer, + extra text files, + `torch.save`d objects such as
+    the optimiser state, at relative paths) atomically at out_path."""
     out_path = Path(out_path).resolve()
     with atomic_directory(out_path) as temp_dir:
         model.save_pretrained(temp_dir)
@@ -101,6 +103,9 @@ def save_checkpoint_atomic(
             tokenizer.save_pretrained(temp_dir)
         for name, text in (extra_files or {}).items():
             (temp_dir / name).write_text(text)
+        for name, state in (state_files or {}).items():
+            (temp_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, temp_dir / name)
     logger.info("saved checkpoint to %s", out_path)
     return out_path
 

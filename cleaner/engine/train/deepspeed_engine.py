@@ -114,6 +114,7 @@ def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> Tr
 
     world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
+    optimizer_step = int(engine.global_steps)
     accumulation = engine.gradient_accumulation_steps()
     sums = torch.zeros(4, device=engine.device)  # loss, clip fraction, approx kl, entropy
     for rows, weight in _rank_micro_batches(
@@ -134,6 +135,7 @@ def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> Tr
     return TrainStepRow(
         iteration=iteration,
         step=step,
+        optimizer_step=optimizer_step,
         loss=loss,
         clip_fraction=clip_fraction,
         approx_kl=approx_kl,
@@ -203,4 +205,4 @@ def train_iteration_deepspeed(
         steps.append(_deepspeed_step(engine, reference, mini_rows, config, iteration, step))
     engine.eval()
     saved = _save(engine, policy_path, out_path, config)
-    return TrainResult(out_path=saved, steps=steps, model=engine.module)
+    return TrainResult(out_path=saved, steps=steps, model=engine.module, optimization=None)

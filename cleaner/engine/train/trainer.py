@@ -1,12 +1,13 @@
 """One training iteration: purified rows in, a new Hugging Face checkpoint out (DESIGN.md 6).
 
 The job reads top to bottom as stages:
-    prepare_rows (skip rows with no loss tokens, dynamic sampling, overlong shaping)
+    prepare_rows (skip infra-fault rows and rows with no loss tokens, dynamic sampling, overlong
+    shaping)
     -> iter_mini_batches (seeded shuffle; one mini batch = one optimiser step)
     -> micro batches (right-padded; gradient accumulation)
     -> micro_batch_loss (policy loss + optional KL, normalised by the MINI batch's loss tokens)
     -> AdamW step with gradient clipping -> one TrainStepRow per step
-    -> save_checkpoint_atomic.
+    -> save_checkpoint_atomic (weights, tokenizer and the optimiser state, in one swap).
 
 Design decisions:
 - Old log-probs are `row.old_logprobs` from the scorer (section 5); the trainer never recomputes
@@ -20,6 +21,9 @@ Design decisions:
 - A step whose gradient norm is not finite is skipped (grads dropped) and logged, not applied.
 - `model` may be passed in so `cleaner run` needs no reload; the KL reference (kl_coef > 0) is
   always the frozen policy at `policy_path`.
+- One optimiser for the run (`optim.py`): `cleaner run` passes the same `Optimization` to every
+  iteration; otherwise the one saved with `policy_path` is resumed. Each step's row records the
+  run-wide `optimizer_step` and the lr it used.
 - With nothing left to train on, the unchanged policy is still saved, so a loop can go on.
 - engine = "deepspeed" hands the same stages to `deepspeed_engine.py`.
 """
@@ -54,6 +58,7 @@ from cleaner.engine.train.loss import (
     token_log_probs,
     truncated_is_weights,
 )
+from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ class TrainResult:
     out_path: Path  # the new checkpoint directory
     steps: list[TrainStepRow]  # one per optimiser step
     model: torch.nn.Module  # the trained model, in memory
+    optimization: Optimization | None  # the run's optimiser, bound to `model` (None: DeepSpeed's own)
 
 
 # ---------------------------------------------------------------------------
@@ -90,9 +96,13 @@ def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[Purifi
 
 def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
     """The rows that are trained on, in input order, with shaped advantages when configured."""
-    kept = [row for row in rows if loss_token_count(row) > 0]
+    kept = [row for row in rows if not row.infra_fault]
     if len(kept) < len(rows):
-        logger.info("skipped %d rows with no loss tokens", len(rows) - len(kept))
+        logger.info("skipped %d rows that an infrastructure fault ended", len(rows) - len(kept))
+    with_tokens = [row for row in kept if loss_token_count(row) > 0]
+    if len(with_tokens) < len(kept):
+        logger.info("skipped %d rows with no loss tokens", len(kept) - len(with_tokens))
+    kept = with_tokens
     if config.dynamic_sampling and kept:
         keep = dynamic_sampling_mask(
             [row.group_id for row in kept], torch.tensor([r.reward for r in kept])
@@ -190,7 +200,7 @@ def micro_batch_loss(
         config.clip_eps_high,
         is_weights,
         num_loss_tokens,
-        clip_ratio_c=config.clip_ratio_c,
+        clip_ratio_c=config.clip_ratio_c or None,
     )
     loss = out.loss
     if config.kl_coef > 0 and reference is not None:
@@ -220,14 +230,14 @@ def micro_batch_loss(
 def _optimizer_step(
     model: torch.nn.Module,
     reference: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
+    optimization: Optimization,
     mini_rows: Sequence[PurifiedRow],
     config: TrainConfig,
     iteration: int,
     step: int,
 ) -> TrainStepRow:
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
-    optimizer.zero_grad(set_to_none=True)
+    optimization.optimizer.zero_grad(set_to_none=True)
     parts: list[MicroLoss] = []
     for micro_rows in chunks(mini_rows, config.micro_batch_size):
         part = micro_batch_loss(
@@ -237,24 +247,24 @@ def _optimizer_step(
         parts.append(dataclasses.replace(part, loss=part.loss.detach()))
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    else:
+    if not math.isfinite(grad_norm):
         logger.warning(
             "iteration %d step %d: gradient norm %s, step skipped", iteration, step, grad_norm
         )
-    optimizer.zero_grad(set_to_none=True)
-    return TrainStepRow(
+    row = TrainStepRow(
         iteration=iteration,
         step=step,
+        optimizer_step=optimization.step,
         loss=sum(p.loss.item() for p in parts),
         clip_fraction=sum(p.clip_fraction for p in parts),
         approx_kl=sum(p.approx_kl for p in parts),
         entropy=sum(p.entropy for p in parts),
         grad_norm=grad_norm,
-        lr=optimizer.param_groups[0]["lr"],
+        lr=optimization.lr,
         tokens=total_tokens,
     )
+    optimization.advance(apply=math.isfinite(grad_norm))
+    return row
 
 
 def load_reference(policy_path: str | Path, config: TrainConfig) -> torch.nn.Module | None:
@@ -274,8 +284,13 @@ def train_iteration(
     iteration: int,
     model: torch.nn.Module | None = None,
     progress: bool = True,
+    optimization: Optimization | None = None,
 ) -> TrainResult:
-    """Train the policy on one iteration's purified rows and save it atomically at out_path."""
+    """Train the policy on one iteration's purified rows and save it atomically at out_path.
+
+    `optimization` is the run's optimiser, bound to `model`; without one, the optimiser saved with
+    `policy_path` is loaded (or a fresh one made, if that checkpoint has none).
+    """
     if config.engine == "deepspeed":
         from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 
@@ -291,16 +306,13 @@ def train_iteration(
     )
     model.train()
     reference = load_reference(policy_path, config)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-    )
+    if optimization is None:
+        optimization = load_optimization(model, config, policy_path)
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     steps: list[TrainStepRow] = []
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not progress)
     for step, mini_rows in enumerate(bar):
-        row = _optimizer_step(model, reference, optimizer, mini_rows, config, iteration, step)
+        row = _optimizer_step(model, reference, optimization, mini_rows, config, iteration, step)
         steps.append(row)
         bar.set_postfix(loss=f"{row.loss:.4f}", clip=f"{row.clip_fraction:.3f}")
     model.eval()
@@ -309,5 +321,6 @@ def train_iteration(
         load_tokenizer_if_present(policy_path),
         out_path,
         extra_files={"train_config.json": config.to_json()},
+        state_files={STATE_PATH: optimization.state()},
     )
-    return TrainResult(out_path=saved, steps=steps, model=model)
+    return TrainResult(out_path=saved, steps=steps, model=model, optimization=optimization)

@@ -10,6 +10,7 @@ itself raises, anything else succeeds and prints the code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from cleaner.engine.backends.base import LENGTH, STOP, Generation
 from cleaner.engine.chat import ChatFormat, format_call, format_tool_response, tool_response_text
 from cleaner.engine.collect.loop import CollectedBatch, collect, rollback_draw, turn_seed
 from cleaner.engine.collect.tasks import Task
-from cleaner.engine.config import CollectConfig
+from cleaner.engine.config import CollectConfig, PurifyConfig
+from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.render import RAW, render, view_for
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -289,6 +291,53 @@ def test_max_turns_leaves_the_last_call_unexecuted():
     assert batch.rollouts[0].n_tool_calls == 1
 
 
+def test_retries_do_not_use_up_max_turns():
+    # Two steps allowed: step 0 takes four attempts (three retries), step 1 is the answer.
+    config = dataclasses.replace(BASE, max_turns=2)
+    script = [call(f"Try {i}.", f"print(oops{i})") for i in range(3)] + [call("Ok.", "print(42)"),
+                                                                         answer("42.")]
+    batch = run({("retry", 0): script}, config)
+    segments = segments_of(batch, "it0-retry-s0")
+    assert [(s.kind, s.step, s.attempt) for s in segments if s.kind == "assistant"] == [
+        ("assistant", 0, 0), ("assistant", 0, 1), ("assistant", 0, 2), ("assistant", 0, 3),
+        ("assistant", 1, 0)]
+    assert batch.rollouts[0].finish_reason == "answer" and batch.rollouts[0].correct
+    # A third step would open past max_turns: its call is not run.
+    script = [call("A.", "print(oops)"), call("B.", "print(1)"), call("C.", "print(2)")]
+    batch = run({("over", 0): script}, config)
+    segments = segments_of(batch, "it0-over-s0")
+    assert [(s.kind, s.step, s.attempt, s.tool_status) for s in segments[1:]] == [
+        ("assistant", 0, 0, None), ("tool", 0, 0, "error"), ("assistant", 0, 1, None),
+        ("tool", 0, 1, "ok"), ("assistant", 1, 0, None)]
+    assert batch.rollouts[0].finish_reason == "max_turns"
+
+
+NOTE_3 = ("\n\nNote: This approach has been attempted 3 times with the same type of error. "
+          "Consider trying a different algorithm, method, or approach to solve this problem.")
+
+
+@pytest.mark.parametrize(("max_retries", "note"), [
+    (0, None), (1, None), (2, NOTE_3.replace("3 times", "2 times")), (3, NOTE_3)])
+def test_the_reference_note_follows_two_or_more_failed_retries(max_retries, note):
+    config = dataclasses.replace(BASE, max_retries=max_retries)
+    script = [call(f"Try {i}.", f"print(oops{i})") for i in range(max_retries + 1)] + [answer("41.")]
+    batch = run({("stuck", 0): script}, config)
+    tools = [s for s in segments_of(batch, "it0-stuck-s0") if s.kind == "tool"]
+    assert len(tools) == max_retries + 1
+    error = format_tool_response(False, "", "NameError: name 'oops' is not defined", "error")
+    for tool in tools[:-1]:
+        assert tool.text == tool_response_text(error)
+    assert tools[-1].text == tool_response_text(error + (note or ""))
+    assert tools[-1].token_ids == tuple(CHAT.encode(tools[-1].text))
+
+
+def test_no_note_when_the_last_retry_succeeds():
+    script = [call(f"Try {i}.", f"print(oops{i})") for i in range(3)] + [call("Ok.", "print(42)"),
+                                                                         answer("42.")]
+    batch = run({("late", 0): script}, BASE)
+    assert not any("Note:" in s.text for s in batch.segments if s.kind == "tool")
+
+
 def test_length_without_call_is_max_tokens():
     config = dataclasses.replace(BASE, max_new_tokens=10, max_response_tokens=100)
     batch = run({("long", 0): ["x" * 50]}, config)
@@ -377,6 +426,29 @@ def test_sandbox_failure_is_infra_error_for_that_call_only():
     assert [s.tool_status for s in segments_of(batch, "it0-fine-s0") if s.kind == "tool"] == ["ok"]
     assert sandbox.batches[:3] == [["print('CRASH')", "print(1)"], ["print('CRASH')"], ["print(1)"]]
     assert {r.finish_reason for r in batch.rollouts} == {"answer"}
+
+
+def test_infra_faults_get_advantage_zero_and_stay_out_of_group_statistics():
+    config = dataclasses.replace(BASE, group_size=5, batch_rollouts=4)  # sample 4 in its own batch
+    scripts = {("g", 0): [call("A.", "print(1)"), answer("42")],
+               ("g", 1): [call("A.", "print(1)"), answer("41")],
+               ("g", 2): [call("A.", "print(1)"), answer("42")],
+               # every attempt crashes the sandbox: the last call stays infra_error
+               ("g", 3): [call(f"A{i}.", "print('CRASH')") for i in range(4)] + [answer("41")],
+               ("g", 4): [call("A.", "print(1)"), answer("42")]}
+    batch = run(scripts, config, raise_on={("g", 4, 1)})  # sample 4's generation fails
+    reasons = {r.sample_index: r.finish_reason for r in batch.rollouts}
+    assert reasons == {0: "answer", 1: "answer", 2: "answer", 3: "answer", 4: "error"}
+    rows, stats = render_iteration(batch.rollouts, batch.segments, PurifyConfig(), CHAT.decode)
+    by_sample = {int(row.rollout_id[-1]): row for row in rows}
+    assert [by_sample[i].infra_fault for i in range(5)] == [False, False, False, True, True]
+    assert by_sample[3].advantage == 0.0 and by_sample[4].advantage == 0.0
+    # The others' statistics are those of the group {1, 0, 1}: mean 2/3, sample std sqrt(1/3).
+    eps = PurifyConfig().advantage_eps
+    expected = [(1 / 3) / (math.sqrt(1 / 3) + eps), (-2 / 3) / (math.sqrt(1 / 3) + eps),
+                (1 / 3) / (math.sqrt(1 / 3) + eps)]
+    assert [by_sample[i].advantage for i in range(3)] == pytest.approx(expected, rel=1e-6)
+    assert stats.n_infra_fault == 2
 
 
 def test_malformed_call_is_a_format_error_and_not_run():

@@ -33,3 +33,20 @@ def test_bad_input_is_rejected():
         grpo_advantages(["a"], [1.0, 2.0], 1e-6)
     with pytest.raises(ValueError, match="eps"):
         grpo_advantages(["a"], [1.0], 0.0)
+
+
+def test_rows_not_counted_get_zero_and_leave_their_group_statistics_alone():
+    # Group a without the infra row (reward 0, "x"): rewards 1, 0, 1 -> mean 2/3, sample std
+    # sqrt(1/3). The infra row would have dragged the mean to 1/2 had it been counted.
+    group_ids = ["a", "a", "a", "a", "b", "b"]
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    counted = [True, True, True, False, True, False]
+    eps = 1e-6
+    std = math.sqrt(1 / 3)
+    expected = [(1 / 3) / (std + eps), (-2 / 3) / (std + eps), (1 / 3) / (std + eps), 0.0,
+                0.0, 0.0]  # group b has one counted row left: no signal
+    assert grpo_advantages(group_ids, rewards, eps, counted) == pytest.approx(expected, rel=1e-12)
+    without = grpo_advantages(group_ids[:3], rewards[:3], eps)
+    assert grpo_advantages(group_ids, rewards, eps, counted)[:3] == pytest.approx(without, rel=1e-12)
+    with pytest.raises(ValueError, match="counted"):
+        grpo_advantages(["a"], [1.0], eps, [True, False])

@@ -45,5 +45,5 @@ def test_table_shows_only_varying_parameters():
     assert "purify (2 rollouts, p 1, sim code, when always)" in text
     line = next(line for line in text.splitlines() if results[1].config.config_id[:8] in line)
     cells = [cell.strip() for cell in line.split("│")[1:-1]]
-    assert cells == [results[1].config.config_id[:8], "1.1", "2", "1", "1", "0", "6", "4", "1"]
+    assert cells == [results[1].config.config_id[:8], "1.1", "2", "1", "1", "0", "0", "6", "4", "1"]
     assert "failed calls in the input: NameError 3, timeout 1" in text

@@ -203,6 +203,16 @@ def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
     assert [r.rollout_id for r in kept] == ["b0", "b1"]
 
 
+def test_prepare_rows_skips_infra_faults_before_dynamic_sampling_and_shaping():
+    rows = [_row("b0", "b", [1, 2, 3], 1, 1.0, 1.0), _row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
+            dataclasses.replace(_row("b2", "b", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True),
+            _row("c0", "c", [1, 2, 3], 1, 1.0, 0.0),
+            dataclasses.replace(_row("c1", "c", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True)]
+    assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["b0", "b1", "c0"]
+    # Group c keeps one row once the fault is out: equal rewards, dropped by dynamic sampling.
+    assert [r.rollout_id for r in prepare_rows(rows, TrainConfig(dynamic_sampling=True))] == ["b0", "b1"]
+
+
 def test_overlong_shaping_recomputes_group_advantages():
     # max 10, buffer 4: response lengths 5 (no penalty) and 8 (penalty -0.5), both correct.
     rows = [_row("short", "g", [1] * 7, 2, 1.0, 0.0), _row("long", "g", [1] * 10, 2, 1.0, 0.0)]

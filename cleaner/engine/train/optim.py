@@ -1,0 +1,104 @@
+"""One optimiser and one learning-rate schedule for the whole run (docs/architecture.md, "Train").
+
+The reference keeps a single AdamW for the whole run (lr 2e-6 with a linear warmup), so Adam's
+moments build up across iterations. A fresh AdamW per iteration would instead make the first steps
+of every iteration move each weight by about lr (Adam's first step is sign-like) and never let the
+moments settle. So the optimiser lives as long as the run:
+- `cleaner run` hands the same `Optimization` from one iteration's training to the next;
+- every checkpoint carries the optimiser's state (`optimizer/state.pt`, written in the same atomic
+  directory swap as the weights), so `cleaner train --policy CKPT` and `cleaner run --resume`
+  continue exactly where the saved run was;
+- a checkpoint without that file (any Hugging Face model) still loads: the optimiser starts fresh,
+  and says so.
+
+Design decisions:
+- The schedule is transformers' `get_constant_schedule_with_warmup`: at optimiser step t (run-wide,
+  from 0) the learning rate is lr * min(1, t / warmup_steps), so step 0 of a warmed-up run has lr 0
+  (Adam's moments still take that step's gradient). warmup_steps = 0 is a constant lr.
+  Unit: optimiser steps. verl steps its scheduler once per training iteration, so the reference's
+  20 warmup steps are 20 iterations = 20 x (mini batches per iteration) optimiser steps here.
+- The saved state is the optimiser's `state_dict` (moments and Adam's step counts) and the run-wide
+  step number. Hyper-parameters (lr, weight decay, warmup) always come from the current
+  TrainConfig; the schedule's position comes from the saved step. A skipped step (non-finite
+  gradient norm) still advances the schedule, as verl's once-per-iteration scheduler does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import get_constant_schedule_with_warmup
+
+from cleaner.engine.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+STATE_PATH = "optimizer/state.pt"  # inside a checkpoint directory; not a weight file
+STATE_FORMAT = 1
+
+
+@dataclass
+class Optimization:
+    """An AdamW over a model's trainable parameters and its position in the lr schedule."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    @property
+    def step(self) -> int:
+        """Run-wide number of the next optimiser step (0 before the first)."""
+        return self.scheduler.last_epoch
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimiser step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def advance(self, apply: bool) -> None:
+        """Apply the accumulated gradients (unless `apply` is False) and move the schedule on."""
+        if apply:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def state(self) -> dict:
+        """What a checkpoint stores: the optimiser's state_dict and the run-wide step."""
+        return {"format": STATE_FORMAT, "optimizer": self.optimizer.state_dict(), "optimizer_step": self.step}
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
+                     optimizer_state: dict | None = None) -> Optimization:
+    """AdamW on the model's trainable parameters, positioned at run-wide step `step`."""
+    optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)  # moments; casts them to each parameter's device
+        for group in optimizer.param_groups:  # hyper-parameters are the config's, not the checkpoint's
+            group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps, last_epoch=step - 1)
+    return Optimization(optimizer, scheduler)
+
+
+def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: str | Path) -> Optimization:
+    """The optimiser saved with `checkpoint`, bound to `model`; fresh if the checkpoint has none."""
+    path = Path(checkpoint) / STATE_PATH
+    if not path.is_file():
+        logger.info("%s holds no optimiser state (%s): the optimiser starts fresh at step 0",
+                    checkpoint, STATE_PATH)
+        return new_optimization(model, config)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.get("format") != STATE_FORMAT:
+        raise ValueError(f"{path}: optimiser state format {saved.get('format')!r}, expected {STATE_FORMAT}")
+    groups = saved["optimizer"]["param_groups"]
+    n_saved = sum(len(group["params"]) for group in groups)
+    if n_saved != len(_trainable(model)):
+        raise ValueError(f"{path}: optimiser state for {n_saved} parameters, the model trains "
+                         f"{len(_trainable(model))}; it belongs to another architecture")
+    logger.info("resuming the optimiser of %s at step %d", checkpoint, saved["optimizer_step"])
+    return new_optimization(model, config, saved["optimizer_step"], saved["optimizer"])

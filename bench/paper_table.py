@@ -1,7 +1,8 @@
-"""The paper's comparison in miniature on the toy task (project issue #5).
+"""The paper's comparison in miniature on the toy task.
 
-Three arms, same seeds, same initial policy, `cleaner run` for N iterations each:
-  baseline        p = 0 (raw trajectories; collection context raw too)
+Three arms, same seeds, same initial policy; each arm is one `cleaner run` command (printed at the
+start), run for N iterations:
+  baseline        --rollback-prob 0 --collect-view raw (raw trajectories, raw collection context)
   cleaner         p = 1, gamma = 0.5 (the paper's CLEANER; purified collection context)
   cleaner+pos     as cleaner, with --purify-when positive (ours, not the paper's)
 Reports per-iteration accuracy and tool failures per trajectory (mean +- std across seeds), and
@@ -23,30 +24,33 @@ from pathlib import Path
 
 import polars as pl
 
-from cleaner.engine.config import CollectConfig, PurifyConfig, RunConfig, TrainConfig
+from cleaner.engine.config import RunConfig
+from cleaner.engine.run_config import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
 from cleaner.runner import run_loop
 
+# The `cleaner run` flags of each arm, beyond the ones every arm shares (arm_flags).
 ARMS = {
-    "baseline": dict(collect_view="raw", rollback_prob=0.0, purify_when="always"),
-    "cleaner": dict(collect_view="purified", rollback_prob=1.0, purify_when="always"),
-    "cleaner+pos": dict(collect_view="purified", rollback_prob=1.0, purify_when="positive"),
+    "baseline": {"rollback_prob": 0.0, "collect_view": "raw"},
+    "cleaner": {},
+    "cleaner+pos": {"purify_when": "positive"},
 }
 
 
+def arm_flags(arm: str, seed: int, args: argparse.Namespace) -> dict:
+    return {"run_dir": str(Path(args.out) / arm / f"seed-{seed}"), "iterations": args.iterations,
+            "prompts": args.prompts, "group_size": args.group_size, "lr": args.lr, "seed": seed,
+            **ARMS[arm]}
+
+
 def arm_config(arm: str, seed: int, args: argparse.Namespace) -> RunConfig:
-    spec = ARMS[arm]
-    collect = CollectConfig(n_prompts=args.prompts, group_size=args.group_size, seed=seed,
-                            collect_view=spec["collect_view"], rollback_prob=spec["rollback_prob"])
-    purify = PurifyConfig(rollback_prob=spec["rollback_prob"], purify_when=spec["purify_when"])
-    rows = args.prompts * args.group_size
-    train = TrainConfig(lr=args.lr, mini_batch_size=rows // 4, micro_batch_size=min(16, rows // 4), seed=seed)
-    run_dir = Path(args.out) / arm / f"seed-{seed}"
-    return RunConfig(run_dir=str(run_dir), iterations=args.iterations, collect=collect, purify=purify,
-                     train=train)
+    """Exactly the config `cleaner run` resolves from the arm's flags."""
+    return resolve_run_config(RUN_BASE_LAYER, flag_layer(arm_flags(arm, seed, args)))
 
 
 def collect_results(args: argparse.Namespace) -> pl.DataFrame:
     records = []
+    for arm in ARMS:
+        logging.info("arm %s, seed 0: %s", arm, command_line(arm_flags(arm, 0, args)))
     for seed in range(args.seeds):
         for arm in ARMS:
             config = arm_config(arm, seed, args)

@@ -5,8 +5,9 @@ Kept thin on purpose: every command's work lives in `cleaner.engine` or `cleaner
 
 from __future__ import annotations
 
+import json
 import logging
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -213,6 +214,8 @@ def train(
     policy: Annotated[Path, typer.Option(help="Policy to update (the one that collected).", exists=True)] = ...,
     out: Annotated[Path, typer.Option(help="Where to write the new checkpoint.")] = ...,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-6,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup over this many run-wide optimiser steps.")] = 0,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.0,
     mini_batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 64,
     micro_batch_size: Annotated[int, typer.Option(help="Sequences per forward/backward.")] = 8,
     epochs: Annotated[int, typer.Option(help="Passes over the rows.")] = 1,
@@ -223,12 +226,17 @@ def train(
     deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", exists=True)] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """Take a GRPO/DAPO step on a purified iteration and write a new checkpoint."""
+    """Take a GRPO/DAPO step on a purified iteration and write a new checkpoint.
+
+    The optimiser saved with --policy (a checkpoint of `cleaner train` or `cleaner run`) is resumed,
+    so its moments and lr schedule continue; a plain Hugging Face model starts a fresh one.
+    """
     from cleaner.engine.config import TrainConfig
     from cleaner.jobs import train_job
     from cleaner.warehouse import Warehouse
 
-    config = _config(TrainConfig, lr=lr, mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
+    config = _config(TrainConfig, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
+                     mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size,
                      epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
                      dynamic_sampling=dynamic_sampling, engine=engine,
                      deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
@@ -242,20 +250,42 @@ def train(
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
 
+def _flag_layer(ctx: typer.Context, values: dict) -> dict:
+    """The config layer of the `run` flags given on the command line (not their defaults)."""
+    from cleaner.engine.run_config import RUN_FLAGS, flag_layer
 
-def _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when,
-                max_turns: int = 8, max_new_tokens: int = 160):
-    from cleaner.engine.config import CollectConfig, PurifyConfig, RunConfig, TrainConfig
+    def given(name: str) -> bool:  # by name: typer may vendor its own copy of click's enum
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
-    return _config(
-        RunConfig, run_dir=str(run_dir), iterations=iterations,
-        collect=_config(CollectConfig, model=model, n_prompts=prompts, group_size=group_size, seed=seed,
-                        device=device, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                        max_response_tokens=max(768, max_new_tokens)),
-        purify=_config(PurifyConfig, purify_when=purify_when),
-        train=_config(TrainConfig, lr=lr, mini_batch_size=prompts * group_size // 4,
-                      micro_batch_size=min(16, prompts * group_size // 4), seed=seed, device=device),
+    return flag_layer({name: values[name] for name in RUN_FLAGS if given(name)})
+
+
+def _resolve_run(layers: list[dict], where: str, resume: bool):
+    """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
+    and nothing but `iterations` may differ from it."""
+    from cleaner.engine.run_config import (
+        RUN_BASE_LAYER,
+        ConfigError,
+        differences,
+        resolve_run_config,
     )
+    from cleaner.warehouse import Warehouse
+
+    try:
+        config = resolve_run_config(RUN_BASE_LAYER, *layers, where=where)
+        saved = Warehouse(Path(config.run_dir) / "warehouse").load_config("run") if resume else None
+        if saved is None:
+            return config
+        saved_layer = json.loads(saved)
+        config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where)
+    except ConfigError as error:
+        raise fail(str(error)) from error
+    changed = differences(saved_layer, config.to_dict(), ignore=("iterations",))
+    if changed:
+        raise fail(f"{config.run_dir} was started with another config; --resume continues it as it was "
+                   f"(only --iterations may change). Differs: {'; '.join(changed)}")
+    return config
 
 
 def _run_and_report(config, resume: bool) -> list:
@@ -276,22 +306,68 @@ def _run_and_report(config, resume: bool) -> list:
 
 @app.command()
 def run(
+    ctx: typer.Context,
     run_dir: RunDirOpt = Path("runs/default"),
     iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 3,
-    prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 64,
-    group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
-    model: ModelOpt = str(DEFAULT_POLICY),
-    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; a 4B model: ~1e-6).")] = 1e-4,
-    purify_when: Annotated[str, typer.Option(help="always | positive.")] = "always",
-    max_turns: MaxTurnsOpt = 8,
-    max_new_tokens: MaxNewTokensOpt = 160,
+    config_file: Annotated[Path | None, typer.Option("--config", help="TOML file laid out like --print-config's output; flags override it.", exists=True, dir_okay=False)] = None,
+    print_config: Annotated[bool, typer.Option("--print-config", help="Print the resolved config as TOML and exit.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run with its saved config (--iterations may grow).")] = False,
+    prompts: Annotated[int, typer.Option(help="Prompts per iteration.", rich_help_panel="Collect")] = 64,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).", rich_help_panel="Collect")] = 8,
+    model: Annotated[str, typer.Option(help="HF model path or checkpoint dir (default: tiny policy).", rich_help_panel="Collect")] = str(DEFAULT_POLICY),
+    data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", rich_help_panel="Collect")] = None,
+    max_turns: Annotated[int, typer.Option(help="Steps per rollout (tool calls and the answer; retries do not count).", rich_help_panel="Collect")] = 8,
+    max_retries: Annotated[int, typer.Option(help="K: retries per failed tool-call step.", rich_help_panel="Collect")] = 3,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.", rich_help_panel="Collect")] = 160,
+    max_response_tokens: Annotated[int | None, typer.Option(help="Token budget after the prompt (default: max(768, --max-new-tokens)).", show_default=False, rich_help_panel="Collect")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.", rich_help_panel="Collect")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling.", rich_help_panel="Collect")] = 1.0,
+    collect_view: Annotated[str, typer.Option(help="Context of later turns: purified (the paper) | raw (the baseline).", rich_help_panel="Collect")] = "purified",
+    batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.", rich_help_panel="Collect")] = 64,
+    sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.", rich_help_panel="Collect")] = 4.0,
+    sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.", rich_help_panel="Collect")] = 2,
+    gamma: Annotated[float, typer.Option(help="SAAR: shallow merge iff similarity >= gamma (collect and purify).", rich_help_panel="Purify")] = 0.5,
+    rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts purified (collect and purify).", rich_help_panel="Purify")] = 1.0,
+    similarity_on: Annotated[str, typer.Option(help="code | call (the reference).", rich_help_panel="Purify")] = "code",
+    purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.", rich_help_panel="Purify")] = "always",
+    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; the reference, 4B: 2e-6).", rich_help_panel="Train")] = 1e-4,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup over this many optimiser steps.", rich_help_panel="Train")] = 0,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.", rich_help_panel="Train")] = 0.0,
+    clip_eps_low: Annotated[float, typer.Option(help="PPO clip, lower.", rich_help_panel="Train")] = 0.2,
+    clip_eps_high: Annotated[float, typer.Option(help="PPO clip, upper (clip-higher).", rich_help_panel="Train")] = 0.28,
+    clip_ratio_c: Annotated[float, typer.Option(help="Dual clip for negative advantages; 0 = off.", rich_help_panel="Train")] = 10.0,
+    kl_coef: Annotated[float, typer.Option(help="KL to the reference; 0 = off.", rich_help_panel="Train")] = 0.0,
+    truncated_is: Annotated[bool, typer.Option(help="Truncated IS on rewritten contexts.", rich_help_panel="Train")] = False,
+    is_cap: Annotated[float, typer.Option(help="Cap of the truncated IS ratio.", rich_help_panel="Train")] = 2.0,
+    dynamic_sampling: Annotated[bool, typer.Option(help="Drop equal-reward groups.", rich_help_panel="Train")] = False,
+    overlong_buffer: Annotated[int, typer.Option(help="DAPO overlong buffer in tokens; 0 = off.", rich_help_panel="Train")] = 0,
+    mini_batch_size: Annotated[int | None, typer.Option(help="Sequences per optimiser step (default: a quarter of the iteration's rollouts).", show_default=False, rich_help_panel="Train")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per forward/backward (default: min(16, mini batch)).", show_default=False, rich_help_panel="Train")] = None,
+    epochs: Annotated[int, typer.Option(help="Passes over each iteration's rows.", rich_help_panel="Train")] = 1,
+    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping.", rich_help_panel="Train")] = 1.0,
+    engine: Annotated[str, typer.Option(help="torch | deepspeed.", rich_help_panel="Train")] = "torch",
+    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", rich_help_panel="Train")] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run.")] = False,
 ) -> None:
-    """Loop collect -> purify -> train for several iterations, in one process."""
-    config = _run_config(run_dir, iterations, prompts, group_size, model, lr, seed, device, purify_when,
-                         max_turns=max_turns, max_new_tokens=max_new_tokens)
+    """Loop collect -> purify -> train for several iterations, in one process.
+
+    Every option can also come from `--config run.toml` (flags override the file); `--print-config`
+    shows the resolved config in that format.
+    """
+    from cleaner.engine.run_config import ConfigError, read_toml
+
+    flags = _flag_layer(ctx, locals())
+    try:
+        file_layer = read_toml(config_file) if config_file else {}
+    except ConfigError as error:
+        raise fail(str(error)) from error
+    config = _resolve_run([file_layer, flags], str(config_file or "flags"), resume)
+    if print_config:
+        from cleaner.engine.run_config import to_toml
+
+        typer.echo(to_toml(config), nl=False)
+        return
     _run_and_report(config, resume)
 
 
@@ -316,7 +392,8 @@ def demo(
         import shutil
 
         shutil.rmtree(run_dir)  # the demo always starts clean unless asked to resume
-    config = _run_config(run_dir, iterations, prompts, 8, str(DEFAULT_POLICY), 1e-4, 0, "cpu", "always")
+    config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
+                            "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
     rows = _run_and_report(config, resume)
     png = plot_report(rows, run_dir / "report.png")
     warehouse = run_dir / "warehouse"
@@ -403,7 +480,7 @@ def sandbox_run(
 # Warehouse commands
 
 
-class OutputFormat(str, Enum):
+class OutputFormat(StrEnum):
     table = "table"
     csv = "csv"
     json = "json"
@@ -452,7 +529,7 @@ def sql(
         typer.echo(text, nl=False)
 
 
-class ShowView(str, Enum):
+class ShowView(StrEnum):
     raw = "raw"
     purified = "purified"
     both = "both"

@@ -150,3 +150,95 @@ def test_show_decodes_with_the_collecting_policys_tokenizer(tmp_path):
         "── step 1 · clean · 1 attempt ──", "lm"]
     assert f"with the tokenizer of {tmp_path / 'policy'}" in out.replace("│\n│ ", "")
     assert "stored segment text" in _show(wh, "--view", "purified", "--no-tokenizer").output
+
+
+# ---------------------------------------------------------------------------------------------
+# run: every option from flags or from a TOML file
+
+
+RUN_FLAGS = ["--run-dir", "runs/x", "--iterations", "15", "--prompts", "16", "--group-size", "4",
+             "--rollback-prob", "0", "--collect-view", "raw", "--gamma", "1.5", "--similarity-on", "call",
+             "--max-retries", "2", "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "96",
+             "--lr", "2e-6", "--warmup-steps", "20", "--clip-ratio-c", "0", "--truncated-is",
+             "--mini-batch-size", "8", "--seed", "3"]
+RUN_TOML = """run_dir = "runs/x"
+iterations = 15
+[collect]
+n_prompts = 16
+group_size = 4
+rollback_prob = 0
+collect_view = "raw"
+gamma = 1.5
+similarity_on = "call"
+max_retries = 2
+temperature = 0.8
+top_p = 0.9
+max_new_tokens = 96
+seed = 3
+[train]
+lr = 2e-6
+warmup_steps = 20
+clip_ratio_c = 0
+truncated_is = true
+mini_batch_size = 8
+"""
+
+
+def test_run_config_file_and_flags_resolve_to_the_same_config(tmp_path):
+    from_flags = runner.invoke(app, ["run", *RUN_FLAGS, "--print-config"])
+    assert from_flags.exit_code == 0, from_flags.output
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_TOML)
+    from_file = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
+    assert from_file.exit_code == 0, from_file.output
+    assert from_file.output == from_flags.output
+    printed = tmp_path / "printed.toml"
+    printed.write_text(from_file.output)  # the printed config reads back to itself
+    assert runner.invoke(app, ["run", "--config", str(printed), "--print-config"]).output == from_file.output
+    import tomllib
+
+    resolved = tomllib.loads(from_file.output)
+    # flags set collect's and purify's values together; derived values follow collect's
+    assert resolved["purify"]["gamma"] == 1.5 and resolved["purify"]["rollback_prob"] == 0.0
+    assert resolved["purify"]["similarity_on"] == "call"
+    assert (resolved["train"]["seed"], resolved["train"]["micro_batch_size"]) == (3, 8)
+    assert resolved["collect"]["max_response_tokens"] == resolved["train"]["max_response_tokens"] == 768
+    # a flag overrides the file
+    override = runner.invoke(app, ["run", "--config", str(path), "--lr", "1e-3", "--print-config"])
+    assert "lr = 0.001" in override.output and "lr = 2e-06" not in override.output
+
+
+def test_run_config_errors_name_the_file_and_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlearning_rate = 1e-3\n")
+    result = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
+    assert result.exit_code == 1 and "unknown key(s) ['learning_rate']" in result.output
+    assert "bad.toml" in result.output.replace("\n", "")
+    path.write_text("[train]\nlr = 'fast'\n")
+    result = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
+    assert result.exit_code == 1 and "train.lr: expected float, got 'fast'" in result.output
+    path.write_text("[train\n")
+    result = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
+    assert result.exit_code == 1 and "not valid TOML" in result.output
+    result = runner.invoke(app, ["run", "--collect-view", "sideways", "--print-config"])
+    assert result.exit_code == 1 and "collect_view must be one of" in result.output
+
+
+def test_run_resume_keeps_the_saved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    first = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--lr", "3e-4", "--print-config"])
+    Warehouse(run_dir / "warehouse").save_config("run", json.dumps(_resolved(first.output)))
+    resumed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--iterations", "9",
+                                  "--print-config"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "lr = 0.0003" in resumed.output and "iterations = 9" in resumed.output
+    changed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--lr", "1e-3"])
+    assert changed.exit_code == 1 and "train.lr: 0.0003 -> 0.001" in changed.output
+
+
+def _resolved(toml_text: str) -> dict:
+    import tomllib
+
+    from cleaner.engine.run_config import resolve_run_config
+
+    return resolve_run_config(tomllib.loads(toml_text)).to_dict()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cleaner.engine.backends.torch_backend import policy_version_of
 from cleaner.engine.config import CollectConfig, RunConfig, SandboxConfig, TrainConfig
@@ -111,3 +112,58 @@ def test_sigkill_run_mid_iteration_then_resume(tmp_path, random_policy):
     steps = connection.sql("SELECT iteration, count(*) FROM train_steps GROUP BY 1 ORDER BY 1").fetchall()
     assert [iteration for iteration, _ in steps] == [0, 1]
     assert checkpoint_dir(run_dir, 1).exists()
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_run_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tmp_path, random_policy):
+    import random
+
+    def args(run_dir: Path) -> list[str]:
+        return ["run", "--run-dir", str(run_dir), "--iterations", "3", "--prompts", "2", "--group-size",
+                "2", "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24",
+                "--lr", "1e-2", "--mini-batch-size", "2", "--warmup-steps", "3", "--sandbox-workers", "1"]
+
+    started = time.monotonic()
+    whole = subprocess.run(_cli(*args(tmp_path / "whole")), capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    duration = time.monotonic() - started
+    rng, kills = random.Random(0), 0
+    while True:
+        resume = ["--resume"] if (tmp_path / "killed").exists() else []
+        process = subprocess.Popen(_cli(*args(tmp_path / "killed"), *resume),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:  # kill at a random moment of a whole run's span; after 8 kills, let it finish
+            process.wait(timeout=rng.uniform(0.2, 0.6) * duration if kills < 8 else None)
+            break  # it finished before the kill
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            kills += 1
+    assert process.returncode == 0 and kills >= 2, (process.returncode, kills)
+
+    def contents(run_dir: Path):
+        connection = Warehouse(run_dir / "warehouse").connect()
+        rollouts = connection.sql("SELECT rollout_id, reward, finish_reason, policy_version FROM rollouts "
+                                  "ORDER BY rollout_id").fetchall()
+        segments = connection.sql("SELECT rollout_id, seq, token_ids, logprobs FROM segments "
+                                  "ORDER BY rollout_id, seq").fetchall()
+        iterations = connection.sql("SELECT iteration FROM iterations ORDER BY 1").fetchall()
+        steps = connection.sql("SELECT iteration, step, optimizer_step, lr FROM train_steps "
+                               "ORDER BY optimizer_step").fetchall()
+        return rollouts, segments, iterations, steps
+
+    rollouts, segments, iterations, steps = contents(tmp_path / "killed")
+    assert (rollouts, segments) == contents(tmp_path / "whole")[:2]
+    assert iterations == [(0,), (1,), (2,)]
+    # Each iteration's steps are written once, after its checkpoint: a retrained iteration replaces
+    # nothing, so the optimiser steps run 0..5 exactly once.
+    assert [(it, step, opt) for it, step, opt, _ in steps] == [(i // 2, i % 2, i) for i in range(6)]
+    final = checkpoint_dir(tmp_path / "killed", 2)
+    for name, value in _weights(checkpoint_dir(tmp_path / "whole", 2)).items():
+        torch.testing.assert_close(_weights(final)[name], value, atol=1e-5, rtol=0)

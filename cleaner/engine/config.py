@@ -12,7 +12,10 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
+
+from cleaner.engine.records import CollectView, enum_value
 
 # The committed tiny default policy (DESIGN.md section 8).
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
@@ -71,8 +74,24 @@ class SandboxConfig(_Config):
         _check(self.infra_retries >= 0, f"infra_retries must be >= 0, got {self.infra_retries}")
 
 
-SIMILARITY_ON = ("code", "call")
-PURIFY_WHEN = ("always", "positive")
+class SimilarityOn(StrEnum):
+    """What SAAR compares to choose a shallow or a deep merge (docs/architecture.md §4)."""
+
+    CODE = "code"  # the two calls' code arguments (ours; the default)
+    CALL = "call"  # the decoded call tokens, as the reference does
+
+
+class PurifyWhen(StrEnum):
+    """Which rollouts SAAR may purify."""
+
+    ALWAYS = "always"  # every rollout whose draw is below p (the paper)
+    POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
+
+
+def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
+    """Store field `name` of a frozen config as a member of `enum` (ValueError naming the choices)."""
+    object.__setattr__(config, name, enum_value(enum, getattr(config, name), name))
+
 
 
 @dataclass(frozen=True)
@@ -88,10 +107,10 @@ class CollectConfig(_Config):
     max_response_tokens: int = 768  # budget for everything after the prompt
     temperature: float = 1.0  # sampling temperature; greedy never shows errors
     top_p: float = 1.0  # nucleus sampling
-    collect_view: str = "purified"  # raw | purified: context rendering for later turns (4.4)
+    collect_view: CollectView = CollectView.PURIFIED  # context rendering for later turns
     gamma: float = 0.5  # SAAR similarity threshold used for the purified context
     rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
-    similarity_on: str = "code"  # code | call (DESIGN.md 4.2)
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
     batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
     backend: str = "torch"  # torch | sglang
@@ -109,10 +128,10 @@ class CollectConfig(_Config):
                "max_response_tokens must be >= max_new_tokens")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check_choice("collect_view", self.collect_view, ("raw", "purified"))
+        _enum_field(self, "collect_view", CollectView)
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
-        _check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
+        _enum_field(self, "similarity_on", SimilarityOn)
         _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
 
@@ -121,15 +140,15 @@ class CollectConfig(_Config):
 class PurifyConfig(_Config):
     gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
     rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its rollback_draw < p
-    similarity_on: str = "code"  # code | call (DESIGN.md 4.2)
-    purify_when: str = "always"  # always (the paper) | positive (reward above group mean only)
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts may be purified
     advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
 
     def __post_init__(self) -> None:
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
-        _check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
-        _check_choice("purify_when", self.purify_when, PURIFY_WHEN)
+        _enum_field(self, "similarity_on", SimilarityOn)
+        _enum_field(self, "purify_when", PurifyWhen)
         _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
 
 

@@ -28,16 +28,16 @@ from rich.table import Table
 from rich.text import Text
 
 from cleaner.engine.chat import TOOL_CALL_OPEN
-from cleaner.engine.records import ASSISTANT, OK, PROMPT, TOOL, Rollout, Segment
+from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
 from cleaner.engine.render import Decode, StepOutcome, View, explain, render
 
 logger = logging.getLogger(__name__)
 
 MAX_CELL_CHARS = 80
 
-STATUS_STYLE = {OK: "green", "error": "bold red", "timeout": "bold magenta", "format_error": "bold yellow",
+STATUS_STYLE = {ToolStatus.OK: "green", "error": "bold red", "timeout": "bold magenta", "format_error": "bold yellow",
                 "infra_error": "bold blue"}
-KIND_STYLE = {PROMPT: "dim", ASSISTANT: "cyan", TOOL: "white"}
+KIND_STYLE = {SegmentKind.PROMPT: "dim", SegmentKind.ASSISTANT: "cyan", SegmentKind.TOOL: "white"}
 
 
 def _cell(value: object) -> str:
@@ -62,11 +62,11 @@ def result_table(table: pa.Table, title: str | None = None) -> Table:
 
 
 def _segment_label(segment: Segment) -> Text:
-    if segment.kind == PROMPT:
-        return Text("prompt", style=KIND_STYLE[PROMPT])
+    if segment.kind == SegmentKind.PROMPT:
+        return Text("prompt", style=KIND_STYLE[SegmentKind.PROMPT])
     label = Text(f"{segment.kind:<9} step {segment.step} attempt {segment.attempt}",
                  style=KIND_STYLE[segment.kind])
-    if segment.kind == TOOL:
+    if segment.kind == SegmentKind.TOOL:
         status = segment.tool_status or "?"
         label.append(f"  {status}", style=STATUS_STYLE.get(status, "bold"))
         if segment.error_type:
@@ -112,7 +112,7 @@ def rollout_view(
             kept_by_seq[piece.seq].append((piece.start, piece.end))
     for segment in sorted(segments, key=lambda s: s.seq):
         border = KIND_STYLE[segment.kind]
-        if segment.kind == TOOL:
+        if segment.kind == SegmentKind.TOOL:
             border = STATUS_STYLE.get(segment.tool_status or "", "white")
         title = _segment_label(segment)
         title.append(f"  #{segment.seq} ({len(segment.token_ids)} tok)", style="dim")
@@ -172,7 +172,7 @@ class StepText:
 def purified_texts(segments: Sequence[Segment], steps: Sequence[StepOutcome], decode: Decode | None) -> list[StepText]:
     """The purified sequence as text, step by step: each step's spliced token ids decoded at once."""
     by_seq = {segment.seq: segment for segment in segments}
-    prompt = [segment for segment in sorted(segments, key=lambda s: s.seq) if segment.kind == PROMPT]
+    prompt = [segment for segment in sorted(segments, key=lambda s: s.seq) if segment.kind == SegmentKind.PROMPT]
     texts = [StepText(None, "".join(_token_text(s, 0, len(s.token_ids), decode) for s in prompt))]
     for step in steps:
         if decode is not None:

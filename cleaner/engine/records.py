@@ -1,6 +1,7 @@
 """Typed records that flow from stage to stage.
 
-One frozen dataclass per warehouse row kind (DESIGN.md section 3). Field names ARE the column names;
+One frozen dataclass per warehouse row kind (docs/architecture.md §3), and the closed sets of
+values some of their columns take, as StrEnums (they compare equal to, and store as, their strings). Field names ARE the column names;
 the Arrow schemas that store them live in `cleaner/warehouse/schema.py` and nowhere else, and the
 conversion between records and Arrow tables lives in `cleaner/warehouse/` too.
 
@@ -11,20 +12,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 
-# Segment kinds, in the order they appear in a trajectory.
-PROMPT, ASSISTANT, TOOL = "prompt", "assistant", "tool"
-SEGMENT_KINDS = (PROMPT, ASSISTANT, TOOL)
 
-# Tool outcomes. Every status but OK counts as a failed call for SAAR.
-OK, ERROR, TIMEOUT, FORMAT_ERROR, INFRA_ERROR = "ok", "error", "timeout", "format_error", "infra_error"
-TOOL_STATUSES = (OK, ERROR, TIMEOUT, FORMAT_ERROR, INFRA_ERROR)
+class SegmentKind(StrEnum):
+    """What a segment of a raw trajectory is, in the order they appear."""
 
-# Why a rollout ended.
-FINISH_REASONS = ("answer", "max_turns", "max_tokens", "error")
+    PROMPT = "prompt"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
 
-# Which rendering the agent loop used as context for later turns (DESIGN.md 4.4).
-COLLECT_VIEWS = ("raw", "purified")
+
+class ToolStatus(StrEnum):
+    """How a tool call ended. Every status but OK counts as a failed call for SAAR."""
+
+    OK = "ok"
+    ERROR = "error"  # the code raised
+    TIMEOUT = "timeout"  # wall clock or CPU time ran out
+    FORMAT_ERROR = "format_error"  # the call did not parse; nothing ran
+    INFRA_ERROR = "infra_error"  # the sandbox itself failed, after its transparent retries
+
+
+class FinishReason(StrEnum):
+    """Why a rollout ended."""
+
+    ANSWER = "answer"  # a generation without a tool call
+    MAX_TURNS = "max_turns"  # the step budget ran out
+    MAX_TOKENS = "max_tokens"  # the response budget ran out
+    ERROR = "error"  # the generation failed (a backend fault)
+
+
+class CollectView(StrEnum):
+    """Which rendering the agent loop used as context for later turns (docs/architecture.md §4)."""
+
+    RAW = "raw"
+    PURIFIED = "purified"
+
+
+def enum_value(enum: type[StrEnum], value: object, name: str) -> StrEnum:
+    """`value` as a member of `enum`, or ValueError naming the field and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {[m.value for m in enum]}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -34,7 +64,7 @@ class Segment:
     rollout_id: str
     iteration: int
     seq: int  # 0,1,2,... position in the raw trajectory
-    kind: str  # prompt | assistant | tool
+    kind: SegmentKind
     step: int | None  # tool-call step; a retry shares the step of the call it retries; None for prompt
     attempt: int | None  # 0 = first attempt at the step, 1..K = retries
     token_ids: tuple[int, ...]
@@ -42,15 +72,14 @@ class Segment:
     text: str
     call_start: int | None = None  # index into token_ids where the tool call begins
     tool_code: str | None = None  # assistant: the parsed code argument; tool: the code that was run
-    tool_status: str | None = None  # on tool segments: one of TOOL_STATUSES
+    tool_status: ToolStatus | None = None  # on tool segments
     error_type: str | None = None  # e.g. "NameError"
     exec_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in SEGMENT_KINDS:
-            raise ValueError(f"segment kind {self.kind!r} is not one of {SEGMENT_KINDS}")
-        if self.tool_status is not None and self.tool_status not in TOOL_STATUSES:
-            raise ValueError(f"tool_status {self.tool_status!r} is not one of {TOOL_STATUSES}")
+        object.__setattr__(self, "kind", enum_value(SegmentKind, self.kind, "segment kind"))
+        if self.tool_status is not None:
+            object.__setattr__(self, "tool_status", enum_value(ToolStatus, self.tool_status, "tool_status"))
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(
                 f"segment {self.rollout_id}#{self.seq}: {len(self.logprobs)} logprobs "
@@ -60,12 +89,12 @@ class Segment:
     @property
     def has_call(self) -> bool:
         """True for an assistant segment that contains a tool call."""
-        return self.kind == ASSISTANT and self.call_start is not None
+        return self.kind == SegmentKind.ASSISTANT and self.call_start is not None
 
     @property
     def failed(self) -> bool:
         """True for a tool segment whose call did not succeed."""
-        return self.kind == TOOL and self.tool_status != OK
+        return self.kind == SegmentKind.TOOL and self.tool_status != ToolStatus.OK
 
 
 @dataclass(frozen=True)
@@ -83,9 +112,9 @@ class Rollout:
     answer: str | None  # extracted final answer, None if none
     reward: float
     correct: bool
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: FinishReason
     rollback_draw: float  # u in [0,1); SAAR applies iff u < p
-    collect_view: str  # raw | purified
+    collect_view: CollectView
     collect_config_id: str
     n_assistant_segments: int
     n_tool_calls: int
@@ -93,10 +122,8 @@ class Rollout:
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
 
     def __post_init__(self) -> None:
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
-        if self.collect_view not in COLLECT_VIEWS:
-            raise ValueError(f"collect_view {self.collect_view!r} is not one of {COLLECT_VIEWS}")
+        object.__setattr__(self, "finish_reason", enum_value(FinishReason, self.finish_reason, "finish_reason"))
+        object.__setattr__(self, "collect_view", enum_value(CollectView, self.collect_view, "collect_view"))
         if not 0.0 <= self.rollback_draw < 1.0:
             raise ValueError(f"rollback_draw {self.rollback_draw} is outside [0, 1)")
 
@@ -174,3 +201,9 @@ class TrainStepRow:
     lr: float
     tokens: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
+
+
+# TEMPORARY aliases while the sandbox package lands; removed with the last user.
+PROMPT, ASSISTANT, TOOL = SegmentKind.PROMPT, SegmentKind.ASSISTANT, SegmentKind.TOOL
+OK, ERROR, TIMEOUT = ToolStatus.OK, ToolStatus.ERROR, ToolStatus.TIMEOUT
+FORMAT_ERROR, INFRA_ERROR = ToolStatus.FORMAT_ERROR, ToolStatus.INFRA_ERROR

@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cleaner.engine.records import ASSISTANT, PROMPT, TOOL, Segment
+from cleaner.engine.config import SimilarityOn
+from cleaner.engine.records import Segment, SegmentKind, enum_value
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -51,11 +52,10 @@ class View:
 
     purified: bool
     gamma: float = 0.5  # shallow merge iff similarity >= gamma (gamma > 1: always deep)
-    similarity_on: str = "code"  # code | call (DESIGN.md 4.2)
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what the merge decision compares
 
     def __post_init__(self) -> None:
-        if self.similarity_on not in ("code", "call"):
-            raise ValueError(f"similarity_on must be 'code' or 'call', got {self.similarity_on!r}")
+        object.__setattr__(self, "similarity_on", enum_value(SimilarityOn, self.similarity_on, "similarity_on"))
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
 
@@ -122,7 +122,8 @@ class Rendered:
 
 
 def view_for(
-    rollback_draw: float, purified: bool, gamma: float, rollback_prob: float, similarity_on: str
+    rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
+    similarity_on: SimilarityOn
 ) -> View:
     """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (DESIGN.md 4.3)."""
     if purified and rollback_draw < rollback_prob:
@@ -146,7 +147,7 @@ class _Span:
 
 def _span(segment: Segment) -> _Span:
     origin = (KeptTokens(segment.seq, 0, len(segment.token_ids)),)
-    if segment.kind != ASSISTANT:
+    if segment.kind != SegmentKind.ASSISTANT:
         return _Span(segment.token_ids, (0.0,) * len(segment.token_ids), trained=False, origin=origin)
     if segment.logprobs is None:
         raise ValueError(f"assistant segment {segment.rollout_id}#{segment.seq} has no logprobs")
@@ -190,10 +191,10 @@ def _split(
     ordered = sorted(segments, key=lambda segment: segment.seq)
     if len({segment.rollout_id for segment in ordered}) > 1:
         raise ValueError("render takes the segments of one rollout; got several rollout_ids")
-    if view.purified and view.similarity_on == "call" and decode is None:
+    if view.purified and view.similarity_on == SimilarityOn.CALL and decode is None:
         raise ValueError("similarity_on='call' needs a decode function (token ids -> text)")
-    prompt = [segment for segment in ordered if segment.kind == PROMPT]
-    body = [segment for segment in ordered if segment.kind != PROMPT]
+    prompt = [segment for segment in ordered if segment.kind == SegmentKind.PROMPT]
+    body = [segment for segment in ordered if segment.kind != SegmentKind.PROMPT]
     if ordered[: len(prompt)] != prompt:
         raise ValueError(f"rollout {ordered[0].rollout_id}: prompt segments must come first")
     return prompt, body
@@ -228,7 +229,7 @@ def explain(segments: Sequence[Segment], view: View, decode: Decode | None = Non
         outcomes.append(StepOutcome(
             step=chain[0].step,
             seqs=tuple(segment.seq for segment in chain),
-            attempts=sum(segment.kind == ASSISTANT for segment in chain),
+            attempts=sum(segment.kind == SegmentKind.ASSISTANT for segment in chain),
             outcome=result.outcome,
             merges=result.merges,
             kept=kept,
@@ -287,7 +288,7 @@ def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
     pairs: list[tuple[Segment, Segment | None]] = []
     for segment in chain:
         where = f"rollout {segment.rollout_id} seq {segment.seq}"
-        if segment.kind == ASSISTANT:
+        if segment.kind == SegmentKind.ASSISTANT:
             if pairs and pairs[-1][1] is None:
                 raise ValueError(f"{where}: attempt follows an attempt with no tool response")
             if pairs and not pairs[-1][1].failed:
@@ -295,7 +296,7 @@ def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
             if segment.step is not None and segment.attempt != len(pairs):
                 raise ValueError(f"{where}: expected attempt {len(pairs)}, got {segment.attempt}")
             pairs.append((segment, None))
-        elif segment.kind == TOOL:
+        elif segment.kind == SegmentKind.TOOL:
             if not pairs or pairs[-1][1] is not None:
                 raise ValueError(f"{where}: tool segment without the call it answers")
             pairs[-1] = (pairs[-1][0], segment)
@@ -362,9 +363,9 @@ def _merge(attempts: Sequence[Segment], view: View, decode: Decode | None) -> _M
     return _Merged(current, n_shallow, len(decisions) - n_shallow, tuple(decisions))
 
 
-def _similarity(earlier: _Span, later: _Span, similarity_on: str, decode: Decode | None) -> float:
+def _similarity(earlier: _Span, later: _Span, similarity_on: SimilarityOn, decode: Decode | None) -> float:
     """difflib ratio of the two calls' code (`code`) or decoded call tokens (`call`)."""
-    if similarity_on == "code" and earlier.code is not None and later.code is not None:
+    if similarity_on == SimilarityOn.CODE and earlier.code is not None and later.code is not None:
         return _ratio(earlier.code, later.code)
     if decode is None:
         raise ValueError("comparing calls by their tokens (similarity_on='call', or a call whose "

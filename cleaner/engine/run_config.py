@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import tomllib
 import types
@@ -65,8 +66,8 @@ def _coerce(value: object, hint: object, where: str) -> object:
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if option is str and isinstance(value, str):
-            return value
+        if (option is str or isinstance(option, type) and issubclass(option, enum.Enum)) and isinstance(value, str):
+            return value  # an enum field's __post_init__ checks the value and names the choices
     names = " or ".join("null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options)
     raise ConfigError(f"{where}: expected {names}, got {value!r}")
 

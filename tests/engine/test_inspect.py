@@ -21,16 +21,7 @@ from cleaner.engine.inspect import (
     rollout_view,
     show_rollout,
 )
-from cleaner.engine.records import (
-    ASSISTANT,
-    ERROR,
-    OK,
-    PROMPT,
-    TOOL,
-    PurifiedRow,
-    PurifyConfigRow,
-    Segment,
-)
+from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
 from cleaner.engine.render import View, explain, render
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
@@ -46,24 +37,24 @@ def decode(token_ids) -> str:
 def segment(seq, kind, step, attempt, text, code=None, reasoning="", status=None) -> Segment:
     ids = tuple(ord(c) for c in text)
     return Segment("r", 0, seq, kind, step, attempt, ids,
-                   tuple(-0.1 for _ in ids) if kind == ASSISTANT else None, text,
-                   call_start=len(reasoning) if code is not None and kind == ASSISTANT else None,
+                   tuple(-0.1 for _ in ids) if kind == SegmentKind.ASSISTANT else None, text,
+                   call_start=len(reasoning) if code is not None and kind == SegmentKind.ASSISTANT else None,
                    tool_code=code, tool_status=status)
 
 
 def call_turn(seq, attempt, reasoning, code) -> Segment:
-    return segment(seq, ASSISTANT, 0, attempt, reasoning + format_call(code), code, reasoning)
+    return segment(seq, SegmentKind.ASSISTANT, 0, attempt, reasoning + format_call(code), code, reasoning)
 
 
 def chain() -> list[Segment]:
     """Q, a failed call, its fix (ratio 0.875: shallow at 0.5, deep at 0.9), the answer."""
     return [
-        segment(0, PROMPT, None, None, "Q?"),
+        segment(0, SegmentKind.PROMPT, None, None, "Q?"),
         call_turn(1, 0, "Think. ", "pirnt(1)"),
-        segment(2, TOOL, 0, 0, "<E>", status=ERROR),
+        segment(2, SegmentKind.TOOL, 0, 0, "<E>", status=ToolStatus.ERROR),
         call_turn(3, 1, "Fix. ", "print(1)"),
-        segment(4, TOOL, 0, 1, "<1>", status=OK),
-        segment(5, ASSISTANT, 1, 0, "42"),
+        segment(4, SegmentKind.TOOL, 0, 1, "<1>", status=ToolStatus.OK),
+        segment(5, SegmentKind.ASSISTANT, 1, 0, "42"),
     ]
 
 

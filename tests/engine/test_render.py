@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cleaner.engine.chat import format_call
-from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TOOL, Segment
+from cleaner.engine.records import Segment, SegmentKind, ToolStatus
 from cleaner.engine.render import RAW, KeptTokens, MergeDecision, View, explain, render, view_for
 
 # ----------------------------------------------------------------------------------------------
@@ -25,17 +25,17 @@ def lp(token_id: int) -> float:
 
 
 def prompt(seq: int, ids: tuple[int, ...]) -> Segment:
-    return Segment("r", 0, seq, PROMPT, None, None, ids, None, "")
+    return Segment("r", 0, seq, SegmentKind.PROMPT, None, None, ids, None, "")
 
 
 def assistant(seq, step, attempt, reasoning, call=(), code=None) -> Segment:
     ids = tuple(reasoning) + tuple(call)
-    return Segment("r", 0, seq, ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
+    return Segment("r", 0, seq, SegmentKind.ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
                    call_start=len(reasoning) if call else None, tool_code=code)
 
 
-def tool(seq, step, attempt, ids, status=OK) -> Segment:
-    return Segment("r", 0, seq, TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
+def tool(seq, step, attempt, ids, status=ToolStatus.OK) -> Segment:
+    return Segment("r", 0, seq, SegmentKind.TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
 
 
 def expected(*pieces: tuple[tuple[int, ...], bool]):
@@ -62,9 +62,9 @@ def one_retry(codes: tuple[str, str]) -> list[Segment]:
     return [
         prompt(0, (1, 2)),
         assistant(1, 0, 0, (10, 11), (12, 13), code=codes[0]),
-        tool(2, 0, 0, (14,), ERROR),
+        tool(2, 0, 0, (14,), ToolStatus.ERROR),
         assistant(3, 0, 1, (20,), (21, 22), code=codes[1]),
-        tool(4, 0, 1, (23,), OK),
+        tool(4, 0, 1, (23,), ToolStatus.OK),
         assistant(5, 1, 0, (30, 31)),  # final answer
     ]
 
@@ -78,13 +78,13 @@ def three_attempts_chain() -> list[Segment]:
     return [
         prompt(0, (1,)),
         assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
         assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
-        tool(4, 0, 1, (23,), ERROR),
+        tool(4, 0, 1, (23,), ToolStatus.ERROR),
         assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
-        tool(6, 0, 2, (33,), OK),
+        tool(6, 0, 2, (33,), ToolStatus.OK),
         assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
-        tool(8, 1, 0, (42,), OK),
+        tool(8, 1, 0, (42,), ToolStatus.OK),
     ]
 
 
@@ -93,13 +93,13 @@ def exhausted_chain() -> list[Segment]:
     return [
         prompt(0, (1,)),
         assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
-        tool(2, 0, 0, (12,), ERROR),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
         assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
-        tool(4, 0, 1, (22,), ERROR),  # K = 1 retries exhausted
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),  # K = 1 retries exhausted
         assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
-        tool(6, 1, 0, (32,), ERROR),
+        tool(6, 1, 0, (32,), ToolStatus.ERROR),
         assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
-        tool(8, 1, 1, (42,), OK),
+        tool(8, 1, 1, (42,), ToolStatus.OK),
     ]
 
 
@@ -108,9 +108,9 @@ def answered_chain() -> list[Segment]:
     return [
         prompt(0, (1,)),
         assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ERROR),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
         assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
-        tool(4, 0, 1, (22,), ERROR),
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),
         assistant(5, 0, 2, (30, 31)),  # answered instead of calling
     ]
 
@@ -172,7 +172,7 @@ def test_retry_that_answers_keeps_last_error_then_rest_raw():
 def text_assistant(seq, attempt, reasoning: str, code: str | None, call_code: str) -> Segment:
     text = reasoning + format_call(call_code)
     ids = tuple(ord(c) for c in text)
-    return Segment("r", 0, seq, ASSISTANT, 0, attempt, ids, tuple(lp(i) for i in ids), text,
+    return Segment("r", 0, seq, SegmentKind.ASSISTANT, 0, attempt, ids, tuple(lp(i) for i in ids), text,
                    call_start=len(reasoning), tool_code=code)
 
 
@@ -185,9 +185,9 @@ def measured_chain(first_code: str | None) -> list[Segment]:
     return [
         prompt(0, (1,)),
         text_assistant(1, 0, "Add. ", first_code, numpy_code),
-        tool(2, 0, 0, (2,), ERROR),
+        tool(2, 0, 0, (2,), ToolStatus.ERROR),
         text_assistant(3, 1, "Again. ", plain_code, plain_code),
-        tool(4, 0, 1, (3,), OK),
+        tool(4, 0, 1, (3,), ToolStatus.OK),
     ]
 
 
@@ -245,35 +245,35 @@ def plans(draw) -> Plan:
     def add(kind, step, attempt, n_reasoning, n_call=0, code=None, status=None) -> Segment:
         seq = len(segments)
         ids = tuple(seq * 100 + k for k in range(n_reasoning + n_call))
-        lps = tuple(lp(i) for i in ids) if kind == ASSISTANT else None
+        lps = tuple(lp(i) for i in ids) if kind == SegmentKind.ASSISTANT else None
         segment = Segment("r", 0, seq, kind, step, attempt, ids, lps, "",
                           call_start=n_reasoning if n_call else None, tool_code=code,
                           tool_status=status)
         segments.append(segment)
         return segment
 
-    add(PROMPT, None, None, draw(st.integers(1, 3)))
+    add(SegmentKind.PROMPT, None, None, draw(st.integers(1, 3)))
     chains, outcomes, merges = [], [], []
     for step in range(draw(st.integers(1, 4))):
         first = len(segments)
-        statuses = draw(st.lists(st.sampled_from([OK, ERROR]), min_size=1, max_size=4))
-        n_attempts = statuses.index(OK) + 1 if OK in statuses else len(statuses)
+        statuses = draw(st.lists(st.sampled_from([ToolStatus.OK, ToolStatus.ERROR]), min_size=1, max_size=4))
+        n_attempts = statuses.index(ToolStatus.OK) + 1 if ToolStatus.OK in statuses else len(statuses)
         for attempt in range(n_attempts):
             code = draw(st.text("ab()+1", max_size=6))
-            add(ASSISTANT, step, attempt, draw(st.integers(0, 2)), draw(st.integers(1, 2)), code)
-            add(TOOL, step, attempt, draw(st.integers(1, 2)), status=statuses[attempt])
-        answered = OK not in statuses and draw(st.booleans())
+            add(SegmentKind.ASSISTANT, step, attempt, draw(st.integers(0, 2)), draw(st.integers(1, 2)), code)
+            add(SegmentKind.TOOL, step, attempt, draw(st.integers(1, 2)), status=statuses[attempt])
+        answered = ToolStatus.OK not in statuses and draw(st.booleans())
         if answered:  # a retry that answers instead of calling
-            add(ASSISTANT, step, n_attempts, draw(st.integers(1, 2)))
+            add(SegmentKind.ASSISTANT, step, n_attempts, draw(st.integers(1, 2)))
         chains.append(tuple(segments[first:]))
-        if OK in statuses:
+        if ToolStatus.OK in statuses:
             outcomes.append("clean" if n_attempts == 1 else "recovered")
             merges.append(n_attempts - 1)
         else:
             outcomes.append("unrecovered")
             merges.append(n_attempts - 1)
     if draw(st.booleans()):
-        add(ASSISTANT, len(chains), 0, draw(st.integers(1, 2)))  # final answer
+        add(SegmentKind.ASSISTANT, len(chains), 0, draw(st.integers(1, 2)))  # final answer
         chains.append(tuple(segments[-1:]))
         outcomes.append("clean")
         merges.append(0)
@@ -304,7 +304,7 @@ def test_mask_and_logprobs_align_with_tokens(plan, gamma):
         for token, mask, logprob in zip(rendered.token_ids, rendered.loss_mask,
                                         rendered.behavior_logprobs, strict=True):
             origin = by_seq[token // 100]
-            assert mask == int(origin.kind == ASSISTANT)
+            assert mask == int(origin.kind == SegmentKind.ASSISTANT)
             assert logprob == (lp(token) if mask else 0.0)
         assert rendered.prompt_len == len(plan.segments[0].token_ids)
         assert rendered.stats.tokens_removed == len(raw_ids(plan.segments)) - len(rendered.token_ids)
@@ -324,7 +324,7 @@ def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
 @given(plans(), st.floats(0, 1.2), st.sampled_from(["code", "call"]))
 def test_rollout_without_a_failed_call_renders_raw_under_every_view(plan, gamma, similarity_on):
     # purify renders such a rollout once for every config of an ablation grid, relying on this
-    assume(not any(segment.kind == TOOL and segment.failed for segment in plan.segments))
+    assume(not any(segment.kind == SegmentKind.TOOL and segment.failed for segment in plan.segments))
     assert render(plan.segments, View(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
 
 
@@ -348,7 +348,7 @@ def test_recovered_chain_leaves_no_failed_call_or_error(plan, gamma):
             continue
         chain = plan.chains[index]
         for position, segment in enumerate(chain):
-            if segment.kind == TOOL and segment.failed:
+            if segment.kind == SegmentKind.TOOL and segment.failed:
                 call = chain[position - 1]
                 assert not rendered & set(segment.token_ids)
                 assert not rendered & set(call.token_ids[call.call_start:])
@@ -361,7 +361,7 @@ def test_unrecovered_chain_renders_rest_raw(plan, gamma):
         return
     chain = plan.chains[plan.outcomes.index("unrecovered")]
     rendered = render(plan.segments, View(True, gamma, "code"))
-    last_tool = [segment for segment in chain if segment.kind == TOOL][-1]
+    last_tool = [segment for segment in chain if segment.kind == SegmentKind.TOOL][-1]
     rest = [segment for segment in plan.segments if segment.seq > last_tool.seq]
     tail = raw_ids([last_tool, *rest])
     assert rendered.token_ids[-len(tail):] == tail
@@ -436,7 +436,7 @@ def test_explain_agrees_with_render(plan, gamma):
     rendered = render(plan.segments, view)
     steps = explain(plan.segments, view)
     by_seq = {segment.seq: segment for segment in plan.segments}
-    ids = raw_ids(s for s in plan.segments if s.kind == PROMPT)
+    ids = raw_ids(s for s in plan.segments if s.kind == SegmentKind.PROMPT)
     ids += tuple(i for s in steps for k in s.kept for i in by_seq[k.seq].token_ids[k.start:k.end])
     assert ids == rendered.token_ids  # the kept ranges ARE the rendering
     assert sum(s.tokens_removed for s in steps) == rendered.stats.tokens_removed

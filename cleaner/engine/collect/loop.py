@@ -15,7 +15,9 @@ Design decisions:
   segment carries the step/attempt of the call it answers.
 - Turn accounting as the reference's: rolling back restores its turn counter, so retries do not
   use up `max_turns`. `max_turns` bounds the STEPS (each tool-call step and the answer count one,
-  however many attempts a step takes) and K bounds the retries per step. The same rule holds in
+  however many attempts a step takes) and K bounds the retries per step. A retry is generated as
+  one more turn before the counter is rolled back, so it needs room for one more step: a call that
+  fails at step max_turns - 1 ends the rollout (`max_turns`), as in the reference. The same rule holds in
   the raw view, so both views get the same budget (the reference, with rollback off for a sample,
   counts every generation; we keep one rule so that p only changes what SAAR renders).
 - When a step's retries run out after two or more retries, the last error text carries the
@@ -60,6 +62,7 @@ from cleaner.engine.records import (
     OK,
     PROMPT,
     TOOL,
+    FinishReason,
     Rollout,
     Segment,
 )
@@ -301,6 +304,8 @@ def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectC
         exec_ms=outcome.exec_ms,
     )
     if outcome.status != OK and attempt < config.max_retries:
+        if state.steps + 1 >= config.max_turns:  # as the reference: no room for the retry's turn
+            state.finish_reason = FinishReason.MAX_TURNS
         state.step, state.attempt = step, attempt + 1  # a retry of the same step
     else:
         state.step, state.attempt = step + 1, 0

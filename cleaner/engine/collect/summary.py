@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import polars as pl
 from rich.table import Table
 
-from cleaner.engine.records import ASSISTANT, OK, TOOL, Rollout, Segment
+from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def _rollout_frame(rollouts: Sequence[Rollout]) -> pl.DataFrame:
 
 
 def _segment_frame(segments: Sequence[Segment]) -> pl.DataFrame:
-    kept = [s for s in segments if s.kind in (ASSISTANT, TOOL)]
+    kept = [s for s in segments if s.kind in (SegmentKind.ASSISTANT, SegmentKind.TOOL)]
     return pl.DataFrame(
         {
             "rollout_id": [s.rollout_id for s in kept],
@@ -95,9 +95,9 @@ def summarize(rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> Colle
     """Headline numbers of a collection (see the module docstring for the definitions)."""
     runs = _rollout_frame(rollouts)
     frame = _segment_frame(segments)
-    calls = frame.filter((pl.col("kind") == ASSISTANT) & pl.col("has_call"))
-    outcomes = frame.filter(pl.col("kind") == TOOL).with_columns(
-        failed=pl.col("tool_status") != OK)
+    calls = frame.filter((pl.col("kind") == SegmentKind.ASSISTANT) & pl.col("has_call"))
+    outcomes = frame.filter(pl.col("kind") == SegmentKind.TOOL).with_columns(
+        failed=pl.col("tool_status") != ToolStatus.OK)
     first = outcomes.filter(pl.col("attempt") == 0)
     failures = outcomes.filter("failed").with_columns(
         reason=pl.coalesce("error_type", "tool_status"))
@@ -119,7 +119,7 @@ def summarize(rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> Colle
         well_formed_call_rate=_ratio(int(calls["parsed"].sum()), calls.height),
         first_attempt_error_rate=_ratio(int(first["failed"].sum()), first.height),
         failures_by_error_type=_counts(failures, "reason"),
-        retries=frame.filter((pl.col("kind") == ASSISTANT) & (pl.col("attempt") >= 1)).height,
+        retries=frame.filter((pl.col("kind") == SegmentKind.ASSISTANT) & (pl.col("attempt") >= 1)).height,
         chains_with_failure=chains.height,
         recovered_chains=recovered,
         recovery_rate=_ratio(recovered, chains.height),

@@ -31,9 +31,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleaner.engine.config import PurifyConfig
+from cleaner.engine.config import PurifyConfig, PurifyWhen
 from cleaner.engine.purify.advantages import grpo_advantages
-from cleaner.engine.records import INFRA_ERROR, TOOL, PurifiedRow, Rollout, Segment
+from cleaner.engine.records import (
+    FinishReason,
+    PurifiedRow,
+    Rollout,
+    Segment,
+    SegmentKind,
+    ToolStatus,
+)
 from cleaner.engine.render import RAW, Rendered, render, view_for
 
 logger = logging.getLogger(__name__)
@@ -73,7 +80,7 @@ class Draft:
 
     rollout: Rollout
     advantage: float
-    purified: bool  # rendered with the purified view
+    rolled_back: bool  # rendered with the purified view (SAAR applied)
     rendered: Rendered
     infra_fault: bool  # see `infra_fault`
 
@@ -121,15 +128,15 @@ def infra_fault(rollout: Rollout, segments: Sequence[Segment]) -> bool:
     """True if an infrastructure fault, not the policy, decided the rollout's outcome: its
     generation failed (finish_reason `error`) or a call still failed with `infra_error` after the
     sandbox's transparent retries."""
-    return rollout.finish_reason == "error" or any(
-        segment.kind == TOOL and segment.tool_status == INFRA_ERROR for segment in segments)
+    return rollout.finish_reason == FinishReason.ERROR or any(
+        segment.kind == SegmentKind.TOOL and segment.tool_status == ToolStatus.INFRA_ERROR for segment in segments)
 
 
 def errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
     counts = Counter(
         segment.error_type or segment.tool_status
         for segment in segments
-        if segment.kind == TOOL and segment.failed
+        if segment.kind == SegmentKind.TOOL and segment.failed
     )
     return tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
@@ -171,11 +178,11 @@ def _plan(
                                  config.advantage_eps, counted=[not fault for fault in faults])
     drafts = []
     for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
-        eligible = config.purify_when == "always" or advantage > 0
+        eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on)
         chain = grouped[rollout.rollout_id]
-        key = (rollout.rollout_id, view if any(s.kind == TOOL and s.failed for s in chain) else RAW)
+        key = (rollout.rollout_id, view if any(s.kind == SegmentKind.TOOL and s.failed for s in chain) else RAW)
         rendered = renders.get(key)
         if rendered is None:  # a rollout without a failed call renders raw under every view
             rendered = renders[key] = render(chain, view, decode)
@@ -183,7 +190,7 @@ def _plan(
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
         config_id=config.config_id, n_rollouts=len(drafts),
-        n_rolled_back=sum(draft.purified for draft in drafts),
+        n_rolled_back=sum(draft.rolled_back for draft in drafts),
         n_shallow=sum(c.n_shallow for c in counts), n_deep=sum(c.n_deep for c in counts),
         n_unrecovered=sum(c.n_unrecovered for c in counts),
         tokens_removed=sum(c.tokens_removed for c in counts),
@@ -207,7 +214,7 @@ def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | N
         token_ids=rendered.token_ids, prompt_len=rendered.prompt_len,
         loss_mask=rendered.loss_mask, behavior_logprobs=rendered.behavior_logprobs,
         old_logprobs=(0.0,) * len(rendered.token_ids) if old_logprobs is None else old_logprobs,
-        reward=rollout.reward, advantage=draft.advantage, rolled_back=draft.purified,
+        reward=rollout.reward, advantage=draft.advantage, rolled_back=draft.rolled_back,
         n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
         n_unrecovered=rendered.stats.n_unrecovered,
         tokens_removed=rendered.stats.tokens_removed, scorer_version=scorer_version,

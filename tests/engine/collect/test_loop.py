@@ -292,8 +292,8 @@ def test_max_turns_leaves_the_last_call_unexecuted():
 
 
 def test_retries_do_not_use_up_max_turns():
-    # Two steps allowed: step 0 takes four attempts (three retries), step 1 is the answer.
-    config = dataclasses.replace(BASE, max_turns=2)
+    # Three steps allowed: step 0 takes four attempts (three retries), step 1 is the answer.
+    config = dataclasses.replace(BASE, max_turns=3)
     script = [call(f"Try {i}.", f"print(oops{i})") for i in range(3)] + [call("Ok.", "print(42)"),
                                                                          answer("42.")]
     batch = run({("retry", 0): script}, config)
@@ -302,13 +302,24 @@ def test_retries_do_not_use_up_max_turns():
         ("assistant", 0, 0), ("assistant", 0, 1), ("assistant", 0, 2), ("assistant", 0, 3),
         ("assistant", 1, 0)]
     assert batch.rollouts[0].finish_reason == "answer" and batch.rollouts[0].correct
-    # A third step would open past max_turns: its call is not run.
-    script = [call("A.", "print(oops)"), call("B.", "print(1)"), call("C.", "print(2)")]
+    # A fourth step would open past max_turns: its call is not run.
+    script = [call("A.", "print(oops)"), call("B.", "print(1)"), call("C.", "print(2)"),
+              call("D.", "print(3)")]
     batch = run({("over", 0): script}, config)
     segments = segments_of(batch, "it0-over-s0")
     assert [(s.kind, s.step, s.attempt, s.tool_status) for s in segments[1:]] == [
         ("assistant", 0, 0, None), ("tool", 0, 0, "error"), ("assistant", 0, 1, None),
-        ("tool", 0, 1, "ok"), ("assistant", 1, 0, None)]
+        ("tool", 0, 1, "ok"), ("assistant", 1, 0, None), ("tool", 1, 0, "ok"),
+        ("assistant", 2, 0, None)]
+    assert batch.rollouts[0].finish_reason == "max_turns"
+
+
+def test_a_failure_at_the_last_executable_step_ends_the_rollout():
+    # max_turns 2: step 0's call runs, but its retry would be the reference's turn 2: no room.
+    config = dataclasses.replace(BASE, max_turns=2)
+    batch = run({("late", 0): [call("A.", "print(oops)"), call("B.", "print(42)")]}, config)
+    segments = segments_of(batch, "it0-late-s0")
+    assert [(s.kind, s.tool_status) for s in segments[1:]] == [("assistant", None), ("tool", "error")]
     assert batch.rollouts[0].finish_reason == "max_turns"
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from cleaner.engine.config import PurifyConfig
 from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
-from cleaner.engine.records import ASSISTANT, ERROR, OK, PROMPT, TIMEOUT, TOOL, Rollout, Segment
+from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
 
 # ----------------------------------------------------------------------------------------------
 # Four rollouts, each: prompt, a failed call, a similar successful retry, a final answer
@@ -24,17 +24,17 @@ def segments(index: int, error_type: str | None = "NameError") -> list[Segment]:
     rollout_id = f"r{index}"
 
     def seg(seq, kind, step, attempt, ids, call_start=None, code=None, status=None, error=None):
-        lps = tuple(-i / 1000 for i in ids) if kind == ASSISTANT else None
+        lps = tuple(-i / 1000 for i in ids) if kind == SegmentKind.ASSISTANT else None
         return Segment(rollout_id, 3, seq, kind, step, attempt, ids, lps, "", call_start, code,
                        status, error)
 
     return [
-        seg(0, PROMPT, None, None, (b + 1, b + 2)),
-        seg(1, ASSISTANT, 0, 0, (b + 10, b + 11, b + 12), 2, "print(1+1)"),
-        seg(2, TOOL, 0, 0, (b + 13,), status=ERROR if error_type else TIMEOUT, error=error_type),
-        seg(3, ASSISTANT, 0, 1, (b + 20, b + 21, b + 22), 1, "print(1+2)"),
-        seg(4, TOOL, 0, 1, (b + 23,), status=OK),
-        seg(5, ASSISTANT, 1, 0, (b + 30,)),
+        seg(0, SegmentKind.PROMPT, None, None, (b + 1, b + 2)),
+        seg(1, SegmentKind.ASSISTANT, 0, 0, (b + 10, b + 11, b + 12), 2, "print(1+1)"),
+        seg(2, SegmentKind.TOOL, 0, 0, (b + 13,), status=ToolStatus.ERROR if error_type else ToolStatus.TIMEOUT, error=error_type),
+        seg(3, SegmentKind.ASSISTANT, 0, 1, (b + 20, b + 21, b + 22), 1, "print(1+2)"),
+        seg(4, SegmentKind.TOOL, 0, 1, (b + 23,), status=ToolStatus.OK),
+        seg(5, SegmentKind.ASSISTANT, 1, 0, (b + 30,)),
     ]
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleaner.engine.backends.torch_backend import policy_version_of
 from cleaner.engine.config import CollectConfig, RunConfig, SandboxConfig, TrainConfig
+from cleaner.engine.models import policy_version_of
 from cleaner.jobs import JobError
 from cleaner.runner import checkpoint_dir, run_loop
 from cleaner.warehouse import Warehouse

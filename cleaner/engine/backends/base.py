@@ -56,3 +56,11 @@ class Backend(Protocol):
         naive full forward of each sequence within 1e-4 (float32).
         """
         ...
+
+
+def check_score_inputs(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(starts)} starts")
+    for index, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(f"row {index}: start {start} outside [1, {len(seq)}]")

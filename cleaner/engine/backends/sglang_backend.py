@@ -32,8 +32,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cleaner.engine.backends.base import LENGTH, STOP, Generation, SamplingParams
-from cleaner.engine.backends.torch_backend import check_score_inputs, policy_version_of
+from cleaner.engine.backends.base import (
+    LENGTH,
+    STOP,
+    Generation,
+    SamplingParams,
+    check_score_inputs,
+)
+from cleaner.engine.models import policy_version_of
 
 log = logging.getLogger(__name__)
 

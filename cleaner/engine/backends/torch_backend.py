@@ -14,65 +14,34 @@ Design decisions:
   raw logits instead (the informative number, and what a T=1 scorer would give).
 - `score` is the NAIVE reference: one full forward per sequence (right-padded batches). The
   prefix-reusing scorer lives in `cleaner/engine/purify/scorer.py` and is tested against this.
-- `policy_version` = checkpoint dir name + short content hash of the weight files, so two runs
-  that load the same weights agree and a retrained checkpoint in the same dir does not.
+- `policy_version` = checkpoint dir name + short content hash of the weight files
+  (`cleaner.engine.models.policy_version_of`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from cleaner.engine.backends.base import LENGTH, STOP, Generation, SamplingParams
+from cleaner.engine.backends.base import (
+    LENGTH,
+    STOP,
+    Generation,
+    SamplingParams,
+    check_score_inputs,
+)
 from cleaner.engine.backends.kv import causal_forward, kv_select, target_logprobs
-from cleaner.engine.train.checkpoint import load_tokenizer_if_present
+from cleaner.engine.models import (
+    check_device,
+    load_policy,
+    load_tokenizer_if_present,
+    policy_version_of,
+)
 
 log = logging.getLogger(__name__)
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-FULL_HASH_LIMIT_BYTES = 256 * 2**20  # bigger weight files are hashed by sampled blocks
-SAMPLED_BLOCKS, BLOCK_BYTES = 64, 2**20
-
-
-# ---------------------------------------------------------------------------- policy version
-
-
-def weights_digest(model_path: str | Path) -> str:
-    """12 hex digits identifying the weight files of a checkpoint directory.
-
-    Files up to 256 MiB are hashed whole; bigger ones by their size and 64 evenly spaced 1 MiB
-    blocks (an optimiser step changes every block, and hashing 8 GB per load is not cheap).
-    """
-    model_dir = Path(model_path)
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    digest = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as handle:
-            if size <= FULL_HASH_LIMIT_BYTES:
-                digest.update(handle.read())
-                continue
-            for block in range(SAMPLED_BLOCKS):
-                handle.seek(block * (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1))
-                digest.update(handle.read(BLOCK_BYTES))
-    return digest.hexdigest()[:12]
-
-
-def policy_version_of(model_path: str | Path, model: torch.nn.Module | None = None) -> str:
-    """`<dir name>@<weights digest>`; a hub id (not a local dir) uses the hub commit instead."""
-    if Path(model_path).is_dir():
-        return f"{Path(model_path).resolve().name}@{weights_digest(model_path)}"
-    commit = getattr(getattr(model, "config", None), "_commit_hash", None) or "unhashed"
-    return f"{model_path}@{commit[:12]}"
-
 
 # ---------------------------------------------------------------------------- sampling
 
@@ -128,7 +97,7 @@ class TorchBackend:
         dtype: torch.dtype = torch.float32,
         max_batch_tokens: int = 8192,  # naive score: rows x padded length per forward
     ) -> None:
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.dtype = dtype
         self.max_batch_tokens = max_batch_tokens
         self.model: torch.nn.Module
@@ -147,8 +116,7 @@ class TorchBackend:
 
     def reload(self, model_path: str | Path) -> None:
         """Load (or replace) the weights and tokenizer from a checkpoint directory."""
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+        self.model = load_policy(model_path, self.device, self.dtype).eval()
         self.model_path = Path(model_path)
         self.tokenizer = load_tokenizer_if_present(model_path)
         self._policy_version = policy_version_of(model_path, self.model)
@@ -268,14 +236,6 @@ class TorchBackend:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def check_score_inputs(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
-    if len(sequences) != len(starts):
-        raise ValueError(f"{len(sequences)} sequences but {len(starts)} starts")
-    for index, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
-        if not 1 <= start <= len(seq):
-            raise ValueError(f"row {index}: start {start} outside [1, {len(seq)}]")
 
 
 def token_budget_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cleaner.engine.advantages import grpo_advantages
 from cleaner.engine.config import PurifyConfig, PurifyWhen
-from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.records import (
     FinishReason,
     PurifiedRow,

@@ -67,9 +67,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AttentionInterface
 
-from cleaner.engine.backends.base import Backend
+from cleaner.engine.backends.base import Backend, check_score_inputs
 from cleaner.engine.backends.kv import kv_geometry
-from cleaner.engine.backends.torch_backend import check_score_inputs
 from cleaner.engine.purify.radix import (
     Node,
     build_radix_tree,

@@ -28,8 +28,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Files that mark a directory as carrying a tokenizer worth copying into the new checkpoint.
-TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 # ---------------------------------------------------------------------------
 # Atomic directory
@@ -84,7 +82,7 @@ def atomic_directory(out_path: str | Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------
-# Save and load
+# Save
 
 
 def save_checkpoint_atomic(
@@ -108,26 +106,3 @@ def save_checkpoint_atomic(
             torch.save(state, temp_dir / name)
     logger.info("saved checkpoint to %s", out_path)
     return out_path
-
-
-def load_policy(
-    path: str | Path, device: str = "cpu", dtype: torch.dtype | None = torch.float32
-) -> torch.nn.Module:
-    """Load a causal LM from a Hugging Face directory or hub name onto `device`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.to(device)
-
-
-def load_tokenizer_if_present(path: str | Path) -> object | None:
-    """The tokenizer of a checkpoint: None for a local directory without tokenizer files.
-
-    A path that is not a local directory is taken as a hub name, whose tokenizer always exists.
-    """
-    local = Path(path)
-    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_MARKERS):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

@@ -38,9 +38,10 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.engine.config import TrainConfig
+from cleaner.engine.models import load_policy, load_tokenizer_if_present
 from cleaner.engine.records import PurifiedRow, TrainStepRow
-from cleaner.engine.train.checkpoint import atomic_directory, load_policy, load_tokenizer_if_present
-from cleaner.engine.train.trainer import (
+from cleaner.engine.train.checkpoint import atomic_directory
+from cleaner.engine.train.stages import (
     TrainResult,
     chunks,
     collate_rows,

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cleaner.engine.train.checkpoint import (
-    atomic_directory,
-    load_policy,
-    load_tokenizer_if_present,
-    save_checkpoint_atomic,
-)
+from cleaner.engine.models import load_policy, load_tokenizer_if_present
+from cleaner.engine.train.checkpoint import atomic_directory, save_checkpoint_atomic
 from tests.helpers import tiny_qwen3
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cleaner.engine.config import TrainConfig
-from cleaner.engine.train.checkpoint import load_policy
+from cleaner.engine.models import load_policy
 from cleaner.engine.train.optim import STATE_PATH, load_optimization, new_optimization
 from cleaner.engine.train.trainer import train_iteration
 from tests.engine.train.test_trainer import _batch, policy_dir  # noqa: F401 (fixture)

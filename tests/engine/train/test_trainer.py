@@ -1,4 +1,4 @@
-"""The training iteration on a tiny random Qwen3 (cleaner/engine/train/trainer.py)."""
+"""The training iteration on a tiny random Qwen3 (cleaner/engine/train/trainer.py, stages.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from cleaner.engine.config import TrainConfig
+from cleaner.engine.models import load_policy
 from cleaner.engine.records import PurifiedRow
-from cleaner.engine.train.checkpoint import load_policy
 from cleaner.engine.train.loss import token_log_probs
-from cleaner.engine.train.trainer import (
+from cleaner.engine.train.stages import (
     collate_rows,
     iter_mini_batches,
     micro_batch_loss,
     prepare_rows,
-    train_iteration,
 )
+from cleaner.engine.train.trainer import train_iteration
 from tests.helpers import tiny_qwen3  # noqa: E402
 
 VOCAB = 64

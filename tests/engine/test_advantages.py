@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.advantages import grpo_advantages
 
 
 def test_two_groups_against_hand_values():

@@ -1,0 +1,149 @@
+"""Loading models and tokenizers, naming their weights, and checking devices.
+
+Shared by the backends (generation and scoring), the trainer and bootstrap, so none of them
+imports another for it.
+
+Design decisions:
+- A path that exists, or that is written as a path (absolute, `./`, `../`, `~`), is a local model
+  directory: if it is missing or holds no loadable model, `ModelError` says so at once, without a
+  hub lookup. Anything else (`Qwen/Qwen3-4B-Instruct-2507`) is a hub id, resolved by transformers
+  as usual (from its local cache; a download only where the user's machine has a network).
+- `policy_version_of` = checkpoint directory name + a short content hash of the weight files, so
+  two runs that load the same weights agree and a retrained checkpoint in the same directory does
+  not. Only top-level files with a weight suffix are hashed: the optimiser state lives in a
+  subdirectory of the checkpoint.
+- `check_device` refuses a device torch cannot use here (CUDA without CUDA, a GPU index beyond
+  the visible ones), so a run fails before loading anything rather than deep inside torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from cleaner.errors import CleanerError
+
+# Files that mark a directory as carrying a tokenizer worth loading (and copying into a checkpoint).
+TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+FULL_HASH_LIMIT_BYTES = 256 * 2**20  # bigger weight files are hashed by sampled blocks
+SAMPLED_BLOCKS, BLOCK_BYTES = 64, 2**20
+
+
+class ModelError(CleanerError):
+    """A model path that does not hold a loadable model."""
+
+
+class DeviceError(CleanerError):
+    """A torch device that cannot be used on this machine."""
+
+
+# ---------------------------------------------------------------------------- devices
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device, if this machine can use it; DeviceError naming it otherwise."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise DeviceError(f"device {str(device)!r}: not a torch device ({error}); expected cpu, "
+                          "cuda or cuda:N") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceError(f"device {str(device)!r}: {why} (torch {torch.__version__}); use cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA "
+                              "device(s) are visible")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {str(device)!r}: MPS is not available here; use cpu")
+    return resolved
+
+
+# ---------------------------------------------------------------------------- models and tokenizers
+
+
+def _is_local(path: str | Path) -> bool:
+    text = str(path)
+    return Path(text).exists() or text.startswith((os.sep, "./", "../", "~"))
+
+
+def check_model_path(path: str | Path) -> None:
+    """ModelError unless `path` is a model directory (config.json) or a hub id."""
+    if not _is_local(path):
+        return  # a hub id: transformers resolves it and reports what it cannot find
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        raise ModelError(f"model {str(path)!r}: no such directory; expected a Hugging Face model "
+                         "directory (config.json and weights) or a hub id such as Qwen/Qwen3-4B")
+    if not (local / "config.json").is_file():
+        raise ModelError(f"model {str(path)!r}: the directory has no config.json; expected a Hugging "
+                         "Face model directory (save_pretrained) with config.json and weights")
+
+
+def load_policy(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
+    """A causal LM from a Hugging Face directory or hub id, on `device`."""
+    from transformers import AutoModelForCausalLM  # transformers' import costs CLI start-up time
+
+    check_model_path(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise ModelError(f"model {str(path)!r}: cannot load a causal LM ({error})") from error
+    return model.to(check_device(device))
+
+
+def load_tokenizer_if_present(path: str | Path) -> object | None:
+    """The tokenizer of a checkpoint: None for a local directory without tokenizer files.
+
+    A path that is not a local directory is taken as a hub id, whose tokenizer always exists.
+    """
+    local = Path(path)
+    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_MARKERS):
+        return None
+    from transformers import AutoTokenizer  # transformers' import costs CLI start-up time
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise ModelError(f"model {str(path)!r}: cannot load its tokenizer ({error})") from error
+
+
+# ---------------------------------------------------------------------------- policy version
+
+
+def weights_digest(model_path: str | Path) -> str:
+    """12 hex digits identifying the weight files of a checkpoint directory.
+
+    Files up to 256 MiB are hashed whole; bigger ones by their size and 64 evenly spaced 1 MiB
+    blocks (an optimiser step changes every block, and hashing 8 GB per load is not cheap).
+    """
+    model_dir = Path(model_path)
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        raise ModelError(f"model {str(model_dir)!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as handle:
+            if size <= FULL_HASH_LIMIT_BYTES:
+                digest.update(handle.read())
+                continue
+            for block in range(SAMPLED_BLOCKS):
+                handle.seek(block * (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1))
+                digest.update(handle.read(BLOCK_BYTES))
+    return digest.hexdigest()[:12]
+
+
+def policy_version_of(model_path: str | Path, model: torch.nn.Module | None = None) -> str:
+    """`<dir name>@<weights digest>`; a hub id (not a local dir) uses the hub commit instead."""
+    if Path(model_path).is_dir():
+        return f"{Path(model_path).resolve().name}@{weights_digest(model_path)}"
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None) or "unhashed"
+    return f"{model_path}@{commit[:12]}"
+
+

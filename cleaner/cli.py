@@ -501,7 +501,7 @@ def sql(
     import duckdb
     import polars as pl
 
-    from cleaner.engine.inspect import result_table
+    from cleaner.engine.show import result_table
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:
@@ -549,8 +549,8 @@ def show(
     The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
     """
-    from cleaner.engine.inspect import Decoder, load_decoder, load_inspection, show_rollout
     from cleaner.engine.render import View
+    from cleaner.engine.show import Decoder, load_decoder, load_inspection, show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
 
     saar = _config(View, purified=True, gamma=gamma, similarity_on=similarity_on)

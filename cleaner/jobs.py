@@ -35,10 +35,6 @@ class JobError(Exception):
     """A job cannot start or finish; the message says why and what to do."""
 
 
-def _collect_config_name(iteration: int) -> str:
-    return f"collect-iteration={iteration}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Collect
 
@@ -85,10 +81,10 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
             f"{warehouse.root}: iteration {iteration} already holds {len(stored)} rollouts; "
             "pass --resume to finish it, or collect another --iteration"
         )
-    saved = warehouse.load_config(_collect_config_name(iteration))
+    saved = warehouse.collect_config(iteration)
     if resume and saved is not None and json.loads(saved) != json.loads(config.to_json()):
         raise JobError(f"iteration {iteration} was collected with another config; resume needs the same options")
-    warehouse.save_config(_collect_config_name(iteration), config.to_json())
+    warehouse.save_collect_config(iteration, config.to_json())
     n_written = 0
     if len(stored) < n_planned:
         backend = backend or load_backend(config.backend, config.model, device=config.device)
@@ -104,7 +100,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
 
 def collected_policy(warehouse: Warehouse, iteration: int) -> str:
     """The policy that collected an iteration, from its saved collect config."""
-    saved = warehouse.load_config(_collect_config_name(iteration))
+    saved = warehouse.collect_config(iteration)
     if saved is None:
         raise JobError(f"{warehouse.root}: iteration {iteration} has no collect config; was it collected?")
     return json.loads(saved)["model"]

@@ -164,6 +164,37 @@ class Warehouse:
         path = self.root / "configs" / f"{name}.json"
         return path.read_text() if path.exists() else None
 
+    def save_collect_config(self, iteration: int, config_json: str) -> Path:
+        """The resolved config an iteration was collected with (its `model` is the collecting policy)."""
+        return self.save_config(f"collect-iteration={iteration}", config_json)
+
+    def collect_config(self, iteration: int) -> str | None:
+        return self.load_config(f"collect-iteration={iteration}")
+
+    # -----------------------------------------------------------------------------------------
+    # One rollout, for `cleaner show`
+
+    def read_rollout(self, rollout_id: str) -> tuple[Rollout | None, list[Segment]]:
+        """One rollout and its committed segments in seq order (None, [] if unknown)."""
+        connection = self.connect()
+        rollouts = schema.from_table(schema.ROLLOUTS, connection.sql(
+            "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
+        segments = schema.from_table(schema.SEGMENTS, connection.sql(
+            "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
+        return (rollouts[0] if rollouts else None), segments
+
+    def read_purified_of(self, rollout_id: str, iteration: int) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
+        """The rollout's purified row under every stored config of its iteration, with the config's
+        row (None if missing), ordered by the config's parameters."""
+        connection = self.connect()
+        rows = schema.from_table(schema.PURIFIED, connection.sql(
+            "SELECT * FROM purified WHERE rollout_id = ? AND iteration = ?",
+            params=[rollout_id, iteration]).to_arrow_table())
+        configs = {c.config_id: c for c in schema.from_table(schema.PURIFY_CONFIGS, connection.sql(
+            "SELECT * FROM purify_configs").to_arrow_table())}
+        pairs = [(row, configs.get(row.config_id)) for row in rows]
+        return sorted(pairs, key=lambda pair: (pair[1] is None, _config_order(pair[1]), pair[0].config_id))
+
     # -----------------------------------------------------------------------------------------
     # SQL
 
@@ -187,6 +218,12 @@ class Warehouse:
         for name, query in CONVENIENCE_VIEWS.items():
             connection.execute(f"CREATE VIEW {name} AS {query}")
         return connection
+
+
+def _config_order(config: PurifyConfigRow | None) -> tuple:
+    if config is None:
+        return ()
+    return (config.gamma, config.rollback_prob, config.similarity_on, config.purify_when)
 
 
 def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:

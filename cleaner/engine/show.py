@@ -1,16 +1,18 @@
-"""Human-readable views of warehouse contents: query results and one rollout, raw and purified.
+"""What `cleaner sql` and `cleaner show` print: query results, and one rollout raw and purified.
 
-`cleaner show` is built here; the CLI only parses options. Design decisions:
-- The purified view is whatever `render.explain` says the renderer does: the kept token ranges,
+`cleaner show` is built here; the CLI only parses options. A *view* is a rendering of a trajectory
+(raw or purified, docs/architecture.md §4); the raw panel and the purified panel show one each.
+Design decisions:
+- The purified panel is whatever `render.explain` says the renderer does: the kept token ranges,
   each step's outcome and each merge's similarity come from the renderer's own walk, never from a
-  re-implementation. The raw view marks what that rendering drops (struck through and dim), so the
-  two views are two readings of one decision.
+  re-implementation. The raw panel marks what that rendering drops (struck through and dim), so
+  the two panels are two readings of one decision.
 - Text of the purified sequence is decoded from the spliced token ids with the tokenizer of the
   policy that collected the iteration (its collect config's "model"), loaded with
   `local_files_only=True`: showing a rollout never downloads anything. Without a tokenizer the
   segment texts stand in, split at `<tool_call>` where a shallow merge cut a turn; the view says so.
-- Loading is read-only: one DuckDB connection from `Warehouse.connect()` plus the saved collect
-  config. The queries live here rather than in cli.py so that the command stays a thin wrapper.
+- Loading is read-only and the warehouse's own (`Warehouse.read_rollout`, `read_purified_of`,
+  `collect_config`); `load_inspection` only assembles what they return.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from rich.table import Table
 from rich.text import Text
 
 from cleaner.engine.chat import TOOL_CALL_OPEN
-from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
+from cleaner.engine.records import (
+    PurifiedRow,
+    PurifyConfigRow,
+    Rollout,
+    Segment,
+    SegmentKind,
+    ToolStatus,
+)
 from cleaner.engine.render import Decode, StepOutcome, View, explain, render
 
 logger = logging.getLogger(__name__)
@@ -90,7 +99,7 @@ def _clip(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + " …"
 
 
-def rollout_view(
+def raw_panel(
     rollout: Rollout | None,
     segments: Sequence[Segment],
     max_chars: int = 400,
@@ -205,7 +214,7 @@ def step_label(step: StepOutcome) -> str:
     return " · ".join(parts)
 
 
-def purified_view(
+def purified_panel(
     segments: Sequence[Segment], view: View, decode: Decode | None, note: str, max_chars: int = 2000
 ) -> Panel:
     """The purified token sequence as text, each step headed by its outcome, then the row's stats."""
@@ -289,42 +298,37 @@ class Inspection:
         return self.rollout.iteration if self.rollout is not None else self.segments[0].iteration
 
 
-CONFIGS_QUERY = """
-    SELECT p.config_id, c.gamma, c.rollback_prob, c.similarity_on, c.purify_when, p.rolled_back,
-           p.n_shallow, p.n_deep, p.n_unrecovered, p.tokens_removed, p.reward, p.advantage
-    FROM purified p LEFT JOIN purify_configs c USING (config_id)
-    WHERE p.rollout_id = ? AND p.iteration = ?
-    ORDER BY c.gamma, c.rollback_prob, c.similarity_on, c.purify_when, p.config_id
-"""
-
-
 def load_inspection(warehouse, rollout_id: str) -> Inspection | None:
     """Read one rollout, its segments and purified rows (None if it has no segments).
 
-    `warehouse` is a `cleaner.warehouse.Warehouse`; WarehouseError propagates.
+    `warehouse` is a `cleaner.warehouse.Warehouse` (passed in: the reads are the warehouse's);
+    WarehouseError propagates.
     """
-    from cleaner.warehouse.schema import ROLLOUTS, SEGMENTS, from_table
-
-    connection = warehouse.connect()
-    rollouts = from_table(ROLLOUTS, connection.sql(
-        "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
-    segments = from_table(SEGMENTS, connection.sql(
-        "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
+    rollout, segments = warehouse.read_rollout(rollout_id)
     if not segments:
         return None
-    iteration = rollouts[0].iteration if rollouts else segments[0].iteration
-    rows = connection.sql(CONFIGS_QUERY, params=[rollout_id, iteration]).fetchall()
-    configs = tuple(ConfigOutcome(*row) for row in rows)
-    return Inspection(rollouts[0] if rollouts else None, tuple(segments), configs,
-                      _collect_model(warehouse, iteration))
+    iteration = rollout.iteration if rollout is not None else segments[0].iteration
+    configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration))
+    return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
 
 
-def _collect_model(warehouse, iteration: int) -> str | None:
-    text = warehouse.load_config(f"collect-iteration={iteration}")  # name as written by jobs.collect_job
-    if text is None:
+def _outcome(row: PurifiedRow, config: PurifyConfigRow | None) -> ConfigOutcome:
+    return ConfigOutcome(
+        config_id=row.config_id, gamma=None if config is None else config.gamma,
+        rollback_prob=None if config is None else config.rollback_prob,
+        similarity_on=None if config is None else config.similarity_on,
+        purify_when=None if config is None else config.purify_when, rolled_back=row.rolled_back,
+        n_shallow=row.n_shallow, n_deep=row.n_deep, n_unrecovered=row.n_unrecovered,
+        tokens_removed=row.tokens_removed, reward=row.reward, advantage=row.advantage,
+    )
+
+
+def _collect_model(config_json: str | None, iteration: int) -> str | None:
+    """The `model` of an iteration's saved collect config, if any."""
+    if config_json is None:
         return None
     try:
-        model = json.loads(text).get("model")
+        model = json.loads(config_json).get("model")
     except (json.JSONDecodeError, AttributeError):
         logger.warning("collect config of iteration %d is not a JSON object; ignoring it", iteration)
         return None
@@ -373,10 +377,10 @@ def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: st
             steps = explain(segments, view, decoder.decode) if which == "both" else ()
         except ValueError:
             steps = ()  # the purified panel below says why
-        parts.append(rollout_view(inspection.rollout, segments, steps=steps, decode=decoder.decode))
+        parts.append(raw_panel(inspection.rollout, segments, steps=steps, decode=decoder.decode))
     elif inspection.rollout is not None:
         parts.append(_header(inspection.rollout))
     if which in ("purified", "both"):
-        parts.append(purified_view(segments, view, decoder.decode, decoder.note))
+        parts.append(purified_panel(segments, view, decoder.decode, decoder.note))
         parts.append(config_table(inspection.configs, inspection.iteration))
     return Group(*parts)

@@ -1,4 +1,4 @@
-"""`cleaner show`'s views (engine/inspect.py): purified text, drop marks, loading, tokenizer fallback.
+"""`cleaner show`'s views (engine/show.py): purified text, drop marks, loading, tokenizer fallback.
 
 Token ids are character codes (decode = chr), so the decoded purified text can be checked by hand.
 """
@@ -12,17 +12,17 @@ import pytest
 from rich.console import Console
 
 from cleaner.engine.chat import format_call
-from cleaner.engine.inspect import (
+from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
+from cleaner.engine.render import View, explain, render
+from cleaner.engine.show import (
     ConfigOutcome,
     Decoder,
     load_decoder,
     load_inspection,
     purified_texts,
-    rollout_view,
+    raw_panel,
     show_rollout,
 )
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
-from cleaner.engine.render import View, explain, render
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
 
@@ -93,19 +93,19 @@ def test_text_cut_falls_back_to_a_token_range_when_the_call_marker_is_missing():
 
 def test_raw_view_strikes_what_the_purified_rendering_drops():
     segments = chain()
-    out = plain(rollout_view(None, segments, steps=explain(segments, SHALLOW_VIEW)))
+    out = plain(raw_panel(None, segments, steps=explain(segments, SHALLOW_VIEW)))
     lines = [line for line in out.splitlines() if "#" in line and "tok)" in line]
     assert "partly removed (keeps tokens 0:7)" in lines[1]
     assert lines[2].rstrip(" ─╮").endswith("removed") and "error" in lines[2]
     assert "partly removed (keeps tokens 5:" in lines[3]
     assert not any("removed" in line for line in (lines[0], lines[4], lines[5]))
     assert "Think. [-<tool_call>" in out and "[-Fix. -]" in out
-    deep = plain(rollout_view(None, segments, steps=explain(segments, DEEP_VIEW)))
+    deep = plain(raw_panel(None, segments, steps=explain(segments, DEEP_VIEW)))
     assert "[-" not in deep and deep.count(" removed ") == 2  # a_0 and its error, whole
 
 
 def test_without_steps_nothing_is_marked():
-    assert "removed" not in plain(rollout_view(None, chain()))
+    assert "removed" not in plain(raw_panel(None, chain()))
 
 
 # ----------------------------------------------------------------------------------------------

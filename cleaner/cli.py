@@ -81,12 +81,11 @@ def _words(text: str) -> list[str]:
 
 def _run_job(job, *args, **kwargs):
     """Call a job; its expected failures become CLI errors with exit code 1."""
-    from cleaner.jobs import JobError
-    from cleaner.warehouse import WarehouseError
+    from cleaner.errors import CleanerError
 
     try:
         return job(*args, **kwargs)
-    except (JobError, WarehouseError, FileNotFoundError) as exc:
+    except CleanerError as exc:
         raise fail(str(exc)) from exc
 
 

@@ -24,14 +24,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cleaner.engine.backends import Backend, load_backend
+from cleaner.engine.chat import ChatFormat
+from cleaner.engine.collect.loop import collect
+from cleaner.engine.collect.sandbox import make_sandbox
+from cleaner.engine.collect.summary import CollectSummary, summarize
+from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
 from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
-from cleaner.engine.records import PurifyConfigRow
+from cleaner.engine.purify.pipeline import (
+    PurifyResult,
+    errors_by_type,
+    purify_iteration,
+    stats_from_rows,
+)
+from cleaner.engine.purify.scorer import PrefixTrieScorer, ScorerStats
+from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.engine.train.optim import Optimization
+from cleaner.engine.train.trainer import TrainResult, train_iteration
+from cleaner.errors import CleanerError
 from cleaner.warehouse import Warehouse, WarehouseError
 
 logger = logging.getLogger(__name__)
 
 
-class JobError(Exception):
+class JobError(CleanerError):
     """A job cannot start or finish; the message says why and what to do."""
 
 
@@ -44,33 +60,28 @@ class CollectOutcome:
     iteration: int
     n_planned: int  # rollouts the iteration should hold
     n_written: int  # rollouts written by this call (less than planned on resume)
-    summary: object  # engine.collect.summary.CollectSummary over the whole iteration
+    summary: CollectSummary  # over the whole iteration
     seconds: float
 
 
-def load_tasks(config: CollectConfig) -> list:
+def load_tasks(config: CollectConfig) -> list[Task]:
     """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
-    from cleaner.engine.collect.tasks import load_rl_parquet, toy_tasks
-
     if config.data is None:
         seed = int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
         return toy_tasks(config.n_prompts, seed=seed)
-    tasks = load_rl_parquet(config.data)
+    try:
+        tasks = load_rl_parquet(config.data)
+    except ValueError as error:  # the message names the file, the row and what was expected
+        raise JobError(str(error)) from error
     if not tasks:
         raise JobError(f"{config.data}: the dataset has no rows")
     start = (config.iteration * config.n_prompts) % len(tasks)
     return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
 
 
-def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False, backend=None,
-                progress: bool = True) -> CollectOutcome:
+def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False,
+                backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
     """Collect one iteration into the warehouse; with `resume`, finish a partly collected one."""
-    from cleaner.engine.backends import load_backend
-    from cleaner.engine.chat import ChatFormat
-    from cleaner.engine.collect.loop import collect
-    from cleaner.engine.collect.sandbox import make_sandbox
-    from cleaner.engine.collect.summary import summarize
-
     started = time.monotonic()
     iteration = config.iteration
     tasks = load_tasks(config)
@@ -112,9 +123,9 @@ def collected_policy(warehouse: Warehouse, iteration: int) -> str:
 
 @dataclass(frozen=True)
 class PurifyOutcome:
-    results: list  # engine.purify.pipeline.PurifyResult per requested config, in request order
+    results: list[PurifyResult]  # per requested config, in request order
     computed: list[str]  # config ids purified by this call (the rest were already stored)
-    scorer_stats: object | None  # the one scorer pass's ScorerStats; None if nothing was scored
+    scorer_stats: ScorerStats | None  # the one scorer pass's; None if nothing was scored
     seconds: float
 
 
@@ -124,8 +135,8 @@ def _cyclic_gc_paused():
 
     A purify job allocates hundreds of thousands of small acyclic objects (token tuples, floats),
     which reference counting frees anyway; their allocation only triggers collections that scan the
-    whole heap. In a process that had just collected an iteration, one full collection cost 0.26 s
-    of a 1.9 s ablation (measured; BENCHMARKS.md).
+    whole heap, a noticeable share of an ablation in a process that has just collected (measured
+    in BENCHMARKS.md, "Purify").
     """
     if not gc.isenabled():
         yield
@@ -139,23 +150,13 @@ def _cyclic_gc_paused():
 
 @_cyclic_gc_paused()
 def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
-               backend=None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+               backend: Backend | None = None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
     """Purify an iteration under every config in ONE scorer pass, and store the rows.
 
     Configs already stored for the iteration are not recomputed (idempotent); their results are
     rebuilt from the stored rows so a comparison always covers every requested config. Python's
     cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
-    from cleaner.engine.backends import load_backend
-    from cleaner.engine.chat import ChatFormat
-    from cleaner.engine.purify.pipeline import (
-        PurifyResult,
-        errors_by_type,
-        purify_iteration,
-        stats_from_rows,
-    )
-    from cleaner.engine.purify.scorer import PrefixTrieScorer
-
     started = time.monotonic()
     rollouts = warehouse.read_rollouts(iteration)
     if not rollouts:
@@ -183,7 +184,7 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
 
 
-def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> None:
+def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence[PurifyResult]) -> None:
     """The rows of every config in one write, then each config's resolved parameters as JSON."""
     configs = [(result.config, result.config.to_json()) for result in results]
     warehouse.write_purified_many(iteration, [
@@ -200,15 +201,21 @@ def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence) -> 
 # Train
 
 
+@dataclass(frozen=True)
+class TrainOutcome:
+    result: TrainResult  # the checkpoint, the step rows, the trained model and its optimiser
+    seconds: float
+
+
 def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str | Path, out: str | Path,
-              config: TrainConfig, *, model=None, rows=None, optimization=None, progress: bool = True):
+              config: TrainConfig, *, model=None, rows: Sequence[PurifiedRow] | None = None,
+              optimization: Optimization | None = None, progress: bool = True) -> TrainOutcome:
     """Train on one purified config of an iteration; write the checkpoint and the step metrics.
 
     `rows` are that config's purified rows when the caller has already read them; `optimization`
     is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
-    from cleaner.engine.train.trainer import train_iteration
-
+    started = time.monotonic()
     if rows is None:
         try:
             rows = warehouse.read_purified(iteration, config_id)
@@ -218,4 +225,4 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
                              optimization=optimization)
     warehouse.write_train_steps(iteration, result.steps)
     warehouse.save_config(f"train-iteration={iteration}", config.to_json())
-    return result
+    return TrainOutcome(result, time.monotonic() - started)

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cleaner.engine.backends import load_backend
 from cleaner.engine.config import RunConfig
 from cleaner.engine.records import IterationRow
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
 
 if TYPE_CHECKING:
+    from cleaner.engine.backends import Backend
+    from cleaner.engine.train.optim import Optimization
     from cleaner.engine.train.trainer import TrainResult
 
 logger = logging.getLogger(__name__)
@@ -35,8 +37,6 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def _ensure_backend(backend, policy: str, device: str):
-    from cleaner.engine.backends import load_backend
-
     if backend is not None and str(getattr(backend, "model_path", "")) == str(policy):
         return backend
     return load_backend("torch", policy, device=device)
@@ -71,32 +71,30 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     return warehouse.read_iterations()
 
 
-def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend,
-                   optimization, progress: bool) -> tuple[IterationRow, TrainResult | None]:
+def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend: Backend,
+                   optimization: Optimization | None, progress: bool) -> tuple[IterationRow, TrainResult | None]:
     """One iteration; returns its row and the training result if the in-memory model was trained
     here (None if a previous process had already trained and saved it)."""
     collect_config = dataclasses.replace(config.collect, iteration=iteration, model=str(policy))
     collected = collect_job(warehouse, collect_config, resume=True, backend=backend, progress=progress)
-    started = time.monotonic()
-    purify_job(warehouse, iteration, [config.purify], backend=backend,
+    purified = purify_job(warehouse, iteration, [config.purify], backend=backend,
                           device=config.collect.device, progress=progress)
-    purify_s = time.monotonic() - started
-    rows = warehouse.read_purified(iteration, config.purify.config_id)
+    (result,) = purified.results
     out = checkpoint_dir(Path(config.run_dir), iteration)
-    started = time.monotonic()
-    trained = None
+    trained, train_s = None, 0.0
     if not (warehouse.has_train_steps(iteration) and out.exists()):
-        trained = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                            model=backend.model, rows=rows, optimization=optimization, progress=progress)
-    train_s = time.monotonic() - started
+        outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
+                            model=backend.model, rows=result.rows, optimization=optimization,
+                            progress=progress)
+        trained, train_s = outcome.result, outcome.seconds
     summary = collected.summary
     row = IterationRow(
         iteration=iteration, policy_in=str(policy), policy_out=str(out),
         collect_config_json=collect_config.to_json(), purify_config_json=config.purify.to_json(),
-        train_config_json=config.train.to_json(), collect_s=collected.seconds, purify_s=purify_s,
+        train_config_json=config.train.to_json(), collect_s=collected.seconds, purify_s=purified.seconds,
         train_s=train_s, accuracy=summary.accuracy, first_attempt_error_rate=summary.first_attempt_error_rate,
         failures_per_trajectory=summary.failed_calls_per_rollout,
-        n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
+        n_shallow=result.stats.n_shallow, n_deep=result.stats.n_deep,
     )
     warehouse.write_iteration(row)
     return row, trained

@@ -31,9 +31,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cleaner.engine.config import RunConfig
+from cleaner.errors import CleanerError
 
 
-class ConfigError(ValueError):
+class ConfigError(CleanerError, ValueError):
     """A config file or layer that cannot be turned into a RunConfig; the message says where."""
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cleaner.errors import CleanerError
 from cleaner.warehouse.schema import Dataset
 
 PART_GLOB = "part-*.parquet"
 
 
-class WarehouseError(Exception):
+class WarehouseError(CleanerError):
     """A warehouse file is unreadable or does not match its schema."""
 
 

@@ -31,6 +31,7 @@ from cleaner.engine.collect.sandbox import make_sandbox
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
 from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
+from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
@@ -83,6 +84,9 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
                 backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
     """Collect one iteration into the warehouse; with `resume`, finish a partly collected one."""
     started = time.monotonic()
+    if backend is None:  # fail on a bad model or device before anything is written
+        check_device(config.device)
+        check_model_path(config.model)
     iteration = config.iteration
     tasks = load_tasks(config)
     n_planned = len(tasks) * config.group_size
@@ -158,6 +162,7 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
+    check_device(device)
     rollouts = warehouse.read_rollouts(iteration)
     if not rollouts:
         raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
@@ -216,6 +221,9 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
     started = time.monotonic()
+    check_device(config.device)
+    if model is None:
+        check_model_path(policy)
     if rows is None:
         try:
             rows = warehouse.read_purified(iteration, config_id)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from cleaner.engine.backends import load_backend
 from cleaner.engine.config import RunConfig
+from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.records import IterationRow
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
@@ -45,6 +46,8 @@ def _ensure_backend(backend, policy: str, device: str):
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
              on_iteration: Callable[[IterationRow], None] | None = None) -> list[IterationRow]:
     """Run `config.iterations` iterations; returns the iteration rows of the whole run."""
+    check_device(config.collect.device)  # a bad device or model fails before anything is written
+    check_model_path(config.collect.model)
     run_dir = Path(config.run_dir)
     warehouse = Warehouse(run_dir / "warehouse")
     exists = warehouse.root.exists()

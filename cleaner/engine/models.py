@@ -49,8 +49,8 @@ def check_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise DeviceError(f"device {str(device)!r}: not a torch device ({error}); expected cpu, "
-                          "cuda or cuda:N") from error
+        raise DeviceError(f"device {str(device)!r}: not a torch device; expected cpu, cuda or "
+                          "cuda:N") from error
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"

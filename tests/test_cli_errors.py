@@ -1,0 +1,91 @@
+"""Bad input, as a new user would try it: one `error:` line naming the input, exit code 1, no
+traceback, nothing written; and the smallest runs work (typer's CliRunner)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cleaner.cli import app
+from cleaner.warehouse import Warehouse
+
+runner = CliRunner()
+
+
+def _fails_cleanly(args: list[str], *expected: str) -> str:
+    result = runner.invoke(app, args)
+    output = " ".join(result.output.split())  # rich wraps long lines
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output and output.count("error:") == 1, result.output
+    for text in expected:
+        assert text in output, (text, output)
+    return output
+
+
+SMALL = ["--prompts", "1", "--group-size", "1"]
+
+
+def test_collect_with_a_missing_model_directory(tmp_path):
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", "/nonexistent", *SMALL],
+                   "model '/nonexistent'", "no such directory", "config.json")
+    assert not (tmp_path / "w").exists()  # nothing written
+
+
+def test_collect_with_a_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", str(tmp_path / "empty"), *SMALL],
+                   "has no config.json")
+
+
+def test_collect_with_unreadable_data(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--data", str(bad), *SMALL],
+                   "bad.parquet", "not a readable Parquet file")
+
+
+def test_collect_with_data_in_another_layout(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"question": ["1+1?"], "answer": ["2"]}), path)
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--data", str(path), *SMALL],
+                   "other.parquet", "missing column", "found ['question', 'answer']")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "nonsense"])
+def test_unavailable_device(tmp_path, device):
+    import torch
+
+    if torch.cuda.is_available() and device != "nonsense" and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has that device")
+    for command in (["collect", "-w", str(tmp_path / "w"), *SMALL],
+                    ["run", "--run-dir", str(tmp_path / "r"), *SMALL]):
+        _fails_cleanly([*command, "--device", device], f"device '{device}'")
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
+
+
+def test_purify_and_train_name_what_is_missing(tmp_path):
+    _fails_cleanly(["purify", "-w", str(tmp_path / "none")], "iteration 0 has no rollouts", "cleaner collect")
+    (tmp_path / "policy").mkdir()
+    _fails_cleanly(["train", "-w", str(tmp_path / "none"), "--config-id", "abc", "--policy",
+                    str(tmp_path / "policy"), "--out", str(tmp_path / "out")], "has no config.json")
+
+
+def test_run_with_a_missing_model(tmp_path):
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--model", "./no/such/model", *SMALL],
+                   "model './no/such/model'", "no such directory")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_the_smallest_runs_complete(tmp_path, group_size):
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--prompts", "1", "--group-size",
+                                 str(group_size), "--iterations", "2", "--max-new-tokens", "48"])
+    assert result.exit_code == 0, result.output
+    connection = Warehouse(run_dir / "warehouse").connect()
+    assert connection.sql("SELECT count(*) FROM iterations").fetchall() == [(2,)]
+    assert connection.sql("SELECT count(*) FROM rollouts").fetchall() == [(2 * group_size,)]

@@ -239,10 +239,10 @@ def train(
                      epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
                      dynamic_sampling=dynamic_sampling, engine=engine,
                      deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
-    result = _run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config)
-    last = result.steps[-1] if result.steps else None
-    if last is not None:
-        console.print(f"{len(result.steps)} steps; last loss {last.loss:.4f} kl {last.approx_kl:.4f} "
+    steps = _run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result.steps
+    if steps:
+        last = steps[-1]
+        console.print(f"{len(steps)} steps; last loss {last.loss:.4f} kl {last.approx_kl:.4f} "
                       f"clip {last.clip_fraction:.3f}")
     console.print(f"checkpoint -> {out}")
 

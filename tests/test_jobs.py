@@ -45,3 +45,97 @@ def test_purify_job_runs_with_the_collector_paused():
         purify_job(EmptyWarehouse(), 0, [])
     assert seen == [False]
     assert gc.isenabled()
+
+
+# ---------------------------------------------------------------------------------------------
+# The glue on a real warehouse: the committed tiny policy collects 6 prompts x 2 samples
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    root = tmp_path_factory.mktemp("glue") / "wh"
+    result = CliRunner().invoke(app, ["collect", "-w", str(root), "--prompts", "6", "--group-size", "2",
+                                      "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def _copy(collected, tmp_path):
+    import shutil
+
+    from cleaner.warehouse import Warehouse
+
+    shutil.copytree(collected, tmp_path / "wh")
+    return Warehouse(tmp_path / "wh")
+
+
+def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tmp_path):
+    from cleaner.engine.config import PurifyConfig
+    from cleaner.jobs import purify_job
+
+    warehouse = _copy(collected, tmp_path)
+    configs = [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.7), PurifyConfig(gamma=0.7, rollback_prob=0.5)]
+    first = purify_job(warehouse, 0, configs, progress=False)
+    assert first.computed == [c.config_id for c in configs] and first.scorer_stats is not None
+    assert [r.config for r in first.results] == configs
+    assert all(len(r.rows) == 12 for r in first.results)
+    assert warehouse.purify_config_ids() == {c.config_id for c in configs}
+    more = [configs[2], PurifyConfig(gamma=1.5), configs[0]]
+    second = purify_job(warehouse, 0, more, progress=False)
+    assert second.computed == [more[1].config_id]  # only the new config is scored
+    assert [r.config for r in second.results] == more  # in request order
+    for stored, again in ((first.results[2], second.results[0]), (first.results[0], second.results[2])):
+        assert [row.token_ids for row in again.rows] == [row.token_ids for row in stored.rows]
+        assert again.stats == stored.stats  # rebuilt from the stored rows
+    third = purify_job(warehouse, 0, more, progress=False)
+    assert third.computed == [] and third.scorer_stats is None
+
+
+def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
+    from cleaner.engine.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
+    from cleaner.jobs import JobError, purify_job, train_job
+
+    warehouse = _copy(collected, tmp_path)
+    config = PurifyConfig()
+    with pytest.raises(JobError, match="run `cleaner purify` first"):
+        train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", TrainConfig(), progress=False)
+    purify_job(warehouse, 0, [config], progress=False)
+    train = TrainConfig(lr=1e-4, mini_batch_size=6, micro_batch_size=3)
+    outcome = train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", train, progress=False)
+    assert outcome.result.out_path == (tmp_path / "out").resolve() and outcome.seconds > 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "optimizer" / "state.pt").is_file()
+    steps = warehouse.connect().sql("SELECT step, optimizer_step FROM train_steps ORDER BY step").fetchall()
+    assert steps == [(s.step, s.optimizer_step) for s in outcome.result.steps] and len(steps) == 2
+    assert warehouse.load_config("train-iteration=0") == train.to_json()
+
+
+def test_purify_ablate_and_train_commands(collected, tmp_path):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+    from cleaner.engine.config import DEFAULT_POLICY, PurifyConfig
+
+    warehouse = _copy(collected, tmp_path)
+    cli = CliRunner()
+    purified = cli.invoke(app, ["purify", "-w", str(warehouse.root), "--gamma", "0.7"])
+    assert purified.exit_code == 0, purified.output
+    config_id = PurifyConfig(gamma=0.7).config_id
+    assert config_id[:8] in purified.output and "1 config(s)" in purified.output
+    ablated = cli.invoke(app, ["ablate", "-w", str(warehouse.root), "--gamma", "0.3,0.7", "--rollback-prob", "1.0"])
+    assert ablated.exit_code == 0, ablated.output
+    assert f"already stored, not recomputed: {config_id}" in ablated.output
+    assert "2 config(s)" in ablated.output
+    trained = cli.invoke(app, ["train", "-w", str(warehouse.root), "--config-id", config_id, "--policy",
+                               str(DEFAULT_POLICY), "--out", str(tmp_path / "ckpt"), "--lr", "1e-4",
+                               "--mini-batch-size", "12", "--micro-batch-size", "4"])
+    assert trained.exit_code == 0, trained.output
+    assert "1 steps" in trained.output and f"checkpoint -> {tmp_path / 'ckpt'}" in trained.output
+    assert warehouse.connect().sql("SELECT count(*) FROM train_steps").fetchall() == [(1,)]
+    missing = cli.invoke(app, ["train", "-w", str(warehouse.root), "--config-id", "nope", "--policy",
+                               str(DEFAULT_POLICY), "--out", str(tmp_path / "x")])
+    assert missing.exit_code == 1 and "run `cleaner purify` first" in missing.output

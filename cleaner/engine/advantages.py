@@ -1,4 +1,4 @@
-"""GRPO group-normalised advantages (DESIGN.md section 6), computed with polars.
+"""GRPO group-normalised advantages (docs/architecture.md §7), computed with polars.
 
 advantage_i = (r_i - mean_group) / (std_group + eps)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cleaner.engine.records import CollectView, enum_value
 
-# The committed tiny default policy (DESIGN.md section 8).
+# The committed tiny default policy (docs/architecture.md §11).
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_POLICY = ASSETS_DIR / "tiny-policy"
 
@@ -161,7 +161,7 @@ class TrainConfig(_Config):
     clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
     clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
-    truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (DESIGN.md 5)
+    truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (docs/architecture.md §6)
     is_cap: float = 2.0  # cap of the truncated importance ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off

@@ -1,4 +1,4 @@
-"""The trajectory renderer: raw and purified (SAAR) views of one rollout (DESIGN.md section 4).
+"""The trajectory renderer: raw and purified (SAAR) views of one rollout (docs/architecture.md §4).
 
 `render(segments, view)` turns the stored segments of ONE rollout into a token sequence with a loss
 mask and behaviour log-probabilities. Assistant tokens are trained (loss_mask 1, their behaviour
@@ -125,7 +125,7 @@ def view_for(
     rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
     similarity_on: SimilarityOn
 ) -> View:
-    """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (DESIGN.md 4.3)."""
+    """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (docs/architecture.md §4)."""
     if purified and rollback_draw < rollback_prob:
         return View(purified=True, gamma=gamma, similarity_on=similarity_on)
     return RAW

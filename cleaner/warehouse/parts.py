@@ -58,7 +58,7 @@ def write_part(directory: Path, table: pa.Table, name: str | None = None) -> Pat
 
 def _dictionary_columns(table: pa.Table) -> list[str]:
     """Dictionary-encode only string columns: on token and log-prob lists it costs twice the
-    write time and saves almost nothing (measured on purified parts: 12.3 ms vs 5.4 ms, 176 vs 181 kB)."""
+    write time and saves almost nothing (BENCHMARKS.md, "Purify")."""
     return [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
 
 

@@ -1,4 +1,4 @@
-"""Arrow schemas of the warehouse (DESIGN.md section 3), written once, here and nowhere else.
+"""Arrow schemas of the warehouse (docs/architecture.md §3), written once, here and nowhere else.
 
 Each dataset pairs an Arrow schema with the frozen record type whose fields are its columns
 (`cleaner.engine.records`), and the Hive partition keys its part files live under. Conversion

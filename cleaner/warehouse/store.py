@@ -1,6 +1,6 @@
 """The warehouse: typed reads and writes of every dataset, and DuckDB views over them.
 
-Layout (DESIGN.md section 3): `<root>/<dataset>/<key>=<value>/.../part-<uuid>.parquet`.
+Layout (docs/architecture.md §3): `<root>/<dataset>/<key>=<value>/.../part-<uuid>.parquet`.
 
 Commit protocol for collection: a batch of complete rollouts is written as a segments part and then a
 rollouts part with the SAME file name. The rollouts part is the commit marker: a segments part whose

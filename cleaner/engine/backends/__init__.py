@@ -1,4 +1,4 @@
-"""Generation and scoring backends (DESIGN.md 5): `load_backend` picks one by name.
+"""Generation and scoring backends (docs/architecture.md §6): `load_backend` picks one by name.
 
 Imports are lazy so that importing the package never loads torch weights or sglang.
 """

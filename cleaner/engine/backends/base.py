@@ -3,7 +3,7 @@
 A backend turns token-id prompts into sampled continuations (with the behaviour log-probabilities of
 the sampled tokens) and scores fixed token sequences (log pi(x_t | x_<t)). The torch backend
 (`torch_backend.py`) runs on CPU or one GPU with transformers; the SGLang backend
-(`sglang_backend.py`, GPU only) implements the same two calls on `sglang.Engine` (DESIGN.md 5).
+(`sglang_backend.py`, GPU only) implements the same two calls on `sglang.Engine` (docs/architecture.md §6).
 
 Everything here is token ids in, token ids out: the agent loop never re-tokenises text.
 """

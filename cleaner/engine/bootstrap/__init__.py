@@ -1,4 +1,4 @@
-"""`cleaner bootstrap`: the tiny default policy (DESIGN.md section 8).
+"""`cleaner bootstrap`: the tiny default policy (docs/architecture.md §11).
 
 corpus.py builds synthetic tool-using trajectories, tokenizer.py the byte-level BPE and chat
 template, sft.py the model and its supervised training; local_exec.py runs corpus code when the

@@ -2,7 +2,7 @@
 
 Used by the corpus (our own generated code, never model output) when `collect.sandbox` cannot be
 imported, and by the calibration bench as a fallback. It is NOT a sandbox: no limits beyond a
-wall-clock timeout on the whole batch. The wording matches DESIGN.md section 7 and the sandbox:
+wall-clock timeout on the whole batch. The wording matches the sandbox (docs/architecture.md §8):
 `Tool call success\\nstdout: 42\\n` and
 `Tool call failure\\nreason: error\\nstderr: NameError at line 1: name 'x' is not defined\\n  x`.
 """

@@ -1,4 +1,4 @@
-"""Supervised training of the tiny default policy (DESIGN.md section 8).
+"""Supervised training of the tiny default policy (docs/architecture.md §11).
 
 Design decisions:
 - The model is a Qwen3ForCausalLM (hidden 128, 2 layers, 4 heads of 32, 2 KV heads, MLP 384, tied

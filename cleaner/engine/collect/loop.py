@@ -1,4 +1,4 @@
-"""The agent loop of `cleaner collect` (DESIGN.md sections 3, 4.4 and 7).
+"""The agent loop of `cleaner collect` (docs/architecture.md §5).
 
 Every rollout of a batch advances in lock step: one `backend.generate` call per turn for all active
 rollouts, then one `sandbox.run_many` call for all the tool calls of that turn. Each rollout's record

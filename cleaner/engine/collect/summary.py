@@ -1,9 +1,9 @@
 """Headline numbers of one collection: how often calls fail, and how often the model recovers.
 
 Computed with polars from the records the agent loop returns (no warehouse access here), so the CLI
-can print them after `cleaner collect` and the lead can store them in the `iterations` table.
+can print them after `cleaner collect` and `cleaner run` can store them in the `iterations` table.
 
-Definitions (DESIGN.md 3, 4.4):
+Definitions (docs/architecture.md §3, §5):
 - a *call* is an assistant segment with a tool call (call_start set); it is *well formed* when its
   code parsed (tool_code set). Calls left unexecuted at max_turns count here but have no outcome.
 - an *outcome* is a tool segment; the first-attempt error rate is the share of attempt-0 outcomes

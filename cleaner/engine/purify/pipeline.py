@@ -1,4 +1,4 @@
-"""The purify stage as functions over records (DESIGN.md 4.3, 5 and 6); no disk I/O here.
+"""The purify stage as functions over records (docs/architecture.md §4, §6, §7); no disk I/O here.
 
     rollouts + segments --render per config--> rows (old_logprobs 0) --ONE scorer call--> rows
 

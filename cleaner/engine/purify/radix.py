@@ -1,4 +1,4 @@
-"""The radix tree the prefix-trie scorer walks (DESIGN.md 5).
+"""The radix tree the prefix-trie scorer walks (docs/architecture.md §6).
 
 Each node holds an edge of tokens that every row below it shares; the root's edge is empty. Long
 edges become chains of nodes of at most max_edge_tokens, so a forward never exceeds its budget.

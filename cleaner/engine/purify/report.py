@@ -3,7 +3,7 @@
 Beyond SAAR's own counters, each config reports the tokens it trains and how many of them are
 `ctx-rewritten`: loss tokens whose recomputed old log-prob differs from the behaviour log-prob
 (|diff| > 1e-3), i.e. tokens whose context purification rewrote after they were sampled. That is
-the off-policy share a config creates, which truncated IS (DESIGN.md 5) can correct.
+the off-policy share a config creates, which truncated IS (docs/architecture.md §6) can correct.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Old-logprob recompute with prefix reuse (DESIGN.md 5).
+"""Old-logprob recompute with prefix reuse (docs/architecture.md §6).
 
 `score_rows(sequences, starts)` has the contract of `Backend.score`: for each row s and start P >= 1,
 `[log pi(s[t] | s[:t]) for t in range(P, len(s))]`, untempered, equal to a naive full forward of
@@ -12,12 +12,11 @@ Design decisions:
 - Edges are batched ACROSS nodes, not per parent: pending edges sit on a stack; a window of them
   (window_batches attention batches' worth of tokens) is taken off the top, sorted by length, and
   cut into attention batches of rows x (longest prefix + longest edge) <= max_batch_tokens.
-  Forwarding each node's children on their own cost one small forward per internal node (393 on
-  the toy ablation); across nodes it was 38 forwards, and scoring went from 2.31 s to about 0.95 s.
+  Forwarding each node's children on their own would cost one small forward per internal node;
+  across nodes a whole ablation takes a few dozen forwards (BENCHMARKS.md, "Purify").
 - One forward per window, PACKED: all the window's edges go through the model as one unpadded row
-  with explicit positions, so the linear layers, norms and output head never see padding (49.9k
-  tokens instead of 59.1k on the toy ablation; on a 4-7B model the linear layers are nearly all of
-  the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
+  with explicit positions, so the linear layers, norms and output head never see padding (on a
+  4-7B model the linear layers are nearly all of the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
   itself: `_trie_attention` is registered with transformers' `AttentionInterface` and the model is
   switched to it for the scorer's forwards only (restored in a `finally`; so no other thread may
   run the same model object during a scoring call). Per attention batch it
@@ -31,10 +30,10 @@ Design decisions:
 - Prefix caches are LEFT-padded to the batch's longest prefix, so each row's prefix and edge are
   contiguous in the buffer after the forward and a child's cache is a view. The mask is float (not
   transformers' boolean) and SDPA gets `enable_gqa` on CPU: both are faster there, same values.
-- Sizes, measured on CPU (BENCHMARKS.md): pieces of max_edge_tokens = 64 (best of 32/48/64/96/128/
-  2048: batches then mix pieces of similar length) and attention batches of 2048 (best of 1024/
-  2048/4096/8192: small batches pad less, and 4 of them per forward keep activations in cache).
-  On CUDA the defaults are 2048 and 8192, not measured here (no GPU).
+- Sizes: on CPU, pieces of max_edge_tokens = 64 (batches then mix pieces of similar length) and
+  attention batches of 2048 tokens (small batches pad less, and 4 of them per forward keep
+  activations in cache), the best of the sizes compared in BENCHMARKS.md. On CUDA the defaults
+  are 2048 and 8192, larger because a GPU wants bigger kernels; they have not been compared there.
 - The boundary: the log-prob of an edge's first token comes from the LAST position of its parent
   edge; the rest come from the edge's own positions. The very first token of a row has no
   log-prob (starts are >= 1). A leaf's last token is context for nothing and is not forwarded.
@@ -80,8 +79,8 @@ from cleaner.engine.purify.radix import (
 )
 
 SCORER_VERSION = "prefix-trie-1"
-CPU_EDGE_TOKENS = 64  # measured best of 32/48/64/96/128/2048 on the toy ablation (BENCHMARKS.md)
-CPU_BATCH_TOKENS = 2048  # measured best of 1024/2048/4096/8192 per attention batch (BENCHMARKS.md)
+CPU_EDGE_TOKENS = 64  # the best piece size on CPU among those compared in BENCHMARKS.md
+CPU_BATCH_TOKENS = 2048  # the best attention batch on CPU among those compared in BENCHMARKS.md
 
 
 # ---------------------------------------------------------------------------- interface
@@ -164,7 +163,7 @@ class PrefixTrieScorer:
         progress: bool = False,  # a tqdm bar over the tokens to forward
     ) -> None:
         device = torch.device(device)
-        on_cpu = device.type == "cpu"  # the CPU defaults are measured; see the module docstring
+        on_cpu = device.type == "cpu"  # CPU and CUDA want different sizes; see the module docstring
         if max_batch_tokens is None:
             max_batch_tokens = CPU_BATCH_TOKENS if on_cpu else 8192
         if max_edge_tokens is None:
@@ -477,8 +476,8 @@ def _trie_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _sdpa(query, key, value, mask, scaling, grouped_query: bool) -> torch.Tensor:
     """(C, H, W, D) queries over (C, H_kv, T, D) keys and values -> (C, W, H, D); no dropout (scoring).
 
-    With fewer K/V heads than query heads, `enable_gqa` is ~30% faster on CPU (measured); on CUDA a
-    mask with enable_gqa falls back to the math kernel, so there K/V are repeated per query head.
+    With fewer K/V heads than query heads, `enable_gqa` is faster on CPU; on CUDA a mask with
+    enable_gqa falls back to the math kernel, so there K/V are repeated per query head.
     """
     repeat = query.shape[1] // key.shape[1]
     if repeat > 1 and not grouped_query:

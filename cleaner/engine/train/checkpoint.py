@@ -1,4 +1,4 @@
-"""Atomic Hugging Face checkpoints (DESIGN.md section 6).
+"""Atomic Hugging Face checkpoints (docs/architecture.md §7).
 
 Design decisions:
 - Checkpoints are plain `save_pretrained` directories so every backend (torch, SGLang) loads them.

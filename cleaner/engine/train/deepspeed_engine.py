@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO behind the trainer's interface (engine = "deepspeed"; DESIGN.md section 6).
+"""DeepSpeed ZeRO behind the trainer's interface (engine = "deepspeed"; docs/architecture.md §7).
 
 UNVERIFIED: written against the DeepSpeed API (deepspeed/__init__.py `initialize`, runtime/engine.py
 `backward`, `step`, `save_16bit_model`, `get_global_grad_norm`, `get_lr`) but never run here: no

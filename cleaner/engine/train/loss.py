@@ -1,4 +1,4 @@
-"""GRPO/DAPO loss math as small module-level torch functions (DESIGN.md section 6).
+"""GRPO/DAPO loss math as small module-level torch functions (docs/architecture.md §7).
 
 Design decisions:
 - Every per-token tensor is aligned with the row's `token_ids`: position t holds the quantity for
@@ -11,7 +11,7 @@ Design decisions:
   so micro-batch values simply add up to the mini-batch value.
 - Asymmetric clip ("clip-higher"): the ratio is clipped to [1 - eps_low, 1 + eps_high].
 - Truncated importance sampling multiplies the per-token surrogate by min(pi_old / pi_behaviour,
-  cap), detached; the paper's default is off (DESIGN.md section 5).
+  cap), detached; the paper's default is off (docs/architecture.md §6).
 - Overlong shaping changes rewards, so the trainer recomputes advantages with the same GRPO
   normalisation purify uses (`cleaner.engine.advantages.grpo_advantages`).
 

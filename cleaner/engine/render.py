@@ -3,7 +3,7 @@
 `render(segments, view)` turns the stored segments of ONE rollout into a token sequence with a loss
 mask and behaviour log-probabilities. Assistant tokens are trained (loss_mask 1, their behaviour
 logprobs); prompt and tool tokens are context (loss_mask 0, logprob 0.0). The same function builds
-the agent loop's context during collection (4.4) and the training rows during purify (4.3).
+the agent loop's context during collection and the training rows during purify.
 
 Design decisions:
 - A *chain* is the maximal run of consecutive non-prompt segments sharing one `step`: a_0, t_0,

@@ -10,7 +10,7 @@ Design decisions:
   purified collect view a retry sees merged(a_0..a_{i-1}) + t_{i-1}, as in the reference agent loop;
   with the raw view (or a rollout whose draw u >= p) it is the plain concatenation. `collect_view`
   on the Rollout records which one was actually applied.
-- step/attempt (4.4): a generation after a failed call is the next attempt of the same step, up to
+- step/attempt: a generation after a failed call is the next attempt of the same step, up to
   K = max_retries retries; after attempt K fails the next generation opens a new step. A tool
   segment carries the step/attempt of the call it answers.
 - Turn accounting as the reference's: rolling back restores its turn counter, so retries do not

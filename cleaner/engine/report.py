@@ -42,7 +42,7 @@ def iteration_table(rows: Sequence[IterationRow], title: str = "cleaner run") ->
 
 def plot_report(rows: Sequence[IterationRow], path: Path) -> Path:
     """Curves of accuracy, tool failures, merges and phase seconds per iteration."""
-    import matplotlib
+    import matplotlib  # matplotlib costs start-up time: loaded only to plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

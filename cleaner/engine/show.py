@@ -349,7 +349,9 @@ def load_decoder(model: str | None) -> Decoder:
         return Decoder(None, "no collect config for this iteration: text below is the stored segment "
                              "text, not decoded tokens")
     try:
-        from transformers import AutoTokenizer
+        from transformers import (
+            AutoTokenizer,  # costs start-up time: only when decoding is asked for
+        )
 
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError, KeyError, ImportError) as exc:

@@ -20,13 +20,13 @@ def load_backend(
     dtype is a torch dtype name (float32, bfloat16, float16); sglang maps it to its `dtype` option.
     """
     if kind == "torch":
-        import torch
+        import torch  # torch and transformers cost CLI start-up time: loaded when a backend is asked for
 
         from cleaner.engine.backends.torch_backend import TorchBackend
 
         return TorchBackend(model_path, device=device, dtype=getattr(torch, dtype))
     if kind == "sglang":
-        from cleaner.engine.backends.sglang_backend import SGLangBackend
+        from cleaner.engine.backends.sglang_backend import SGLangBackend  # optional, GPU-only extra
 
         return SGLangBackend(model_path, dtype=dtype)
     raise ValueError(f"backend must be one of {BACKEND_KINDS}, got {kind!r}")

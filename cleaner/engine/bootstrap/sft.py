@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from cleaner.engine.bootstrap.corpus import CorpusConfig, CorpusExample, build_corpus
 from cleaner.engine.bootstrap.tokenizer import build_tokenizer
@@ -83,8 +85,6 @@ class BootstrapResult:
 
 
 def tiny_model(tokenizer, seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=1024,
@@ -170,8 +170,6 @@ def lr_at(step: int, config: BootstrapConfig) -> float:
 def _prepare(config: BootstrapConfig):
     examples = build_corpus(config.corpus)
     if config.init_from is not None:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(config.init_from)
     else:
         tokenizer = build_tokenizer(corpus_texts(examples))
@@ -185,14 +183,10 @@ def _prepare(config: BootstrapConfig):
 
 def bootstrap_policy(config: BootstrapConfig, out_dir: Path, progress: bool = True) -> BootstrapResult:
     """Build the corpus and tokenizer, train the tiny policy, save it to `out_dir` atomically."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
     tokenizer, encoded = _prepare(config)
     if config.init_from is not None:
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(config.init_from)
     else:

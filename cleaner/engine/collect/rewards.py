@@ -55,7 +55,10 @@ def last_boxed(text: str) -> str | None:
 
 
 def _math_equal(ground_truth: str, answer: str) -> bool:
-    from math_verify import parse, verify
+    from math_verify import (  # sympy and latex2sympy cost start-up time: loaded on first use
+        parse,
+        verify,
+    )
 
     main = threading.current_thread() is threading.main_thread()
     timeout = 5 if main else None

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 TOY_SOURCE = "toy"
 
 # Phrasings of the same question; the expression is always (A * B + C) mod D.
@@ -135,8 +137,6 @@ def _parse_row(path: Path, index: int, row: dict) -> Task:
 
 def load_rl_parquet(path: str | Path, limit: int | None = None) -> list[Task]:
     """Read a verl-style RL Parquet file into tasks (the first `limit` rows if given)."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such Parquet file")

@@ -71,7 +71,7 @@ def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
 
 
 def _initialize(model: torch.nn.Module, config: TrainConfig):
-    import deepspeed
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
 
     deepspeed.init_distributed()
     world_size = deepspeed.comm.get_world_size()
@@ -111,7 +111,7 @@ def _rank_micro_batches(
 
 
 def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> TrainStepRow:
-    import deepspeed
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
 
     world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
@@ -153,7 +153,7 @@ def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> Tr
 
 def _save(engine, policy_path: str | Path, out_path: str | Path, config: TrainConfig) -> Path:
     """All ranks gather 16-bit weights; rank 0 assembles the HF directory atomically."""
-    import deepspeed
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
 
     out_path = Path(out_path).resolve()
     staging = out_path.parent / f".{out_path.name}.deepspeed-staging"
@@ -195,7 +195,7 @@ def train_iteration_deepspeed(
     reference = None
     if config.kl_coef > 0:
         reference = load_policy(policy_path, engine.device).eval().requires_grad_(False)
-    import deepspeed
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
 
     show = progress and deepspeed.comm.get_rank() == 0
     steps: list[TrainStepRow] = []

@@ -72,8 +72,8 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     from cleaner.engine.backends import load_backend
     from cleaner.engine.chat import ChatFormat
     from cleaner.engine.collect.loop import collect
-    from cleaner.engine.collect.sandbox import make_sandbox
     from cleaner.engine.collect.summary import summarize
+    from cleaner.sandbox import make_sandbox
 
     started = time.monotonic()
     iteration = config.iteration

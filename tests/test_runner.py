@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from cleaner.engine.backends.torch_backend import policy_version_of
-from cleaner.engine.config import CollectConfig, RunConfig, SandboxConfig, TrainConfig
+from cleaner.engine.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.jobs import JobError
 from cleaner.runner import checkpoint_dir, run_loop
+from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 
 

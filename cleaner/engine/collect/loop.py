@@ -351,8 +351,12 @@ def _run_one(code: str, sandbox) -> _Outcome:
 
 
 def _from_result(result) -> _Outcome:
+    """The sandbox reports what happened; the text the model sees is worded here."""
+    status = str(result.status)  # a plain string in the warehouse, whatever the sandbox's type
     exec_ms = None if result.exec_ms is None else float(result.exec_ms)
-    return _Outcome(result.status, result.error_type, exec_ms, result.response)
+    response = format_tool_response(status == OK, result.stdout, result.stderr,
+                                    None if status == OK else status)
+    return _Outcome(status, result.error_type, exec_ms, response)
 
 
 # ---------------------------------------------------------------------------------------------

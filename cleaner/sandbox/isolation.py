@@ -162,9 +162,11 @@ def _open_paths_under(root: str, paths: list[str]) -> list[tuple[str, int]]:
 
 
 def python_paths() -> list[str]:
-    """The directories this interpreter imports from."""
+    """The directories this interpreter imports from, this package's `cleaner` directory included:
+    an editable install imports it from the checkout, which is not on sys.path."""
     executable_dir = os.path.dirname(os.path.realpath(sys.executable))
-    return [executable_dir, sys.prefix, sys.base_prefix, *[p for p in sys.path if p]]
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [executable_dir, sys.prefix, sys.base_prefix, package_dir, *[p for p in sys.path if p]]
 
 
 def isolate(max_file_size_mb: int) -> Isolation:

@@ -2,7 +2,7 @@
 
 Self-contained on purpose (transformers `generate`, not the project's agent loop, which is built
 separately), so the policy can be calibrated while the loop is written. Per rollout: generate until
-`</tool_call>` or `<|im_end|>`, run the call (the real sandbox when `collect.sandbox` imports and
+`</tool_call>` or `<|im_end|>`, run the call (the real sandbox when `cleaner.sandbox` imports and
 works, else `local_exec` in a child process: trusted tiny-model output only, not a sandbox), append
 the tool segment, and go on for up to --max-turns generations and --max-retries retries per failed
 step. Prints:
@@ -47,20 +47,26 @@ class Rollout:
 # Tool execution
 
 
+def _worded(result) -> tuple[bool, str, str | None]:
+    """(ok, response, error_type) of a sandbox result, worded as the collect loop words it."""
+    ok = result.status == "ok"
+    response = format_tool_response(ok, result.stdout, result.stderr, None if ok else str(result.status))
+    return ok, response, result.error_type
+
+
 def make_executor():
     """(codes) -> [(ok, response, error_type)]; the real sandbox if available."""
     try:
-        from cleaner.engine.collect.sandbox import make_sandbox
-        from cleaner.engine.config import SandboxConfig
+        from cleaner.sandbox import SandboxConfig, make_sandbox
 
         sandbox = make_sandbox(SandboxConfig())
         probe = sandbox.run("print(6 * 7)")
-        if "42" not in probe.response:
-            raise RuntimeError(f"sandbox probe answered {probe.response!r}")
+        if "42" not in probe.stdout:
+            raise RuntimeError(f"sandbox probe answered {probe!r}")
         logging.info("executing calls in the real sandbox")
 
         def run_sandbox(codes):
-            return [(r.status == "ok", r.response, r.error_type) for r in sandbox.run_many(codes)]
+            return [_worded(result) for result in sandbox.run_many(codes)]
         return run_sandbox
     except (ImportError, AttributeError, RuntimeError, TypeError) as error:
         logging.info("real sandbox unavailable (%s); using local_exec", error)

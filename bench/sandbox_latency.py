@@ -27,8 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from cleaner.engine.collect.sandbox import make_sandbox
-from cleaner.engine.config import SandboxConfig
+from cleaner.sandbox import SandboxConfig, make_sandbox
 
 SNIPPET = "print(1)"
 SYMPY_SNIPPET = "import sympy\nprint(1)"

@@ -451,8 +451,8 @@ def sandbox_run(
 
     from rich.table import Table
 
-    from cleaner.engine.collect.sandbox import SandboxError, make_sandbox
-    from cleaner.engine.config import SandboxConfig
+    from cleaner.engine.chat import format_tool_response
+    from cleaner.sandbox import ExecStatus, SandboxConfig, SandboxError, make_sandbox
 
     for path in (file, stdin):
         if path is not None and not path.is_file():
@@ -463,10 +463,14 @@ def sandbox_run(
             result = sandbox.run(file.read_text(), stdin.read_text() if stdin else None)
     except (SandboxError, ValueError) as error:
         raise fail(f"sandbox failed: {error}") from error
-    if result.status == "infra_error":
+    if result.status == ExecStatus.INFRA_ERROR:
         raise fail(f"sandbox failed: {result.stderr}")
     if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(result)))
+        ok = result.status == ExecStatus.OK
+        reason = None if ok else str(result.status)
+        response = format_tool_response(ok, result.stdout, result.stderr, reason)
+        # with the text a model would see, which the sandbox itself does not word
+        typer.echo(json.dumps({**dataclasses.asdict(result), "response": response}))
         return
     table = Table(show_header=False, title=str(file))
     for name in ("status", "error_type", "stdout", "stderr", "exec_ms"):

@@ -27,7 +27,6 @@ from pathlib import Path
 from cleaner.engine.backends import Backend, load_backend
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.loop import collect
-from cleaner.engine.collect.sandbox import make_sandbox
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
 from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
@@ -43,6 +42,7 @@ from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
+from cleaner.sandbox import make_sandbox
 from cleaner.warehouse import Warehouse, WarehouseError
 
 logger = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import pytest
 from cleaner.engine.backends.torch_backend import TorchBackend
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.loop import collect
-from cleaner.engine.collect.sandbox import make_sandbox
 from cleaner.engine.collect.tasks import toy_tasks
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, SandboxConfig
+from cleaner.engine.config import DEFAULT_POLICY, CollectConfig
 from cleaner.engine.render import render, view_for
 from cleaner.jobs import collect_job
+from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleaner.engine.config import CollectConfig, RunConfig, SandboxConfig, TrainConfig
+from cleaner.engine.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.models import policy_version_of
 from cleaner.jobs import JobError
 from cleaner.runner import checkpoint_dir, run_loop
+from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 
 

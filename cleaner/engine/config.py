@@ -2,7 +2,9 @@
 
 Every field has a one-line comment; invariants are checked in `__post_init__` so a bad value fails
 at construction time with a message naming the field. `to_json()` gives the resolved config that is
-saved next to every output; `config_id` is a stable hash of the parameters.
+saved next to every output; `config_id` is a stable hash of the parameters. `SandboxConfig` lives
+with the sandbox (`cleaner/sandbox/config.py`, which knows nothing of the engine); CollectConfig
+nests it as its `sandbox` field.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from cleaner.engine.records import CollectView, enum_value
+from cleaner.sandbox.config import SandboxConfig
 
 # The committed tiny default policy (docs/architecture.md §11).
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
@@ -44,34 +47,6 @@ class _Config:
     def config_id(self) -> str:
         """Stable 12-hex-digit hash of every parameter."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class SandboxConfig(_Config):
-    backend: str = "local"  # local (worker processes) | docker
-    workers: int = 2  # warm worker processes in the pool
-    timeout_s: float = 4.0  # wall-clock limit per execution (the paper's value)
-    cpu_time_s: int = 5  # RLIMIT_CPU per execution
-    memory_mb: int = 1024  # RLIMIT_AS per execution
-    max_processes: int = 32  # RLIMIT_NPROC for the unprivileged sandbox user
-    max_file_size_mb: int = 16  # RLIMIT_FSIZE
-    max_open_files: int = 64  # RLIMIT_NOFILE
-    max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
-    infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
-    docker_image: str = "python:3.11-slim"  # image for the docker backend
-    preload_scientific: bool = True  # warm workers also import numpy+sympy: fast `import sympy`, costlier fork
-
-    def __post_init__(self) -> None:
-        _check_choice("backend", self.backend, ("local", "docker"))
-        _check(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
-        _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        _check(self.cpu_time_s >= 1, f"cpu_time_s must be >= 1, got {self.cpu_time_s}")
-        _check(self.memory_mb >= 64, f"memory_mb must be >= 64, got {self.memory_mb}")
-        _check(self.max_processes >= 1, f"max_processes must be >= 1, got {self.max_processes}")
-        _check(self.max_file_size_mb >= 1, f"max_file_size_mb must be >= 1, got {self.max_file_size_mb}")
-        _check(self.max_open_files >= 16, f"max_open_files must be >= 16, got {self.max_open_files}")
-        _check(self.max_output_chars >= 64, f"max_output_chars must be >= 64, got {self.max_output_chars}")
-        _check(self.infra_retries >= 0, f"infra_retries must be >= 0, got {self.infra_retries}")
 
 
 class SimilarityOn(StrEnum):

@@ -202,8 +202,3 @@ class TrainStepRow:
     tokens: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
 
-
-# TEMPORARY aliases while the sandbox package lands; removed with the last user.
-PROMPT, ASSISTANT, TOOL = SegmentKind.PROMPT, SegmentKind.ASSISTANT, SegmentKind.TOOL
-OK, ERROR, TIMEOUT = ToolStatus.OK, ToolStatus.ERROR, ToolStatus.TIMEOUT
-FORMAT_ERROR, INFRA_ERROR = ToolStatus.FORMAT_ERROR, ToolStatus.INFRA_ERROR

@@ -1,10 +1,14 @@
 """Run trusted snippets in one child Python process and word the results like the sandbox.
 
-Used by the corpus (our own generated code, never model output) when `collect.sandbox` cannot be
-imported, and by the calibration bench as a fallback. It is NOT a sandbox: no limits beyond a
-wall-clock timeout on the whole batch. The wording matches the sandbox (docs/architecture.md §8):
-`Tool call success\\nstdout: 42\\n` and
+The corpus's default executor (our own generated code, never model output: one process for a whole
+corpus instead of a sandboxed fork per snippet) and the calibration bench's fallback. It is NOT a
+sandbox: no limits beyond a wall-clock timeout on the whole batch. The child is the sandbox's own
+user-code runner (`python -m cleaner.sandbox.usercode --batch`), so a snippet's stdout, error class
+and error text come from the same `execute_user_code` / `format_error` as in the sandbox, and the
+response is worded by `chat.format_tool_response` as the collect loop words the sandbox's results
+(docs/architecture.md §8): `Tool call success\\nstdout: 42\\n` and
 `Tool call failure\\nreason: error\\nstderr: NameError at line 1: name 'x' is not defined\\n  x`.
+Unlike the sandbox, stdout is not truncated and the snippets' own stderr is not part of the result.
 """
 
 from __future__ import annotations
@@ -17,27 +21,8 @@ from dataclasses import dataclass
 
 from cleaner.engine.chat import format_tool_response
 
-# The child reads a JSON list of code strings on stdin and writes a JSON list of results.
-_RUNNER = r'''
-import contextlib, io, json, sys, traceback
-def run(code):
-    out = io.StringIO()
-    try:
-        compiled = compile(code, "<tool>", "exec")
-        with contextlib.redirect_stdout(out):
-            exec(compiled, {"__name__": "__main__"})
-    except SyntaxError as e:
-        line = (e.text or "").strip()
-        return [False, out.getvalue(), f"{type(e).__name__} at line {e.lineno}: {e.msg}\n  {line}", type(e).__name__]
-    except Exception as e:
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "<tool>"]
-        lineno = frames[-1].lineno if frames else 1
-        lines = code.splitlines()
-        line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
-        return [False, out.getvalue(), f"{type(e).__name__} at line {lineno}: {e}\n  {line}", type(e).__name__]
-    return [True, out.getvalue(), "", None]
-json.dump([run(code) for code in json.load(sys.stdin)], sys.stdout)
-'''
+# -P: a module in the caller's working directory must not shadow the runner or the standard library.
+RUNNER_COMMAND = [sys.executable, "-P", "-m", "cleaner.sandbox.usercode", "--batch"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +35,12 @@ class LocalResult:
 def run_snippets(codes: Sequence[str], timeout_s: float = 60.0) -> list[LocalResult]:
     """Run each snippet in fresh globals inside one child process (trusted code only)."""
     completed = subprocess.run(
-        [sys.executable, "-c", _RUNNER], input=json.dumps(list(codes)),
+        RUNNER_COMMAND, input=json.dumps(list(codes)),
         capture_output=True, text=True, timeout=timeout_s, check=True,
     )
     results = []
-    for ok, stdout, stderr, error_type in json.loads(completed.stdout):
-        response = format_tool_response(ok, stdout, stderr, None if ok else "error")
+    for stdout, error_type, error_text in json.loads(completed.stdout):
+        ok = error_type is None
+        response = format_tool_response(ok, stdout, error_text or "", None if ok else "error")
         results.append(LocalResult(ok, response, error_type))
     return results

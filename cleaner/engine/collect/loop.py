@@ -56,15 +56,12 @@ from cleaner.engine.chat import ChatFormat, ToolCall, format_tool_response, pars
 from cleaner.engine.collect.rewards import compute_reward
 from cleaner.engine.config import CollectConfig
 from cleaner.engine.records import (
-    ASSISTANT,
-    FORMAT_ERROR,
-    INFRA_ERROR,
-    OK,
-    PROMPT,
-    TOOL,
+    CollectView,
     FinishReason,
     Rollout,
     Segment,
+    SegmentKind,
+    ToolStatus,
 )
 from cleaner.engine.render import View, render, view_for
 
@@ -133,12 +130,12 @@ class _State:
     attempt: int = 0  # of the next generation
     turns: int = 0  # generations so far (indexes the sampling seeds)
     steps: int = 0  # steps opened so far: generations at attempt 0 (bounded by max_turns)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
-    def add(self, kind: str, token_ids: Sequence[int], text: str, **fields) -> Segment:
+    def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
-            rollout_id=self.rollout_id, iteration=self.iteration, seq=len(self.segments), kind=kind, token_ids=tuple(int(t) for t in token_ids),
-            text=text, **fields,
+            rollout_id=self.rollout_id, iteration=self.iteration, seq=len(self.segments), kind=kind,
+            token_ids=tuple(int(t) for t in token_ids), text=text, **fields,
         )
         self.segments.append(segment)
         return segment
@@ -148,7 +145,7 @@ class _State:
 class _Outcome:
     """What one tool call produced, whoever produced it (sandbox, parser, or a fault)."""
 
-    status: str
+    status: ToolStatus
     error_type: str | None
     exec_ms: float | None
     response: str
@@ -164,10 +161,10 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
             if rollout_id in skip_rollout_ids:
                 continue
             draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
-            view = view_for(draw, config.collect_view == "purified", config.gamma,
+            view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
                             config.rollback_prob, config.similarity_on)
             state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
-            state.add(PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
+            state.add(SegmentKind.PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
                       logprobs=None)
             states.append(state)
     return states
@@ -212,7 +209,7 @@ def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, ch
             rendered = render(state.segments, state.view, chat.decode)
             remaining = config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
             if remaining <= 0:
-                state.finish_reason = "max_tokens"
+                state.finish_reason = FinishReason.MAX_TOKENS
                 continue
             contexts.append(list(rendered.token_ids))
             limits.append(min(config.max_new_tokens, remaining))
@@ -225,7 +222,7 @@ def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, ch
         generations = _generate(active, contexts, limits, config, backend, chat)
         if generations is None:
             for state in active:
-                state.finish_reason = "error"
+                state.finish_reason = FinishReason.ERROR
             return
         calls = [_record_generation(s, g, config, chat) for s, g in zip(active, generations, strict=True)]
         pending = [(state, call) for state, call in zip(active, calls, strict=True) if call is not None]
@@ -275,17 +272,17 @@ def _record_generation(state: _State, generation: Generation, config: CollectCon
     call_start = chat.call_start(generation.token_ids)
     parsed = parse_tool_call(text) if call_start is not None else None
     segment = state.add(
-        ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
+        SegmentKind.ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
         logprobs=tuple(float(x) for x in generation.logprobs), call_start=call_start,
         tool_code=parsed.code if parsed is not None else None,
     )
     state.turns += 1
     state.steps += state.attempt == 0
     if parsed is None:
-        state.finish_reason = "max_tokens" if generation.finish_reason == LENGTH else "answer"
+        state.finish_reason = FinishReason.MAX_TOKENS if generation.finish_reason == LENGTH else FinishReason.ANSWER
         return None
     if state.attempt == 0 and state.steps >= config.max_turns:
-        state.finish_reason = "max_turns"  # the reference does not run the last step's call
+        state.finish_reason = FinishReason.MAX_TURNS  # the reference does not run the last step's call
         return None
     return _Call(segment, parsed)
 
@@ -295,15 +292,15 @@ def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectC
     """Append the tool segment and move (step, attempt) on for the next generation."""
     step, attempt = call.segment.step, call.segment.attempt
     response = outcome.response
-    if outcome.status != OK and attempt >= config.max_retries and attempt >= NOTE_MIN_RETRIES:
+    if outcome.status != ToolStatus.OK and attempt >= config.max_retries and attempt >= NOTE_MIN_RETRIES:
         response += RETRIES_EXHAUSTED_NOTE.format(retries=attempt)
     token_ids = chat.tool_response_ids(response)
     state.add(
-        TOOL, token_ids, chat.decode(token_ids), step=step, attempt=attempt, logprobs=None,
+        SegmentKind.TOOL, token_ids, chat.decode(token_ids), step=step, attempt=attempt, logprobs=None,
         tool_code=call.parsed.code, tool_status=outcome.status, error_type=outcome.error_type,
         exec_ms=outcome.exec_ms,
     )
-    if outcome.status != OK and attempt < config.max_retries:
+    if outcome.status != ToolStatus.OK and attempt < config.max_retries:
         if state.steps + 1 >= config.max_turns:  # as the reference: no room for the retry's turn
             state.finish_reason = FinishReason.MAX_TURNS
         state.step, state.attempt = step, attempt + 1  # a retry of the same step
@@ -321,8 +318,8 @@ def _execute(calls: list[_Call], sandbox) -> list[_Outcome]:
     runnable = []
     for index, call in enumerate(calls):
         if call.parsed.code is None:
-            response = format_tool_response(False, "", call.parsed.error or "", FORMAT_ERROR)
-            outcomes[index] = _Outcome(FORMAT_ERROR, "FormatError", None, response)
+            response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
+            outcomes[index] = _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
         else:
             runnable.append(index)
     results = _run_codes([calls[index].parsed.code for index in runnable], sandbox)
@@ -351,13 +348,17 @@ def _run_one(code: str, sandbox) -> _Outcome:
     except Exception as error:  # an infrastructure fault, a row value for this call only
         logger.warning("sandbox failed on one call: %r", error)
         reason = f"the sandbox failed ({type(error).__name__}); this is not an error in your code"
-        response = format_tool_response(False, "", reason, INFRA_ERROR)
-        return _Outcome(INFRA_ERROR, type(error).__name__, None, response)
+        response = format_tool_response(False, "", reason, ToolStatus.INFRA_ERROR)
+        return _Outcome(ToolStatus.INFRA_ERROR, type(error).__name__, None, response)
 
 
 def _from_result(result) -> _Outcome:
+    """The sandbox reports what happened; the text the model sees is worded here."""
+    status = ToolStatus(result.status)  # the sandbox's statuses are a subset of the tool's
     exec_ms = None if result.exec_ms is None else float(result.exec_ms)
-    return _Outcome(result.status, result.error_type, exec_ms, result.response)
+    response = format_tool_response(status == ToolStatus.OK, result.stdout, result.stderr,
+                                    None if status == ToolStatus.OK else status)
+    return _Outcome(status, result.error_type, exec_ms, response)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,10 +366,10 @@ def _from_result(result) -> _Outcome:
 
 
 def _finish(state: _State, config: CollectConfig, backend, reward_fn: Callable) -> Rollout:
-    assistants = [segment for segment in state.segments if segment.kind == ASSISTANT]
-    tools = [segment for segment in state.segments if segment.kind == TOOL]
+    assistants = [segment for segment in state.segments if segment.kind == SegmentKind.ASSISTANT]
+    tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
     reward, correct, answer = 0.0, False, None
-    if state.finish_reason != "error" and assistants:
+    if state.finish_reason != FinishReason.ERROR and assistants:
         result = reward_fn(assistants[-1].text, state.task.ground_truth, state.task.data_source)
         reward, correct, answer = float(result.reward), bool(result.correct), result.answer
     return Rollout(
@@ -376,8 +377,8 @@ def _finish(state: _State, config: CollectConfig, backend, reward_fn: Callable) 
         prompt_id=state.task.prompt_id, sample_index=state.sample_index,
         policy_version=str(backend.policy_version), data_source=state.task.data_source,
         ground_truth=state.task.ground_truth, answer=answer, reward=reward, correct=correct,
-        finish_reason=state.finish_reason or "error", rollback_draw=state.draw,
-        collect_view="purified" if state.view.purified else "raw",
+        finish_reason=state.finish_reason or FinishReason.ERROR, rollback_draw=state.draw,
+        collect_view=CollectView.PURIFIED if state.view.purified else CollectView.RAW,
         collect_config_id=config.config_id, n_assistant_segments=len(assistants),
         n_tool_calls=len(tools), n_failed_calls=sum(segment.failed for segment in tools),
     )

@@ -65,15 +65,17 @@ def test_deterministic_and_fail_share_zero():
 
 
 def test_local_exec_words_errors_exactly_like_the_real_sandbox():
-    sandbox_module = pytest.importorskip("cleaner.engine.collect.sandbox")
+    sandbox_module = pytest.importorskip("cleaner.sandbox")
     from cleaner.engine.bootstrap.local_exec import run_snippets
-    from cleaner.engine.config import SandboxConfig
+    from cleaner.engine.chat import format_tool_response
 
     examples = build_corpus(CorpusConfig(size=80, seed=5, fail_share=0.6))
     codes = [e.failed_code for e in examples if e.failed_code] + [e.fixed_code for e in examples[:10]]
     assert {e.failure for e in examples} == {NONE, TYPO, APPROACH}
-    with sandbox_module.make_sandbox(SandboxConfig()) as sandbox:
+    with sandbox_module.make_sandbox(sandbox_module.SandboxConfig()) as sandbox:
         real = sandbox.run_many(codes)
     local = run_snippets(codes)
-    assert [r.response for r in local] == [r.response for r in real]
+    worded = [format_tool_response(r.status == "ok", r.stdout, r.stderr, None if r.status == "ok" else r.status)
+              for r in real]  # as the collect loop words the sandbox's results
+    assert [r.response for r in local] == worded
     assert [r.error_type for r in local] == [r.error_type for r in real]

@@ -23,6 +23,7 @@ from cleaner.engine.collect.tasks import Task
 from cleaner.engine.config import CollectConfig, PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.render import RAW, render, view_for
+from cleaner.sandbox import ExecResult, ExecStatus
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
             "</tool_response>")
@@ -98,16 +99,6 @@ class ScriptedBackend:
         return Generation(tuple(ids), tuple(-(k + 1) / 100 for k in range(len(ids))), reason)
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    status: str
-    error_type: str | None
-    stdout: str
-    stderr: str
-    exec_ms: float
-    response: str
-
-
 class FakeSandbox:
     def __init__(self):
         self.batches: list[list[str]] = []
@@ -122,9 +113,8 @@ class FakeSandbox:
     def _one(code):
         if "oops" in code:
             stderr = "NameError: name 'oops' is not defined"
-            return ExecResult("error", "NameError", "", stderr, 1.5,
-                              format_tool_response(False, "", stderr, "error"))
-        return ExecResult("ok", None, code, "", 2.5, format_tool_response(True, code, ""))
+            return ExecResult(ExecStatus.ERROR, "NameError", "", stderr, 1.5)
+        return ExecResult(ExecStatus.OK, None, code, "", 2.5)
 
 
 @dataclass(frozen=True)

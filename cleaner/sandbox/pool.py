@@ -1,30 +1,31 @@
-"""The Python tool's sandbox (DESIGN.md section 7): a warm pool of confined interpreters.
+"""The Python tool's sandbox (docs/architecture.md, "Sandbox"): a warm pool of confined interpreters.
 
-`make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` whose
-`response` is the text shown to the model (`chat.format_tool_response`). `run_many` spreads snippets
-over the pool and keeps their order. The pool is thread-safe: the agent loop may call `run` from
-threads.
+`make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` (outcome.py):
+the status, the error class, the captured streams and the wall time. Wording that for the model is
+the caller's business (the collect loop uses `chat.format_tool_response`). `run_many` spreads
+snippets over the pool and keeps their order. The pool is thread-safe: the agent loop may call
+`run` from threads.
 
-Local backend (default). `workers` warm worker processes (`sandbox_worker.py`) each fork one fresh
-child per execution (`sandbox_exec.py`; forked and confined ahead of time, waiting for its code),
-so a snippet pays neither an interpreter start nor a fork, and no state leaks between executions.
-What is enforced on Linux:
-- as root (these machines): the child runs as an unprivileged uid, one per worker and unique on
-  the host (61000 + k, claimed with a lock file), with no supplementary groups and
-  PR_SET_NO_NEW_PRIVS, so it cannot read root-only files, signal the worker or anything else, or
-  regain root through a setuid binary; RLIMIT_NPROC (max_processes) binds per worker uid, so a fork
-  bomb stops at that many processes; on timeout and after every execution every process of that
-  uid is SIGKILLed, so daemons, forks and threads never outlive their execution;
-- as root: a private network namespace per worker (only a downed loopback: every connect fails)
-  and a private mount namespace in which /tmp is a size-limited tmpfs (4 x max_file_size_mb, at
-  least 64 MB, mode 0711) holding the per-execution workdirs (mode 0700, owned by the sandbox uid,
-  removed afterwards) and /var/tmp, /run/lock, /dev/shm are not writable. With no writable
-  directory left outside its workdir, the code cannot write anywhere else (the rest of the host
-  filesystem is as writable as it is to an ordinary user: root-owned directories are not). An
-  interpreter installed under a directory others cannot enter (pyenv's /root) is bound back
-  read-only over an empty tmpfs there, so the rest of /root stays hidden;
+Local backend (default). `workers` warm worker processes (worker.py) each fork one fresh child per
+execution (child.py; forked and confined ahead of time, waiting for its code), so a snippet pays
+neither an interpreter start nor a fork, and no state leaks between executions. What is enforced
+on Linux:
+- when running as root: the child runs as an unprivileged uid, one per worker and unique on the
+  host (61000 + k, claimed with a lock file), with no supplementary groups and PR_SET_NO_NEW_PRIVS,
+  so it cannot read root-only files, signal the worker or anything else, or regain root through a
+  setuid binary; RLIMIT_NPROC (max_processes) binds per worker uid, so a fork bomb stops at that
+  many processes; on timeout and after every execution every process of that uid is SIGKILLed, so
+  daemons, forks and threads never outlive their execution;
+- when running as root: a private network namespace per worker (only a downed loopback: every
+  connect fails) and a private mount namespace in which /tmp is a size-limited tmpfs
+  (4 x max_file_size_mb, at least 64 MB, mode 0711) holding the per-execution workdirs (mode 0700,
+  owned by the sandbox uid, removed afterwards) and /var/tmp, /run/lock, /dev/shm are not writable.
+  With no writable directory left outside its workdir, the code cannot write anywhere else (the
+  rest of the host filesystem is as writable as it is to an ordinary user: root-owned directories
+  are not). An interpreter installed under a directory others cannot enter (pyenv's /root) is
+  bound back read-only over an empty tmpfs there, so the rest of /root stays hidden;
 - always: wall clock (timeout_s, from the moment the code is sent), RLIMIT_CPU, RLIMIT_AS
-  (memory_mb, which includes the warm interpreter's own address space: ~25 MB, ~150 MB with
+  (memory_mb, which includes the warm interpreter's own address space, larger with
   preload_scientific), RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps, stdin from /dev/null unless
   given, stdout/stderr truncated with a `...[truncated N chars]` marker.
 Needs Linux (fork, namespaces, prctl; pidfd_open from 5.3, else the child is polled). Not
@@ -37,17 +38,14 @@ Failures of the sandbox itself (a worker that dies, a broken pipe, a child that 
 code starts) are retried transparently on a fresh worker up to `infra_retries` times and only then
 reported with status `infra_error`; they are never the model's fault.
 
-Docker backend (`backend="docker"`, `sandbox_docker.py`): one container per execution; unverified
-here (no Docker engine runs on this machine).
+Docker backend (`backend="docker"`, docker_backend.py): one container per execution; unverified
+where no Docker engine runs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import select
 import subprocess
 import sys
 import threading
@@ -56,25 +54,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cleaner.engine import chat
-from cleaner.engine.collect import sandbox_worker
-from cleaner.engine.config import SandboxConfig
-from cleaner.engine.records import INFRA_ERROR, OK
+from cleaner.sandbox.config import SandboxConfig
+from cleaner.sandbox.outcome import ExecResult, ExecStatus, infra_error_result
+from cleaner.sandbox.protocol import PeerLost, receive_message_before, send_message
 
 logger = logging.getLogger(__name__)
 
+WORKER_MODULE = "cleaner.sandbox.worker"
 WORKER_START_TIMEOUT_S = 60.0  # a worker imports numpy and sympy before it says hello
 REPLY_GRACE_S = 10.0  # a worker silent this long after the deadline is considered lost
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    status: str  # ok | error | timeout | infra_error (records.OK / ERROR / TIMEOUT / INFRA_ERROR)
-    error_type: str | None  # exception class name ("NameError"), "Timeout"; None when ok
-    stdout: str  # truncated to max_output_chars with a "...[truncated N chars]" marker
-    stderr: str  # the user's stderr, then the error text
-    exec_ms: float  # wall time of the execution, request sent to result received
-    response: str  # the text shown to the model (chat.format_tool_response)
 
 
 @dataclass(frozen=True)
@@ -87,17 +75,6 @@ class WorkerInfo:
 
 class SandboxError(RuntimeError):
     """The sandbox itself cannot work (a worker does not start)."""
-
-
-def make_result(status: str, error_type: str | None, stdout: str, stderr: str, exec_ms: float) -> ExecResult:
-    """An ExecResult with its model-facing response text."""
-    reason = None if status == OK else status
-    response = chat.format_tool_response(status == OK, stdout, stderr, reason)
-    return ExecResult(status, error_type, stdout, stderr, exec_ms, response)
-
-
-def infra_result(message: str) -> ExecResult:
-    return make_result(INFRA_ERROR, "InfraError", "", message, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +107,9 @@ class Sandbox:
 def make_sandbox(config: SandboxConfig) -> Sandbox:
     """The local warm pool, or the docker backend when config.backend == "docker"."""
     if config.backend == "docker":
-        from cleaner.engine.collect.sandbox_docker import DockerSandbox
+        # Imported here: the docker backend (and through it the optional docker SDK) loads only
+        # when asked for.
+        from cleaner.sandbox.docker_backend import DockerSandbox
 
         return DockerSandbox(config)
     return LocalSandbox(config)
@@ -140,32 +119,15 @@ def make_sandbox(config: SandboxConfig) -> Sandbox:
 # Local backend: one warm worker per slot
 
 
-class WorkerLost(Exception):
-    """The worker died, broke its pipe or stopped answering."""
+def worker_command(config: SandboxConfig, preferred_uid: int | None) -> list[str]:
+    """The worker's command line: the installed package's module, from any working directory
+    (`-P`: that directory is not put on the worker's sys.path; see worker.py)."""
+    uid = "-" if preferred_uid is None else str(preferred_uid)
+    return [sys.executable, "-P", "-m", WORKER_MODULE, config.to_json(), uid]
 
 
-def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
-    buffer = bytearray()
-    while len(buffer) < size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            raise WorkerLost("worker did not answer in time")
-        chunk = os.read(fd, size - len(buffer))
-        if not chunk:
-            raise WorkerLost("worker closed its pipe")
-        buffer += chunk
-    return bytes(buffer)
-
-
-def _read_message(fd: int, deadline: float) -> dict:
-    """Read one framed message before the deadline, else raise WorkerLost."""
-    header = sandbox_worker._HEADER
-    (size,) = header.unpack(_read_exactly(fd, header.size, deadline))
-    return json.loads(_read_exactly(fd, size, deadline))
-
-
-class _Worker:
-    """One warm worker process; restarted lazily after it is lost."""
+class _WorkerProcess:
+    """One warm worker process, seen from the pool; restarted lazily after it is lost."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
@@ -173,16 +135,15 @@ class _Worker:
         self.info: WorkerInfo | None = None
 
     def start(self) -> None:
-        preferred_uid = "-" if self.info is None or self.info.uid is None else str(self.info.uid)
-        command = [sys.executable, "-m", "cleaner.engine.collect.sandbox_worker",
-                   self.config.to_json(), preferred_uid]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        start_new_session=True, cwd=_project_root())
+        preferred_uid = None if self.info is None else self.info.uid  # keep the uid across restarts
+        self.process = subprocess.Popen(worker_command(self.config, preferred_uid), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
 
     def await_hello(self) -> None:
         try:
-            hello = _read_message(self.process.stdout.fileno(), time.monotonic() + WORKER_START_TIMEOUT_S)
-        except WorkerLost as lost:
+            hello = receive_message_before(self.process.stdout.fileno(),
+                                           time.monotonic() + WORKER_START_TIMEOUT_S)
+        except PeerLost as lost:
             self.kill()
             raise SandboxError(f"sandbox worker did not start: {lost}") from lost
         self.info = WorkerInfo(hello["pid"], hello["uid"], hello["network_isolated"],
@@ -193,11 +154,11 @@ class _Worker:
             self.start()
             self.await_hello()
         try:
-            sandbox_worker.send_message(self.process.stdin.fileno(), {"code": code, "stdin": stdin})
+            send_message(self.process.stdin.fileno(), {"code": code, "stdin": stdin})
         except OSError as error:
-            raise WorkerLost(f"cannot send to worker: {error}") from error
+            raise PeerLost(f"cannot send to worker: {error}") from error
         deadline = time.monotonic() + self.config.timeout_s + REPLY_GRACE_S
-        return _read_message(self.process.stdout.fileno(), deadline)
+        return receive_message_before(self.process.stdout.fileno(), deadline)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -210,7 +171,7 @@ class _Worker:
         if self.process is None:
             return
         try:
-            sandbox_worker.send_message(self.process.stdin.fileno(), {"op": "exit"})
+            send_message(self.process.stdin.fileno(), {"op": "exit"})
             self.process.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -219,17 +180,13 @@ class _Worker:
         self.kill()
 
 
-def _project_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
 class LocalSandbox(Sandbox):
     """A pool of `config.workers` warm workers; each execution borrows one."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
-        self._workers = [_Worker(config) for _ in range(config.workers)]
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._workers = [_WorkerProcess(config) for _ in range(config.workers)]
+        self._idle: queue.Queue[_WorkerProcess] = queue.Queue()
         self._closed = threading.Event()
         for worker in self._workers:  # start all, then wait: start-ups overlap
             worker.start()
@@ -256,24 +213,24 @@ class LocalSandbox(Sandbox):
         finally:
             self._idle.put(worker)
 
-    def _run_on(self, worker: _Worker, code: str, stdin: str | None) -> ExecResult:
+    def _run_on(self, worker: _WorkerProcess, code: str, stdin: str | None) -> ExecResult:
         failure = ""
         for attempt in range(self.config.infra_retries + 1):
             try:
                 reply = worker.execute(code, stdin)
-            except (WorkerLost, SandboxError) as lost:
+            except (PeerLost, SandboxError) as lost:
                 failure = str(lost)
                 logger.warning("sandbox worker lost (attempt %d): %s", attempt + 1, failure)
                 worker.kill()
                 continue
-            if reply["status"] == INFRA_ERROR:
+            if reply["status"] == ExecStatus.INFRA_ERROR:
                 failure = reply["stderr"]
                 logger.warning("sandbox execution failed (attempt %d): %s", attempt + 1, failure)
                 worker.kill()  # a worker whose children cannot start is poisoned
                 continue
-            return make_result(reply["status"], reply["error_type"], reply["stdout"],
-                               reply["stderr"], reply["exec_ms"])
-        return infra_result(f"sandbox failed {self.config.infra_retries + 1} times: {failure}")
+            return ExecResult(ExecStatus(reply["status"]), reply["error_type"], reply["stdout"],
+                              reply["stderr"], reply["exec_ms"])
+        return infra_error_result(f"sandbox failed {self.config.infra_retries + 1} times: {failure}")
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -281,7 +238,3 @@ class LocalSandbox(Sandbox):
         self._closed.set()
         for worker in self._workers:
             worker.stop()
-
-
-__all__ = ["ExecResult", "LocalSandbox", "Sandbox", "SandboxError", "WorkerInfo", "make_result",
-           "make_sandbox"]

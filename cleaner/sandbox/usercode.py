@@ -3,6 +3,9 @@
 Standard library only and free of package-relative imports, on purpose: the local backend calls
 `execute_user_code` in a child forked from a warm worker, and the docker backend ships this file's
 source text into a bare `python:3.11-slim` container and runs it with `python -c` (`docker_main`).
+A third entry point, `python -m cleaner.sandbox.usercode --batch` (`batch_main`), runs a list of
+TRUSTED snippets one after another in one process, with no isolation at all: the bootstrap corpus
+uses it so that its tool texts are worded by this very code, not by a copy of it.
 
 Design decisions (matching the reference's code_interpreter):
 - If the last statement is a bare expression, its value's repr is printed (unless it is None), as
@@ -18,6 +21,8 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import contextlib
+import io
 import json
 import os
 import sys
@@ -110,5 +115,30 @@ def docker_main() -> None:
     os._exit(0)
 
 
-if __name__ == "__main__" and "CLEANER_CODE" in os.environ:
-    docker_main()
+# ---------------------------------------------------------------------------------------------
+# Batch entry point: `python -m cleaner.sandbox.usercode --batch`, for trusted code only
+
+
+def run_batch(codes: list[str]) -> list[list[str | None]]:
+    """[stdout, error_type, error_text] per snippet, each run in fresh globals with its stdout
+    captured; error_type and error_text are None when the snippet succeeded."""
+    results = []
+    for code in codes:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            error_type, error_text = execute_user_code(code)
+        results.append([stdout.getvalue(), error_type, error_text])
+    return results
+
+
+def batch_main() -> None:
+    """Read a JSON list of code strings on stdin; write the JSON list of `run_batch` results."""
+    codes = json.load(sys.stdin)
+    json.dump(run_batch(codes), sys.stdout)
+
+
+if __name__ == "__main__":
+    if "CLEANER_CODE" in os.environ:
+        docker_main()
+    elif sys.argv[1:] == ["--batch"]:
+        batch_main()

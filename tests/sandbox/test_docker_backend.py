@@ -11,16 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.collect import sandbox_child
-from cleaner.engine.collect.sandbox import ExecResult
-from cleaner.engine.collect.sandbox_docker import parse_docker_output
-from cleaner.engine.config import SandboxConfig
+from cleaner.sandbox import ExecResult, SandboxConfig, make_sandbox, usercode
+from cleaner.sandbox.docker_backend import parse_docker_output
 
 CONFIG = SandboxConfig(backend="docker", timeout_s=2.0, max_output_chars=64)
 
 
 def run_runner_like_docker(code: str) -> ExecResult:
-    source = Path(sandbox_child.__file__).read_text()
+    source = Path(usercode.__file__).read_text()
     environment = {"CLEANER_CODE": base64.b64encode(code.encode()).decode(), "PATH": os.environ["PATH"]}
     completed = subprocess.run([sys.executable, "-c", source], env=environment, capture_output=True,
                                timeout=30)
@@ -51,7 +49,6 @@ def test_docker_container_round_trip():
         docker.from_env().ping()
     except docker.errors.DockerException:
         pytest.skip("no Docker engine running")
-    from cleaner.engine.collect.sandbox import make_sandbox
 
     with make_sandbox(CONFIG) as sandbox:
         assert sandbox.run("print(6 * 7)").stdout == "42\n"

@@ -1,10 +1,11 @@
-"""The local sandbox (DESIGN.md 7): basics, then one test per hostile behaviour.
+"""The local sandbox (docs/architecture.md, "Sandbox"): basics, then one test per hostile behaviour.
 
 Every hostile test runs through `run_bounded`, which fails the test if the sandbox takes longer
 than `LIMIT_S` to answer, checks how the run is classified, and then checks that the pool still
 answers a trivial snippet. The fork-bomb tests only run once a probe shows that executions really
 run as an unprivileged uid, and their payloads are bounded on their own (at most 2**10 processes,
-each gone within seconds), so even a broken sandbox cannot exhaust the host.
+each gone within seconds), so even a broken sandbox cannot exhaust the host. The text a model
+sees is worded outside the sandbox; `model_text` words a result the way the collect loop does.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.collect.sandbox import ExecResult, LocalSandbox, make_sandbox
-from cleaner.engine.config import SandboxConfig
+from cleaner.engine.chat import format_tool_response
+from cleaner.sandbox import ExecResult, ExecStatus, LocalSandbox, SandboxConfig, child, make_sandbox
+from cleaner.sandbox.isolation import Reaper
 
 LIMIT_S = 10.0  # no single run may take longer to come back than this
 CONFIG = SandboxConfig(workers=2, timeout_s=2.0, cpu_time_s=3, max_output_chars=2048, preload_scientific=False)
@@ -43,6 +45,12 @@ def run_bounded(sandbox, code: str, stdin: str | None = None, limit_s: float = L
     assert not thread.is_alive(), f"sandbox did not answer within {limit_s} s"
     assert time.monotonic() - started < limit_s
     return box[0]
+
+
+def model_text(result: ExecResult) -> str:
+    """The tool response the collect loop builds from a result."""
+    ok = result.status == ExecStatus.OK
+    return format_tool_response(ok, result.stdout, result.stderr, None if ok else str(result.status))
 
 
 def assert_pool_alive(sandbox) -> None:
@@ -90,7 +98,7 @@ def require_privilege_drop(sandbox) -> int:
 def test_ok_with_stdout_and_response(sandbox):
     result = run_bounded(sandbox, "x = 3\nprint(x * 2)")
     assert (result.status, result.error_type, result.stdout, result.stderr) == ("ok", None, "6\n", "")
-    assert result.response == "Tool call success\nstdout: 6\n"
+    assert model_text(result) == "Tool call success\nstdout: 6\n"
     assert 0 < result.exec_ms < LIMIT_S * 1000
 
 
@@ -98,7 +106,7 @@ def test_name_error_is_classified_with_its_line(sandbox):
     result = run_bounded(sandbox, "a = 1\nprint(a)\nprint(b)")
     assert (result.status, result.error_type, result.stdout) == ("error", "NameError", "1\n")
     assert result.stderr == "NameError at line 3: name 'b' is not defined\n  print(b)"
-    assert result.response == (
+    assert model_text(result) == (
         "Tool call failure\nreason: error\nstdout: 1\n\n"
         "stderr: NameError at line 3: name 'b' is not defined\n  print(b)"
     )
@@ -213,7 +221,7 @@ def test_infinite_loop_times_out(sandbox):
     result = run_bounded(sandbox, "print('start', flush=True)\nwhile True:\n    pass")
     assert (result.status, result.error_type) == ("timeout", "Timeout")
     assert result.stdout == "start\n"
-    assert result.response.startswith("Tool call failure\nreason: timeout")
+    assert model_text(result).startswith("Tool call failure\nreason: timeout")
     assert CONFIG.timeout_s * 1000 <= result.exec_ms < CONFIG.timeout_s * 1000 + 1000
     assert_pool_alive(sandbox)
 
@@ -373,14 +381,12 @@ def test_busy_daemon_thread_does_not_outlive_the_code(sandbox):
 
 def test_fallback_without_uid_drop_or_pidfd(tmp_path, monkeypatch):
     """The path taken without root (no uid: the process group is killed) and on Linux < 5.3 (no
-    pidfd: the child is polled), exercised directly on sandbox_exec."""
-    from cleaner.engine.collect import sandbox_exec
-
+    pidfd: the child is polled), exercised directly on child.py."""
     monkeypatch.delattr(os, "pidfd_open")
     config = SandboxConfig(timeout_s=1.0)
     outcomes = []
     for code in ("print(2 + 2)", "import os\nos.fork()\nwhile True:\n    pass"):
-        reply, clean_up = sandbox_exec.execute(code, None, config, None, str(tmp_path))
+        reply, clean_up = child.execute(code, None, config, Reaper(uid=None), str(tmp_path))
         clean_up()
         outcomes.append((reply["status"], reply["stdout"]))
     assert outcomes == [("ok", "4\n"), ("timeout", "")]
@@ -413,7 +419,7 @@ def test_worker_lost_mid_execution_is_retried_then_reported():
     with LocalSandbox(SandboxConfig(workers=1, timeout_s=3.0, infra_retries=0, preload_scientific=False)) as pool:
         lost = _kill_worker_during(pool, code)
         assert (lost.status, lost.error_type) == ("infra_error", "InfraError")
-        assert lost.response.startswith("Tool call failure\nreason: infra_error")
+        assert model_text(lost).startswith("Tool call failure\nreason: infra_error")
         assert run_bounded(pool, "print(1)").status == "ok"
 
 

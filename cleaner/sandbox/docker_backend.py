@@ -1,13 +1,12 @@
-"""Docker backend of the sandbox: one throw-away container per execution. UNVERIFIED here.
+"""Docker backend of the sandbox: one throw-away container per execution. UNVERIFIED.
 
-No Docker engine runs on the machines this project was built on, so this backend has only been
-checked for what can be checked without one: the in-container runner (`sandbox_child.docker_main`,
-run with a plain `python -c` in the tests) and the parsing of its output (`parse_docker_output`).
-The container calls themselves are written against the docker SDK (`docker>=7`, the `docker`
-extra) and are untested.
+What the test suite checks without a Docker engine: the in-container runner
+(`usercode.docker_main`, run with a plain `python -c`) and the parsing of its output
+(`parse_docker_output`). The container calls themselves are written against the docker SDK
+(`docker>=7`, the `docker` extra) and are only exercised where an engine runs.
 
 Design decisions:
-- The runner is `sandbox_child.py`'s own source text, run with `python -c`, so the container needs
+- The runner is `usercode.py`'s own source text, run with `python -c`, so the container needs
   nothing but a stock `python:3.11-slim` image; the code travels base64-encoded in an environment
   variable (fine for tool calls, which are a few KB; the kernel caps one variable at 128 KB).
 - Limits: network disabled, read-only root filesystem, a tmpfs working directory, memory and pids
@@ -24,16 +23,11 @@ import logging
 import time
 from pathlib import Path
 
-from cleaner.engine.collect import sandbox_child
-from cleaner.engine.collect.sandbox import (
-    ExecResult,
-    Sandbox,
-    SandboxError,
-    infra_result,
-    make_result,
-)
-from cleaner.engine.config import SandboxConfig
-from cleaner.engine.records import ERROR, OK, TIMEOUT
+from cleaner.sandbox import usercode
+from cleaner.sandbox.child import OutputCapture, truncate_text
+from cleaner.sandbox.config import SandboxConfig
+from cleaner.sandbox.outcome import ExecResult, ExecStatus, infra_error_result
+from cleaner.sandbox.pool import Sandbox, SandboxError
 
 logger = logging.getLogger(__name__)
 
@@ -43,29 +37,28 @@ WORKDIR = "/sandbox"  # tmpfs inside the container
 def parse_docker_output(stdout: bytes, stderr: bytes, timed_out: bool, config: SandboxConfig,
                         exec_ms: float) -> ExecResult:
     """Build the ExecResult from a container's streams (the result rides on stderr's last line)."""
-    from cleaner.engine.collect.sandbox_exec import _Capture, truncate_text
-
     error_text = stderr.decode("utf-8", errors="replace")
-    marker_at = error_text.rfind(sandbox_child.RESULT_MARKER)
+    marker_at = error_text.rfind(usercode.RESULT_MARKER)
     outcome = None
     if marker_at >= 0:
-        outcome = json.loads(error_text[marker_at + len(sandbox_child.RESULT_MARKER):])
+        outcome = json.loads(error_text[marker_at + len(usercode.RESULT_MARKER):])
         error_text = error_text[:marker_at].removesuffix("\n")
-    stdout_capture, stderr_capture = _Capture(len(stdout)), _Capture(len(error_text.encode()))
+    stdout_capture = OutputCapture(len(stdout))
+    stderr_capture = OutputCapture(len(error_text.encode()))
     stdout_capture.add(stdout)
     stderr_capture.add(error_text.encode())
     stdout_text = truncate_text(stdout_capture, config.max_output_chars)
     stderr_text = truncate_text(stderr_capture, config.max_output_chars)
     if timed_out:
         message = f"Timeout: execution exceeded the {config.timeout_s:g} s time limit"
-        return make_result(TIMEOUT, "Timeout", stdout_text, _join(stderr_text, message), exec_ms)
+        return ExecResult(ExecStatus.TIMEOUT, "Timeout", stdout_text, _join(stderr_text, message), exec_ms)
     if outcome is None:
         message = "SystemExit: the process ended before reporting a result"
-        return make_result(ERROR, "SystemExit", stdout_text, _join(stderr_text, message), exec_ms)
+        return ExecResult(ExecStatus.ERROR, "SystemExit", stdout_text, _join(stderr_text, message), exec_ms)
     if outcome["error_type"] is None:
-        return make_result(OK, None, stdout_text, stderr_text, exec_ms)
-    return make_result(ERROR, outcome["error_type"], stdout_text,
-                       _join(stderr_text, outcome["error_text"]), exec_ms)
+        return ExecResult(ExecStatus.OK, None, stdout_text, stderr_text, exec_ms)
+    return ExecResult(ExecStatus.ERROR, outcome["error_type"], stdout_text,
+                      _join(stderr_text, outcome["error_text"]), exec_ms)
 
 
 def _join(stderr: str, message: str) -> str:
@@ -77,7 +70,7 @@ class DockerSandbox(Sandbox):
 
     def __init__(self, config: SandboxConfig) -> None:
         try:
-            import docker
+            import docker  # the optional docker SDK (the `docker` extra): only this backend needs it
         except ImportError as error:
             raise SandboxError("the docker backend needs the docker SDK: pip install 'cleaner[docker]'") from error
         self.config = config
@@ -86,10 +79,10 @@ class DockerSandbox(Sandbox):
             self._client.ping()
         except docker.errors.DockerException as error:
             raise SandboxError(f"no Docker engine reachable: {error}") from error
-        self._runner_source = Path(sandbox_child.__file__).read_text()
+        self._runner_source = Path(usercode.__file__).read_text()
 
     def run(self, code: str, stdin: str | None = None) -> ExecResult:
-        import docker
+        import docker  # the optional docker SDK, present once __init__ succeeded
 
         if stdin is not None:
             logger.warning("the docker backend does not pass stdin; the code reads /dev/null")
@@ -100,10 +93,10 @@ class DockerSandbox(Sandbox):
             except docker.errors.DockerException as error:
                 logger.warning("docker execution failed (attempt %d): %s", attempt + 1, error)
                 failure = str(error)
-        return infra_result(f"docker sandbox failed {self.config.infra_retries + 1} times: {failure}")
+        return infra_error_result(f"docker sandbox failed {self.config.infra_retries + 1} times: {failure}")
 
     def _run_once(self, code: str) -> ExecResult:
-        import requests
+        import requests  # comes with the docker SDK, whose read timeout it raises
 
         mb = 1024 * 1024
         container = self._client.containers.run(

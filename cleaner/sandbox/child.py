@@ -1,5 +1,8 @@
 """One execution inside a warm worker: fork a fresh child, confine it, supervise it, clean up.
 
+The worker owns an `Executor` and hands it its `Reaper` (isolation.py), the one object that knows
+the sandbox uid and whether this process reaps orphans; nothing here reads another module's state.
+
 Design decisions:
 - A spare child: right after each execution's clean-up, the worker forks and confines the NEXT
   child, which waits on a request pipe; an execution only sends it the code. Fork and confinement
@@ -21,8 +24,8 @@ Design decisions:
   `S` means the sandbox itself failed (an infrastructure error, retried by the pool); `S` without a
   result means the user code ended the process itself (os._exit, a signal).
 - Wall clock: the deadline runs from the request. On timeout, and after every execution, every
-  process of the sandbox uid is killed (`reap_uid`); without root, the child's process group is
-  killed.
+  process of the sandbox uid is killed (`Reaper.kill_execution`); without root, the child's process
+  group is killed.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cleaner.engine.collect import sandbox_child, sandbox_worker
+from cleaner.sandbox import usercode
+from cleaner.sandbox.config import SandboxConfig
+from cleaner.sandbox.isolation import LIBC, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, Reaper
+from cleaner.sandbox.outcome import ExecStatus
+from cleaner.sandbox.protocol import receive_message, send_message
 
 RESULT_LOST_EXIT = 1  # exit code of a child whose code failed but whose result pipe the code closed
 SETUP_FAILED_EXIT = 121  # exit code of a child whose confinement failed before user code ran
@@ -47,9 +54,10 @@ DRAIN_GRACE_S = 1.0  # after the kill, how long to wait for the output pipes to 
 CHUNK_BYTES = 1 << 16
 POLL_S = 0.002  # child-exit polling period where pidfd_open is missing
 REPORTED = 0  # the "wait status" of a child that reported its result and closed its pipes
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SINGLE_THREAD_ENV = {name: "1" for name in (  # BLAS pools of one thread: the worker stays fork-safe
+    "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")}
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-             **sandbox_worker.SINGLE_THREAD_ENV}
+             **SINGLE_THREAD_ENV}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +74,7 @@ def _place_fds(pipes: tuple[int, ...], targets: tuple[int, ...]) -> None:
         os.closerange(low + 1, next_kept)
 
 
-def _set_limits(config) -> None:
+def _set_limits(config: SandboxConfig) -> None:
     mb = 1024 * 1024
     limits = {
         resource.RLIMIT_CPU: (config.cpu_time_s, config.cpu_time_s + 1),
@@ -80,7 +88,7 @@ def _set_limits(config) -> None:
         resource.setrlimit(kind, value)
 
 
-def _confine(config, uid: int | None, workdir: str) -> None:
+def _confine(config: SandboxConfig, uid: int | None, workdir: str) -> None:
     os.setsid()
     for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(signal_number, signal.SIG_DFL)
@@ -94,13 +102,12 @@ def _confine(config, uid: int | None, workdir: str) -> None:
         os.setuid(uid)
         if os.getuid() != uid or os.geteuid() != uid:
             raise RuntimeError("privilege drop did not take effect")
-    libc = sandbox_worker._libc
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
     _set_limits(config)
 
 
-def _child_main(config, uid: int | None, workdir: str, pipes: tuple[int, ...]) -> None:
+def _child_main(config: SandboxConfig, uid: int | None, workdir: str, pipes: tuple[int, ...]) -> None:
     """Confine this process, wait for the request, run it. Never returns."""
     result_fd = config.max_open_files - 1  # the highest fds allowed: out of the way of user files
     request_fd = result_fd - 1
@@ -113,7 +120,7 @@ def _child_main(config, uid: int | None, workdir: str, pipes: tuple[int, ...]) -
     sys.argv = [""]
     if "numpy.random" in sys.modules:  # `random` reseeds itself after fork; numpy does not
         sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))
-    request = sandbox_worker.receive_message(request_fd)  # a spare child waits here
+    request = receive_message(request_fd)  # a spare child waits here
     if request is None:  # discarded unused
         os._exit(0)
     os.close(request_fd)
@@ -124,8 +131,8 @@ def _child_main(config, uid: int | None, workdir: str, pipes: tuple[int, ...]) -
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
     os.write(result_fd, b"S")
-    error_type, error_text = sandbox_child.execute_user_code(request["code"])
-    sandbox_child.flush_standard_streams()
+    error_type, error_text = usercode.execute_user_code(request["code"])
+    usercode.flush_standard_streams()
     for fd in (0, 1, 2):  # EOF now lets the worker answer without waiting for this exit's teardown
         _close_quietly(fd)
     try:
@@ -147,8 +154,9 @@ def _close_quietly(fd: int) -> None:
 # Worker side
 
 
-class _Capture:
-    """The head of one stream plus a count of the bytes dropped after it."""
+class OutputCapture:
+    """The head of one stream plus a count of the bytes dropped after it (the docker backend
+    captures its containers' output with it too)."""
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes, self.head, self.dropped_bytes = keep_bytes, bytearray(), 0
@@ -159,7 +167,7 @@ class _Capture:
         self.dropped_bytes += len(chunk) - min(room, len(chunk))
 
 
-def truncate_text(capture: _Capture, max_chars: int) -> str:
+def truncate_text(capture: OutputCapture, max_chars: int) -> str:
     """Decoded head, cut to max_chars with a `...[truncated N chars]` marker (N counts dropped bytes
     beyond the kept head as one char each)."""
     text = capture.head.decode("utf-8", errors="replace")
@@ -170,7 +178,7 @@ def truncate_text(capture: _Capture, max_chars: int) -> str:
     return f"{text[:max_chars]}...[truncated {dropped} chars]"
 
 
-def _pump(streams: dict[int, _Capture], timeout_s: float, extra_fds: tuple[int, ...] = ()) -> list[int]:
+def _pump(streams: dict[int, OutputCapture], timeout_s: float, extra_fds: tuple[int, ...] = ()) -> list[int]:
     """Wait up to timeout_s; read every ready stream (closing it at EOF); return ready extra fds."""
     ready, _, _ = select.select([*streams, *extra_fds], [], [], max(0.0, timeout_s))
     for fd in ready:
@@ -184,7 +192,7 @@ def _pump(streams: dict[int, _Capture], timeout_s: float, extra_fds: tuple[int, 
     return [fd for fd in ready if fd in extra_fds]
 
 
-def _supervise(pid: int, streams: dict[int, _Capture], result_fd: int, deadline: float) -> int | None:
+def _supervise(pid: int, streams: dict[int, OutputCapture], result_fd: int, deadline: float) -> int | None:
     """Pump output until the child is done or the deadline passes (None). Done is: the child
     exited (its wait status), or it closed the result pipe after its closing JSON (0; its exit is
     collected later, so the teardown of a large address space is not on the critical path)."""
@@ -213,24 +221,6 @@ def _supervise(pid: int, streams: dict[int, _Capture], result_fd: int, deadline:
             os.close(pidfd)
 
 
-def _kill_everything(pid: int, uid: int | None, collect_child: bool) -> None:
-    """Kill every process of the execution; if the child was not yet waited for, wait for it."""
-    if uid is not None:
-        sandbox_worker.reap_uid(uid)
-    else:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if collect_child:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass  # already collected with the orphans
-    if sandbox_worker.is_subreaper:
-        sandbox_worker.reap_zombies()
-
-
 def _parse_outcome(result: bytes) -> dict | None:
     """The child's closing JSON (the last one: user code may have scribbled on the pipe before it)."""
     start = result.rfind(b'{"error_type"')
@@ -243,27 +233,28 @@ def _parse_outcome(result: bytes) -> dict | None:
     return outcome if isinstance(outcome, dict) and {"error_type", "error_text"} <= outcome.keys() else None
 
 
-def _classify(wait_status: int | None, result: bytes, config) -> tuple[str, str | None, str | None]:
+def _classify(wait_status: int | None, result: bytes,
+              config: SandboxConfig) -> tuple[ExecStatus, str | None, str | None]:
     """(status, error_type, error_text) from the wait status and the result pipe's bytes."""
     if wait_status is None:
-        return "timeout", "Timeout", f"Timeout: execution exceeded the {config.timeout_s:g} s time limit"
+        return ExecStatus.TIMEOUT, "Timeout", f"Timeout: execution exceeded the {config.timeout_s:g} s time limit"
     if not result.startswith(b"S"):
-        return "infra_error", "InfraError", f"sandbox child failed before running code (status {wait_status})"
+        return ExecStatus.INFRA_ERROR, "InfraError", f"sandbox child failed before running code (status {wait_status})"
     outcome = _parse_outcome(result)
     if outcome is not None:
         if outcome["error_type"] is None:
-            return "ok", None, None
-        return "error", outcome["error_type"], outcome["error_text"]
+            return ExecStatus.OK, None, None
+        return ExecStatus.ERROR, outcome["error_type"], outcome["error_text"]
     if os.WIFSIGNALED(wait_status):
         signal_number = os.WTERMSIG(wait_status)
         if signal_number == signal.SIGXCPU:
-            return "timeout", "Timeout", f"Timeout: CPU time limit of {config.cpu_time_s} s exceeded"
+            return ExecStatus.TIMEOUT, "Timeout", f"Timeout: CPU time limit of {config.cpu_time_s} s exceeded"
         name = signal.Signals(signal_number).name
-        return "error", name, f"{name}: the process was killed by signal {name}"
+        return ExecStatus.ERROR, name, f"{name}: the process was killed by signal {name}"
     exit_code = os.waitstatus_to_exitcode(wait_status)
     if exit_code == 0:
-        return "ok", None, None
-    return "error", "SystemExit", f"SystemExit: the process exited with code {exit_code}"
+        return ExecStatus.OK, None, None
+    return ExecStatus.ERROR, "SystemExit", f"SystemExit: the process exited with code {exit_code}"
 
 
 @dataclass
@@ -278,7 +269,7 @@ class _Child:
     result_r: int
 
 
-def _spawn(config, uid: int | None, root: str) -> _Child:
+def _spawn(config: SandboxConfig, uid: int | None, root: str) -> _Child:
     workdir = os.path.join(root, uuid.uuid4().hex)
     os.mkdir(workdir, 0o700)
     if uid is not None:
@@ -300,7 +291,7 @@ def _spawn(config, uid: int | None, root: str) -> _Child:
     return _Child(pid, workdir, request_w, out_r, err_r, result_r)
 
 
-def _discard(child: _Child, uid: int | None) -> None:
+def _discard(child: _Child, reaper: Reaper) -> None:
     """Kill an unused spare. By pid, as well as by uid: it may still be root, mid-confinement."""
     for fd in (child.request_w, child.out_r, child.err_r, child.result_r):
         _close_quietly(fd)
@@ -308,26 +299,28 @@ def _discard(child: _Child, uid: int | None) -> None:
         os.kill(child.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    _kill_everything(child.pid, uid, collect_child=True)
+    reaper.kill_execution(child.pid, collect_child=True)
     shutil.rmtree(child.workdir, ignore_errors=True)
 
 
 class Executor:
-    """Runs snippets one at a time, each in a fresh child. With `prefork`, the next child is forked
-    and confined right after each execution's clean-up, so the fork is off the critical path."""
+    """Runs snippets one at a time, each in a fresh child under `root`, as `reaper.uid` (None: no
+    uid drop). With `prefork`, the next child is forked and confined right after each execution's
+    clean-up, so the fork is off the critical path."""
 
-    def __init__(self, config, uid: int | None, root: str, prefork: bool = True) -> None:
-        self.config, self.uid, self.root, self.prefork = config, uid, root, prefork
-        self._spare = _spawn(config, uid, root) if prefork else None
+    def __init__(self, config: SandboxConfig, reaper: Reaper, root: str, prefork: bool = True) -> None:
+        self.config, self.reaper, self.root, self.prefork = config, reaper, root, prefork
+        self.uid = reaper.uid
+        self._spare = _spawn(config, self.uid, root) if prefork else None
 
     def _take_child(self, request: dict) -> _Child:
         child, self._spare = self._spare or _spawn(self.config, self.uid, self.root), None
         try:
-            sandbox_worker.send_message(child.request_w, request)
+            send_message(child.request_w, request)
         except BrokenPipeError:  # the spare died while waiting: use a fresh one
-            _discard(child, self.uid)
+            _discard(child, self.reaper)
             child = _spawn(self.config, self.uid, self.root)
-            sandbox_worker.send_message(child.request_w, request)
+            send_message(child.request_w, request)
         os.close(child.request_w)
         return child
 
@@ -337,7 +330,8 @@ class Executor:
         start = time.monotonic()
         child = self._take_child({"code": code, "stdin": stdin})
         keep_bytes = 4 * self.config.max_output_chars
-        captures = {"stdout": _Capture(keep_bytes), "stderr": _Capture(keep_bytes), "result": _Capture(1 << 20)}
+        captures = {"stdout": OutputCapture(keep_bytes), "stderr": OutputCapture(keep_bytes),
+                    "result": OutputCapture(1 << 20)}
         streams = dict(zip((child.out_r, child.err_r, child.result_r), captures.values(), strict=True))
         wait_status = _supervise(child.pid, streams, child.result_r, start + self.config.timeout_s)
         exec_ms = (time.monotonic() - start) * 1000.0
@@ -346,7 +340,7 @@ class Executor:
                 break
             _pump(streams, 0)
         if streams or wait_status is None:  # something still holds the pipes, or the deadline passed
-            _kill_everything(child.pid, self.uid, collect_child=True)
+            self.reaper.kill_execution(child.pid, collect_child=True)
             drain_deadline = time.monotonic() + DRAIN_GRACE_S
             while streams and time.monotonic() < drain_deadline:
                 _pump(streams, drain_deadline - time.monotonic())
@@ -355,23 +349,24 @@ class Executor:
         return _reply(wait_status, captures, exec_ms, self.config), lambda: self._clean_up(child)
 
     def _clean_up(self, child: _Child) -> None:
-        _kill_everything(child.pid, self.uid, collect_child=True)  # harmless if already collected
+        self.reaper.kill_execution(child.pid, collect_child=True)  # harmless if already collected
         shutil.rmtree(child.workdir, ignore_errors=True)
         if self.prefork:
             self._spare = _spawn(self.config, self.uid, self.root)
 
     def close(self) -> None:
         if self._spare is not None:
-            _discard(self._spare, self.uid)
+            _discard(self._spare, self.reaper)
             self._spare = None
 
 
-def execute(code: str, stdin: str | None, config, uid: int | None, root: str) -> tuple[dict, Callable]:
+def execute(code: str, stdin: str | None, config: SandboxConfig, reaper: Reaper,
+            root: str) -> tuple[dict, Callable[[], None]]:
     """One execution without a spare child (the fork is on the critical path)."""
-    return Executor(config, uid, root, prefork=False).execute(code, stdin)
+    return Executor(config, reaper, root, prefork=False).execute(code, stdin)
 
 
-def _reply(wait_status: int | None, captures: dict, exec_ms: float, config) -> dict:
+def _reply(wait_status: int | None, captures: dict, exec_ms: float, config: SandboxConfig) -> dict:
     status, error_type, error_text = _classify(wait_status, bytes(captures["result"].head), config)
     stderr = truncate_text(captures["stderr"], config.max_output_chars)
     if error_text:

@@ -1,0 +1,65 @@
+"""Configuration of the Python tool's sandbox (docs/architecture.md, "Sandbox").
+
+Design decisions:
+- The sandbox is a leaf tool: this module imports nothing from `cleaner.engine`, so the package,
+  and the worker processes that rebuild the config from `to_json()`, stand on their own.
+- `CollectConfig.sandbox` nests this dataclass, so its field names and defaults are part of every
+  collect config's JSON and `config_id`: renaming a field or changing a default changes those ids.
+- As every config of the project: frozen, one comment per field, invariants checked in
+  `__post_init__` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+BACKENDS = ("local", "docker")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    backend: str = "local"  # local (worker processes) | docker
+    workers: int = 2  # warm worker processes in the pool
+    timeout_s: float = 4.0  # wall-clock limit per execution (the paper's value)
+    cpu_time_s: int = 5  # RLIMIT_CPU per execution
+    memory_mb: int = 1024  # RLIMIT_AS per execution
+    max_processes: int = 32  # RLIMIT_NPROC for the unprivileged sandbox user
+    max_file_size_mb: int = 16  # RLIMIT_FSIZE
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
+    infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
+    docker_image: str = "python:3.11-slim"  # image for the docker backend
+    preload_scientific: bool = True  # warm workers also import numpy+sympy: fast `import sympy`, costlier fork
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
+        _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _check(self.cpu_time_s >= 1, f"cpu_time_s must be >= 1, got {self.cpu_time_s}")
+        _check(self.memory_mb >= 64, f"memory_mb must be >= 64, got {self.memory_mb}")
+        _check(self.max_processes >= 1, f"max_processes must be >= 1, got {self.max_processes}")
+        _check(self.max_file_size_mb >= 1, f"max_file_size_mb must be >= 1, got {self.max_file_size_mb}")
+        _check(self.max_open_files >= 16, f"max_open_files must be >= 16, got {self.max_open_files}")
+        _check(self.max_output_chars >= 64, f"max_output_chars must be >= 64, got {self.max_output_chars}")
+        _check(self.infra_retries >= 0, f"infra_retries must be >= 0, got {self.infra_retries}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """The resolved config; the worker process is started with it."""
+        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+
+    @functools.cached_property  # works on frozen dataclasses: it writes __dict__ directly
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of every parameter (the same scheme as the engine's configs)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from cleaner.engine.config import DEFAULT_POLICY
+from cleaner.engine.show import Panels
 
 app = typer.Typer(
     name="cleaner",
@@ -532,19 +533,13 @@ def sql(
         typer.echo(text, nl=False)
 
 
-class ShowView(StrEnum):
-    raw = "raw"
-    purified = "purified"
-    both = "both"
-
-
 @app.command()
 def show(
     rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified view.")] = 0.5,
     similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
-    view: Annotated[ShowView, typer.Option("--view", help="raw | purified | both.")] = ShowView.both,
+    view: Annotated[Panels, typer.Option("--view", help="raw | purified | both.")] = Panels.BOTH,
     tokenizer: Annotated[bool, typer.Option(help="Decode with the collecting policy's tokenizer.")] = True,
 ) -> None:
     """Print one rollout raw (failures red, retries yellow, what SAAR drops struck through) and purified.
@@ -563,9 +558,9 @@ def show(
         raise fail(str(exc)) from exc
     if inspection is None:
         raise fail(f"no rollout {rollout_id!r} in {warehouse}")
-    decoder = load_decoder(inspection.model) if tokenizer and view is not ShowView.raw else Decoder(
+    decoder = load_decoder(inspection.model) if tokenizer and view is not Panels.RAW else Decoder(
         None, "--no-tokenizer: text below is the stored segment text, not decoded tokens")
-    console.print(show_rollout(inspection, saar, decoder, view.value))
+    console.print(show_rollout(inspection, saar, decoder, view))
 
 
 if __name__ == "__main__":

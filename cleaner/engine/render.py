@@ -35,6 +35,7 @@ import difflib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import NamedTuple
 
 from cleaner.engine.config import SimilarityOn
@@ -86,16 +87,19 @@ class MergeDecision:
 
     attempt: int  # i of the attempt merged in (>= 1)
     similarity: float | None  # difflib ratio; None when either side had no call (always deep)
-    kind: str  # shallow | deep
+    kind: Outcome  # SHALLOW or DEEP
 
 
-# Per-step outcomes of `explain`.
-CLEAN = "clean"  # one attempt, no failed call: unchanged
-SHALLOW, DEEP, MIXED = "shallow", "deep", "mixed"  # recovered; the merges were all shallow, all deep, both
-UNRECOVERED = "unrecovered"  # no successful call (retries exhausted, or still in progress)
-ANSWERED = "answered"  # a retry answered instead of calling
-RAW_STEP = "raw"  # rendered raw: the view is raw, or an earlier step was unrecovered
-STEP_OUTCOMES = (CLEAN, SHALLOW, DEEP, MIXED, UNRECOVERED, ANSWERED, RAW_STEP)
+class Outcome(StrEnum):
+    """How one step (chain) was rendered; also the kind of one merge (SHALLOW or DEEP)."""
+
+    CLEAN = "clean"  # one attempt, no failed call: unchanged
+    SHALLOW = "shallow"  # recovered; every merge kept the earlier reasoning
+    DEEP = "deep"  # recovered; every merge replaced the whole turn
+    MIXED = "mixed"  # recovered with both kinds of merge
+    UNRECOVERED = "unrecovered"  # no successful call (retries exhausted, or still in progress)
+    ANSWERED = "answered"  # a retry answered instead of calling
+    RAW = "raw"  # rendered raw: the view is raw, or an earlier step was unrecovered
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class StepOutcome:
     step: int | None
     seqs: tuple[int, ...]  # the chain's raw segments, in order
     attempts: int  # assistant attempts at this step
-    outcome: str  # one of STEP_OUTCOMES
+    outcome: Outcome
     merges: tuple[MergeDecision, ...]  # in order of the attempts merged in
     kept: tuple[KeptTokens, ...]  # raw token ranges the rendering emits for this step, in order
     removed_seqs: tuple[int, ...]  # raw segments of which no token is emitted
@@ -213,7 +217,7 @@ def render(segments: Sequence[Segment], view: View, decode: Decode | None = None
     stats = RenderStats(
         n_shallow=sum(result.n_shallow for result in results),
         n_deep=sum(result.n_deep for result in results),
-        n_unrecovered=sum(result.outcome in (UNRECOVERED, ANSWERED) for result in results),
+        n_unrecovered=sum(result.outcome in (Outcome.UNRECOVERED, Outcome.ANSWERED) for result in results),
         tokens_removed=raw_len - length,
     )
     return _assemble(spans, prompt_len, stats)
@@ -248,7 +252,7 @@ def _walk(
     raw = not view.purified
     for chain in _chains(body):
         result = _raw_chain(chain) if raw else _render_chain(chain, view, decode)
-        raw = raw or result.outcome in (UNRECOVERED, ANSWERED)  # the rest of the trajectory is raw
+        raw = raw or result.outcome in (Outcome.UNRECOVERED, Outcome.ANSWERED)  # the rest of the trajectory is raw
         walked.append((chain, result))
     return walked
 
@@ -269,18 +273,18 @@ class _ChainResult:
     spans: tuple[_Span, ...]
     n_shallow: int
     n_deep: int
-    outcome: str  # one of STEP_OUTCOMES; unrecovered or answered: the rest renders raw
+    outcome: Outcome  # UNRECOVERED or ANSWERED: the rest renders raw
     merges: tuple[MergeDecision, ...] = ()
 
 
 def _raw_chain(chain: Sequence[Segment]) -> _ChainResult:
-    return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, RAW_STEP)
+    return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, Outcome.RAW)
 
 
 def _recovered(merged: _Merged) -> str:
     if merged.n_deep == 0:
-        return SHALLOW
-    return DEEP if merged.n_shallow == 0 else MIXED
+        return Outcome.SHALLOW
+    return Outcome.DEEP if merged.n_shallow == 0 else Outcome.MIXED
 
 
 def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
@@ -306,13 +310,13 @@ def _attempts(chain: Sequence[Segment]) -> list[tuple[Segment, Segment | None]]:
 def _render_chain(chain: Sequence[Segment], view: View, decode: Decode | None) -> _ChainResult:
     pairs = _attempts(chain)
     if len(pairs) == 1 and (pairs[0][1] is None or not pairs[0][1].failed):
-        return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, CLEAN)  # unchanged
+        return _ChainResult(tuple(_span(segment) for segment in chain), 0, 0, Outcome.CLEAN)  # unchanged
     for i, (assistant, tool) in enumerate(pairs):
         if i > 0 and not assistant.has_call:  # the retry answered instead of calling
             merged = _merge([a for a, _ in pairs[:i]], view, decode)
             rest = chain[chain.index(assistant):]  # a_i and anything after it, raw
             spans = (merged.turn, _span(pairs[i - 1][1]), *(_span(segment) for segment in rest))
-            return _ChainResult(spans, merged.n_shallow, merged.n_deep, ANSWERED, merged.decisions)
+            return _ChainResult(spans, merged.n_shallow, merged.n_deep, Outcome.ANSWERED, merged.decisions)
         if tool is not None and not tool.failed:  # first success at attempt i
             merged = _merge([a for a, _ in pairs[: i + 1]], view, decode)
             return _ChainResult((merged.turn, _span(tool)), merged.n_shallow, merged.n_deep,
@@ -321,7 +325,7 @@ def _render_chain(chain: Sequence[Segment], view: View, decode: Decode | None) -
     merged = _merge([a for a, _ in pairs], view, decode)
     last_tool = pairs[-1][1]
     spans = (merged.turn,) if last_tool is None else (merged.turn, _span(last_tool))
-    return _ChainResult(spans, merged.n_shallow, merged.n_deep, UNRECOVERED, merged.decisions)
+    return _ChainResult(spans, merged.n_shallow, merged.n_deep, Outcome.UNRECOVERED, merged.decisions)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,11 +359,11 @@ def _merge(attempts: Sequence[Segment], view: View, decode: Decode | None) -> _M
                 origin=_cut_origin(current.origin, 0, cut)
                 + _cut_origin(following.origin, start, len(following.token_ids)),
             )
-            decisions.append(MergeDecision(attempt.attempt, similarity, SHALLOW))
+            decisions.append(MergeDecision(attempt.attempt, similarity, Outcome.SHALLOW))
         else:
             current = following
-            decisions.append(MergeDecision(attempt.attempt, similarity, DEEP))
-    n_shallow = sum(decision.kind == SHALLOW for decision in decisions)
+            decisions.append(MergeDecision(attempt.attempt, similarity, Outcome.DEEP))
+    n_shallow = sum(decision.kind == Outcome.SHALLOW for decision in decisions)
     return _Merged(current, n_shallow, len(decisions) - n_shallow, tuple(decisions))
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from itertools import pairwise
 
 import pyarrow as pa
@@ -37,15 +38,16 @@ from cleaner.engine.records import (
     Segment,
     SegmentKind,
     ToolStatus,
+    enum_value,
 )
-from cleaner.engine.render import Decode, StepOutcome, View, explain, render
+from cleaner.engine.render import Decode, Outcome, StepOutcome, View, explain, render
 
 logger = logging.getLogger(__name__)
 
 MAX_CELL_CHARS = 80
 
-STATUS_STYLE = {ToolStatus.OK: "green", "error": "bold red", "timeout": "bold magenta", "format_error": "bold yellow",
-                "infra_error": "bold blue"}
+STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus.TIMEOUT: "bold magenta",
+                ToolStatus.FORMAT_ERROR: "bold yellow", ToolStatus.INFRA_ERROR: "bold blue"}
 KIND_STYLE = {SegmentKind.PROMPT: "dim", SegmentKind.ASSISTANT: "cyan", SegmentKind.TOOL: "white"}
 
 
@@ -197,13 +199,14 @@ def purified_texts(segments: Sequence[Segment], steps: Sequence[StepOutcome], de
 # The purified view
 
 
-OUTCOME_STYLE = {"clean": "green", "shallow": "bold cyan", "deep": "bold magenta", "mixed": "bold blue",
-                 "unrecovered": "bold red", "answered": "bold yellow", "raw": "dim"}
+OUTCOME_STYLE = {Outcome.CLEAN: "green", Outcome.SHALLOW: "bold cyan", Outcome.DEEP: "bold magenta",
+                 Outcome.MIXED: "bold blue", Outcome.UNRECOVERED: "bold red",
+                 Outcome.ANSWERED: "bold yellow", Outcome.RAW: "dim"}
 
 
 def step_label(step: StepOutcome) -> str:
     """One line: step, outcome, each merge with its similarity, what was removed."""
-    parts = [f"step {step.step}", step.outcome + (" (after an unrecovered step)" if step.outcome == "raw" else ""),
+    parts = [f"step {step.step}", step.outcome + (" (after an unrecovered step)" if step.outcome == Outcome.RAW else ""),
              f"{step.attempts} attempt{'s' if step.attempts != 1 else ''}"]
     for merge in step.merges:
         similarity = "no call" if merge.similarity is None else f"sim {merge.similarity:.2f}"
@@ -349,9 +352,8 @@ def load_decoder(model: str | None) -> Decoder:
         return Decoder(None, "no collect config for this iteration: text below is the stored segment "
                              "text, not decoded tokens")
     try:
-        from transformers import (
-            AutoTokenizer,  # costs start-up time: only when decoding is asked for
-        )
+        # transformers costs start-up time: imported only when decoding is asked for
+        from transformers import AutoTokenizer  # (start-up time)
 
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError, KeyError, ImportError) as exc:
@@ -365,24 +367,28 @@ def load_decoder(model: str | None) -> Decoder:
     return Decoder(decode, f"text decoded from the purified token ids with the tokenizer of {model}")
 
 
-SHOW_VIEWS = ("raw", "purified", "both")
+class Panels(StrEnum):
+    """Which views `cleaner show` prints."""
+
+    RAW = "raw"
+    PURIFIED = "purified"
+    BOTH = "both"
 
 
-def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: str = "both") -> Group:
+def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: Panels = Panels.BOTH) -> Group:
     """The whole `cleaner show` output: raw segments (drops marked), purified view, stored configs."""
-    if which not in SHOW_VIEWS:
-        raise ValueError(f"view must be one of {SHOW_VIEWS}, got {which!r}")
+    which = enum_value(Panels, which, "view")
     segments = inspection.segments
     parts: list = []
-    if which in ("raw", "both"):
+    if which in (Panels.RAW, Panels.BOTH):
         try:
-            steps = explain(segments, view, decoder.decode) if which == "both" else ()
+            steps = explain(segments, view, decoder.decode) if which == Panels.BOTH else ()
         except ValueError:
             steps = ()  # the purified panel below says why
         parts.append(raw_panel(inspection.rollout, segments, steps=steps, decode=decoder.decode))
     elif inspection.rollout is not None:
         parts.append(_header(inspection.rollout))
-    if which in ("purified", "both"):
+    if which in (Panels.PURIFIED, Panels.BOTH):
         parts.append(purified_panel(segments, view, decoder.decode, decoder.note))
         parts.append(config_table(inspection.configs, inspection.iteration))
     return Group(*parts)

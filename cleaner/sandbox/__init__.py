@@ -1,4 +1,4 @@
-"""The Python tool's sandbox (docs/architecture.md, "Sandbox"): runs model-written code, confined.
+"""The Python tool's sandbox (docs/architecture.md §8): runs model-written code, confined.
 
 A leaf tool: nothing here imports the engine, the jobs, the CLI or the runner; they import it.
 

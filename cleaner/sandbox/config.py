@@ -1,4 +1,4 @@
-"""Configuration of the Python tool's sandbox (docs/architecture.md, "Sandbox").
+"""Configuration of the Python tool's sandbox (docs/architecture.md §8).
 
 Design decisions:
 - The sandbox is a leaf tool: this module imports nothing from `cleaner.engine`, so the package,

@@ -1,4 +1,4 @@
-"""The Python tool's sandbox (docs/architecture.md, "Sandbox"): a warm pool of confined interpreters.
+"""The Python tool's sandbox (docs/architecture.md §8): a warm pool of confined interpreters.
 
 `make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` (outcome.py):
 the status, the error class, the captured streams and the wall time. Wording that for the model is

@@ -1,4 +1,4 @@
-"""The local sandbox (docs/architecture.md, "Sandbox"): basics, then one test per hostile behaviour.
+"""The local sandbox (docs/architecture.md §8): basics, then one test per hostile behaviour.
 
 Every hostile test runs through `run_bounded`, which fails the test if the sandbox takes longer
 than `LIMIT_S` to answer, checks how the run is classified, and then checks that the pool still

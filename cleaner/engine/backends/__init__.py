@@ -20,9 +20,10 @@ def load_backend(
     dtype is a torch dtype name (float32, bfloat16, float16); sglang maps it to its `dtype` option.
     """
     if kind == "torch":
-        import torch  # torch and transformers cost CLI start-up time: loaded when a backend is asked for
+        # torch and transformers cost CLI start-up time: loaded when a backend is asked for
+        import torch  # (start-up time)
 
-        from cleaner.engine.backends.torch_backend import TorchBackend
+        from cleaner.engine.backends.torch_backend import TorchBackend  # (start-up time)
 
         return TorchBackend(model_path, device=device, dtype=getattr(torch, dtype))
     if kind == "sglang":

@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cleaner.engine.bootstrap.local_exec import run_snippets
 from cleaner.engine.chat import IM_END, format_call, tool_response_text
 from cleaner.engine.collect.tasks import TOY_SOURCE, Task, ToyProblem, toy_problem
 
@@ -169,8 +170,7 @@ Executor = Callable[[Sequence[str]], list]  # codes -> results with .ok, .respon
 
 def build_corpus(config: CorpusConfig, executor: Executor | None = None) -> list[CorpusExample]:
     """The corpus, deterministic in `config`; every call is really executed by `executor`."""
-    if executor is None:
-        from cleaner.engine.bootstrap.local_exec import run_snippets as executor
+    executor = executor or run_snippets
     rng = random.Random(f"corpus/{config.seed}")
     plans = []
     for index in range(config.size):

@@ -1,4 +1,4 @@
-"""One optimiser and one learning-rate schedule for the whole run (docs/architecture.md, "Train").
+"""One optimiser and one learning-rate schedule for the whole run (docs/architecture.md §7).
 
 The reference keeps a single AdamW for the whole run (lr 2e-6 with a linear warmup), so Adam's
 moments build up across iterations. A fresh AdamW per iteration would instead make the first steps

@@ -13,9 +13,30 @@ A leaf tool: nothing here imports the engine, the jobs, the CLI or the runner; t
 - docker_backend.py one container per execution (unverified where no Docker engine runs)
 """
 
-from cleaner.sandbox.config import SandboxConfig
-from cleaner.sandbox.outcome import ExecResult, ExecStatus
-from cleaner.sandbox.pool import LocalSandbox, Sandbox, SandboxError, WorkerInfo, make_sandbox
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cleaner.sandbox.config import SandboxConfig
+    from cleaner.sandbox.outcome import ExecResult, ExecStatus
+    from cleaner.sandbox.pool import LocalSandbox, Sandbox, SandboxError, WorkerInfo, make_sandbox
+
+# The public API, resolved on first use (PEP 562): a warm worker imports `cleaner.sandbox.worker`,
+# which runs this file first, and must not load the pool's threading and subprocess machinery,
+# because every execution forks the worker and a smaller worker forks faster.
+_EXPORTS = {
+    "SandboxConfig": "cleaner.sandbox.config", "ExecResult": "cleaner.sandbox.outcome",
+    "ExecStatus": "cleaner.sandbox.outcome", "LocalSandbox": "cleaner.sandbox.pool",
+    "Sandbox": "cleaner.sandbox.pool", "SandboxError": "cleaner.sandbox.pool",
+    "WorkerInfo": "cleaner.sandbox.pool", "make_sandbox": "cleaner.sandbox.pool",
+}
 __all__ = ["ExecResult", "ExecStatus", "LocalSandbox", "Sandbox", "SandboxConfig", "SandboxError",
            "WorkerInfo", "make_sandbox"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cleaner.sandbox' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -114,6 +114,7 @@ def collect(
     gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified context.")] = 0.5,
     rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts with a purified context.")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
+    rollback_is_threshold: IsThresholdOpt = 0.0,
     seed: SeedOpt = 0,
     batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
     sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.")] = 4.0,
@@ -133,7 +134,8 @@ def collect(
         n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
         max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
-        similarity_on=similarity_on, seed=seed, batch_rollouts=batch_rollouts, device=device,
+        similarity_on=similarity_on, rollback_is_threshold=rollback_is_threshold, seed=seed,
+        batch_rollouts=batch_rollouts, device=device,
         sandbox=sandbox,
     )
     outcome = _run_job(collect_job, Warehouse(warehouse), config, resume=resume)
@@ -142,15 +144,26 @@ def collect(
                   f"({outcome.n_planned} planned) in {outcome.seconds:.1f} s -> {warehouse}")
 
 
-def _purify_configs(gammas, probs, similarity, when) -> list:
+def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), **fixed) -> list:
+    """Every combination of the grid axes, with the `fixed` PurifyConfig fields."""
     from itertools import product
 
     from cleaner.engine.config import PurifyConfig
 
     return [
-        _config(PurifyConfig, gamma=g, rollback_prob=p, similarity_on=s, purify_when=w)
-        for g, p, s, w in product(gammas, probs, similarity, when)
+        _config(PurifyConfig, gamma=g, rollback_prob=p, similarity_on=s, purify_when=w,
+                rollback_is_threshold=tau, **fixed)
+        for g, p, s, w, tau in product(gammas, probs, similarity, when, taus)
     ]
+
+
+IsThresholdOpt = Annotated[float, typer.Option(
+    "--rollback-is-threshold", help="IS gate tau: a merge whose IS < tau keeps its chain raw; 0 = off.")]
+NegativeSamplesOpt = Annotated[bool, typer.Option(
+    help="Pair each fixed failure with its fix and push them apart (the reference's DPO term).")]
+DpoBetaOpt = Annotated[float, typer.Option(help="Beta of the negative-sample term.")]
+DpoRatioOpt = Annotated[float, typer.Option(help="Cap of the negative-sample push per token.")]
+DpoCapOpt = Annotated[str, typer.Option(help="relative (x |advantage|) | absolute (the reference's code).")]
 
 
 @app.command()
@@ -161,20 +174,29 @@ def purify(
     rollback_prob: Annotated[float, typer.Option(help="p: SAAR applies iff rollback_draw < p.")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code (default) | call (the reference).")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.")] = "always",
+    rollback_is_threshold: IsThresholdOpt = 0.0,
+    negative_samples: NegativeSamplesOpt = False,
+    dpo_beta: DpoBetaOpt = 0.1,
+    dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
+    dpo_cap: DpoCapOpt = "relative",
     device: DeviceOpt = "cpu",
 ) -> None:
     """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
-    configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when])
+    configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when], [rollback_is_threshold],
+                              negative_samples=negative_samples, dpo_beta=dpo_beta,
+                              dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
     _print_purify(outcome)
 
 
 def _print_purify(outcome) -> None:
-    from cleaner.engine.purify.report import stats_table
+    from cleaner.engine.purify.report import premise_table, stats_table
 
+    if outcome.results and outcome.results[0].stats.premise is not None:
+        console.print(premise_table(outcome.results[0].stats.premise))
     console.print(stats_table(outcome.results))
     stored = [r.config.config_id for r in outcome.results if r.config.config_id not in outcome.computed]
     if stored:
@@ -194,6 +216,11 @@ def ablate(
     rollback_prob: Annotated[str, typer.Option(help="Comma-separated p values.")] = "0.7,1.0",
     similarity_on: Annotated[str, typer.Option(help="Comma-separated: code,call.")] = "code",
     purify_when: Annotated[str, typer.Option(help="Comma-separated: always,positive.")] = "always",
+    rollback_is_threshold: Annotated[str, typer.Option(help="Comma-separated IS gate taus; 0 = off.")] = "0",
+    negative_samples: NegativeSamplesOpt = False,
+    dpo_beta: DpoBetaOpt = 0.1,
+    dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
+    dpo_cap: DpoCapOpt = "relative",
     device: DeviceOpt = "cpu",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
@@ -201,7 +228,10 @@ def ablate(
     from cleaner.warehouse import Warehouse
 
     configs = _purify_configs(_floats(gamma, "--gamma"), _floats(rollback_prob, "--rollback-prob"),
-                              _words(similarity_on), _words(purify_when))
+                              _words(similarity_on), _words(purify_when),
+                              _floats(rollback_is_threshold, "--rollback-is-threshold"),
+                              negative_samples=negative_samples, dpo_beta=dpo_beta,
+                              dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
     _print_purify(outcome)
 
@@ -330,6 +360,11 @@ def run(
     rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts purified (collect and purify).", rich_help_panel="Purify")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code | call (the reference).", rich_help_panel="Purify")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.", rich_help_panel="Purify")] = "always",
+    rollback_is_threshold: Annotated[float, typer.Option("--rollback-is-threshold", help="IS gate tau (collect and purify); 0 = off.", rich_help_panel="Purify")] = 0.0,
+    negative_samples: Annotated[bool, typer.Option(help="Negative samples: push fixed failures down, their fixes up.", rich_help_panel="Purify")] = False,
+    dpo_beta: Annotated[float, typer.Option(help="Beta of the negative-sample term.", rich_help_panel="Purify")] = 0.1,
+    dpo_max_adjustment_ratio: Annotated[float, typer.Option(help="Cap of the negative-sample push per token.", rich_help_panel="Purify")] = 0.1,
+    dpo_cap: Annotated[str, typer.Option(help="relative | absolute (the reference's code).", rich_help_panel="Purify")] = "relative",
     lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; the reference, 4B: 2e-6).", rich_help_panel="Train")] = 1e-4,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup over this many optimiser steps.", rich_help_panel="Train")] = 0,
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.", rich_help_panel="Train")] = 0.0,

@@ -34,6 +34,7 @@ from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
+    iteration_premise,
     purify_iteration,
     stats_from_rows,
 )
@@ -185,7 +186,8 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
             results.append(computed[config.config_id])
             continue
         rows = warehouse.read_purified(iteration, config.config_id)
-        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors)))
+        premise = iteration_premise(rollouts, segments, rows)
+        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors, premise)))
     return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
 
 

@@ -26,6 +26,7 @@ from cleaner.warehouse import Warehouse
 
 if TYPE_CHECKING:
     from cleaner.engine.backends import Backend
+    from cleaner.engine.premise import PremiseStats
     from cleaner.engine.train.optim import Optimization
     from cleaner.engine.train.trainer import TrainResult
 
@@ -74,6 +75,15 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     return warehouse.read_iterations()
 
 
+def _premise_columns(premise: PremiseStats | None) -> dict[str, float]:
+    """The iterations row's premise columns (clean_rollouts, clean_accuracy, ...)."""
+    if premise is None:
+        return {}
+    return {f"{name}_{field}": getattr(getattr(premise, name), key)
+            for name in ("clean", "recovered", "unrecovered")
+            for field, key in (("rollouts", "rollouts"), ("accuracy", "accuracy"), ("advantage", "mean_advantage"))}
+
+
 def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend: Backend,
                    optimization: Optimization | None, progress: bool) -> tuple[IterationRow, TrainResult | None]:
     """One iteration; returns its row and the training result if the in-memory model was trained
@@ -97,7 +107,8 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
         train_config_json=config.train.to_json(), collect_s=collected.seconds, purify_s=purified.seconds,
         train_s=train_s, accuracy=summary.accuracy, first_attempt_error_rate=summary.first_attempt_error_rate,
         failures_per_trajectory=summary.failed_calls_per_rollout,
-        n_shallow=result.stats.n_shallow, n_deep=result.stats.n_deep,
+        n_shallow=result.stats.n_shallow, n_deep=result.stats.n_deep, n_gated=result.stats.n_gated,
+        **_premise_columns(result.stats.premise),
     )
     warehouse.write_iteration(row)
     return row, trained

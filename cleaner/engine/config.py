@@ -63,6 +63,13 @@ class PurifyWhen(StrEnum):
     POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
 
 
+class DpoCap(StrEnum):
+    """How the negative-sample push is capped per token (docs/architecture.md §7)."""
+
+    RELATIVE = "relative"  # dpo_max_adjustment_ratio * |advantage of the purified row|
+    ABSOLUTE = "absolute"  # dpo_max_adjustment_ratio itself, as the reference's code
+
+
 def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
     """Store field `name` of a frozen config as a member of `enum` (ValueError naming the choices)."""
     object.__setattr__(config, name, enum_value(enum, getattr(config, name), name))
@@ -86,6 +93,7 @@ class CollectConfig(_Config):
     gamma: float = 0.5  # SAAR similarity threshold used for the purified context
     rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    rollback_is_threshold: float = 0.0  # tau of the IS gate for the purified context; 0 = off
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
     batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
     backend: str = "torch"  # torch | sglang
@@ -107,6 +115,8 @@ class CollectConfig(_Config):
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
         _enum_field(self, "similarity_on", SimilarityOn)
+        _check(self.rollback_is_threshold >= 0,
+               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
         _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
 
@@ -117,6 +127,11 @@ class PurifyConfig(_Config):
     rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its rollback_draw < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts may be purified
+    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau renders its chain raw; 0 = off
+    negative_samples: bool = False  # pair each fixed failure with its fix (the reference's DPO term)
+    dpo_beta: float = 0.1  # beta of the negative-sample term
+    dpo_max_adjustment_ratio: float = 0.1  # cap of the push per token (see dpo_cap)
+    dpo_cap: DpoCap = DpoCap.RELATIVE  # relative to |advantage| (DESIGN) or absolute (the reference code)
     advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
 
     def __post_init__(self) -> None:
@@ -124,6 +139,12 @@ class PurifyConfig(_Config):
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
         _enum_field(self, "similarity_on", SimilarityOn)
         _enum_field(self, "purify_when", PurifyWhen)
+        _check(self.rollback_is_threshold >= 0,
+               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
+        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
+        _check(self.dpo_max_adjustment_ratio >= 0,
+               f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")
+        _enum_field(self, "dpo_cap", DpoCap)
         _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
 
 

@@ -150,12 +150,21 @@ class PurifiedRow:
     tokens_removed: int
     scorer_version: str
     infra_fault: bool = False  # an infrastructure fault ended or broke the rollout: advantage 0, not trained
+    n_gated: int = 0  # merges the IS gate rejected (their chains render raw from there)
+    negative_seq: int | None = None  # a negative sample: the raw seq of the failed attempt it pushes down
+    token_advantages: tuple[float, ...] | None = None  # per token, when they differ from `advantage`
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         for name in ("loss_mask", "behavior_logprobs", "old_logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"purified row {self.rollout_id}: {name} is not aligned with token_ids")
+        if self.token_advantages is not None and len(self.token_advantages) != n:
+            raise ValueError(f"purified row {self.rollout_id}: token_advantages is not aligned with token_ids")
+
+    @property
+    def is_negative(self) -> bool:
+        return self.negative_seq is not None
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,18 @@ class IterationRow:
     n_shallow: int
     n_deep: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
+    # The premise diagnostic of the iteration (cleaner.engine.premise): per class, its rollouts,
+    # their accuracy and mean advantage (None for an empty class).
+    clean_rollouts: int = 0
+    clean_accuracy: float | None = None
+    clean_advantage: float | None = None
+    recovered_rollouts: int = 0
+    recovered_accuracy: float | None = None
+    recovered_advantage: float | None = None
+    unrecovered_rollouts: int = 0
+    unrecovered_accuracy: float | None = None
+    unrecovered_advantage: float | None = None
+    n_gated: int = 0  # merges the IS gate rejected
 
 
 @dataclass(frozen=True)

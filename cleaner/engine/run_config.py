@@ -8,7 +8,7 @@ config as such a file, so `cleaner run ... --print-config > run.toml` round-trip
 Design decisions:
 - Layers are nested dicts merged key by key, so a layer says only what it changes.
 - Derived values, filled in only when no layer sets them, keep one run self-consistent:
-  purify's gamma, p and similarity follow collect's (purifying at the collect config is what keeps
+  purify's gamma, p, similarity and IS threshold follow collect's (purifying at the collect config is what keeps
   the purified rows on-policy); train's response budget, seed and device follow collect's;
   the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
   reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
@@ -145,6 +145,9 @@ RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
     "rollback_prob": (("collect", "rollback_prob"), ("purify", "rollback_prob")),
     "similarity_on": (("collect", "similarity_on"), ("purify", "similarity_on")),
     "purify_when": (("purify", "purify_when"),),
+    "rollback_is_threshold": (("collect", "rollback_is_threshold"), ("purify", "rollback_is_threshold")),
+    **{name: (("purify", name),) for name in (
+        "negative_samples", "dpo_beta", "dpo_max_adjustment_ratio", "dpo_cap")},
     "seed": (("collect", "seed"), ("train", "seed")),
     "device": (("collect", "device"), ("train", "device")),
     "batch_rollouts": (("collect", "batch_rollouts"),),
@@ -205,7 +208,8 @@ def _derived(layer: Mapping) -> dict:
     mini = train.get("mini_batch_size", max(quarter, train.get("micro_batch_size", 1)))
     return {
         "collect": {"max_response_tokens": response},
-        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on") if key in collect},
+        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold")
+                   if key in collect},
         "train": {"max_response_tokens": response, "mini_batch_size": mini,
                   "micro_batch_size": min(16, mini),
                   **{key: collect[key] for key in ("seed", "device") if key in collect}},

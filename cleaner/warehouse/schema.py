@@ -58,6 +58,7 @@ PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
     ("reward", pa.float32()), ("advantage", pa.float32()), ("rolled_back", pa.bool_()),
     ("n_shallow", pa.int32()), ("n_deep", pa.int32()), ("n_unrecovered", pa.int32()),
     ("tokens_removed", pa.int32()), ("scorer_version", pa.string()), ("infra_fault", pa.bool_()),
+    ("n_gated", pa.int32()), ("negative_seq", pa.int32()), ("token_advantages", _FLOATS),
 ]), ("iteration", "config"))
 
 PURIFY_CONFIGS = Dataset("purify_configs", records.PurifyConfigRow, pa.schema([
@@ -73,6 +74,10 @@ ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
     ("train_s", pa.float32()), ("accuracy", pa.float32()), ("first_attempt_error_rate", pa.float32()),
     ("failures_per_trajectory", pa.float32()), ("n_shallow", pa.int32()), ("n_deep", pa.int32()),
     ("created_at", _TIME),
+    ("clean_rollouts", pa.int32()), ("clean_accuracy", pa.float32()), ("clean_advantage", pa.float32()),
+    ("recovered_rollouts", pa.int32()), ("recovered_accuracy", pa.float32()),
+    ("recovered_advantage", pa.float32()), ("unrecovered_rollouts", pa.int32()),
+    ("unrecovered_accuracy", pa.float32()), ("unrecovered_advantage", pa.float32()), ("n_gated", pa.int32()),
 ]), ())
 
 TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([

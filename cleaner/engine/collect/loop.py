@@ -6,7 +6,9 @@ is a list of raw `Segment`s (prompt, assistant, tool, ...) in generation order; 
 dropped, so any (gamma, p) can be replayed later.
 
 Design decisions:
-- Context = `render(segments so far, view).token_ids`, the SAME renderer purify uses. With the
+- Context = `render(segments so far, view).token_ids`, the SAME renderer purify uses. With the IS
+  gate (rollback_is_threshold > 0) the backend scores each new retry under the context without the
+  error before the next turn, so purifying at the collect config renders the same contexts. With the
   purified collect view a retry sees merged(a_0..a_{i-1}) + t_{i-1}, as in the reference agent loop;
   with the raw view (or a rollout whose draw u >= p) it is the plain concatenation. `collect_view`
   on the Rollout records which one was actually applied.
@@ -63,7 +65,8 @@ from cleaner.engine.records import (
     SegmentKind,
     ToolStatus,
 )
-from cleaner.engine.render import View, render, view_for
+from cleaner.engine.render import Rendered, View, render, view_for
+from cleaner.engine.saar import ScoreCache
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
@@ -162,7 +165,7 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
                 continue
             draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
             view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
-                            config.rollback_prob, config.similarity_on)
+                            config.rollback_prob, config.similarity_on, config.rollback_is_threshold)
             state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
             state.add(SegmentKind.PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
                       logprobs=None)
@@ -202,11 +205,15 @@ def collect(
 
 def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, chat: ChatFormat,
                on_context: Callable[[str, list[int]], None] | None) -> None:
-    active = list(states)
+    active, cache = list(states), ScoreCache()
     while active:
+        renderings = _render_contexts(active, backend, chat, cache)
+        if renderings is None:
+            for state in active:
+                state.finish_reason = FinishReason.ERROR
+            return
         contexts, limits = [], []
-        for state in active:
-            rendered = render(state.segments, state.view, chat.decode)
+        for state, rendered in zip(active, renderings, strict=True):
             remaining = config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
             if remaining <= 0:
                 state.finish_reason = FinishReason.MAX_TOKENS
@@ -230,6 +237,22 @@ def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, ch
         for (state, call), outcome in zip(pending, outcomes, strict=True):
             _record_tool(state, call, outcome, config, chat)
         active = [state for state in active if state.finish_reason is None]
+
+
+def _render_contexts(states: list[_State], backend, chat: ChatFormat, cache: ScoreCache) -> list[Rendered] | None:
+    """Each rollout's context. An IS-gated view needs the old policy's log-probs of a retry under the
+    context without the error: the backend scores every pending request of the turn in one call
+    and the contexts are rendered again. None if the backend failed."""
+    while True:
+        renderings = [render(state.segments, state.view, chat.decode, oracle=cache) for state in states]
+        if not any(rendered.provisional for rendered in renderings):
+            return renderings
+        try:
+            cache.fill(backend.score)
+        except Exception:  # a model fault ends these rollouts, never the whole collection
+            logger.exception("backend failed scoring the IS gate of %d rollouts; they end with 'error'",
+                             len(states))
+            return None
 
 
 def _generate(states: list[_State], contexts: list[list[int]], limits: list[int],

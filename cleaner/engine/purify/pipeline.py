@@ -1,6 +1,7 @@
 """The purify stage as functions over records (docs/architecture.md §4, §6, §7); no disk I/O here.
 
     rollouts + segments --render per config--> rows (old_logprobs 0) --ONE scorer call--> rows
+    (IS-gated configs: render, score, render again while a decision was assumed)
 
 Design decisions:
 - `render_iteration` renders one config: each rollout is purified iff its rollback_draw < p (4.3)
@@ -11,6 +12,14 @@ Design decisions:
   configs. Identical (token_ids, start) requests are sent once (raw renderings repeat across
   configs); the scores are then scattered back: old_logprobs[t] = score of token t for loss_mask 1,
   0.0 elsewhere.
+- IS-gated configs (rollback_is_threshold > 0) ask a `ScoreCache` for the old-policy log-probs of
+  each merge's tokens; the first round sends those requests in the same scorer call as the rows,
+  and a rendering that assumed an unknown value is rendered again after the call, until none is
+  assumed (one extra round per decision that turned a chain raw; the cache shares every score).
+- Negative samples (negative_samples): each recovered failure becomes a row of its own, scored in
+  the same call; the SimPO-style pushes (negatives.py) then set per-token advantages.
+- The premise diagnostic (`cleaner.engine.premise`) is computed once per call: clean, recovered and
+  unrecovered rollouts with their accuracy and mean advantage.
 - Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
 - errors_by_type counts the failed tool calls in the input rollouts by error_type (tool_status when
   the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
@@ -33,6 +42,8 @@ from typing import Protocol
 
 from cleaner.engine.advantages import grpo_advantages
 from cleaner.engine.config import PurifyConfig, PurifyWhen
+from cleaner.engine.premise import PremiseStats, RolloutClass, classify, premise_stats
+from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.records import (
     FinishReason,
     PurifiedRow,
@@ -41,7 +52,8 @@ from cleaner.engine.records import (
     SegmentKind,
     ToolStatus,
 )
-from cleaner.engine.render import RAW, Rendered, render, view_for
+from cleaner.engine.render import RAW, NegativeSample, Rendered, render, view_for
+from cleaner.engine.saar import ScoreCache
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +84,9 @@ class PurifyStats:
     tokens_removed: int  # relative to the raw view, summed over rollouts
     errors_by_type: tuple[tuple[str, int], ...]  # failed tool calls in the input, by type
     n_infra_fault: int = 0  # rollouts an infrastructure fault ended: advantage 0, out of group stats
+    n_gated: int = 0  # merges the IS gate rejected
+    n_negatives: int = 0  # negative-sample rows
+    premise: PremiseStats | None = None  # clean / recovered / unrecovered rollouts (premise.py)
 
 
 @dataclass(frozen=True)
@@ -142,15 +157,31 @@ def errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
 
 
 def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
-                    errors_by_type: tuple[tuple[str, int], ...] = ()) -> PurifyStats:
+                    errors_by_type: tuple[tuple[str, int], ...] = (),
+                    premise: PremiseStats | None = None) -> PurifyStats:
     """The stats of a config from its stored rows (for configs purified in an earlier run)."""
+    rows_ = [r for r in rows if not r.is_negative]
     return PurifyStats(
-        config_id=config_id, n_rollouts=len(rows), n_rolled_back=sum(r.rolled_back for r in rows),
-        n_shallow=sum(r.n_shallow for r in rows), n_deep=sum(r.n_deep for r in rows),
-        n_unrecovered=sum(r.n_unrecovered for r in rows),
-        tokens_removed=sum(r.tokens_removed for r in rows), errors_by_type=errors_by_type,
-        n_infra_fault=sum(r.infra_fault for r in rows),
+        config_id=config_id, n_rollouts=len(rows_), n_rolled_back=sum(r.rolled_back for r in rows_),
+        n_shallow=sum(r.n_shallow for r in rows_), n_deep=sum(r.n_deep for r in rows_),
+        n_unrecovered=sum(r.n_unrecovered for r in rows_),
+        tokens_removed=sum(r.tokens_removed for r in rows_), errors_by_type=errors_by_type,
+        n_infra_fault=sum(r.infra_fault for r in rows_), n_gated=sum(r.n_gated for r in rows_),
+        n_negatives=len(rows) - len(rows_), premise=premise,
     )
+
+
+def iteration_premise(rollouts: Sequence[Rollout], segments: Sequence[Segment],
+                      rows: Sequence[PurifiedRow]) -> PremiseStats:
+    """The premise diagnostic of an iteration, with the advantages of one config's stored rows."""
+    grouped = _segments_by_rollout(rollouts, segments)
+    advantage = {r.rollout_id: r.advantage for r in rows if not r.is_negative}
+    return premise_stats(rollouts, _classes(rollouts, grouped), [advantage.get(r.rollout_id, 0.0) for r in rollouts])
+
+
+def _classes(rollouts: Sequence[Rollout], grouped: dict[str, list[Segment]]) -> list[RolloutClass | None]:
+    """Each rollout's premise class; None for one an infrastructure fault decided."""
+    return [None if infra_fault(r, grouped[r.rollout_id]) else classify(grouped[r.rollout_id]) for r in rollouts]
 
 
 def render_iteration(
@@ -159,9 +190,13 @@ def render_iteration(
     config: PurifyConfig,
     decode: Decode | None,
 ) -> tuple[list[PurifiedRow], PurifyStats]:
-    """Render every rollout under one config; old_logprobs are zeros until scored."""
+    """Render every rollout under one config; old_logprobs are zeros until scored. An IS-gated
+    config or negative samples need the scorer: use `purify_iteration`."""
+    if config.rollback_is_threshold > 0 or config.negative_samples:
+        raise ValueError("IS gating and negative samples need old log-probs: use purify_iteration")
     grouped = _segments_by_rollout(rollouts, segments)
-    plan = _plan(rollouts, grouped, config, decode, {}, _input_errors(grouped))
+    plan = _plan(rollouts, grouped, config, decode, {}, _input_errors(grouped), ScoreCache(),
+                 _classes(rollouts, grouped))
     return [_row(plan.config, draft, None, "") for draft in plan.drafts], plan.stats
 
 
@@ -170,22 +205,27 @@ def _plan(
     grouped: dict[str, list[Segment]],
     config: PurifyConfig,
     decode: Decode | None,
-    renders: dict,  # (rollout_id, view) -> Rendered, shared by the configs of one call
+    renders: dict,  # (rollout_id, view, negatives) -> Rendered, shared by the configs of one call
     errors: tuple[tuple[str, int], ...],  # errors_by_type of the input
+    cache: ScoreCache,  # old log-probs known so far, for the IS gate
+    classes: Sequence[RolloutClass | None],  # the premise class of each rollout (None: infra fault)
 ) -> PurifyPlan:
-    faults = [infra_fault(rollout, grouped[rollout.rollout_id]) for rollout in rollouts]
+    faults = [cls is None for cls in classes]
     advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
                                  config.advantage_eps, counted=[not fault for fault in faults])
     drafts = []
     for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
-                        config.similarity_on)
+                        config.similarity_on, config.rollback_is_threshold)
         chain = grouped[rollout.rollout_id]
-        key = (rollout.rollout_id, view if any(s.kind == SegmentKind.TOOL and s.failed for s in chain) else RAW)
+        failed = any(s.kind == SegmentKind.TOOL and s.failed for s in chain)
+        key = (rollout.rollout_id, view if failed else RAW, config.negative_samples and failed)
         rendered = renders.get(key)
         if rendered is None:  # a rollout without a failed call renders raw under every view
-            rendered = renders[key] = render(chain, view, decode)
+            rendered = render(chain, view, decode, oracle=cache, negatives=key[2])
+            if not rendered.provisional:
+                renders[key] = rendered
         drafts.append(Draft(rollout, advantage, view.purified, rendered, fault))
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
@@ -196,6 +236,9 @@ def _plan(
         tokens_removed=sum(c.tokens_removed for c in counts),
         errors_by_type=errors,
         n_infra_fault=sum(faults),
+        n_gated=sum(c.n_gated for c in counts),
+        n_negatives=sum(len(draft.rendered.negatives) for draft in drafts),
+        premise=premise_stats(rollouts, classes, advantages),
     )
     return PurifyPlan(config, tuple(drafts), stats)
 
@@ -205,7 +248,7 @@ def _input_errors(grouped: dict[str, list[Segment]]) -> tuple[tuple[str, int], .
 
 
 def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | None,
-         scorer_version: str) -> PurifiedRow:
+         scorer_version: str, token_advantages: tuple[float, ...] | None = None) -> PurifiedRow:
     """The stored row of a draft; old_logprobs None = zeros (not scored yet)."""
     rendered, rollout = draft.rendered, draft.rollout
     return PurifiedRow(
@@ -218,7 +261,7 @@ def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | N
         n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
         n_unrecovered=rendered.stats.n_unrecovered,
         tokens_removed=rendered.stats.tokens_removed, scorer_version=scorer_version,
-        infra_fault=draft.infra_fault,
+        infra_fault=draft.infra_fault, n_gated=rendered.stats.n_gated, token_advantages=token_advantages,
     )
 
 
@@ -234,32 +277,66 @@ def purify_iteration(
     decode: Decode | None,
     scorer_version: str,
 ) -> list[PurifyResult]:
-    """Render under every config, score all rows in ONE scorer call, scatter old_logprobs back."""
+    """Render under every config, score all rows in ONE scorer call (more rounds only for IS
+    decisions that changed a rendering), scatter old_logprobs back, add negative samples."""
     grouped = _segments_by_rollout(rollouts, segments)
     renders: dict = {}
-    errors = _input_errors(grouped)
-    plans = [_plan(rollouts, grouped, config, decode, renders, errors) for config in configs]
-    requests: dict[tuple[tuple[int, ...], int], int] = {}  # (token_ids, start) -> request index
-    for plan in plans:
-        for draft in plan.drafts:
-            requests.setdefault((draft.rendered.token_ids, _start(draft.rendered)), len(requests))
-    keys = list(requests)
-    scores = scorer.score_rows([key[0] for key in keys], [key[1] for key in keys]) if keys else []
-    if len(scores) != len(keys):
-        raise ValueError(f"scorer returned {len(scores)} results for {len(keys)} sequences")
-    results, scattered = [], {}  # (request, loss_mask) -> old_logprobs: raw rows repeat across configs
+    errors, classes, cache = _input_errors(grouped), _classes(rollouts, grouped), ScoreCache()
+    while True:
+        plans = [_plan(rollouts, grouped, config, decode, renders, errors, cache, classes) for config in configs]
+        for draft in (draft for plan in plans for draft in plan.drafts):
+            cache.get(draft.rendered.token_ids, _start(draft.rendered))  # wanted unless scored
+            for negative in draft.rendered.negatives:
+                cache.get(negative.token_ids, negative.call_start)
+        cache.fill(scorer.score_rows)
+        if not any(draft.rendered.provisional for plan in plans for draft in plan.drafts):
+            break
+    results, scattered = [], {}  # (id of scores, loss_mask) -> old_logprobs: raw rows repeat across configs
     for plan in plans:
         rows = []
         for draft in plan.drafts:
             rendered = draft.rendered
-            request = requests[(rendered.token_ids, _start(rendered))]
-            old_logprobs = scattered.get((request, rendered.loss_mask))
+            scores = cache.get(rendered.token_ids, _start(rendered))
+            old_logprobs = scattered.get((id(scores), rendered.loss_mask))
             if old_logprobs is None:
-                old_logprobs = scattered[request, rendered.loss_mask] = _scatter(
-                    draft.rollout.rollout_id, rendered, scores[request])
-            rows.append(_row(plan.config, draft, old_logprobs, scorer_version))
+                old_logprobs = scattered[id(scores), rendered.loss_mask] = _scatter(
+                    draft.rollout.rollout_id, rendered, scores)
+            rows += _rows_with_negatives(plan.config, draft, old_logprobs, cache, scorer_version)
         results.append(PurifyResult(plan.config, rows, plan.stats))
     return results
+
+
+def _rows_with_negatives(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...],
+                         cache: ScoreCache, scorer_version: str) -> list[PurifiedRow]:
+    """The draft's row, then one row per negative sample, with the pairs' pushes applied."""
+    rendered = draft.rendered
+    if not rendered.negatives:
+        return [_row(config, draft, old_logprobs, scorer_version)]
+    fix_pushes, negative_rows = [], []
+    for negative in rendered.negatives:
+        failed_old = cache.get(negative.token_ids, negative.call_start)
+        push = dpo_push(old_logprobs[negative.fix_start:negative.fix_end], failed_old, config.dpo_beta,
+                        config.dpo_max_adjustment_ratio, config.dpo_cap, draft.advantage)
+        fix_pushes.append((negative.fix_start, negative.fix_end, push.fix))
+        negative_rows.append(_negative_row(config, draft, negative, failed_old, push.failed, scorer_version))
+    token_advantages = with_pushes(draft.advantage, len(rendered.token_ids), fix_pushes)
+    return [_row(config, draft, old_logprobs, scorer_version, token_advantages), *negative_rows]
+
+
+def _negative_row(config: PurifyConfig, draft: Draft, negative: NegativeSample, failed_old: Sequence[float],
+                  push: float, scorer_version: str) -> PurifiedRow:
+    """A negative sample's row: trained on the failed call's tokens only, advantage -push there."""
+    length, start = len(negative.token_ids), negative.call_start
+    mask = (0,) * start + (1,) * (length - start)
+    return PurifiedRow(
+        config_id=config.config_id, iteration=draft.rollout.iteration, rollout_id=draft.rollout.rollout_id,
+        group_id=draft.rollout.group_id, token_ids=negative.token_ids, prompt_len=draft.rendered.prompt_len,
+        loss_mask=mask, behavior_logprobs=(0.0,) * start + negative.behavior_logprobs[start:],
+        old_logprobs=(0.0,) * start + tuple(failed_old), reward=draft.rollout.reward, advantage=0.0,
+        rolled_back=True, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0,
+        scorer_version=scorer_version, negative_seq=negative.seq,
+        token_advantages=with_pushes(0.0, length, [(start, length, -push)]),
+    )
 
 
 def _start(row: Rendered) -> int:

@@ -8,10 +8,13 @@ the off-policy share a config creates, which truncated IS (docs/architecture.md 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import polars as pl
 from rich.table import Table
+
+from cleaner.engine.premise import PremiseStats
 
 REWRITTEN_TOLERANCE = 1e-3
 
@@ -34,10 +37,11 @@ def stats_frame(results: Sequence) -> pl.DataFrame:
         trained, rewritten = _token_counts(result.rows)
         records.append({
             "config_id": stats.config_id, "gamma": config.gamma, "p": config.rollback_prob,
-            "sim": config.similarity_on, "when": config.purify_when, "rollouts": stats.n_rollouts,
+            "sim": config.similarity_on, "when": config.purify_when, "tau": config.rollback_is_threshold,
+            "neg": config.negative_samples, "rollouts": stats.n_rollouts,
             "rolled": stats.n_rolled_back, "shallow": stats.n_shallow, "deep": stats.n_deep,
-            "unrecov": stats.n_unrecovered, "infra": stats.n_infra_fault,
-            "removed": stats.tokens_removed, "trained": trained,
+            "unrecov": stats.n_unrecovered, "infra": stats.n_infra_fault, "gated": stats.n_gated,
+            "negatives": stats.n_negatives, "removed": stats.tokens_removed, "trained": trained,
             "rewritten": rewritten,
         })
     return pl.DataFrame(records)
@@ -47,7 +51,8 @@ def _cell(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-PARAMETERS = ("gamma", "p", "sim", "when")
+PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg")
+OPTIONAL = {"gated": "tau", "negatives": "neg"}  # counters shown only when some config uses them
 
 
 def stats_table(results: Sequence, title: str = "purify") -> Table:
@@ -55,10 +60,12 @@ def stats_table(results: Sequence, title: str = "purify") -> Table:
     frame = stats_frame(results)
     if frame.is_empty():
         return Table(title=title)
-    constant = [name for name in PARAMETERS if frame[name].n_unique() == 1 and frame.height > 1]
+    unused = [counter for counter, parameter in OPTIONAL.items() if not (frame[parameter].cast(pl.Float64) != 0).any()]
+    unset = [OPTIONAL[counter] for counter in unused]  # their parameters are at the default everywhere
+    constant = [name for name in PARAMETERS if name not in unset and frame[name].n_unique() == 1 and frame.height > 1]
     facts = [f"{frame['rollouts'][0]} rollouts"] + [f"{name} {_cell(frame[name][0])}" for name in constant]
     title += " (" + ", ".join(facts) + ")"
-    frame = frame.drop([*constant, "rollouts"]).with_columns(pl.col("config_id").str.slice(0, 8))
+    frame = frame.drop([*constant, *unset, *unused, "rollouts"]).with_columns(pl.col("config_id").str.slice(0, 8))
     table = Table(title=title, header_style="bold")
     for name in frame.columns:
         table.add_column(name, justify="left" if frame[name].dtype == pl.String else "right", no_wrap=True)
@@ -67,4 +74,26 @@ def stats_table(results: Sequence, title: str = "purify") -> Table:
     errors = results[0].stats.errors_by_type if results else ()
     if errors:
         table.caption = "failed calls in the input: " + ", ".join(f"{name} {count}" for name, count in errors)
+    return table
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def premise_table(premise: PremiseStats, title: str = "premise") -> Table:
+    """Clean, recovered and unrecovered rollouts: how many, how accurate, their mean advantage.
+
+    Read first when deciding whether CLEANER can help on a dataset (cleaner.engine.premise)."""
+    table = Table(title=title, header_style="bold")
+    for name in ("rollouts", "count", "accuracy", "mean advantage"):
+        table.add_column(name, justify="left" if name == "rollouts" else "right")
+    for name in ("clean", "recovered", "unrecovered"):
+        stats = getattr(premise, name)
+        advantage = "-" if stats.mean_advantage is None else f"{stats.mean_advantage:+.3f}"
+        table.add_row(name, str(stats.rollouts), _rate(stats.accuracy), advantage)
+    ratio = premise.recovered_over_clean
+    table.caption = ("recovered / clean accuracy " + ("-" if math.isnan(ratio) else f"{ratio:.2f}")
+                     + ": near 1, failed calls do not predict a wrong answer and purifying removes noise "
+                       "the reward cannot see; well below 1, the reward already punishes them")
     return table

@@ -19,6 +19,10 @@ Design decisions:
   filters on accuracy too); overlong shaping then adds the soft penalty to the reward and
   recomputes GRPO advantages within each group (eps = PurifyConfig's default 1e-6).
 - The KL reference (kl_coef > 0) is always the frozen policy at the iteration's input checkpoint.
+- Advantages are per token: a row's `token_advantages` when purify set them (negative-sample
+  pushes), else its advantage on every token. Negative samples never count in a group: dynamic
+  sampling judges groups by their other rows (a dropped group takes its negatives along), and
+  overlong shaping leaves them as they are.
 """
 
 from __future__ import annotations
@@ -71,14 +75,26 @@ def loss_token_count(row: PurifiedRow) -> int:
 
 
 def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
-    lengths = torch.tensor([len(row.token_ids) - row.prompt_len for row in rows])
+    """Rewards with DAPO's overlong penalty and their group advantages, for the rows that are not
+    negative samples (those keep their pushes and stay out of the groups)."""
+    shaped = [row for row in rows if not row.is_negative]
+    if not shaped:
+        return rows
+    lengths = torch.tensor([len(row.token_ids) - row.prompt_len for row in shaped])
     penalties = overlong_penalty(lengths, config.max_response_tokens, config.overlong_buffer)
-    rewards = torch.tensor([row.reward for row in rows]) + penalties  # (B,)
-    advantages = grpo_advantages([row.group_id for row in rows], rewards.tolist(), OVERLONG_ADVANTAGE_EPS)
-    return [
-        dataclasses.replace(row, reward=float(reward), advantage=float(advantage))
-        for row, reward, advantage in zip(rows, rewards.tolist(), advantages, strict=True)
-    ]
+    rewards = torch.tensor([row.reward for row in shaped]) + penalties  # (B,)
+    advantages = grpo_advantages([row.group_id for row in shaped], rewards.tolist(), OVERLONG_ADVANTAGE_EPS)
+    replaced = {id(row): _with_advantage(row, float(reward), float(advantage))
+                for row, reward, advantage in zip(shaped, rewards.tolist(), advantages, strict=True)}
+    return [replaced.get(id(row), row) for row in rows]
+
+
+def _with_advantage(row: PurifiedRow, reward: float, advantage: float) -> PurifiedRow:
+    """The row with a new reward and advantage; per-token pushes move along with the advantage."""
+    tokens = row.token_advantages
+    if tokens is not None:
+        tokens = tuple(value - row.advantage + advantage for value in tokens)
+    return dataclasses.replace(row, reward=reward, advantage=advantage, token_advantages=tokens)
 
 
 def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
@@ -91,11 +107,13 @@ def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[Purif
         logger.info("skipped %d rows with no loss tokens", len(kept) - len(with_tokens))
     kept = with_tokens
     if config.dynamic_sampling and kept:
+        groups = [row for row in kept if not row.is_negative]  # negatives have no say in a group
         keep = dynamic_sampling_mask(
-            [row.group_id for row in kept], torch.tensor([r.reward for r in kept])
+            [row.group_id for row in groups], torch.tensor([r.reward for r in groups])
         )
+        kept_groups = {row.group_id for row, k in zip(groups, keep.tolist(), strict=True) if k}
         logger.info("dynamic sampling dropped %d rows in equal-reward groups", int((~keep).sum()))
-        kept = [row for row, k in zip(kept, keep.tolist(), strict=True) if k]
+        kept = [row for row in kept if row.group_id in kept_groups]
     if config.overlong_buffer > 0 and kept:
         kept = _shape_overlong(kept, config)
     return kept
@@ -128,7 +146,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (B, T) float32, 0 at t = 0 and on padding
     old_log_probs: torch.Tensor  # (B, T) float32
     behavior_log_probs: torch.Tensor  # (B, T) float32
-    advantages: torch.Tensor  # (B,) float32
+    advantages: torch.Tensor  # (B, T) float32: the row's advantage, or its per-token advantages
 
 
 def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device) -> MicroBatch:
@@ -146,7 +164,8 @@ def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device) -> Mic
         loss_mask=loss_mask,
         old_log_probs=pad([row.old_logprobs for row in rows], 0.0, torch.float32),
         behavior_log_probs=pad([row.behavior_logprobs for row in rows], 0.0, torch.float32),
-        advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
+        advantages=pad([row.token_advantages or (row.advantage,) * len(row.token_ids) for row in rows],
+                       0.0, torch.float32),
     )
     return MicroBatch(
         **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)}

@@ -23,6 +23,7 @@ from cleaner.engine.collect.tasks import Task
 from cleaner.engine.config import CollectConfig, PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.render import RAW, render, view_for
+from cleaner.engine.saar import ScoreCache
 from cleaner.sandbox import ExecResult, ExecStatus
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -66,6 +67,12 @@ def answer(text: str) -> str:
     return text + "<|im_end|>"
 
 
+def fake_score(sequences, starts):
+    """A deterministic old policy: log pi(s[t] | s[:t]) depends on the token and its position."""
+    return [[-0.002 * ((s[t] * 7 + t) % 97) - 0.05 for t in range(start, len(s))]
+            for s, start in zip(sequences, starts, strict=True)]
+
+
 class ScriptedBackend:
     """Request with seed s writes script[s]; logprob of token k of any request is -(k + 1) / 100."""
 
@@ -81,12 +88,17 @@ class ScriptedBackend:
         for prompt_id, sample_index, turn in raise_on:
             self.raise_seeds.add(turn_seed(config.seed, config.iteration, prompt_id, sample_index, turn))
         self.calls: list[tuple[int, int]] = []  # (number of prompts, max_new_tokens) per call
+        self.scored: list[int] = []  # sequences per score call
 
     def generate(self, prompts, params, seeds):
         self.calls.append((len(prompts), params.max_new_tokens))
         if self.raise_seeds & set(seeds):
             raise RuntimeError("CUDA error: device-side assert triggered")
         return [self._one(self.texts[seed], params) for seed in seeds]
+
+    def score(self, sequences, starts):
+        self.scored.append(len(sequences))
+        return fake_score(sequences, starts)
 
     @staticmethod
     def _one(text, params):
@@ -207,6 +219,38 @@ def test_render_of_stored_segments_reproduces_every_context(collect_view):
     # Purified differs from raw once a chain holds 2+ attempts: shallow turn 2, deep turns 2-3,
     # exhausted turns 2-5; gives_up only ever retries once (merged(a_0) + t_0 is raw).
     assert n_purified_differs == (0 if collect_view == "raw" else 1 + 2 + 4 + 0)
+
+
+def _gated_contexts_hold(config) -> int:
+    """Collect CHAINS with the IS gate; every context must be re-rendered by purify at the collect
+    config with the same old policy. Returns the merges the gate rejected."""
+    batch, contexts = collect_chains(config)
+    gated = 0
+    for rollout in batch.rollouts:
+        segments = segments_of(batch, rollout.rollout_id)
+        view = view_for(rollout.rollback_draw, True, config.gamma, config.rollback_prob,
+                        config.similarity_on, config.rollback_is_threshold)
+        assistants = [s for s in segments if s.kind == "assistant"]
+        for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
+            cache = ScoreCache()
+            while (rendered := render(segments[: assistant.seq], view, CHAT.decode, oracle=cache)).provisional:
+                cache.fill(fake_score)
+            assert context == list(rendered.token_ids)
+        cache = ScoreCache()
+        while (rendered := render(segments, view, CHAT.decode, oracle=cache)).provisional:
+            cache.fill(fake_score)
+        gated += rendered.stats.n_gated
+    return gated
+
+
+def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config():
+    # Under fake_score the merges' log IS are 19.2 (shallow chain), 19.6 (deep), 20.7 (exhausted):
+    # tau = e^20 rejects the first two. A rejection stops its chain, so 3 is the most there can be.
+    middle = math.exp(20.0)
+    counts = {tau: _gated_contexts_hold(dataclasses.replace(BASE, rollback_is_threshold=tau))
+              for tau in (1e-9, middle, 1e12)}
+    assert (counts[1e-9], counts[middle], counts[1e12]) == (0, 2, 3)
+    assert run.backend.scored  # the backend scored the retries during collection
 
 
 def test_purified_contexts_by_hand():

@@ -246,7 +246,7 @@ def test_collate_right_pads_and_masks_position_zero():
     assert batch.token_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch.loss_mask.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
-    assert batch.advantages.tolist() == [2.0, -1.0]
+    assert batch.advantages.tolist() == [[2.0, 2.0, 2.0], [-1.0, 0.0, 0.0]]  # per token; 0 on padding
 
 
 # ---------------------------------------------------------------------------

@@ -1,18 +1,19 @@
-"""The paper's comparison in miniature on the toy task.
+"""The paper's comparison in miniature, on one toy policy: six arms, same seeds, same start.
 
-Three arms, same seeds, same initial policy; each arm is one `cleaner run` command (printed at the
-start), run for N iterations:
-  baseline        --rollback-prob 0 --collect-view raw (raw trajectories, raw collection context)
-  cleaner         p = 1, gamma = 0.5 (the paper's CLEANER; purified collection context)
-  cleaner+pos     as cleaner, with --purify-when positive (ours, not the paper's)
-Reports per-iteration accuracy and tool failures per trajectory (mean +- std across seeds), and
-the iterations each arm needs to reach the baseline's final accuracy. Writes a Markdown table and
-a JSON file of every number.
+Each arm is one `cleaner run` command (printed at the start) run for N iterations:
+  baseline       --rollback-prob 0 --collect-view raw   (GRPO on raw trajectories)
+  cleaner-call   --similarity-on call                   (CLEANER as the paper ran it)
+  cleaner-code   (defaults: code similarity)            (CLEANER with code similarity, ours)
+  positive       --purify-when positive                 (purify only above-mean rollouts, ours)
+  is-gated       --rollback-is-threshold 0.5 --gamma 1.5 (the authors' Plan B: always deep, IS-gated)
+  negatives      --negative-samples                     (the reference's DPO term on recovered failures)
+Reports per-iteration accuracy and tool failures per trajectory (mean +- std across seeds), the
+iterations each arm needs to reach the baseline's final accuracy, and the premise diagnostic at
+iteration 0 (clean vs recovered accuracy); writes a Markdown table, a JSON file of every number and
+a plot. Runs are resumable: re-run the same command after an interruption.
 
-    python bench/paper_table.py --seeds 3 --iterations 15 --prompts 32 --out bench/results/paper_table
-
-Every iteration collects, purifies and trains, so this is hours on two CPU cores at the sizes above;
-runs are resumable (re-run the same command after an interruption).
+    python bench/paper_table.py --model assets/tiny-policy --seeds 3 --iterations 15 --prompts 16 \\
+        --out runs/paper_table/mixed --plot bench/results/paper_table_mixed.png
 """
 
 from __future__ import annotations
@@ -24,22 +25,25 @@ from pathlib import Path
 
 import polars as pl
 
-from cleaner.engine.config import RunConfig
+from cleaner.engine.config import DEFAULT_POLICY, RunConfig
 from cleaner.engine.run_config import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
 from cleaner.runner import run_loop
 
 # The `cleaner run` flags of each arm, beyond the ones every arm shares (arm_flags).
 ARMS = {
     "baseline": {"rollback_prob": 0.0, "collect_view": "raw"},
-    "cleaner": {},
-    "cleaner+pos": {"purify_when": "positive"},
+    "cleaner-call": {"similarity_on": "call"},
+    "cleaner-code": {},
+    "positive": {"purify_when": "positive"},
+    "is-gated": {"rollback_is_threshold": 0.5, "gamma": 1.5},
+    "negatives": {"negative_samples": True},
 }
 
 
 def arm_flags(arm: str, seed: int, args: argparse.Namespace) -> dict:
     return {"run_dir": str(Path(args.out) / arm / f"seed-{seed}"), "iterations": args.iterations,
-            "prompts": args.prompts, "group_size": args.group_size, "lr": args.lr, "seed": seed,
-            **ARMS[arm]}
+            "model": args.model, "prompts": args.prompts, "group_size": args.group_size, "lr": args.lr,
+            "seed": seed, **ARMS[arm]}
 
 
 def arm_config(arm: str, seed: int, args: argparse.Namespace) -> RunConfig:
@@ -49,16 +53,16 @@ def arm_config(arm: str, seed: int, args: argparse.Namespace) -> RunConfig:
 
 def collect_results(args: argparse.Namespace) -> pl.DataFrame:
     records = []
-    for arm in ARMS:
+    for arm in args.arms:
         logging.info("arm %s, seed 0: %s", arm, command_line(arm_flags(arm, 0, args)))
     for seed in range(args.seeds):
-        for arm in ARMS:
+        for arm in args.arms:
             config = arm_config(arm, seed, args)
             logging.info("arm %s seed %d -> %s", arm, seed, config.run_dir)
             rows = run_loop(config, resume=True, progress=False)
             records += [{"arm": arm, "seed": seed, **{k: v for k, v in dataclasses.asdict(r).items()
                                                          if not k.endswith("_json")}} for r in rows]
-    return pl.DataFrame(records).unique(subset=["arm", "seed", "iteration"], keep="last")
+    return pl.DataFrame(records, infer_schema_length=None).unique(subset=["arm", "seed", "iteration"], keep="last")
 
 
 def summary_table(frame: pl.DataFrame) -> pl.DataFrame:
@@ -74,23 +78,33 @@ def summary_table(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def iterations_to_reach(summary: pl.DataFrame) -> dict[str, int | None]:
+def iterations_to_reach(summary: pl.DataFrame, arms: list[str]) -> dict[str, int | None]:
     """First iteration at which each arm's mean accuracy reaches the baseline's final mean accuracy."""
     baseline = summary.filter(pl.col("arm") == "baseline").sort("iteration")
     target = baseline["acc_mean"][-1]
     reached = {}
-    for arm in ARMS:
+    for arm in arms:
         hits = summary.filter((pl.col("arm") == arm) & (pl.col("acc_mean") >= target))["iteration"]
         reached[arm] = int(hits.min()) if len(hits) else None
     return reached
 
 
-def markdown(summary: pl.DataFrame, reached: dict[str, int | None]) -> str:
-    lines = ["| iteration | " + " | ".join(f"{arm} acc | {arm} fail/traj" for arm in ARMS) + " |",
-             "| --- |" + " --- | --- |" * len(ARMS)]
+def premise_at_start(frame: pl.DataFrame) -> pl.DataFrame:
+    """The premise diagnostic of iteration 0, per arm (mean over seeds)."""
+    return (
+        frame.filter(pl.col("iteration") == 0).group_by("arm")
+        .agg(pl.col("clean_rollouts").sum(), pl.col("clean_accuracy").mean(),
+             pl.col("recovered_rollouts").sum(), pl.col("recovered_accuracy").mean())
+        .sort("arm")
+    )
+
+
+def markdown(summary: pl.DataFrame, reached: dict[str, int | None], premise: pl.DataFrame, arms: list[str]) -> str:
+    lines = ["| iteration | " + " | ".join(f"{arm} acc | {arm} fail/traj" for arm in arms) + " |",
+             "| --- |" + " --- | --- |" * len(arms)]
     for iteration in sorted(summary["iteration"].unique().to_list()):
         cells = []
-        for arm in ARMS:
+        for arm in arms:
             row = summary.filter((pl.col("arm") == arm) & (pl.col("iteration") == iteration))
             if row.is_empty():
                 cells += ["-", "-"]
@@ -98,30 +112,71 @@ def markdown(summary: pl.DataFrame, reached: dict[str, int | None]) -> str:
             r = row.row(0, named=True)
             cells += [f"{r['acc_mean']:.3f} ± {r['acc_std'] or 0:.3f}", f"{r['fail_mean']:.3f} ± {r['fail_std'] or 0:.3f}"]
         lines.append(f"| {iteration} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Iterations to reach the baseline's final accuracy: "
-                 + ", ".join(f"{arm} {n if n is not None else 'not reached'}" for arm, n in reached.items()))
+    lines += ["", "Iterations to reach the baseline's final accuracy: "
+              + ", ".join(f"{arm} {n if n is not None else 'not reached'}" for arm, n in reached.items()), ""]
+    baseline = premise.filter(pl.col("arm") == "baseline")
+    if not baseline.is_empty():
+        r = baseline.row(0, named=True)
+        ratio = r["recovered_accuracy"] / r["clean_accuracy"] if r["clean_accuracy"] else float("nan")
+        lines.append(f"Premise at iteration 0 (baseline arm, all seeds): {r['clean_rollouts']} clean rollouts, "
+                     f"accuracy {r['clean_accuracy']:.3f}; {r['recovered_rollouts']} recovered, accuracy "
+                     f"{r['recovered_accuracy']:.3f}; recovered / clean {ratio:.2f}")
     return "\n".join(lines)
+
+
+def plot(summary: pl.DataFrame, arms: list[str], path: Path, title: str) -> None:
+    import matplotlib  # matplotlib costs start-up time: loaded only to plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # (start-up time, as above)
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for arm in arms:
+        data = summary.filter(pl.col("arm") == arm).sort("iteration")
+        x = data["iteration"].to_list()
+        for axis, mean, std in ((axes[0], "acc_mean", "acc_std"), (axes[1], "fail_mean", "fail_std")):
+            m, s = data[mean].to_numpy(), data[std].fill_null(0).to_numpy()
+            axis.plot(x, m, marker="o", markersize=3, label=arm)
+            axis.fill_between(x, m - s, m + s, alpha=0.12)
+    axes[0].set_title("accuracy (mean ± std over seeds)")
+    axes[1].set_title("failed tool calls per trajectory")
+    for axis in axes:
+        axis.set_xlabel("iteration")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEFAULT_POLICY))
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=15)
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--out", default="bench/results/paper_table")
+    parser.add_argument("--out", default="runs/paper_table/mixed")
+    parser.add_argument("--plot", default=None, help="PNG to write (default: <out>/paper_table.png)")
     args = parser.parse_args()
+    args.arms = [arm for arm in args.arms.split(",") if arm]
+    unknown = set(args.arms) - set(ARMS)
+    if unknown or "baseline" not in args.arms:
+        parser.error(f"arms must include baseline and come from {list(ARMS)}; got {args.arms}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     frame = collect_results(args)
     summary = summary_table(frame)
-    reached = iterations_to_reach(summary)
+    reached = iterations_to_reach(summary, args.arms)
+    premise = premise_at_start(frame)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     frame.write_json(out / "iterations.json")
-    text = markdown(summary, reached)
+    text = markdown(summary, reached, premise, args.arms)
     (out / "table.md").write_text(text + "\n")
+    plot(summary, args.arms, Path(args.plot) if args.plot else out / "paper_table.png", str(args.model))
     print(text)
 
 

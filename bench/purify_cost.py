@@ -6,9 +6,11 @@
    naive  one full forward per row (TorchBackend.score, batched with padding), every row of every config;
    trie   PrefixTrieScorer over the same rows: each distinct (prefix, token) forwarded once;
    and check they agree;
-4. run the whole `cleaner ablate` job (render + one scorer pass + advantages + writes) for the grid.
-Targets (project issue #4): trie tokens / naive tokens <= 0.5, naive time / trie time >= 2,
-ablate time / collect time <= 0.10. Collection, trie scoring and the ablate job are each the median of
+4. run the whole `cleaner ablate` job (render + one scorer pass + advantages + writes) for the grid;
+5. run it again with the IS gate on every config of the grid (tau 0.5, the reference's setting):
+   render, score, render again while an IS decision was assumed.
+Targets: trie tokens / naive tokens <= 0.5, naive time / trie time >= 2, ablate time / collect
+time <= 0.10, IS-gated ablate time / collect time <= 0.15. Collection, trie scoring and the ablate job are each the median of
 --repeats runs: on a shared 2-core machine single runs of either vary by 10-50%. Each ablate run
 follows its own collection, on an untouched copy of that warehouse, and the ratio of each pair is
 printed too: the two halves of a pair see the same machine.
@@ -19,6 +21,7 @@ printed too: the two halves of a pair see the same machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import shutil
 import statistics
@@ -50,8 +53,9 @@ def main() -> None:
     backend = TorchBackend(args.model)
     decode = ChatFormat(backend.tokenizer).decode
     configs = [PurifyConfig(gamma=g, rollback_prob=p) for g, p in itertools.product((0.3, 0.5, 0.7), (0.7, 1.0))]
+    gated_configs = [dataclasses.replace(c, rollback_is_threshold=0.5) for c in configs]
     with tempfile.TemporaryDirectory() as root:
-        collect_runs, ablate_runs, scoring_runs = [], [], []
+        collect_runs, ablate_runs, scoring_runs, gated_runs, gated = [], [], [], [], 0
         for repeat in range(args.repeats):  # the same seed collects the same iteration each time
             warehouse = Warehouse(Path(root) / f"collect-{repeat}")
             started = time.perf_counter()
@@ -67,8 +71,16 @@ def main() -> None:
                                  progress=False)
             ablate_runs.append(time.perf_counter() - started)
             scoring_runs.append(outcome.scorer_stats.seconds)
+            shutil.copytree(warehouse.root, Path(root) / f"gated-{repeat}")
+            clear_similarity_cache()
+            started = time.perf_counter()
+            outcome = purify_job(Warehouse(Path(root) / f"gated-{repeat}"), 0, gated_configs, backend=backend,
+                                 progress=False)
+            gated_runs.append(time.perf_counter() - started)
+            gated = sum(result.stats.n_gated for result in outcome.results)
         collect_s, ablate_s = statistics.median(collect_runs), statistics.median(ablate_runs)
         pair_ratios = [a / c for a, c in zip(ablate_runs, collect_runs, strict=True)]
+        gated_ratios = [a / c for a, c in zip(gated_runs, collect_runs, strict=True)]
 
         rollouts, segments = warehouse.read_rollouts(0), warehouse.read_segments(0)
         rows = [row for c in configs for row in render_iteration(rollouts, segments, c, decode)[0]]
@@ -101,6 +113,10 @@ def main() -> None:
     print(f"ablate / collect             {ablate_s / collect_s:8.3f}   (target <= 0.10; medians)")
     print(f"  per pair (collect, then ablate on its copy): {'/'.join(f'{r:.3f}' for r in pair_ratios)}, "
           f"median {statistics.median(pair_ratios):.3f}, worst {max(pair_ratios):.3f}")
+    print(f"IS-gated ablate, tau 0.5     {statistics.median(gated_runs):8.2f} s   runs {_seconds(gated_runs)}; "
+          f"{gated} merges gated over the {len(gated_configs)} configs")
+    print(f"IS-gated ablate / collect    {statistics.median(gated_runs) / collect_s:8.3f}   (target <= 0.15; medians)"
+          f"; per pair {'/'.join(f'{r:.3f}' for r in gated_ratios)}")
     print(f"max |naive - trie| logprob   {worst:.2e}")
 
 

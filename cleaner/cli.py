@@ -444,6 +444,7 @@ def bootstrap(
     seed: Annotated[int, typer.Option("--seed", help="Corpus, init and batch-order seed.")] = 0,
     corpus_size: Annotated[int, typer.Option("--corpus-size", min=1, help="Synthetic trajectories.")] = 40_000,
     fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
+    failures: Annotated[str, typer.Option("--failures", help="mixed (typos, wrong approaches) | environment (missing functions only: the second policy).")] = "mixed",
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 3e-3,
@@ -459,7 +460,7 @@ def bootstrap(
     from cleaner.engine.bootstrap.sft import BootstrapConfig, bootstrap_policy
 
     try:
-        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share)
+        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share, failures=failures)
         config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                                  checkpoint_every=checkpoint_every,
                                  init_from=None if init_from is None else str(init_from))

@@ -8,6 +8,14 @@ first calls fail, then are corrected:
 - APPROACH: a call to a module that does not exist (`from mathx import mulmod`, `import sympy2`,
   ...); the retry uses different reasoning and different code (ratio ~0.2-0.45), so SAAR merges it
   deep.
+With `failures = "environment"` (the second tiny policy) the failures are only of a third kind:
+- ENVIRONMENT: a call to a function the environment lacks (`mathx.mulmod`, `sympy2.Mod`,
+  `modcalc.solve`, `math.mod`), chosen before any number is written, with the numbers in the
+  problem's order; the retry is the one-line program with the same numbers in the same order. A
+  typo is a slip of copying, so a rollout that makes one tends to miscopy numbers too, and on the
+  mixed corpus a failed call predicts a wrong answer; an environment failure says nothing about
+  the numbers, and its fix copies them from the line just above, so a recovered rollout is about
+  as accurate as a clean one: CLEANER's premise (docs/architecture.md §11).
 Each assistant turn starts with a short reasoning sentence, so shallow and deep merges keep
 different reasoning. Error texts come from really running the code, never from a hand-written
 string. The default executor is `local_exec` (one child process for the whole corpus, ~1 s): its
@@ -26,8 +34,9 @@ from cleaner.engine.bootstrap.local_exec import run_snippets
 from cleaner.engine.chat import IM_END, format_call, tool_response_text
 from cleaner.engine.collect.tasks import TOY_SOURCE, Task, ToyProblem, toy_problem
 
-NONE, TYPO, APPROACH = "none", "typo", "approach"
-FAILURE_KINDS = (NONE, TYPO, APPROACH)
+NONE, TYPO, APPROACH, ENVIRONMENT = "none", "typo", "approach", "environment"
+FAILURE_KINDS = (NONE, TYPO, APPROACH, ENVIRONMENT)
+FAILURE_SETS = ("mixed", "environment")  # mixed: typos and approaches; environment: ENVIRONMENT only
 CORPUS_SEED_OFFSET = 1_000_000  # corpus problems never coincide with toy_tasks(n, seed) for small seeds
 
 
@@ -37,8 +46,11 @@ class CorpusConfig:
     seed: int = 0  # corpus problems use toy seed `seed + CORPUS_SEED_OFFSET`
     fail_share: float = 0.3  # share of first calls that fail
     approach_share: float = 0.5  # among failures: share by wrong approach (the rest are typos)
+    failures: str = "mixed"  # mixed (typos and approaches) | environment (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.failures not in FAILURE_SETS:
+            raise ValueError(f"failures must be one of {FAILURE_SETS}, got {self.failures!r}")
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
         for name in ("fail_share", "approach_share"):
@@ -89,6 +101,20 @@ APPROACH_FIX_REASONING = (
 )
 APPROACH_FIX_CODE = "product = {a} * {b}\ntotal = product + {c}\nremainder = total % {d}\nprint(remainder)"
 
+# (reasoning, code, fix reasoning) of calls to functions the environment lacks; the fix is always
+# ENVIRONMENT_FIX_CODE, whose numbers come in the same order as in the failed call.
+ENVIRONMENTS = (
+    ("I will use the mulmod helper from mathx.", "from mathx import mulmod\nprint(mulmod({a}, {b}, {c}, {d}))",
+     "mathx is not installed here, so I will use plain arithmetic."),
+    ("Let me use sympy2 for the modulus.", "import sympy2\nprint(sympy2.Mod({a} * {b} + {c}, {d}))",
+     "sympy2 does not exist. I will use the % operator instead."),
+    ("The modcalc module can solve this.", "import modcalc\nprint(modcalc.solve({a}, {b}, {c}, {d}))",
+     "modcalc is not available, so I will compute it directly."),
+    ("math should have a mod function.", "import math\nprint(math.mod({a} * {b} + {c}, {d}))",
+     "math has no mod function. I will use the % operator."),
+)
+ENVIRONMENT_FIX_CODE = "print(({a} * {b} + {c}) % {d})"
+
 
 def good_codes(p: ToyProblem) -> tuple[str, ...]:
     return (
@@ -127,15 +153,23 @@ class _Plan:
     failed_code: str | None
     fixed_code: str
     rng_state: int  # seed for the wording chosen after execution
+    fix_reasoning: str | None = None  # fixed in the plan (ENVIRONMENT), else worded after execution
 
 
 def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Random) -> _Plan:
     draw = rng.random()
     failure = NONE
     if draw < config.fail_share:
-        failure = APPROACH if rng.random() < config.approach_share else TYPO
+        if config.failures == "environment":
+            failure = ENVIRONMENT
+        else:
+            failure = APPROACH if rng.random() < config.approach_share else TYPO
     good = rng.choice(good_codes(problem))
     values = {"a": problem.a, "b": problem.b, "c": problem.c, "d": problem.d}
+    if failure == ENVIRONMENT:
+        reasoning, template, fix_reasoning = rng.choice(ENVIRONMENTS)
+        return _Plan(task, problem, failure, reasoning, template.format(**values),
+                     ENVIRONMENT_FIX_CODE.format(**values), rng.getrandbits(32), fix_reasoning)
     if failure == APPROACH:
         reasoning, template = rng.choice(APPROACHES)
         return _Plan(task, problem, failure, reasoning, template.format(**values),
@@ -151,7 +185,9 @@ def _assemble(plan: _Plan, failed_response: str | None, error_type: str | None,
     if plan.failed_code is not None:
         assistant.append(_call_text(plan.first_reasoning, plan.failed_code))
         tools.append(tool_response_text(failed_response))
-        if plan.failure == APPROACH:
+        if plan.fix_reasoning is not None:
+            fix_reasoning = plan.fix_reasoning
+        elif plan.failure == APPROACH:
             module = plan.failed_code.split()[1].split(".")[0]
             fix_reasoning = rng.choice(APPROACH_FIX_REASONING).format(module=module)
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cleaner.engine.bootstrap.corpus import APPROACH, NONE, TYPO, CorpusConfig, build_corpus
@@ -79,3 +81,22 @@ def test_local_exec_words_errors_exactly_like_the_real_sandbox():
               for r in real]  # as the collect loop words the sandbox's results
     assert [r.response for r in local] == worded
     assert [r.error_type for r in local] == [r.error_type for r in real]
+
+
+def test_environment_failures_fix_with_the_same_numbers_in_the_same_order():
+    from cleaner.engine.bootstrap.corpus import ENVIRONMENT
+
+    examples = build_corpus(CorpusConfig(size=200, seed=4, fail_share=0.5, failures="environment"))
+    failed = [e for e in examples if e.failure != NONE]
+    assert failed and {e.failure for e in failed} == {ENVIRONMENT}
+    number = re.compile(r"(?<![A-Za-z_\d])\d+")  # not the 2 of sympy2
+    for example in failed:
+        numbers = [int(n) for n in number.findall(example.task.messages[-1]["content"])]
+        # the failed call and its fix write the problem's numbers in the problem's order
+        for code in (example.failed_code, example.fixed_code):
+            assert [int(n) for n in number.findall(code)] == numbers[:4]
+        assert example.fixed_code == "print(({} * {} + {}) % {})".format(*numbers[:4])
+    assert {e.tool_texts[0].split("stderr: ")[1].split(" ")[0] for e in failed} == {
+        "ModuleNotFoundError", "AttributeError"}
+    with pytest.raises(ValueError, match="failures"):
+        CorpusConfig(failures="some")

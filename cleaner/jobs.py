@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.engine.backends import Backend, load_backend
+from cleaner.engine.backends.trie_scorer import PrefixTrieScorer, ScorerStats
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
@@ -38,7 +39,6 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.engine.purify.scorer import PrefixTrieScorer, ScorerStats
 from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration

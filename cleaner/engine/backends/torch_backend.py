@@ -13,7 +13,7 @@ Design decisions:
   0 (greedy) the sampling distribution is a point mass, so we report the plain log-softmax of the
   raw logits instead (the informative number, and what a T=1 scorer would give).
 - `score` is the NAIVE reference: one full forward per sequence (right-padded batches). The
-  prefix-reusing scorer lives in `cleaner/engine/purify/scorer.py` and is tested against this.
+  prefix-reusing scorer lives in `cleaner/engine/backends/trie_scorer.py` and is tested against this.
 - `policy_version` = checkpoint dir name + short content hash of the weight files
   (`cleaner.engine.models.policy_version_of`).
 """

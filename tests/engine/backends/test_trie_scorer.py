@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
+from cleaner.engine.backends.radix import build_radix_tree, shared_prefixes, tokens_to_forward
 from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.purify.radix import build_radix_tree, shared_prefixes, tokens_to_forward
-from cleaner.engine.purify.scorer import BackendScorer, PrefixTrieScorer
+from cleaner.engine.backends.trie_scorer import BackendScorer, PrefixTrieScorer
 
 PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
 

@@ -68,7 +68,7 @@ from transformers import AttentionInterface
 
 from cleaner.engine.backends.base import Backend, check_score_inputs
 from cleaner.engine.backends.kv import kv_geometry
-from cleaner.engine.purify.radix import (
+from cleaner.engine.backends.radix import (
     Node,
     build_radix_tree,
     mark_first_scored,

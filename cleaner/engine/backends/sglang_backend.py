@@ -7,9 +7,10 @@ Design decisions:
   the request and response shapes); the tokenizer for the chat format is loaded here with
   transformers from the same checkpoint.
 - `device` picks the first GPU (`cuda:N` -> `base_gpu_id=N`); other engine options (`tp_size`,
-  `mem_fraction_static`, `enable_deterministic_inference`, ...) pass through as keyword arguments.
-  Per-request seeds are honoured only with `enable_deterministic_inference=True` (it costs
-  throughput, so it is not forced).
+  `mem_fraction_static`, ...) pass through as keyword arguments.
+- Deterministic inference is on by default: SGLang honours per-request seeds only with it, and
+  the project's seeds and `--resume` rely on a seed giving the same rollout. It costs throughput;
+  `enable_deterministic_inference=False` turns it off.
 - One `Engine.generate` call per `generate` or `score`, with per-request lists: the engine batches
   them itself. Purify's scorer is `BackendScorer` over `score`: one request per radix-tree edge,
   so RadixAttention holds the shared paths (backend_scorer.py).
@@ -74,6 +75,7 @@ class SGLangBackend:
         sglang = import_sglang()
         engine_kwargs.setdefault("skip_tokenizer_init", True)
         engine_kwargs.setdefault("base_gpu_id", gpu_index(device))
+        engine_kwargs.setdefault("enable_deterministic_inference", True)
         self._model_path = Path(model_path)
         self.tokenizer = load_tokenizer_if_present(model_path)
         self.engine = sglang.Engine(model_path=str(model_path), dtype=dtype, **engine_kwargs)

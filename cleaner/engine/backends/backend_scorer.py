@@ -1,6 +1,6 @@
 """Purify's RowScorer for a backend whose engine keeps its own prefix cache (SGLang's RadixAttention).
 
-`BackendScorer(backend).score_rows(sequences, starts)` has the contract of `Backend.score` and
+`BackendScorer(backend.score).score_rows(sequences, starts)` has the contract of `Backend.score` and
 returns exactly what the backend's `score` would for each row; what changes is what the engine
 has to compute (docs/architecture.md §6).
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from cleaner.engine.backends.torch_backend import TorchBackend
+from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.engine.purify.scorer import PrefixTrieScorer
 from cleaner.engine.render import clear_similarity_cache
 from cleaner.jobs import collect_job, purify_job
 from cleaner.warehouse import Warehouse

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.purify.scorer import PrefixTrieScorer
+from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cleaner.engine.config import DEFAULT_POLICY
 from cleaner.engine.show import Panels
@@ -40,7 +41,8 @@ DEFAULT_WAREHOUSE = Path("warehouse")
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print an error to stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    # escaped: a message may hold brackets rich would read as markup (pip install 'cleaner[sglang]')
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
     return typer.Exit(code)
 
 
@@ -95,6 +97,12 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cud
 MaxTurnsOpt = Annotated[int, typer.Option(help="Assistant generations per rollout.")]
 MaxNewTokensOpt = Annotated[int, typer.Option(help="Tokens per generation.")]
 SeedOpt = Annotated[int, typer.Option(help="Base seed.")]
+# Where the policy runs. Every command that generates or scores takes these two (collect, purify,
+# ablate, run; an eval command too) and hands them to cleaner.engine.backends.load_backend.
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
+SglangUrlOpt = Annotated[str | None, typer.Option(
+    "--sglang-url", help="A running SGLang server or router, e.g. http://host:30000 (with --backend sglang).")]
 
 
 @app.command()
@@ -119,6 +127,8 @@ def collect(
     batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
     sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.")] = 4.0,
     sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.")] = 2,
+    backend: BackendOpt = "torch",
+    sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
     resume: Annotated[bool, typer.Option(help="Finish a partly collected iteration.")] = False,
 ) -> None:
@@ -135,7 +145,7 @@ def collect(
         max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
         similarity_on=similarity_on, rollback_is_threshold=rollback_is_threshold, seed=seed,
-        batch_rollouts=batch_rollouts, device=device,
+        batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         sandbox=sandbox,
     )
     outcome = _run_job(collect_job, Warehouse(warehouse), config, resume=resume)
@@ -179,6 +189,8 @@ def purify(
     dpo_beta: DpoBetaOpt = 0.1,
     dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
     dpo_cap: DpoCapOpt = "relative",
+    backend: BackendOpt = "torch",
+    sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
@@ -188,7 +200,8 @@ def purify(
     configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when], [rollback_is_threshold],
                               negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
-    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
+    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
+                       sglang_url=sglang_url, device=device)
     _print_purify(outcome)
 
 
@@ -221,6 +234,8 @@ def ablate(
     dpo_beta: DpoBetaOpt = 0.1,
     dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
     dpo_cap: DpoCapOpt = "relative",
+    backend: BackendOpt = "torch",
+    sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
@@ -232,7 +247,8 @@ def ablate(
                               _floats(rollback_is_threshold, "--rollback-is-threshold"),
                               negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
-    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, device=device)
+    outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
+                       sglang_url=sglang_url, device=device)
     _print_purify(outcome)
 
 
@@ -346,6 +362,8 @@ def run(
     group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).", rich_help_panel="Collect")] = 8,
     model: Annotated[str, typer.Option(help="HF model path or checkpoint dir (default: tiny policy).", rich_help_panel="Collect")] = str(DEFAULT_POLICY),
     data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", rich_help_panel="Collect")] = None,
+    backend: Annotated[str, typer.Option(help="torch | sglang: where the policy generates and scores.", rich_help_panel="Collect")] = "torch",
+    sglang_url: Annotated[str | None, typer.Option(help="A running SGLang server or router (with --backend sglang); it must see the checkpoints' paths.", rich_help_panel="Collect")] = None,
     max_turns: Annotated[int, typer.Option(help="Steps per rollout (tool calls and the answer; retries do not count).", rich_help_panel="Collect")] = 8,
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool-call step.", rich_help_panel="Collect")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.", rich_help_panel="Collect")] = 160,

@@ -15,16 +15,18 @@ Idempotence and resume, phase by phase:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleaner.engine.backends import Backend, load_backend
+from cleaner.engine.backends import Backend, load_backend, require_backend
+from cleaner.engine.backends.base import ScorerStats
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
@@ -38,7 +40,6 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.engine.purify.scorer import PrefixTrieScorer, ScorerStats
 from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
@@ -51,6 +52,19 @@ logger = logging.getLogger(__name__)
 
 class JobError(CleanerError):
     """A job cannot start or finish; the message says why and what to do."""
+
+
+@contextlib.contextmanager
+def _serving(backend: Backend | None, load: Callable[[], Backend]) -> Iterator[Backend]:
+    """The caller's backend, or one loaded for this job and closed when it ends."""
+    if backend is not None:
+        yield backend
+        return
+    loaded = load()
+    try:
+        yield loaded
+    finally:
+        loaded.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +99,8 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
                 backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
     """Collect one iteration into the warehouse; with `resume`, finish a partly collected one."""
     started = time.monotonic()
-    if backend is None:  # fail on a bad model or device before anything is written
+    if backend is None:  # fail on a bad backend, model or device before anything is written
+        require_backend(config.backend, config.sglang_url)
         check_device(config.device)
         check_model_path(config.model)
     iteration = config.iteration
@@ -103,13 +118,18 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     warehouse.save_collect_config(iteration, config.to_json())
     n_written = 0
     if len(stored) < n_planned:
-        backend = backend or load_backend(config.backend, config.model, device=config.device)
-        chat = ChatFormat(backend.tokenizer)
-        with make_sandbox(config.sandbox) as sandbox:
-            for batch in collect(tasks, config, backend, sandbox, chat, skip_rollout_ids=stored,
-                                 progress=progress):
-                warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
-                n_written += len(batch.rollouts)
+        load = functools.partial(load_backend, config.backend, config.model, device=config.device,
+                                 sglang_url=config.sglang_url)
+        with _serving(backend, load) as serving:
+            if serving.tokenizer is None:
+                raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
+                               "tokenizer for the chat format")
+            chat = ChatFormat(serving.tokenizer)
+            with make_sandbox(config.sandbox) as sandbox:
+                for batch in collect(tasks, config, serving, sandbox, chat, skip_rollout_ids=stored,
+                                     progress=progress):
+                    warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
+                    n_written += len(batch.rollouts)
     summary = summarize(warehouse.read_rollouts(iteration), warehouse.read_segments(iteration))
     return CollectOutcome(iteration, n_planned, n_written, summary, time.monotonic() - started)
 
@@ -155,15 +175,20 @@ def _cyclic_gc_paused():
 
 @_cyclic_gc_paused()
 def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
-               backend: Backend | None = None, device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+               backend: Backend | None = None, backend_kind: str = "torch", sglang_url: str | None = None,
+               device: str = "cpu", progress: bool = True) -> PurifyOutcome:
     """Purify an iteration under every config in ONE scorer pass, and store the rows.
 
-    Configs already stored for the iteration are not recomputed (idempotent); their results are
-    rebuilt from the stored rows so a comparison always covers every requested config. Python's
-    cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
+    The rows are scored by the scorer of `backend`, which must serve the policy that collected the
+    iteration; without one, a `backend_kind` backend (at `sglang_url`, if given) is loaded with that
+    policy. Configs already stored for the iteration are not recomputed (idempotent); their
+    results are rebuilt from the stored rows so a comparison always covers every requested config.
+    Python's cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
-    check_device(device)
+    if backend is None:
+        require_backend(backend_kind, sglang_url)
+        check_device(device)
     rollouts = warehouse.read_rollouts(iteration)
     if not rollouts:
         raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
@@ -171,11 +196,16 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
     computed, scorer_stats = {}, None
     if todo:
-        backend = backend or load_backend("torch", collected_policy(warehouse, iteration), device=device)
-        scorer = PrefixTrieScorer(backend.model, device=device, progress=progress)
-        decode = ChatFormat(backend.tokenizer).decode
-        purified = purify_iteration(rollouts, segments, todo, scorer, decode,
-                                    scorer_version=f"{scorer.version}:{backend.policy_version}")
+        policy = collected_policy(warehouse, iteration)
+        if backend is not None and Path(backend.model_path) != Path(policy):
+            raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
+                           f"{backend.model_path}; purify scores with the policy that collected")
+        load = functools.partial(load_backend, backend_kind, policy, device=device, sglang_url=sglang_url)
+        with _serving(backend, load) as serving:
+            scorer = serving.scorer(progress=progress)
+            decode = ChatFormat(serving.tokenizer).decode
+            purified = purify_iteration(rollouts, segments, todo, scorer, decode,
+                                        scorer_version=f"{scorer.version}:{serving.policy_version}")
         _store_purified(warehouse, iteration, purified)
         computed = {result.config.config_id: result for result in purified}
         scorer_stats = scorer.stats

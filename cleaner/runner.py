@@ -1,9 +1,13 @@
 """`cleaner run`: collect -> purify -> train, iteration after iteration, in one process.
 
-The policy is loaded once; purify scores with the same in-memory model that collected, and the
-trainer updates that model in place before saving its checkpoint, so no phase reloads weights.
-One optimiser lives for the whole run: each iteration's training continues the previous one's
-AdamW and lr schedule, and every checkpoint carries that state (cleaner.engine.train.optim).
+One backend serves the policy for the whole run: collect samples from it, purify scores with its
+scorer, and after training it adopts the new checkpoint. With the torch backend the trainer
+updates the backend's own in-memory model in place before saving it, so no phase reloads weights.
+Another backend (SGLang) serves from its own processes: the trainer then keeps a model of its own,
+loaded once from the checkpoint and trained from iteration to iteration, and the backend reloads
+each saved checkpoint from disk. One optimiser lives for the whole run: each iteration's training
+continues the previous one's AdamW and lr schedule, and every checkpoint carries that state
+(cleaner.engine.train.optim).
 Every phase is idempotent (see `cleaner.jobs`), so `resume` after a crash, even a SIGKILL, redoes
 only the unfinished part of the unfinished iteration, and continues from the saved optimiser. An iteration is complete once its
 `iterations` row is written; its trained policy is `<run_dir>/checkpoints/iteration-<i+1>`.
@@ -17,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cleaner.engine.backends import load_backend
+from cleaner.engine.backends import load_backend, require_backend
+from cleaner.engine.backends.torch_backend import TorchBackend
 from cleaner.engine.config import RunConfig
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.records import IterationRow
@@ -25,6 +30,8 @@ from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
 
 if TYPE_CHECKING:
+    import torch
+
     from cleaner.engine.backends import Backend
     from cleaner.engine.premise import PremiseStats
     from cleaner.engine.train.optim import Optimization
@@ -38,16 +45,26 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
     return run_dir / "checkpoints" / f"iteration-{iteration + 1}"
 
 
-def _ensure_backend(backend, policy: str, device: str):
-    if backend is not None and str(getattr(backend, "model_path", "")) == str(policy):
-        return backend
-    return load_backend("torch", policy, device=device)
+def _load_backend(config: RunConfig, policy: str) -> Backend:
+    collect = config.collect
+    return load_backend(collect.backend, policy, device=collect.device, sglang_url=collect.sglang_url)
+
+
+def _policy_to_train(backend: Backend, kept: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The in-memory model training updates: the torch backend's own (trained in place, so the
+    next collection needs no reload), else the model trained last iteration (None: the trainer
+    loads the checkpoint)."""
+    if isinstance(backend, TorchBackend):
+        return backend.train_in_place()
+    return kept
 
 
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
              on_iteration: Callable[[IterationRow], None] | None = None) -> list[IterationRow]:
     """Run `config.iterations` iterations; returns the iteration rows of the whole run."""
-    check_device(config.collect.device)  # a bad device or model fails before anything is written
+    # a bad backend, device or model fails before anything is written
+    require_backend(config.collect.backend, config.collect.sglang_url)
+    check_device(config.collect.device)
     check_model_path(config.collect.model)
     run_dir = Path(config.run_dir)
     warehouse = Warehouse(run_dir / "warehouse")
@@ -57,21 +74,27 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
         raise JobError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     warehouse.root.mkdir(parents=True, exist_ok=True)
     warehouse.save_config("run", config.to_json())
-    policy, backend, optimization = config.collect.model, None, None
-    for iteration in range(config.iterations):
-        if iteration in done:
-            policy = done[iteration].policy_out or policy
-            continue
-        backend = _ensure_backend(backend, policy, config.collect.device)
-        row, trained = _one_iteration(config, warehouse, iteration, policy, backend, optimization, progress)
-        if trained is not None:  # the in-memory model and optimiser now equal the saved checkpoint
+    policy, backend = config.collect.model, None
+    kept, optimization = None, None  # the model training updates and its optimiser, across iterations
+    try:
+        for iteration in range(config.iterations):
+            if iteration in done:
+                policy = done[iteration].policy_out or policy
+                continue
+            backend = backend or _load_backend(config, policy)
+            row, trained = _one_iteration(config, warehouse, iteration, policy, backend, kept, optimization,
+                                          progress)
             backend.adopt(row.policy_out)
-            optimization = trained.optimization
-        else:  # trained before a crash: the next iteration loads the checkpoint and its optimiser
-            backend, optimization = None, None
-        policy = row.policy_out
-        if on_iteration is not None:
-            on_iteration(row)
+            if trained is not None:  # the trained model and its optimiser equal the saved checkpoint
+                kept, optimization = trained.model, trained.optimization
+            else:  # trained before a crash: the next training loads the checkpoint and its optimiser
+                kept, optimization = None, None
+            policy = row.policy_out
+            if on_iteration is not None:
+                on_iteration(row)
+    finally:
+        if backend is not None:
+            backend.close()
     return warehouse.read_iterations()
 
 
@@ -85,9 +108,10 @@ def _premise_columns(premise: PremiseStats | None) -> dict[str, float]:
 
 
 def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend: Backend,
-                   optimization: Optimization | None, progress: bool) -> tuple[IterationRow, TrainResult | None]:
-    """One iteration; returns its row and the training result if the in-memory model was trained
-    here (None if a previous process had already trained and saved it)."""
+                   kept: torch.nn.Module | None, optimization: Optimization | None,
+                   progress: bool) -> tuple[IterationRow, TrainResult | None]:
+    """One iteration; returns its row and the training result if a model was trained here (None if
+    a previous process had already trained and saved it)."""
     collect_config = dataclasses.replace(config.collect, iteration=iteration, model=str(policy))
     collected = collect_job(warehouse, collect_config, resume=True, backend=backend, progress=progress)
     purified = purify_job(warehouse, iteration, [config.purify], backend=backend,
@@ -97,8 +121,8 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     trained, train_s = None, 0.0
     if not (warehouse.has_train_steps(iteration) and out.exists()):
         outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                            model=backend.model, rows=result.rows, optimization=optimization,
-                            progress=progress)
+                            model=_policy_to_train(backend, kept), rows=result.rows,
+                            optimization=optimization, progress=progress)
         trained, train_s = outcome.result, outcome.seconds
     summary = collected.summary
     row = IterationRow(

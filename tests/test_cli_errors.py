@@ -89,3 +89,24 @@ def test_the_smallest_runs_complete(tmp_path, group_size):
     connection = Warehouse(run_dir / "warehouse").connect()
     assert connection.sql("SELECT count(*) FROM iterations").fetchall() == [(2,)]
     assert connection.sql("SELECT count(*) FROM rollouts").fetchall() == [(2 * group_size,)]
+
+
+no_sglang = pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None,
+                               reason="sglang is installed here")
+
+
+@no_sglang
+@pytest.mark.parametrize("command", [
+    ["collect", *SMALL], ["purify"], ["ablate"], ["run", "--iterations", "1", *SMALL],
+])
+def test_the_sglang_backend_without_sglang_names_the_extra(tmp_path, command):
+    where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]
+    _fails_cleanly([*command, *where, "--backend", "sglang"], "needs SGLang", "pip install 'cleaner[sglang]'")
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r" / "warehouse").exists()  # nothing written
+
+
+def test_a_server_url_needs_the_sglang_backend(tmp_path):
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), *SMALL, "--sglang-url", "http://127.0.0.1:9"],
+                   "sglang_url is for backend sglang")
+    _fails_cleanly(["purify", "-w", str(tmp_path / "w"), "--sglang-url", "http://127.0.0.1:9"],
+                   "--sglang-url http://127.0.0.1:9 needs --backend sglang")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -49,6 +50,29 @@ def test_run_loop_chains_iterations_and_is_idempotent(tmp_path, random_policy):
     assert connection.sql("SELECT count(*) FROM iterations").fetchall() == [(2,)]
     assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
     assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(8,)]
+
+
+def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each_checkpoint(tmp_path, random_policy):
+    from tests.engine.backends.test_sglang_server import StandIn
+
+    server = StandIn(str(random_policy))  # stands in for SGLang: /generate, /update_weights_from_disk
+    try:
+        config = _config(tmp_path / "run", random_policy)
+        config = dataclasses.replace(config, collect=dataclasses.replace(
+            config.collect, backend="sglang", sglang_url=server.url))
+        rows = run_loop(config, progress=False)
+    finally:
+        server.close()
+    first, second = checkpoint_dir(tmp_path / "run", 0), checkpoint_dir(tmp_path / "run", 1)
+    assert [r.policy_out for r in rows] == [str(first), str(second)]
+    # the server was already serving the policy; after each iteration it loads the new checkpoint
+    assert server.paths("/update_weights_from_disk") == [{"model_path": str(first)}, {"model_path": str(second)}]
+    warehouse = Warehouse(tmp_path / "run" / "warehouse")
+    assert {r.policy_version for r in warehouse.read_rollouts(1)} == {policy_version_of(first)}
+    assert policy_version_of(second) != policy_version_of(first)  # the trainer's own model moved on
+    steps = [step for (step,) in warehouse.connect().sql(
+        "SELECT optimizer_step FROM train_steps ORDER BY iteration, step").fetchall()]
+    assert steps == list(range(len(steps))) and len(steps) >= 2  # one optimiser for the run
 
 
 def _cli(*args: str) -> list[str]:

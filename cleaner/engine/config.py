@@ -97,7 +97,8 @@ class CollectConfig(_Config):
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
     batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
     backend: str = "torch"  # torch | sglang
-    device: str = "cpu"  # torch device
+    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
+    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
 
     def __post_init__(self) -> None:
@@ -119,6 +120,10 @@ class CollectConfig(_Config):
                f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
         _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
+        _check(self.sglang_url is None or self.backend == "sglang",
+               f"sglang_url is for backend sglang, got backend {self.backend!r}")
+        _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
+               f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
 
 
 @dataclass(frozen=True)

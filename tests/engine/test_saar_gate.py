@@ -114,7 +114,7 @@ def test_an_unknown_is_keeps_the_merge_for_now_and_marks_the_rendering_provision
 
 
 def test_the_is_of_a_merge_equals_a_naive_forward_minus_the_behaviour_logprobs():
-    from cleaner.engine.purify.scorer import PrefixTrieScorer
+    from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
     from tests.helpers import tiny_qwen3
 
     model = tiny_qwen3(seed=3).eval()

@@ -1,33 +1,55 @@
 """Generation and scoring backends (docs/architecture.md §6): `load_backend` picks one by name.
 
+- `torch`: transformers in this process, on CPU or one GPU (torch_backend.py).
+- `sglang` with a URL: running SGLang servers or a router, over HTTP (sglang_server.py); needs
+  nothing installed here beyond cleaner.
+- `sglang` without a URL: an in-process `sglang.Engine` on this node's GPUs (sglang_backend.py);
+  needs the `sglang` extra.
+
 Imports are lazy so that importing the package never loads torch weights or sglang.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-from cleaner.engine.backends.base import Backend
+from cleaner.engine.backends.base import SGLANG_INSTALL_HINT, Backend, BackendError
 
 BACKEND_KINDS = ("torch", "sglang")
 
 
-def load_backend(
-    kind: str, model_path: str | Path, device: str = "cpu", dtype: str = "float32"
-) -> Backend:
-    """A ready backend: `torch` (transformers, CPU or one GPU) or `sglang` (GPU only).
+def require_backend(kind: str, sglang_url: str | None = None) -> None:
+    """BackendError now, before anything is written, if `kind` cannot run here or is misconfigured."""
+    if kind not in BACKEND_KINDS:
+        raise BackendError(f"backend must be one of {BACKEND_KINDS}, got {kind!r}")
+    if sglang_url is not None and kind != "sglang":
+        raise BackendError(f"--sglang-url {sglang_url} needs --backend sglang (got {kind!r})")
+    if kind == "sglang" and sglang_url is None and importlib.util.find_spec("sglang") is None:
+        raise BackendError("the sglang backend needs SGLang, which is not installed here; install it "
+                           f"with: {SGLANG_INSTALL_HINT} (or pass --sglang-url for a running server)")
 
-    dtype is a torch dtype name (float32, bfloat16, float16); sglang maps it to its `dtype` option.
+
+def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: str | None = None,
+                 sglang_url: str | None = None) -> Backend:
+    """A ready backend serving `model_path`.
+
+    dtype is a torch dtype name (float32, bfloat16, float16); None means float32 for torch and the
+    checkpoint's own dtype for an SGLang engine. `device` is the torch backend's device or the
+    SGLang engine's first GPU; a server ignores it.
     """
+    require_backend(kind, sglang_url)
     if kind == "torch":
         # torch and transformers cost CLI start-up time: loaded when a backend is asked for
         import torch  # (start-up time)
 
         from cleaner.engine.backends.torch_backend import TorchBackend  # (start-up time)
 
-        return TorchBackend(model_path, device=device, dtype=getattr(torch, dtype))
-    if kind == "sglang":
-        from cleaner.engine.backends.sglang_backend import SGLangBackend  # optional, GPU-only extra
+        return TorchBackend(model_path, device=device, dtype=getattr(torch, dtype or "float32"))
+    if sglang_url is not None:
+        from cleaner.engine.backends.sglang_server import SGLangServerBackend  # (start-up time)
 
-        return SGLangBackend(model_path, dtype=dtype)
-    raise ValueError(f"backend must be one of {BACKEND_KINDS}, got {kind!r}")
+        return SGLangServerBackend(sglang_url, model_path)
+    from cleaner.engine.backends.sglang_backend import SGLangBackend  # optional, GPU-only extra
+
+    return SGLangBackend(model_path, device=device, dtype=dtype or "auto")

@@ -1,21 +1,44 @@
-"""Generation and scoring backend interface.
+"""The backend interface: what collect, purify and `cleaner run` use of a model, and nothing else.
 
-A backend turns token-id prompts into sampled continuations (with the behaviour log-probabilities of
-the sampled tokens) and scores fixed token sequences (log pi(x_t | x_<t)). The torch backend
-(`torch_backend.py`) runs on CPU or one GPU with transformers; the SGLang backend
-(`sglang_backend.py`, GPU only) implements the same two calls on `sglang.Engine` (docs/architecture.md §6).
+A backend serves one checkpoint. It samples continuations of token-id prompts (with the behaviour
+log-probabilities of the sampled tokens), scores fixed token sequences (log pi(x_t | x_<t)), hands
+out a `RowScorer` for purify, and adopts the next checkpoint after training. Implementations:
+`torch_backend.py` (transformers, CPU or one GPU, in this process), `sglang_backend.py` (an
+in-process `sglang.Engine`) and `sglang_server.py` (running SGLang servers or a router, over HTTP)
+(docs/architecture.md §6).
 
-Everything here is token ids in, token ids out: the agent loop never re-tokenises text.
+Design decisions:
+- Token ids in, token ids out: the agent loop never re-tokenises text. The tokenizer is exposed
+  only for the chat format (special-token ids, decoding).
+- `model_path` is the checkpoint the backend serves, declared here, so a caller compares it
+  instead of guessing at attributes. The torch backend's in-memory model is not part of the
+  interface: `cleaner run` trains it in place only when the backend is a TorchBackend, and
+  otherwise trains a model of its own loaded from the checkpoint (runner.py).
+- `scorer()` lets each backend choose how purify's many overlapping rows are scored: the torch
+  backend forwards each radix-tree edge once on its own model (trie_scorer.py); a remote engine
+  sends one request per edge and lets its own prefix cache hold the shared paths
+  (backend_scorer.py).
+- Expected failures (an optional extra not installed, a server that refuses a request) are
+  `BackendError`s, which the CLI prints as one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
+
+from cleaner.errors import CleanerError
 
 # Why a generation stopped.
 STOP, LENGTH = "stop", "length"
+
+SGLANG_INSTALL_HINT = "pip install 'cleaner[sglang]'"
+
+
+class BackendError(CleanerError):
+    """A backend that cannot be used here, or a serving engine that refused a request."""
 
 
 @dataclass(frozen=True)
@@ -33,12 +56,57 @@ class Generation:
     finish_reason: str  # STOP | LENGTH
 
 
+# ---------------------------------------------------------------------------- row scorers
+
+
+@dataclass
+class ScorerStats:
+    """Work counters, cumulative over calls (mutable on purpose: the scorer updates them)."""
+
+    tokens_forwarded: int = 0  # real (unpadded) tokens sent through the model
+    tokens_naive: int = 0  # sum of row lengths: what one full forward per row would cost
+    n_prefix_groups: int = 0  # internal tree nodes whose cache was reused by >= 1 child forward
+    n_forwards: int = 0  # model calls (or engine requests)
+    seconds: float = 0.0
+
+    @property
+    def reuse_ratio(self) -> float:
+        """tokens_naive / tokens_forwarded (1.0 = no sharing)."""
+        return self.tokens_naive / max(self.tokens_forwarded, 1)
+
+
+class RowScorer(Protocol):
+    """Scores many token rows that share prefixes; purify's only view of a model."""
+
+    version: str  # names the algorithm in purified rows' scorer_version
+    stats: ScorerStats
+
+    def score_rows(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        """For each sequence s and start P: [log pi(s[t] | s[:t]) for t in range(P, len(s))]."""
+        ...
+
+
+# ---------------------------------------------------------------------------- backends
+
+
 class Backend(Protocol):
-    """What the agent loop and the scorer need from a model."""
+    """What the agent loop, purify and the run loop need from a model."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's Hugging Face tokenizer; None for a directory without tokenizer files."""
+        ...
+
+    @property
+    def model_path(self) -> Path:
+        """The checkpoint served (a directory, or a hub id as a Path)."""
+        ...
 
     @property
     def policy_version(self) -> str:
-        """Identifies the weights (e.g. checkpoint path + content hash)."""
+        """Identifies the weights (checkpoint directory name + content hash)."""
         ...
 
     def generate(
@@ -52,9 +120,21 @@ class Backend(Protocol):
     ) -> list[list[float]]:
         """For each sequence s and start P >= 1: [log pi(s[t] | s[:t]) for t in range(P, len(s))].
 
-        Not temperature-scaled. Implementations may reuse shared prefixes; results must equal a
-        naive full forward of each sequence within 1e-4 (float32).
+        Not temperature-scaled. Results must equal a naive full forward of each sequence within
+        1e-4 (float32).
         """
+        ...
+
+    def scorer(self, progress: bool = False) -> RowScorer:
+        """The scorer purify uses for this backend's weights (`progress`: a progress bar)."""
+        ...
+
+    def adopt(self, model_path: str | Path) -> None:
+        """Serve the checkpoint just saved at `model_path` from now on (a new policy version)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (an engine's processes and GPU memory)."""
         ...
 
 
@@ -64,3 +144,10 @@ def check_score_inputs(sequences: Sequence[Sequence[int]], starts: Sequence[int]
     for index, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
         if not 1 <= start <= len(seq):
             raise ValueError(f"row {index}: start {start} outside [1, {len(seq)}]")
+
+
+def check_generate_inputs(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")

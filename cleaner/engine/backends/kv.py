@@ -7,7 +7,7 @@ Design decisions:
   `DynamicCache` is built for every forward (`DynamicLayer.update` concatenates, so the old
   tensors are never written to).
 - The prefix-trie scorer keeps its caches in its own buffers and runs attention itself
-  (engine/purify/scorer.py); from here it takes only `kv_geometry`.
+  (engine/backends/trie_scorer.py); from here it takes only `kv_geometry`.
 - Every forward passes an explicit 2-D attention mask and explicit position ids, so transformers
   never guesses "packed sequences" from the position ids; left or right padding is handled by the
   mask alone.

@@ -1,28 +1,21 @@
-"""The Backend protocol on `sglang.Engine` (GPU only). UNVERIFIED: written against SGLang's source
-(python/sglang/srt/entrypoints/engine.py, sampling/sampling_params.py, managers/tokenizer_manager.py)
-without a GPU to run it on; its tests are marked `gpu`.
+"""The Backend protocol on an in-process `sglang.Engine` (one node's GPUs). UNVERIFIED: written
+against SGLang's source (entrypoints/engine.py, managers/io_struct.py) without a GPU to run it on;
+its tests are the `gpu` cases of tests/engine/backends/test_contract.py.
 
 Design decisions:
-- Token ids only: the engine starts with `skip_tokenizer_init=True`, requests carry `input_ids`,
-  and the generated ids are read from `meta_info["output_token_logprobs"]`, a list of
-  `(logprob, token_id, text)` with one entry per generated token, the stop token included.
-- Our stop criterion is `stop_token_ids` and nothing else (as in the torch backend), so requests
-  set `ignore_eos=True`: the model's own EOS only stops generation when the caller lists it.
-- Seeds: each request carries `sampling_seed=seeds[i]`. SGLang honours it when the engine runs
-  with deterministic inference (`enable_deterministic_inference=True`); otherwise sampling is not
-  reproducible per seed. We do not force that flag: it costs throughput.
-- Behaviour log-probs: SGLang reports output log-probs after temperature scaling (unless the
-  environment sets SGLANG_RETURN_ORIGINAL_LOGPROB) but, as far as we can read, before top-p
-  renormalisation. With top_p = 1 (the project default) this equals the torch backend's number.
-- `score` is one `generate` call with `max_new_tokens=0`, `return_logprob=True` and
-  `logprob_start_len = P - 1`. SGLang caps its radix-cache prefix match at logprob_start_len, so the
-  tokens before it come from RadixAttention's cache and only the rest is recomputed; requests are
-  sent sorted so that rows sharing a prefix are adjacent (the scorer's `BackendScorer` can warm the
-  shared prefixes first). We read the LAST len(s) - P entries of `input_token_logprobs` and check
-  their token ids against s[P:], so the result does not depend on whether entry 0 is the None
-  placeholder of position P - 1. Input log-probs are not temperature-scaled.
-- New weights: `update_weights_from_disk(path)` then `flush_cache()`, so no KV computed with the
-  old weights is ever reused.
+- The engine starts with `skip_tokenizer_init=True` (requests are token ids; sglang_wire.py has
+  the request and response shapes); the tokenizer for the chat format is loaded here with
+  transformers from the same checkpoint.
+- `device` picks the first GPU (`cuda:N` -> `base_gpu_id=N`); other engine options (`tp_size`,
+  `mem_fraction_static`, ...) pass through as keyword arguments.
+- Deterministic inference is on by default: SGLang honours per-request seeds only with it, and
+  the project's seeds and `--resume` rely on a seed giving the same rollout. It costs throughput;
+  `enable_deterministic_inference=False` turns it off.
+- One `Engine.generate` call per `generate` or `score`, with per-request lists: the engine batches
+  them itself. Purify's scorer is `BackendScorer` over `score`: one request per radix-tree edge,
+  so RadixAttention holds the shared paths (backend_scorer.py).
+- New weights: `update_weights_from_disk(path)`, which waits for running requests and flushes the
+  radix cache, so no KV computed with the old weights is reused.
 """
 
 from __future__ import annotations
@@ -32,119 +25,102 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cleaner.engine.backends.backend_scorer import BackendScorer
 from cleaner.engine.backends.base import (
-    LENGTH,
-    STOP,
+    SGLANG_INSTALL_HINT,
+    BackendError,
     Generation,
     SamplingParams,
+    check_generate_inputs,
     check_score_inputs,
 )
-from cleaner.engine.models import policy_version_of
+from cleaner.engine.backends.sglang_wire import (
+    EngineError,
+    batch_body,
+    generate_body,
+    generation_from_response,
+    input_logprobs_from_response,
+    responses_of,
+    score_body,
+)
+from cleaner.engine.models import load_tokenizer_if_present, policy_version_of
 
 log = logging.getLogger(__name__)
+
+
+def import_sglang():
+    """The sglang module, or a BackendError saying how to install it."""
+    try:
+        import sglang  # optional extra, GPU only
+    except ImportError as error:
+        raise BackendError(f"the sglang backend needs SGLang, which is not installed here ({error}); "
+                           f"install it with: {SGLANG_INSTALL_HINT}") from error
+    return sglang
+
+
+def gpu_index(device: str) -> int:
+    """`cuda` -> 0, `cuda:N` -> N; anything else is a BackendError (the engine needs a GPU)."""
+    kind, _, index = str(device).partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise BackendError(f"device {device!r}: the sglang engine runs on a CUDA GPU; pass --device cuda "
+                           "or cuda:N, or --sglang-url for a running server")
+    return int(index or 0)
 
 
 class SGLangBackend:
     """Generation and scoring on an in-process `sglang.Engine`."""
 
-    def __init__(self, model_path: str | Path, **engine_kwargs: Any) -> None:
-        import sglang  # lazy: GPU-only dependency
-
+    def __init__(self, model_path: str | Path, device: str = "cuda", dtype: str = "auto",
+                 **engine_kwargs: Any) -> None:
+        sglang = import_sglang()
         engine_kwargs.setdefault("skip_tokenizer_init", True)
-        self.model_path = Path(model_path)
-        self.engine = sglang.Engine(model_path=str(model_path), **engine_kwargs)
-        self.tokenizer = None
+        engine_kwargs.setdefault("base_gpu_id", gpu_index(device))
+        engine_kwargs.setdefault("enable_deterministic_inference", True)
+        self._model_path = Path(model_path)
+        self.tokenizer = load_tokenizer_if_present(model_path)
+        self.engine = sglang.Engine(model_path=str(model_path), dtype=dtype, **engine_kwargs)
         self._policy_version = policy_version_of(model_path)
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
 
     @property
     def policy_version(self) -> str:
         return self._policy_version
 
-    def reload(self, model_path: str | Path) -> None:
-        """Swap in the weights of another checkpoint of the same architecture."""
+    def adopt(self, model_path: str | Path) -> None:
+        """Load the weights saved at `model_path` (same architecture) into the running engine."""
         result = self.engine.update_weights_from_disk(str(model_path))
-        success, message = result[0], result[1]
-        if not success:
-            raise RuntimeError(f"sglang could not load weights from {model_path}: {message}")
-        self.engine.flush_cache()
-        self.model_path = Path(model_path)
+        if not result[0]:  # (success, message, num_paused_requests)
+            raise EngineError(f"sglang could not load weights from {model_path}: {result[1]}")
+        self._model_path = Path(model_path)
         self._policy_version = policy_version_of(model_path)
+        log.info("sglang engine now serves %s as %s", model_path, self._policy_version)
 
-    def shutdown(self) -> None:
+    def scorer(self, progress: bool = False) -> BackendScorer:
+        return BackendScorer(self.score, progress=progress)
+
+    def close(self) -> None:
         self.engine.shutdown()
-
-    # ------------------------------------------------------------------------ generate
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[Generation]:
-        if len(prompts) != len(seeds):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        check_generate_inputs(prompts, seeds)
         if not prompts:
             return []
-        sampling = [sampling_params_dict(params, seed) for seed in seeds]
-        outputs = self.engine.generate(
-            input_ids=[list(p) for p in prompts], sampling_params=sampling, return_logprob=True
-        )
-        return [generation_from_output(output, params) for output in outputs]
-
-    # ------------------------------------------------------------------------ score
+        bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
+        responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
+        return [generation_from_response(r) for r in responses]
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         check_score_inputs(sequences, starts)
-        if not sequences:
-            return []
-        order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))
-        outputs = self.engine.generate(
-            input_ids=[list(sequences[i]) for i in order],
-            sampling_params=[{"max_new_tokens": 0} for _ in order],
-            return_logprob=True,
-            logprob_start_len=[starts[i] - 1 for i in order],
-        )
+        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
         results: list[list[float]] = [[] for _ in sequences]
-        for index, output in zip(order, outputs, strict=True):
-            results[index] = input_logprobs_from_output(output, sequences[index], starts[index])
+        if asked:
+            bodies = [score_body(sequences[i], starts[i]) for i in asked]
+            responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
+            for i, response in zip(asked, responses, strict=True):
+                results[i] = input_logprobs_from_response(response, sequences[i], starts[i])
         return results
-
-
-# ---------------------------------------------------------------------------- wire format
-
-
-def sampling_params_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
-    """Our SamplingParams as SGLang's `sampling_params` for one request."""
-    return {
-        "max_new_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "temperature": params.temperature,  # 0 -> SGLang switches to top_k = 1 (greedy)
-        "top_p": params.top_p,
-        "ignore_eos": True,
-        "sampling_seed": int(seed),
-    }
-
-
-def generation_from_output(output: dict[str, Any], params: SamplingParams) -> Generation:
-    """One `Engine.generate` result -> Generation (ids and log-probs from output_token_logprobs)."""
-    meta = output["meta_info"]
-    entries = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]
-    token_ids = tuple(int(entry[1]) for entry in entries)
-    logprobs = tuple(float(entry[0]) for entry in entries)
-    reason = meta["finish_reason"]
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind == "abort":
-        raise RuntimeError(f"sglang aborted a request: {reason}")
-    stopped = kind == "stop" and bool(token_ids) and token_ids[-1] in params.stop_token_ids
-    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=STOP if stopped else LENGTH)
-
-
-def input_logprobs_from_output(output: dict[str, Any], sequence: Sequence[int], start: int) -> list[float]:
-    """The log-probs of sequence[start:] from `input_token_logprobs` (checked against the ids)."""
-    wanted = len(sequence) - start
-    if wanted == 0:
-        return []
-    entries = output["meta_info"]["input_token_logprobs"][-wanted:]
-    ids = [int(entry[1]) for entry in entries]
-    if ids != list(sequence[start:]) or any(entry[0] is None for entry in entries):
-        raise RuntimeError(
-            f"sglang input_token_logprobs do not line up with the sequence from position {start}"
-        )
-    return [float(entry[0]) for entry in entries]

@@ -13,9 +13,13 @@ Design decisions:
   0 (greedy) the sampling distribution is a point mass, so we report the plain log-softmax of the
   raw logits instead (the informative number, and what a T=1 scorer would give).
 - `score` is the NAIVE reference: one full forward per sequence (right-padded batches). The
-  prefix-reusing scorer lives in `cleaner/engine/purify/scorer.py` and is tested against this.
+  prefix-reusing scorer lives in `cleaner/engine/backends/trie_scorer.py` and is tested against this.
 - `policy_version` = checkpoint dir name + short content hash of the weight files
   (`cleaner.engine.models.policy_version_of`).
+- The in-memory model is this backend's own, beyond the Backend protocol: purify's scorer
+  (`scorer()`, the prefix-trie scorer) runs on it, and `cleaner run` trains it in place
+  (`train_in_place()`), so no phase reloads weights. `adopt(path)` after such training only takes
+  the saved checkpoint's name and version; after anything else it loads the weights from `path`.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from cleaner.engine.backends.base import (
     STOP,
     Generation,
     SamplingParams,
+    check_generate_inputs,
     check_score_inputs,
 )
 from cleaner.engine.backends.kv import causal_forward, kv_select, target_logprobs
+from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
 from cleaner.engine.models import (
     check_device,
     load_policy,
@@ -102,8 +108,14 @@ class TorchBackend:
         self.max_batch_tokens = max_batch_tokens
         self.model: torch.nn.Module
         self.tokenizer = None
+        self._model_path = Path(model_path)
         self._policy_version = ""
+        self._trained_in_place = False  # train_in_place() handed the model out since the last adopt
         self.reload(model_path)
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
 
     @property
     def policy_version(self) -> str:
@@ -117,21 +129,39 @@ class TorchBackend:
     def reload(self, model_path: str | Path) -> None:
         """Load (or replace) the weights and tokenizer from a checkpoint directory."""
         self.model = load_policy(model_path, self.device, self.dtype).eval()
-        self.model_path = Path(model_path)
+        self._model_path = Path(model_path)
         self.tokenizer = load_tokenizer_if_present(model_path)
         self._policy_version = policy_version_of(model_path, self.model)
+        self._trained_in_place = False
         log.info("loaded %s on %s as %s", model_path, self.device, self._policy_version)
 
-    def adopt(self, model_path: str | Path) -> None:
-        """Declare that the in-memory model was trained in place and saved to `model_path`.
+    def train_in_place(self) -> torch.nn.Module:
+        """The in-memory model, for a trainer that updates it and saves it; the next `adopt` takes
+        the saved checkpoint without reloading it."""
+        self._trained_in_place = True
+        return self.model
 
-        `cleaner run` trains `self.model` itself and saves it, so no reload is needed: only the
-        path and the policy version (hash of the saved weights) move on, and the model goes back
-        to eval mode for generation.
+    def adopt(self, model_path: str | Path) -> None:
+        """Serve the checkpoint just saved at `model_path`.
+
+        After `train_in_place()` the in-memory model is what was saved there, so only the path and
+        the policy version (hash of the saved weights) move on and the model goes back to eval
+        mode; otherwise the weights are loaded from `model_path`.
         """
+        if not self._trained_in_place:
+            self.reload(model_path)
+            return
         self.model.eval()
-        self.model_path = Path(model_path)
+        self._model_path = Path(model_path)
         self._policy_version = policy_version_of(model_path, self.model)
+        self._trained_in_place = False
+
+    def scorer(self, progress: bool = False) -> PrefixTrieScorer:
+        """The prefix-trie scorer on this backend's model (the model must use sdpa or eager)."""
+        return PrefixTrieScorer(self.model, device=self.device, progress=progress)
+
+    def close(self) -> None:
+        """Nothing to release: the model is freed with the backend."""
 
     def set_weights(self, state_dict: dict[str, torch.Tensor], policy_version: str) -> None:
         """Copy new weights in place (same architecture); the caller names the new version.
@@ -153,10 +183,7 @@ class TorchBackend:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[Generation]:
         """Sample one continuation per prompt, all prompts in one left-padded batch."""
-        if len(prompts) != len(seeds):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_generate_inputs(prompts, seeds)
         if not prompts:
             return []
         generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]

@@ -171,3 +171,27 @@ def test_set_weights_rejects_a_foreign_state_dict(model_dir):
     backend = TorchBackend(model_dir)
     with pytest.raises(ValueError, match="missing"):
         backend.set_weights({"model.norm.weight": torch.ones(32)}, "partial")
+
+
+def test_adopt_after_training_in_place_keeps_the_model_and_names_the_checkpoint(model_dir, tmp_path):
+    backend = TorchBackend(model_dir)
+    model = backend.train_in_place()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    model.save_pretrained(tmp_path / "trained")
+    backend.adopt(tmp_path / "trained")
+    assert backend.model is model and not model.training  # no reload, back in eval mode
+    assert backend.model_path == tmp_path / "trained"
+    assert backend.policy_version == TorchBackend(tmp_path / "trained").policy_version
+
+
+def test_adopt_without_training_in_place_loads_the_checkpoint(model_dir, tmp_path):
+    backend = TorchBackend(model_dir)
+    other = TorchBackend(model_dir)
+    other.set_weights({k: v * 0.5 for k, v in other.model.state_dict().items()}, "half")
+    other.model.save_pretrained(tmp_path / "half")
+    before = backend.model
+    backend.adopt(tmp_path / "half")
+    assert backend.model is not before
+    assert backend.score([PROMPTS[0]], [1])[0] == pytest.approx(other.score([PROMPTS[0]], [1])[0], abs=1e-6)

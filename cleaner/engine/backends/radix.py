@@ -77,19 +77,6 @@ def _add_chain(parent: Node, edge: tuple[int, ...], depth: int, max_edge_tokens:
     return parent
 
 
-def shared_prefixes(sequences: Sequence[Sequence[int]], min_tokens: int) -> list[list[int]]:
-    """The token path to every radix-tree node that two or more rows continue past."""
-    root = build_radix_tree(sequences, max_edge_tokens=max(len(s) for s in sequences) if sequences else 1)
-    found: list[list[int]] = []
-    pending = [(child, list(child.edge)) for child in root.children]
-    while pending:
-        node, path = pending.pop()
-        if len(node.children) + len(node.ending_rows) >= 2 and node.children and len(path) >= min_tokens:
-            found.append(path)
-        pending.extend((child, path + list(child.edge)) for child in node.children)
-    return sorted(found, key=len)
-
-
 def mark_first_scored(root: Node, starts: Sequence[int]) -> None:
     """Set every node's first_scored: the smallest start among the rows that pass through it."""
     order, pending = [], [root]

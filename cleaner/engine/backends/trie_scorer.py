@@ -44,9 +44,8 @@ Design decisions:
   window per tree level; a forward holds about window_batches x max_batch_tokens of cache plus the
   activations of the window's tokens. A batch whose rows are mostly leaves hands its few parents a
   copy of their rows, so the leaves' share of its buffer is freed.
-- Another engine can satisfy the same `Scorer` protocol: `BackendScorer` wraps any Backend whose
-  `score` reuses prefixes itself (the SGLang backend: RadixAttention caches prefixes, rows are
-  sent shared-prefix-first), so purify codes against `Scorer` and never against torch.
+- It is the torch backend's `RowScorer` (base.py): purify gets it from `TorchBackend.scorer()`
+  and codes against the protocol; a remote engine's scorer is `backend_scorer.BackendScorer`.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -66,82 +64,20 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AttentionInterface
 
-from cleaner.engine.backends.base import Backend, check_score_inputs
+from cleaner.engine.backends.base import ScorerStats, check_score_inputs
 from cleaner.engine.backends.kv import kv_geometry
-from cleaner.engine.purify.radix import (
+from cleaner.engine.backends.radix import (
     Node,
     build_radix_tree,
     mark_first_scored,
     nodes_with_ending_rows,
     path_logprobs,
-    shared_prefixes,
     tokens_to_forward,
 )
 
 SCORER_VERSION = "prefix-trie-1"
 CPU_EDGE_TOKENS = 64  # the best piece size on CPU among those compared in BENCHMARKS.md
 CPU_BATCH_TOKENS = 2048  # the best attention batch on CPU among those compared in BENCHMARKS.md
-
-
-# ---------------------------------------------------------------------------- interface
-
-
-@dataclass
-class ScorerStats:
-    """Work counters, cumulative over calls (mutable on purpose: the scorer updates them)."""
-
-    tokens_forwarded: int = 0  # real (unpadded) tokens sent through the model
-    tokens_naive: int = 0  # sum of row lengths: what one full forward per row would cost
-    n_prefix_groups: int = 0  # internal tree nodes whose cache was reused by >= 1 child forward
-    n_forwards: int = 0  # model calls
-    seconds: float = 0.0
-
-    @property
-    def reuse_ratio(self) -> float:
-        """tokens_naive / tokens_forwarded (1.0 = no sharing)."""
-        return self.tokens_naive / max(self.tokens_forwarded, 1)
-
-
-class Scorer(Protocol):
-    version: str
-    stats: ScorerStats
-
-    def score_rows(
-        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
-    ) -> list[list[float]]: ...
-
-
-@dataclass
-class BackendScorer:
-    """A Scorer over a Backend whose own `score` reuses prefixes (SGLang's radix cache).
-
-    With `warm_prefixes`, the shared prefix of every branching node of the batch's radix tree is
-    scored first (one token each), so the engine's cache holds it before the full rows arrive and
-    rows scheduled together do not all miss it.
-    """
-
-    backend: Backend
-    warm_prefixes: bool = False
-    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a warm-up request
-    version: str = "backend-score-1"
-    stats: ScorerStats = field(default_factory=ScorerStats)
-
-    def score_rows(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
-        check_score_inputs(sequences, starts)
-        began = time.perf_counter()
-        if self.warm_prefixes:
-            prefixes = shared_prefixes(sequences, self.min_prefix_tokens)
-            self.backend.score(prefixes, [len(p) - 1 for p in prefixes])
-            self.stats.n_prefix_groups += len(prefixes)
-        order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))  # prefixes first
-        scored = self.backend.score([sequences[i] for i in order], [starts[i] for i in order])
-        results: list[list[float]] = [[] for _ in sequences]
-        for index, row in zip(order, scored, strict=True):
-            results[index] = row
-        self.stats.tokens_naive += sum(len(s) for s in sequences)
-        self.stats.tokens_forwarded += sum(len(s) for s in sequences)  # unknown: engine-side cache
-        self.stats.seconds += time.perf_counter() - began
-        return results
 
 
 # ---------------------------------------------------------------------------- scorer

@@ -1,4 +1,4 @@
-"""PrefixTrieScorer against a naive full forward per row, on a tiny random Qwen3 (DESIGN.md 5)."""
+"""PrefixTrieScorer against a naive full forward per row, on a tiny random Qwen3 (docs/architecture.md §6)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
+from cleaner.engine.backends.radix import build_radix_tree, tokens_to_forward
 from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.purify.radix import build_radix_tree, shared_prefixes, tokens_to_forward
-from cleaner.engine.purify.scorer import BackendScorer, PrefixTrieScorer
+from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
 
 PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
 
@@ -186,30 +186,9 @@ def test_rejects_a_model_whose_attention_takes_no_4d_mask(backend):
         backend.model.config._attn_implementation = "sdpa"
 
 
-def test_backend_scorer_restores_row_order(backend):
-    sequences = [PROMPT + [9, 9], [3, 2, 1], PROMPT + [1]]
-    starts = [8, 1, 8]
-    got = BackendScorer(backend).score_rows(sequences, starts)
-    assert_rows_close(got, backend.score(sequences, starts), atol=1e-6)
-
-
 def test_rejects_start_outside_row(backend):
     with pytest.raises(ValueError, match="row 1: start 4 outside"):
         PrefixTrieScorer(backend.model).score_rows([[1, 2], [1, 2, 3]], [1, 4])
-
-
-def test_shared_prefixes_are_the_branching_paths():
-    rows = [PROMPT + [3, 4, 5], PROMPT + [3, 4, 6], PROMPT + [9], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
-    assert shared_prefixes(rows, min_tokens=2) == [PROMPT, PROMPT + [3, 4]]
-    assert shared_prefixes(rows, min_tokens=9) == [PROMPT + [3, 4]]
-
-
-def test_backend_scorer_warm_up_does_not_change_results(backend):
-    sequences = [PROMPT + [9, 9], PROMPT + [9, 8, 1], PROMPT + [1]]
-    scorer = BackendScorer(backend, warm_prefixes=True, min_prefix_tokens=4)
-    got = scorer.score_rows(sequences, [8, 8, 8])
-    assert scorer.stats.n_prefix_groups == 2  # PROMPT and PROMPT + [9]
-    assert_rows_close(got, backend.score(sequences, [8, 8, 8]), atol=1e-6)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,11 +1,12 @@
-"""The paper's comparison in miniature, on one toy policy: six arms, same seeds, same start.
+"""The paper's comparison in miniature, on one toy policy: seven arms, same seeds, same start.
 
 Each arm is one `cleaner run` command (printed at the start) run for N iterations:
   baseline       --rollback-prob 0 --collect-view raw   (GRPO on raw trajectories)
   cleaner-call   --similarity-on call                   (CLEANER as the paper ran it)
   cleaner-code   (defaults: code similarity)            (CLEANER with code similarity, ours)
   positive       --purify-when positive                 (purify only above-mean rollouts, ours)
-  is-gated       --rollback-is-threshold 0.5 --gamma 1.5 (the authors' Plan B: always deep, IS-gated)
+  is-gated       --rollback-is-threshold 0.5 --rollback-is-mode mean   (the authors' follow-up)
+  is-gated-sum   --rollback-is-threshold 0.5                            (the IS as the design defines it)
   negatives      --negative-samples                     (the reference's DPO term on recovered failures)
 Reports per-iteration accuracy and tool failures per trajectory (mean +- std across seeds), the
 iterations each arm needs to reach the baseline's final accuracy, and the premise diagnostic at
@@ -35,7 +36,8 @@ ARMS = {
     "cleaner-call": {"similarity_on": "call"},
     "cleaner-code": {},
     "positive": {"purify_when": "positive"},
-    "is-gated": {"rollback_is_threshold": 0.5, "gamma": 1.5},
+    "is-gated": {"rollback_is_threshold": 0.5, "rollback_is_mode": "mean"},
+    "is-gated-sum": {"rollback_is_threshold": 0.5},
     "negatives": {"negative_samples": True},
 }
 

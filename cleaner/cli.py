@@ -123,6 +123,7 @@ def collect(
     rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts with a purified context.")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
     rollback_is_threshold: IsThresholdOpt = 0.0,
+    rollback_is_mode: IsModeOpt = "sum",
     seed: SeedOpt = 0,
     batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
     sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.")] = 4.0,
@@ -144,7 +145,8 @@ def collect(
         n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
         max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
-        similarity_on=similarity_on, rollback_is_threshold=rollback_is_threshold, seed=seed,
+        similarity_on=similarity_on, rollback_is_threshold=rollback_is_threshold,
+        rollback_is_mode=rollback_is_mode, seed=seed,
         batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         sandbox=sandbox,
     )
@@ -169,6 +171,8 @@ def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), **fixed) -> li
 
 IsThresholdOpt = Annotated[float, typer.Option(
     "--rollback-is-threshold", help="IS gate tau: a merge whose IS < tau keeps its chain raw; 0 = off.")]
+IsModeOpt = Annotated[str, typer.Option(
+    "--rollback-is-mode", help="IS over R's tokens: sum (the design) | mean (per token, the reference's later code).")]
 NegativeSamplesOpt = Annotated[bool, typer.Option(
     help="Pair each fixed failure with its fix and push them apart (the reference's DPO term).")]
 DpoBetaOpt = Annotated[float, typer.Option(help="Beta of the negative-sample term.")]
@@ -185,6 +189,7 @@ def purify(
     similarity_on: Annotated[str, typer.Option(help="code (default) | call (the reference).")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.")] = "always",
     rollback_is_threshold: IsThresholdOpt = 0.0,
+    rollback_is_mode: IsModeOpt = "sum",
     negative_samples: NegativeSamplesOpt = False,
     dpo_beta: DpoBetaOpt = 0.1,
     dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
@@ -198,8 +203,9 @@ def purify(
     from cleaner.warehouse import Warehouse
 
     configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when], [rollback_is_threshold],
-                              negative_samples=negative_samples, dpo_beta=dpo_beta,
-                              dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
+                              rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
+                              dpo_beta=dpo_beta, dpo_max_adjustment_ratio=dpo_max_adjustment_ratio,
+                              dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
                        sglang_url=sglang_url, device=device)
     _print_purify(outcome)
@@ -230,6 +236,7 @@ def ablate(
     similarity_on: Annotated[str, typer.Option(help="Comma-separated: code,call.")] = "code",
     purify_when: Annotated[str, typer.Option(help="Comma-separated: always,positive.")] = "always",
     rollback_is_threshold: Annotated[str, typer.Option(help="Comma-separated IS gate taus; 0 = off.")] = "0",
+    rollback_is_mode: IsModeOpt = "sum",
     negative_samples: NegativeSamplesOpt = False,
     dpo_beta: DpoBetaOpt = 0.1,
     dpo_max_adjustment_ratio: DpoRatioOpt = 0.1,
@@ -245,7 +252,7 @@ def ablate(
     configs = _purify_configs(_floats(gamma, "--gamma"), _floats(rollback_prob, "--rollback-prob"),
                               _words(similarity_on), _words(purify_when),
                               _floats(rollback_is_threshold, "--rollback-is-threshold"),
-                              negative_samples=negative_samples, dpo_beta=dpo_beta,
+                              rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
                        sglang_url=sglang_url, device=device)
@@ -379,6 +386,7 @@ def run(
     similarity_on: Annotated[str, typer.Option(help="code | call (the reference).", rich_help_panel="Purify")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.", rich_help_panel="Purify")] = "always",
     rollback_is_threshold: Annotated[float, typer.Option("--rollback-is-threshold", help="IS gate tau (collect and purify); 0 = off.", rich_help_panel="Purify")] = 0.0,
+    rollback_is_mode: Annotated[str, typer.Option("--rollback-is-mode", help="sum (the design) | mean (per token, the reference's later code).", rich_help_panel="Purify")] = "sum",
     negative_samples: Annotated[bool, typer.Option(help="Negative samples: push fixed failures down, their fixes up.", rich_help_panel="Purify")] = False,
     dpo_beta: Annotated[float, typer.Option(help="Beta of the negative-sample term.", rich_help_panel="Purify")] = 0.1,
     dpo_max_adjustment_ratio: Annotated[float, typer.Option(help="Cap of the negative-sample push per token.", rich_help_panel="Purify")] = 0.1,
@@ -463,6 +471,7 @@ def bootstrap(
     corpus_size: Annotated[int, typer.Option("--corpus-size", min=1, help="Synthetic trajectories.")] = 40_000,
     fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
     failures: Annotated[str, typer.Option("--failures", help="mixed (typos, wrong approaches) | environment (missing functions only: the second policy).")] = "mixed",
+    slip_share: Annotated[float, typer.Option("--slip-share", help="Share of trajectories that miscopy one digit of the question in every call.")] = 0.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 3e-3,
@@ -478,7 +487,8 @@ def bootstrap(
     from cleaner.engine.bootstrap.sft import BootstrapConfig, bootstrap_policy
 
     try:
-        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share, failures=failures)
+        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share, failures=failures,
+                              slip_share=slip_share)
         config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                                  checkpoint_every=checkpoint_every,
                                  init_from=None if init_from is None else str(init_from))

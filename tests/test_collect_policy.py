@@ -57,6 +57,37 @@ def test_stored_segments_reproduce_every_context(backend):
     assert {r.collect_view for r in rollouts.values()} == {"purified"}
 
 
+def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backend):
+    """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: see the README): the
+    agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
+    give every context again."""
+    from cleaner.engine.saar import ScoreCache
+
+    config = dataclasses.replace(CONFIG, rollback_is_threshold=0.5, rollback_is_mode="mean")
+    contexts: list[tuple[str, list[int]]] = []
+    chat = ChatFormat(backend.tokenizer)
+    with make_sandbox(config.sandbox) as sandbox:
+        batches = list(collect(toy_tasks(6, seed=11), config, backend, sandbox, chat, progress=False,
+                               on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids)))))
+    rollouts = {r.rollout_id: r for b in batches for r in b.rollouts}
+    by_rollout = defaultdict(list)
+    for segment in sorted((s for b in batches for s in b.segments), key=lambda s: s.seq):
+        by_rollout[segment.rollout_id].append(segment)
+    cache, seen, gated, merged = ScoreCache(), Counter(), 0, 0
+    for rollout_id, context in contexts:
+        own, k = by_rollout[rollout_id], seen[rollout_id]
+        seen[rollout_id] += 1
+        end = [i for i, s in enumerate(own) if s.kind == "assistant"][k]
+        rollout = rollouts[rollout_id]
+        view = view_for(rollout.rollback_draw, True, config.gamma, config.rollback_prob,
+                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode)
+        while (rendered := render(own[:end], view, chat.decode, oracle=cache)).provisional:
+            cache.fill(backend.scorer(progress=False).score_rows)
+        assert list(rendered.token_ids) == context
+        gated, merged = gated + rendered.stats.n_gated, merged + rendered.stats.n_deep + rendered.stats.n_shallow
+    assert merged > 0 and gated > 0, "the sample should contain merges the gate kept and rejected"
+
+
 def test_same_seed_same_warehouse(tmp_path, backend):
     def dump(root):
         warehouse = Warehouse(root)

@@ -23,6 +23,8 @@ from cleaner.sandbox.config import SandboxConfig
 # The committed tiny default policy (docs/architecture.md §11).
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_POLICY = ASSETS_DIR / "tiny-policy"
+# The second tiny policy, on which CLEANER's premise holds (docs/architecture.md §11).
+ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
 
 
 def _check(condition: bool, message: str) -> None:
@@ -63,6 +65,13 @@ class PurifyWhen(StrEnum):
     POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
 
 
+class IsMode(StrEnum):
+    """How the IS gate aggregates a merge's per-token log-ratios (docs/architecture.md §4)."""
+
+    SUM = "sum"  # IS = exp(sum): the design document's definition and the reference's first code
+    MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
+
+
 class DpoCap(StrEnum):
     """How the negative-sample push is capped per token (docs/architecture.md §7)."""
 
@@ -94,6 +103,7 @@ class CollectConfig(_Config):
     rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     rollback_is_threshold: float = 0.0  # tau of the IS gate for the purified context; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # the gate's aggregate over R's tokens
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
     batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
     backend: str = "torch"  # torch | sglang
@@ -118,6 +128,7 @@ class CollectConfig(_Config):
         _enum_field(self, "similarity_on", SimilarityOn)
         _check(self.rollback_is_threshold >= 0,
                f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
+        _enum_field(self, "rollback_is_mode", IsMode)
         _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
         _check(self.sglang_url is None or self.backend == "sglang",
@@ -133,6 +144,7 @@ class PurifyConfig(_Config):
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts may be purified
     rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau renders its chain raw; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # sum (the design) | mean (the reference's later, per-token IS)
     negative_samples: bool = False  # pair each fixed failure with its fix (the reference's DPO term)
     dpo_beta: float = 0.1  # beta of the negative-sample term
     dpo_max_adjustment_ratio: float = 0.1  # cap of the push per token (see dpo_cap)
@@ -146,6 +158,7 @@ class PurifyConfig(_Config):
         _enum_field(self, "purify_when", PurifyWhen)
         _check(self.rollback_is_threshold >= 0,
                f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
+        _enum_field(self, "rollback_is_mode", IsMode)
         _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
         _check(self.dpo_max_adjustment_ratio >= 0,
                f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")

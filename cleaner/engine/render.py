@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cleaner.engine.config import SimilarityOn
+from cleaner.engine.config import IsMode, SimilarityOn
 from cleaner.engine.records import Segment, SegmentKind, enum_value
 from cleaner.engine.saar import (
     ChainResult,
@@ -67,9 +67,11 @@ class View:
     gamma: float = 0.5  # shallow merge iff similarity >= gamma (gamma > 1: always deep)
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what the merge decision compares
     is_threshold: float = 0.0  # tau of the IS gate; 0 = off (every merge is kept)
+    is_mode: IsMode = IsMode.SUM  # sum or per-token mean of R's log-ratios
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "similarity_on", enum_value(SimilarityOn, self.similarity_on, "similarity_on"))
+        object.__setattr__(self, "is_mode", enum_value(IsMode, self.is_mode, "is_mode"))
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
         if self.is_threshold < 0:
@@ -127,11 +129,12 @@ class Rendered:
 
 def view_for(
     rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
-    similarity_on: SimilarityOn, is_threshold: float = 0.0,
+    similarity_on: SimilarityOn, is_threshold: float = 0.0, is_mode: IsMode = IsMode.SUM,
 ) -> View:
     """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (docs/architecture.md §4)."""
     if purified and rollback_draw < rollback_prob:
-        return View(purified=True, gamma=gamma, similarity_on=similarity_on, is_threshold=is_threshold)
+        return View(purified=True, gamma=gamma, similarity_on=similarity_on, is_threshold=is_threshold,
+                    is_mode=is_mode)
     return RAW
 
 
@@ -183,7 +186,7 @@ def _gate(view: View, oracle: LogprobOracle | None) -> Gate | None:
         return None
     if oracle is None:
         raise ValueError("an IS-gated view (is_threshold > 0) needs an oracle of old-policy log-probs")
-    return Gate(view.is_threshold, oracle)
+    return Gate(view.is_threshold, oracle, per_token=view.is_mode == IsMode.MEAN)
 
 
 def _assemble(spans: Sequence[Span], prompt_len: int, stats: RenderStats,

@@ -147,6 +147,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
     "similarity_on": (("collect", "similarity_on"), ("purify", "similarity_on")),
     "purify_when": (("purify", "purify_when"),),
     "rollback_is_threshold": (("collect", "rollback_is_threshold"), ("purify", "rollback_is_threshold")),
+    "rollback_is_mode": (("collect", "rollback_is_mode"), ("purify", "rollback_is_mode")),
     **{name: (("purify", name),) for name in (
         "negative_samples", "dpo_beta", "dpo_max_adjustment_ratio", "dpo_cap")},
     "seed": (("collect", "seed"), ("train", "seed")),
@@ -209,8 +210,8 @@ def _derived(layer: Mapping) -> dict:
     mini = train.get("mini_batch_size", max(quarter, train.get("micro_batch_size", 1)))
     return {
         "collect": {"max_response_tokens": response},
-        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold")
-                   if key in collect},
+        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold",
+                                                 "rollback_is_mode") if key in collect},
         "train": {"max_response_tokens": response, "mini_batch_size": mini,
                   "micro_batch_size": min(16, mini),
                   **{key: collect[key] for key in ("seed", "device") if key in collect}},

@@ -21,6 +21,9 @@ Design decisions:
   and retries all kept and trained, fully on-policy); later chains are still purified. An oracle
   that does not know a sum yet returns None: the merge is kept for now and the rendering marked
   provisional, so the caller can score the pending requests and render again.
+- `per_token` (is_mode = mean) divides the log IS by len(R), the per-token geometric mean the
+  authors' later code uses: a sum over a whole turn is dominated by its length, so with the sum
+  nearly every merge of a retry that reacts to its error text falls below any tau near 1.
 - Chains are decided left to right, each under the rendering of the chains before it, which is
   exactly the context the reference's online loop had when it decided.
 """
@@ -88,6 +91,7 @@ class Gate:
 
     threshold: float
     oracle: LogprobOracle
+    per_token: bool = False  # log IS divided by len(R): the per-token (geometric mean) IS
     provisional: bool = False  # some merge was kept only because its IS was not known yet
 
     def log_is(self, context: tuple[int, ...], tokens: tuple[int, ...],
@@ -96,7 +100,8 @@ class Gate:
         if old is None:
             self.provisional = True
             return None
-        return old - math.fsum(behaviour)
+        log_ratio = old - math.fsum(behaviour)
+        return log_ratio / max(len(tokens), 1) if self.per_token else log_ratio
 
     def rejects(self, log_is: float | None) -> bool:
         return log_is is not None and log_is < math.log(self.threshold)

@@ -138,3 +138,11 @@ def test_the_is_of_a_merge_equals_a_naive_forward_minus_the_behaviour_logprobs()
     expected_1 = naive(chain_0, (40, 41, 42)) - (lp(40) + lp(41) + lp(42))
     assert steps[1].merges[0].log_is == pytest.approx(expected_1, abs=1e-4)
     assert first.rejected == (expected_0 < math.log(0.5))
+
+
+def test_the_per_token_mode_divides_the_log_is_by_the_tokens_of_r():
+    view = View(purified=True, gamma=0.5, is_threshold=0.5, is_mode="mean")
+    steps = explain(two_chains(), view, oracle=TableOracle(SUMS))
+    assert steps[0].merges[0].log_is == pytest.approx(LOG_IS_0 / 2)  # IS 0.62 >= 0.5: kept
+    assert steps[1].merges[0].log_is == pytest.approx(LOG_IS_1 / 3)
+    assert render(two_chains(), view, oracle=TableOracle(SUMS)).token_ids == render(two_chains(), PURIFIED).token_ids

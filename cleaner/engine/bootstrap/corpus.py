@@ -16,6 +16,9 @@ With `failures = "environment"` (the second tiny policy) the failures are only o
   mixed corpus a failed call predicts a wrong answer; an environment failure says nothing about
   the numbers, and its fix copies them from the line just above, so a recovered rollout is about
   as accurate as a clean one: CLEANER's premise (docs/architecture.md §11).
+`slip_share` makes a share of trajectories miscopy one digit of one number from the question, in
+every call of the trajectory, and report what that code printed: wrong answers that do not depend
+on whether a call failed, so accuracy can be set without touching the premise.
 Each assistant turn starts with a short reasoning sentence, so shallow and deep merges keep
 different reasoning. Error texts come from really running the code, never from a hand-written
 string. The default executor is `local_exec` (one child process for the whole corpus, ~1 s): its
@@ -25,6 +28,7 @@ while the sandbox would need ~15 min of forks for a 40k corpus; pass `executor` 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import random
 from collections.abc import Callable, Sequence
@@ -47,13 +51,14 @@ class CorpusConfig:
     fail_share: float = 0.3  # share of first calls that fail
     approach_share: float = 0.5  # among failures: share by wrong approach (the rest are typos)
     failures: str = "mixed"  # mixed (typos and approaches) | environment (see the module docstring)
+    slip_share: float = 0.0  # share of trajectories that miscopy one digit of the question everywhere
 
     def __post_init__(self) -> None:
         if self.failures not in FAILURE_SETS:
             raise ValueError(f"failures must be one of {FAILURE_SETS}, got {self.failures!r}")
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
-        for name in ("fail_share", "approach_share"):
+        for name in ("fail_share", "approach_share", "slip_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -164,6 +169,8 @@ def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Ran
             failure = ENVIRONMENT
         else:
             failure = APPROACH if rng.random() < config.approach_share else TYPO
+    if config.slip_share > 0 and rng.random() < config.slip_share:  # no draw at 0: corpora stay as they were
+        problem = _slipped(problem, rng)
     good = rng.choice(good_codes(problem))
     values = {"a": problem.a, "b": problem.b, "c": problem.c, "d": problem.d}
     if failure == ENVIRONMENT:
@@ -176,6 +183,16 @@ def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Ran
                      APPROACH_FIX_CODE.format(**values), rng.getrandbits(32))
     failed = typo_of(good, rng) if failure == TYPO else None
     return _Plan(task, problem, failure, rng.choice(START_REASONING), failed, good, rng.getrandbits(32))
+
+
+def _slipped(problem: ToyProblem, rng: random.Random) -> ToyProblem:
+    """The problem with one digit of a, b or c miscopied (the leading digit stays non-zero)."""
+    name = rng.choice(("a", "b", "c"))
+    digits = list(str(getattr(problem, name)))
+    position = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[position] and (position or d != "0")]
+    digits[position] = rng.choice(choices)
+    return dataclasses.replace(problem, **{name: int("".join(digits))})
 
 
 def _assemble(plan: _Plan, failed_response: str | None, error_type: str | None,

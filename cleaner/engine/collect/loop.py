@@ -165,7 +165,8 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
                 continue
             draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
             view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
-                            config.rollback_prob, config.similarity_on, config.rollback_is_threshold)
+                            config.rollback_prob, config.similarity_on, config.rollback_is_threshold,
+                            config.rollback_is_mode)
             state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
             state.add(SegmentKind.PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
                       logprobs=None)

@@ -217,7 +217,7 @@ def _plan(
     for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
-                        config.similarity_on, config.rollback_is_threshold)
+                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode)
         chain = grouped[rollout.rollout_id]
         failed = any(s.kind == SegmentKind.TOOL and s.failed for s in chain)
         key = (rollout.rollout_id, view if failed else RAW, config.negative_samples and failed)

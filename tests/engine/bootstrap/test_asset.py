@@ -49,3 +49,15 @@ def test_greedy_first_turn_is_a_correct_tool_call(policy):
     printed = [r.response.split("stdout: ")[-1].strip() if r.ok else None for r in results]
     correct = sum(p == t.ground_truth for p, t in zip(printed, tasks, strict=True))
     assert correct >= 5, list(zip(codes, printed, [t.ground_truth for t in tasks], strict=True))
+
+
+def test_the_second_policy_shares_the_first_ones_architecture_and_tokenizer():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cleaner.engine.config import ENV_POLICY
+
+    model = AutoModelForCausalLM.from_pretrained(ENV_POLICY)
+    assert model.config.to_dict() | {"_name_or_path": ""} == (
+        AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY).config.to_dict() | {"_name_or_path": ""})
+    assert AutoTokenizer.from_pretrained(ENV_POLICY).get_vocab() == AutoTokenizer.from_pretrained(DEFAULT_POLICY).get_vocab()
+    assert (ENV_POLICY / "model.safetensors").stat().st_size < 3_000_000

@@ -112,7 +112,8 @@ def collect(
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts in the iteration.")] = 64,
     group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).")] = 8,
     model: ModelOpt = str(DEFAULT_POLICY),
-    data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", exists=True, dir_okay=False)] = None,
+    data: Annotated[Path | None, typer.Option(help="Dataset Parquet (verl RL or an eval layout); default: toy tasks.", exists=True, dir_okay=False)] = None,
+    prompt_style: Annotated[str, typer.Option(help="Prompts of --data: reference (the paper's) | bare.")] = "reference",
     max_turns: MaxTurnsOpt = 8,
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool call.")] = 3,
     max_new_tokens: MaxNewTokensOpt = 160,
@@ -141,7 +142,7 @@ def collect(
 
     sandbox = _config(SandboxConfig, timeout_s=sandbox_timeout_s, workers=sandbox_workers)
     config = _config(
-        CollectConfig, model=model, data=str(data) if data else None, iteration=iteration,
+        CollectConfig, model=model, data=str(data) if data else None, prompt_style=prompt_style, iteration=iteration,
         n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
         max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
@@ -368,7 +369,8 @@ def run(
     prompts: Annotated[int, typer.Option(help="Prompts per iteration.", rich_help_panel="Collect")] = 64,
     group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).", rich_help_panel="Collect")] = 8,
     model: Annotated[str, typer.Option(help="HF model path or checkpoint dir (default: tiny policy).", rich_help_panel="Collect")] = str(DEFAULT_POLICY),
-    data: Annotated[Path | None, typer.Option(help="verl-style RL Parquet; default: toy tasks.", rich_help_panel="Collect")] = None,
+    data: Annotated[Path | None, typer.Option(help="Dataset Parquet (verl RL or an eval layout); default: toy tasks.", rich_help_panel="Collect")] = None,
+    prompt_style: Annotated[str, typer.Option(help="Prompts of --data: reference (the paper's) | bare.", rich_help_panel="Collect")] = "reference",
     backend: Annotated[str, typer.Option(help="torch | sglang: where the policy generates and scores.", rich_help_panel="Collect")] = "torch",
     sglang_url: Annotated[str | None, typer.Option(help="A running SGLang server or router (with --backend sglang); it must see the checkpoints' paths.", rich_help_panel="Collect")] = None,
     max_turns: Annotated[int, typer.Option(help="Steps per rollout (tool calls and the answer; retries do not count).", rich_help_panel="Collect")] = 8,

@@ -28,9 +28,10 @@ from pathlib import Path
 from cleaner.engine.backends import Backend, load_backend, require_backend
 from cleaner.engine.backends.base import ScorerStats
 from cleaner.engine.chat import ChatFormat
+from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
-from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
+from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
@@ -85,10 +86,7 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     if config.data is None:
         seed = int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
         return toy_tasks(config.n_prompts, seed=seed)
-    try:
-        tasks = load_rl_parquet(config.data)
-    except ValueError as error:  # the message names the file, the row and what was expected
-        raise JobError(str(error)) from error
+    tasks = load_dataset(config.data, config.prompt_style).tasks  # DatasetError names file and row
     if not tasks:
         raise JobError(f"{config.data}: the dataset has no rows")
     start = (config.iteration * config.n_prompts) % len(tasks)

@@ -52,7 +52,8 @@ def test_collect_with_data_in_another_layout(tmp_path):
     path = tmp_path / "other.parquet"
     pq.write_table(pa.table({"question": ["1+1?"], "answer": ["2"]}), path)
     _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--data", str(path), *SMALL],
-                   "other.parquet", "missing column", "found ['question', 'answer']")
+                   "other.parquet", "no known dataset layout has columns ['question', 'answer']",
+                   "verl (prompt, reward_model, data_source)")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:3", "nonsense"])

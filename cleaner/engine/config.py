@@ -72,6 +72,13 @@ class IsMode(StrEnum):
     MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
 
 
+class PromptStyle(StrEnum):
+    """How a dataset's problem becomes the user message (docs/architecture.md §12)."""
+
+    REFERENCE = "reference"  # the reference's per-source preambles and answer formats
+    BARE = "bare"  # the problem text alone, as the tiny policies were trained
+
+
 class DpoCap(StrEnum):
     """How the negative-sample push is capped per token (docs/architecture.md §7)."""
 
@@ -88,7 +95,8 @@ def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
 @dataclass(frozen=True)
 class CollectConfig(_Config):
     model: str = str(DEFAULT_POLICY)  # Hugging Face path or local checkpoint directory
-    data: str | None = None  # verl-style RL Parquet file; None = the toy task family
+    data: str | None = None  # a dataset Parquet file (any layout of datasets.py); None = the toy task family
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of a --data file; the toy task ignores it
     iteration: int = 0  # iteration number written to the warehouse
     n_prompts: int = 64  # prompts per iteration
     group_size: int = 8  # samples per prompt (one GRPO group)
@@ -123,6 +131,7 @@ class CollectConfig(_Config):
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _enum_field(self, "collect_view", CollectView)
+        _enum_field(self, "prompt_style", PromptStyle)
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
         _enum_field(self, "similarity_on", SimilarityOn)

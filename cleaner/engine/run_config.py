@@ -137,6 +137,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
     "prompts": (("collect", "n_prompts"),), "group_size": (("collect", "group_size"),),
     "model": (("collect", "model"),), "data": (("collect", "data"),),
     "backend": (("collect", "backend"),), "sglang_url": (("collect", "sglang_url"),),
+    "prompt_style": (("collect", "prompt_style"),),
     "max_turns": (("collect", "max_turns"),), "max_retries": (("collect", "max_retries"),),
     "max_new_tokens": (("collect", "max_new_tokens"),),
     "max_response_tokens": (("collect", "max_response_tokens"), ("train", "max_response_tokens")),

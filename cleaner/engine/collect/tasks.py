@@ -7,8 +7,10 @@ Design decisions:
   a 0.5M-parameter model, easy with the Python tool. It is deterministic in (n, seed), and the
   numbers of prompt i depend only on (seed, i), so `toy_tasks(10, s)[:5] == toy_tasks(5, s)`.
 - `load_rl_parquet` reads the Open-AgentRL-30K layout (`prompt`, `reward_model.ground_truth`,
-  `data_source`, optional `extra_info`). Every bad file or row raises ValueError naming the file,
-  the row and what was expected; nothing is silently skipped.
+  `data_source`, optional `extra_info`); with `PromptStyle.REFERENCE` (the default) the prompts get
+  the reference's additions for training sources (prompts.py), with `BARE` they stay as stored.
+  The evaluation layouts are read by datasets.py. Every bad file or row raises `DatasetError` (a
+  ValueError) naming the file, the row and what was expected; nothing is silently skipped.
 """
 
 from __future__ import annotations
@@ -17,9 +19,18 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cleaner.engine.collect.prompts import reference_training_messages
+from cleaner.engine.config import PromptStyle
+from cleaner.errors import CleanerError
+
 TOY_SOURCE = "toy"
+
+
+class DatasetError(CleanerError, ValueError):
+    """A dataset file that cannot be read as tasks; the message names the file, row and expectation."""
 
 # Phrasings of the same question; the expression is always (A * B + C) mod D.
 TOY_TEMPLATES = (
@@ -94,60 +105,78 @@ def toy_tasks(n: int, seed: int) -> list[Task]:
 REQUIRED_COLUMNS = ("prompt", "reward_model", "data_source")
 
 
-def _row_error(path: Path, index: int, expected: str, got: object) -> ValueError:
-    return ValueError(f"{path}: row {index}: expected {expected}, got {got!r:.120}")
+def row_error(path: Path, index: int, expected: str, got: object) -> DatasetError:
+    return DatasetError(f"{path}: row {index}: expected {expected}, got {got!r:.120}")
 
 
 def _parse_messages(path: Path, index: int, prompt: object) -> tuple[dict, ...]:
     if hasattr(prompt, "tolist"):  # numpy arrays from pandas-style readers
         prompt = prompt.tolist()
     if not isinstance(prompt, list) or not prompt:
-        raise _row_error(path, index, "`prompt` as a non-empty list of {role, content}", prompt)
+        raise row_error(path, index, "`prompt` as a non-empty list of {role, content}", prompt)
     messages = []
     for message in prompt:
         if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
                 or not isinstance(message.get("content"), str)):
-            raise _row_error(path, index, "each `prompt` message to have string role and content", message)
+            raise row_error(path, index, "each `prompt` message to have string role and content", message)
         messages.append({"role": message["role"], "content": message["content"]})
     if messages[-1]["role"] != "user":
-        raise _row_error(path, index, "the last `prompt` message to be the user's", messages[-1]["role"])
+        raise row_error(path, index, "the last `prompt` message to be the user's", messages[-1]["role"])
     return tuple(messages)
 
 
-def _parse_row(path: Path, index: int, row: dict) -> Task:
+def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_source: str) -> Task:
     messages = _parse_messages(path, index, row["prompt"])
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-        raise _row_error(path, index, "`reward_model` as a struct with `ground_truth`", reward_model)
+        raise row_error(path, index, "`reward_model` as a struct with `ground_truth`", reward_model)
     ground_truth = reward_model["ground_truth"]
     if hasattr(ground_truth, "tolist"):
         ground_truth = ground_truth.tolist()
     if isinstance(ground_truth, list):  # some sets store a list of accepted answers; keep the first
         ground_truth = ground_truth[0] if ground_truth else None
     if not isinstance(ground_truth, (str, int, float)) or ground_truth == "":
-        raise _row_error(path, index, "a non-empty `reward_model.ground_truth`", ground_truth)
+        raise row_error(path, index, "a non-empty `reward_model.ground_truth`", ground_truth)
     data_source = row["data_source"]
     if not isinstance(data_source, str) or not data_source:
-        raise _row_error(path, index, "a non-empty string `data_source`", data_source)
+        raise row_error(path, index, "a non-empty string `data_source`", data_source)
     extra_info = row.get("extra_info")
     row_index = extra_info.get("index") if isinstance(extra_info, dict) else None
     prompt_id = f"{data_source}-{row_index if row_index is not None else index}"
+    if style == PromptStyle.REFERENCE:
+        messages = reference_training_messages(messages, file_source, data_source)
     return Task(prompt_id, messages, str(ground_truth), data_source)
 
 
-def load_rl_parquet(path: str | Path, limit: int | None = None) -> list[Task]:
-    """Read a verl-style RL Parquet file into tasks (the first `limit` rows if given)."""
+def read_parquet_table(path: str | Path) -> pa.Table:
+    """The whole table of a Parquet file; DatasetError naming it if it is missing or unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such Parquet file")
+        raise DatasetError(f"{path}: no such Parquet file")
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path)
     except Exception as error:  # pyarrow raises several types for a corrupt file  # noqa: BLE001
-        raise ValueError(f"{path}: not a readable Parquet file ({error})") from error
+        raise DatasetError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+def verl_tasks(path: Path, table: pa.Table, prompt_style: PromptStyle) -> list[Task]:
+    """Tasks of a table in the verl RL layout. The reference picks a file's prompt mapping by its
+    FIRST row's data source (prompts.py), so the whole table is needed, not row by row."""
+    rows = table.to_pylist()
+    file_source = rows[0].get("data_source") if rows else None
+    file_source = file_source if isinstance(file_source, str) else ""
+    return [_parse_row(path, index, row, prompt_style, file_source) for index, row in enumerate(rows)]
+
+
+def load_rl_parquet(path: str | Path, limit: int | None = None,
+                    prompt_style: PromptStyle = PromptStyle.REFERENCE) -> list[Task]:
+    """Read a verl-style RL Parquet file into tasks (the first `limit` rows if given)."""
+    path = Path(path)
+    table = read_parquet_table(path)
     missing = [name for name in REQUIRED_COLUMNS if name not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; expected {list(REQUIRED_COLUMNS)} "
-                         f"(verl RL layout), found {table.column_names}")
+        raise DatasetError(f"{path}: missing column(s) {missing}; expected {list(REQUIRED_COLUMNS)} "
+                           f"(verl RL layout), found {table.column_names}")
     if limit is not None:
         table = table.slice(0, limit)
-    return [_parse_row(path, index, row) for index, row in enumerate(table.to_pylist())]
+    return verl_tasks(path, table, PromptStyle(prompt_style))

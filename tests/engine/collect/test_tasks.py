@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
+from cleaner.engine.config import PromptStyle
 
 # ---------------------------------------------------------------------------------------------
 # Toy family
@@ -52,7 +53,7 @@ def _row(question: str, truth, source: str = "math_dapo", index: int = 0) -> dic
 def test_load_rl_parquet_reads_the_open_agentrl_layout(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([_row("1+1?", "2", index=10), _row("2+2?", "4", "aime", 11)]), path)
-    tasks = load_rl_parquet(path)
+    tasks = load_rl_parquet(path, prompt_style=PromptStyle.BARE)
     assert tasks == [
         Task("math_dapo-10", ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}),
              "2", "math_dapo"),
@@ -96,3 +97,18 @@ def test_not_a_parquet_file(tmp_path):
         load_rl_parquet(path)
     with pytest.raises(ValueError, match="no such Parquet file"):
         load_rl_parquet(tmp_path / "absent.parquet")
+
+
+def test_reference_style_edits_the_first_message_whatever_its_role(tmp_path):
+    """The reference appends to `prompt[0]`; here a system message."""
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("1+1?", "2")]), path)
+    (task,) = load_rl_parquet(path)
+    system, user = task.messages
+    assert system["content"].startswith("Be brief.\nDo not put units") and user["content"] == "1+1?"
+
+
+def test_verl_files_of_evaluation_sources_keep_their_built_prompts(tmp_path):
+    path = tmp_path / "aime.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("Built prompt.", "7", "AIME2024")]), path)
+    assert load_rl_parquet(path) == load_rl_parquet(path, prompt_style=PromptStyle.BARE)

@@ -33,6 +33,7 @@ from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
+from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_source
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
@@ -45,7 +46,7 @@ from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
-from cleaner.sandbox import make_sandbox
+from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse, WarehouseError
 
 logger = logging.getLogger(__name__)
@@ -123,13 +124,28 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
             chat = ChatFormat(serving.tokenizer)
-            with make_sandbox(config.sandbox) as sandbox:
-                for batch in collect(tasks, config, serving, sandbox, chat, skip_rollout_ids=stored,
-                                     progress=progress):
+            grading = _grader(tasks, config.sandbox, config.test_timeout_s)
+            with make_sandbox(config.sandbox) as sandbox, grading as grader:
+                for batch in collect(tasks, config, serving, sandbox, chat, reward_fn=grader,
+                                     skip_rollout_ids=stored, progress=progress):
                     warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
                     n_written += len(batch.rollouts)
     summary = summarize(warehouse.read_rollouts(iteration), warehouse.read_segments(iteration))
     return CollectOutcome(iteration, n_planned, n_written, summary, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _grader(tasks: Sequence[Task], tool: SandboxConfig, test_timeout_s: float) -> Iterator[Grader]:
+    """The reward function of these tasks; a grading sandbox runs only if a task is a program."""
+    if not any(is_code_source(task.data_source) for task in tasks):
+        yield Grader()
+        return
+    try:
+        grading = grading_sandbox_config(tool, test_timeout_s, tasks)
+    except ValueError as error:
+        raise JobError(f"a code task's ground truth is not stdin/stdout tests: {error}") from error
+    with make_sandbox(grading) as sandbox:
+        yield Grader(sandbox)
 
 
 def collected_policy(warehouse: Warehouse, iteration: int) -> str:

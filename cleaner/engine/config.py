@@ -118,6 +118,7 @@ class CollectConfig(_Config):
     sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
     device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
 
     def __post_init__(self) -> None:
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
@@ -144,6 +145,7 @@ class CollectConfig(_Config):
                f"sglang_url is for backend sglang, got backend {self.backend!r}")
         _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
                f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
+        _check(self.test_timeout_s > 0, f"test_timeout_s must be > 0, got {self.test_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Evaluation with test-time SAAR (docs/architecture.md §12): graders, metrics and the report."""

@@ -223,3 +223,35 @@ class TrainStepRow:
     tokens: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
 
+
+
+@dataclass(frozen=True)
+class EvalRunRow:
+    """One evaluation: a model on a dataset under one SAAR setting, and its metrics."""
+
+    eval_id: str  # the config id of its rollouts (`eval_rollouts.collect_config_id`)
+    model: str
+    policy_version: str
+    dataset: str  # the name given on the command line
+    data_path: str
+    data_source: str  # of its problems (comma-separated if several)
+    prompt_style: str
+    saar: bool  # the context was rendered with SAAR after each recovery
+    n: int  # samples per problem
+    problems: int
+    rollouts: int
+    avg_at_n: float
+    pass_at_k: tuple[tuple[int, float], ...]  # (k, pass@k), k = 1, 2, 4, ... and n
+    maj_at_n: float
+    tool_calls_per_trajectory: float
+    failures_per_trajectory: float
+    first_call_error_rate: float  # NaN without calls
+    recovery_rate: float  # NaN without failed steps
+    seconds: float  # wall time of generation and grading in the session that completed it
+    rollouts_generated: int  # rollouts that session generated (fewer than `rollouts` after a resume)
+    seed: int
+    temperature: float
+    top_p: float
+    max_turns: int
+    config_json: str  # the resolved collect config of its rollouts
+    created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))

@@ -8,11 +8,12 @@ Design decisions:
   re-implementation. The raw panel marks what that rendering drops (struck through and dim), so
   the two panels are two readings of one decision.
 - Text of the purified sequence is decoded from the spliced token ids with the tokenizer of the
-  policy that collected the iteration (its collect config's "model"), loaded with
+  policy that collected the iteration or ran the evaluation (its config's "model"), loaded with
   `local_files_only=True`: showing a rollout never downloads anything. Without a tokenizer the
   segment texts stand in, split at `<tool_call>` where a shallow merge cut a turn; the view says so.
 - Loading is read-only and the warehouse's own (`Warehouse.read_rollout`, `read_purified_of`,
-  `collect_config`); `load_inspection` only assembles what they return.
+  `collect_config`, `eval_config`); `load_inspection` only assembles what they return. A rollout
+  of an evaluation (docs/architecture.md §12) is found the same way; it has no purified rows.
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ class Inspection:
     rollout: Rollout | None  # None if only its segments are committed (should not happen)
     segments: tuple[Segment, ...]  # in seq order
     configs: tuple[ConfigOutcome, ...]  # its purified rows, one per stored config
-    model: str | None  # the policy that collected the iteration, from its saved collect config
+    model: str | None  # the policy that collected the iteration (or ran the evaluation), from its config
+    eval_id: str | None = None  # the evaluation the rollout belongs to; None for a collected one
 
     @property
     def iteration(self) -> int:
@@ -311,6 +313,10 @@ def load_inspection(warehouse, rollout_id: str) -> Inspection | None:
     if not segments:
         return None
     iteration = rollout.iteration if rollout is not None else segments[0].iteration
+    eval_config = warehouse.eval_config(rollout.collect_config_id) if rollout is not None else None
+    if eval_config is not None:  # an evaluation's rollout: never purified for training
+        return Inspection(rollout, tuple(segments), (), _collect_model(eval_config, iteration),
+                          rollout.collect_config_id)
     configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration))
     return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
 
@@ -390,5 +396,9 @@ def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: Pa
         parts.append(_header(inspection.rollout))
     if which in (Panels.PURIFIED, Panels.BOTH):
         parts.append(purified_panel(segments, view, decoder.decode, decoder.note))
-        parts.append(config_table(inspection.configs, inspection.iteration))
+        if inspection.eval_id is None:
+            parts.append(config_table(inspection.configs, inspection.iteration))
+        else:
+            parts.append(Text(f"a rollout of evaluation {inspection.eval_id} (`cleaner sql \"FROM eval_runs "
+                              f"WHERE eval_id = '{inspection.eval_id}'\"`)", style="dim"))
     return Group(*parts)

@@ -86,12 +86,33 @@ TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
     ("grad_norm", pa.float32()), ("lr", pa.float32()), ("tokens", pa.int32()), ("created_at", _TIME),
 ]), ("iteration",))
 
+# Evaluation (docs/architecture.md §12): the same rows as collection, partitioned by the eval id
+# (their `collect_config_id`), so `cleaner show` and every query over trajectories work on them.
+EVAL_ROLLOUTS = Dataset("eval_rollouts", records.Rollout, ROLLOUTS.schema, ("eval",))
+EVAL_SEGMENTS = Dataset("eval_segments", records.Segment, SEGMENTS.schema, ("eval",))
+
+EVAL_RUNS = Dataset("eval_runs", records.EvalRunRow, pa.schema([
+    ("eval_id", pa.string()), ("model", pa.string()), ("policy_version", pa.string()),
+    ("dataset", pa.string()), ("data_path", pa.string()), ("data_source", pa.string()),
+    ("prompt_style", pa.string()), ("saar", pa.bool_()), ("n", pa.int32()), ("problems", pa.int32()),
+    ("rollouts", pa.int32()), ("avg_at_n", pa.float64()), ("pass_at_k", pa.map_(pa.int32(), pa.float64())),
+    ("maj_at_n", pa.float64()), ("tool_calls_per_trajectory", pa.float64()),
+    ("failures_per_trajectory", pa.float64()), ("first_call_error_rate", pa.float64()),
+    ("recovery_rate", pa.float64()), ("seconds", pa.float64()), ("rollouts_generated", pa.int32()),
+    ("seed", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()), ("max_turns", pa.int32()),
+    ("config_json", pa.string()), ("created_at", _TIME),
+]), ())
+
 DATASETS: dict[str, Dataset] = {
-    d.name: d for d in (ROLLOUTS, SEGMENTS, PURIFIED, PURIFY_CONFIGS, ITERATIONS, TRAIN_STEPS)
+    d.name: d for d in (ROLLOUTS, SEGMENTS, PURIFIED, PURIFY_CONFIGS, ITERATIONS, TRAIN_STEPS,
+                        EVAL_ROLLOUTS, EVAL_SEGMENTS, EVAL_RUNS)
 }
 
-# Hive partition directory names differ from column names only for purified's config.
-PARTITION_COLUMN = {"iteration": "iteration", "config": "config_id"}
+# Each segments dataset and the rollouts dataset whose parts commit it (the commit protocol).
+COMMITTED_BY = {SEGMENTS.name: ROLLOUTS, EVAL_SEGMENTS.name: EVAL_ROLLOUTS}
+
+# Hive partition directory names differ from column names for purified's config and the eval id.
+PARTITION_COLUMN = {"iteration": "iteration", "config": "config_id", "eval": "collect_config_id"}
 
 
 def _check_record_fields(dataset: Dataset) -> None:
@@ -145,5 +166,6 @@ def from_table(dataset: Dataset, table: pa.Table) -> list:
     columns = []
     for f in dataset.schema:  # in record field order (checked at import), so rows are positional
         values = table.column(f.name).to_pylist()
-        columns.append([None if v is None else tuple(v) for v in values] if pa.types.is_list(f.type) else values)
+        nested = pa.types.is_list(f.type) or pa.types.is_map(f.type)  # a map reads as a list of pairs
+        columns.append([None if v is None else tuple(v) for v in values] if nested else values)
     return [dataset.record(*values) for values in zip(*columns, strict=True)]

@@ -2,10 +2,10 @@
 
 Layout (docs/architecture.md §3): `<root>/<dataset>/<key>=<value>/.../part-<uuid>.parquet`.
 
-Commit protocol for collection: a batch of complete rollouts is written as a segments part and then a
-rollouts part with the SAME file name. The rollouts part is the commit marker: a segments part whose
-twin is missing (the writer died in between) is invisible to every reader, so `collect --resume`
-can regenerate those rollouts without duplicating a row.
+Commit protocol for collection and evaluation: a batch of complete rollouts is written as a segments
+part and then a rollouts part with the SAME file name. The rollouts part is the commit marker: a
+segments part whose twin is missing (the writer died in between) is invisible to every reader, so
+`collect --resume` (or an evaluation run again) can regenerate those rollouts without duplicating a row.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from cleaner.engine.records import (
+    EvalRunRow,
     IterationRow,
     PurifiedRow,
     PurifyConfigRow,
@@ -60,19 +61,27 @@ class Warehouse:
 
     def write_rollouts(self, iteration: int, rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> None:
         """Commit one batch of complete rollouts (segments first; the rollouts part commits them)."""
+        self._commit(schema.SEGMENTS, rollouts, segments, iteration=iteration)
+
+    def _commit(self, segments_dataset: Dataset, rollouts: Sequence[Rollout], segments: Sequence[Segment],
+                **partition) -> None:
         ids = {r.rollout_id for r in rollouts}
         stray = {s.rollout_id for s in segments} - ids
         if stray:
             raise ValueError(f"segments of rollouts not in this batch: {sorted(stray)[:3]}")
         name = new_part_name()
-        self._write(schema.SEGMENTS, segments, name, iteration=iteration)
-        self._write(schema.ROLLOUTS, rollouts, name, iteration=iteration)
+        self._write(segments_dataset, segments, name, **partition)
+        self._write(schema.COMMITTED_BY[segments_dataset.name], rollouts, name, **partition)
 
     def committed_segment_parts(self, iteration: int | None = None) -> list[Path]:
-        partition = {} if iteration is None else {"iteration": iteration}
-        committed = {(p.parent.name, p.name) for p in list_parts(self.root, schema.ROLLOUTS, partition)}
+        return self._committed(schema.SEGMENTS, {} if iteration is None else {"iteration": iteration})
+
+    def _committed(self, segments_dataset: Dataset, partition: dict) -> list[Path]:
+        """The segments parts whose rollouts twin exists."""
+        rollouts_dataset = schema.COMMITTED_BY[segments_dataset.name]
+        committed = {(p.parent.name, p.name) for p in list_parts(self.root, rollouts_dataset, partition)}
         return [
-            p for p in list_parts(self.root, schema.SEGMENTS, partition)
+            p for p in list_parts(self.root, segments_dataset, partition)
             if (p.parent.name, p.name) in committed
         ]
 
@@ -148,6 +157,40 @@ class Warehouse:
         return sorted(schema.from_table(schema.ITERATIONS, table), key=lambda row: row.iteration)
 
     # -----------------------------------------------------------------------------------------
+    # Evaluation: rollouts and segments per eval id, one eval_runs row per completed evaluation
+
+    def write_eval_batch(self, eval_id: str, rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> None:
+        """Commit one batch of an evaluation's rollouts, with the collection's protocol."""
+        self._commit(schema.EVAL_SEGMENTS, rollouts, segments, eval=eval_id)
+
+    def read_eval_rollouts(self, eval_id: str) -> list[Rollout]:
+        table = read_parts(list_parts(self.root, schema.EVAL_ROLLOUTS, {"eval": eval_id}), schema.EVAL_ROLLOUTS)
+        return schema.from_table(schema.EVAL_ROLLOUTS, table)
+
+    def read_eval_segments(self, eval_id: str) -> list[Segment]:
+        table = read_parts(self._committed(schema.EVAL_SEGMENTS, {"eval": eval_id}), schema.EVAL_SEGMENTS)
+        return schema.from_table(schema.EVAL_SEGMENTS, table)
+
+    def eval_rollout_ids(self, eval_id: str) -> frozenset[str]:
+        """Ids of an evaluation's committed rollouts (an interrupted evaluation skips them)."""
+        return frozenset(rollout.rollout_id for rollout in self.read_eval_rollouts(eval_id))
+
+    def write_eval_run(self, row: EvalRunRow) -> None:
+        self._write(schema.EVAL_RUNS, [row])
+
+    def read_eval_run(self, eval_id: str) -> EvalRunRow | None:
+        """The completed evaluation `eval_id`, or None if it has not completed."""
+        table = read_parts(list_parts(self.root, schema.EVAL_RUNS), schema.EVAL_RUNS)
+        rows = [row for row in schema.from_table(schema.EVAL_RUNS, table) if row.eval_id == eval_id]
+        return rows[0] if rows else None
+
+    def save_eval_config(self, eval_id: str, config_json: str) -> Path:
+        return self.save_config(f"eval-{eval_id}", config_json)
+
+    def eval_config(self, eval_id: str) -> str | None:
+        return self.load_config(f"eval-{eval_id}")
+
+    # -----------------------------------------------------------------------------------------
     # Resolved configs, saved as JSON next to the outputs they produced
 
     def save_config(self, name: str, config_json: str) -> Path:
@@ -175,13 +218,19 @@ class Warehouse:
     # One rollout, for `cleaner show`
 
     def read_rollout(self, rollout_id: str) -> tuple[Rollout | None, list[Segment]]:
-        """One rollout and its committed segments in seq order (None, [] if unknown)."""
+        """One rollout and its committed segments in seq order, collected or evaluated (None, [] if
+        unknown)."""
         connection = self.connect()
-        rollouts = schema.from_table(schema.ROLLOUTS, connection.sql(
-            "SELECT * FROM rollouts WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
-        segments = schema.from_table(schema.SEGMENTS, connection.sql(
-            "SELECT * FROM segments WHERE rollout_id = ? ORDER BY seq", params=[rollout_id]).to_arrow_table())
-        return (rollouts[0] if rollouts else None), segments
+        for rollouts_dataset, segments_dataset in ((schema.ROLLOUTS, schema.SEGMENTS),
+                                                   (schema.EVAL_ROLLOUTS, schema.EVAL_SEGMENTS)):
+            rollouts = schema.from_table(rollouts_dataset, connection.sql(
+                f"SELECT * FROM {rollouts_dataset.name} WHERE rollout_id = ?", params=[rollout_id]).to_arrow_table())
+            segments = schema.from_table(segments_dataset, connection.sql(
+                f"SELECT * FROM {segments_dataset.name} WHERE rollout_id = ? ORDER BY seq",
+                params=[rollout_id]).to_arrow_table())
+            if rollouts or segments:
+                return (rollouts[0] if rollouts else None), segments
+        return None, []
 
     def read_purified_of(self, rollout_id: str, iteration: int) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
         """The rollout's purified row under every stored config of its iteration, with the config's
@@ -208,8 +257,8 @@ class Warehouse:
             raise WarehouseError(f"{self.root}: no such warehouse directory")
         connection = duckdb.connect(":memory:")
         for dataset in DATASETS.values():
-            if dataset is schema.SEGMENTS:
-                parts = self.committed_segment_parts()
+            if dataset.name in schema.COMMITTED_BY:
+                parts = self._committed(dataset, {})
             else:
                 parts = list_parts(self.root, dataset)
             for part in parts:

@@ -155,12 +155,13 @@ class _Outcome:
 
 
 def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
-          skip_rollout_ids: frozenset[str]) -> list[_State]:
+          skip_rollout_ids: frozenset[str], rollout_prefix: str) -> list[_State]:
     states = []
     for task in tasks:
         prompt_ids = chat.prompt_ids(task.messages)  # the same for every sample of the group
         for sample_index in range(config.group_size):
             rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
+            rollout_id, group_id = rollout_prefix + rollout_id, rollout_prefix + group_id
             if rollout_id in skip_rollout_ids:
                 continue
             draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
@@ -189,9 +190,14 @@ def collect(
     skip_rollout_ids: frozenset[str] = frozenset(),
     on_context: Callable[[str, list[int]], None] | None = None,
     progress: bool = True,
+    rollout_prefix: str = "",
 ) -> Iterator[CollectedBatch]:
-    """Run config.group_size rollouts per task; yield batches of config.batch_rollouts complete ones."""
-    states = _plan(tasks, config, chat, skip_rollout_ids)
+    """Run config.group_size rollouts per task; yield batches of config.batch_rollouts complete ones.
+
+    `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
+    apart from every other's); seeds do not depend on it.
+    """
+    states = _plan(tasks, config, chat, skip_rollout_ids, rollout_prefix)
     logger.info("collecting %d rollouts (%d skipped as already stored)", len(states),
                 len(tasks) * config.group_size - len(states))
     with tqdm(total=len(states), desc="collect", unit="rollout", disable=not progress) as bar:

@@ -157,6 +157,75 @@ def collect(
                   f"({outcome.n_planned} planned) in {outcome.seconds:.1f} s -> {warehouse}")
 
 
+class EvalFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+def _named_datasets(values: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise fail(f"--dataset takes NAME=PATH.parquet, got {value!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+@app.command("eval")
+def evaluate(
+    model: Annotated[list[str], typer.Option("--model", help="Model to evaluate (HF directory or hub id); repeatable.")],
+    dataset: Annotated[list[str], typer.Option("--dataset", help="NAME=PATH.parquet (verl, AIME24/25, GPQA-Diamond or LiveCodeBench v6 layout); repeatable.")],
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    n: Annotated[int, typer.Option("--n", help="Samples per problem.")] = 16,
+    saar: Annotated[bool, typer.Option("--saar", help="Run with SAAR at test time (the default if neither is given).")] = False,
+    no_saar: Annotated[bool, typer.Option("--no-saar", help="Run with the raw context; with --saar, run both.")] = False,
+    prompt_style: Annotated[str, typer.Option(help="reference (the paper's prompts) | bare (the problem alone).")] = "reference",
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling.")] = 0.6,
+    max_turns: Annotated[int, typer.Option(help="Steps per rollout (retries do not count).")] = 16,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per generation (default: --max-response-tokens).", show_default=False)] = None,
+    max_response_tokens: Annotated[int, typer.Option(help="Token budget after the prompt.")] = 20480,
+    limit: Annotated[int | None, typer.Option(help="Evaluate the first N problems of each dataset.", show_default=False)] = None,
+    test_timeout_s: Annotated[float, typer.Option(help="Per-test limit when grading programs.")] = 4.0,
+    batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.")] = 64,
+    sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.")] = 2,
+    seed: SeedOpt = 0,
+    backend: BackendOpt = "torch",
+    sglang_url: SglangUrlOpt = None,
+    device: DeviceOpt = "cpu",
+    output_format: Annotated[EvalFormat, typer.Option("--format", "-f", help="table | json.")] = EvalFormat.table,
+) -> None:
+    """Evaluate models on benchmark files with the agent loop (no training); store every rollout.
+
+    Prints avg@n, pass@k (k = 1, 2, 4, ..., n), maj@n and tool failures per trajectory for each
+    model, dataset and SAAR setting, and SAAR's latency ratio when both settings ran. Running the
+    same command again continues an interrupted evaluation and reprints completed ones.
+    """
+    from cleaner.engine.config import EvalConfig, SandboxConfig
+    from cleaner.engine.eval.report import eval_records, eval_table
+    from cleaner.jobs import eval_job
+    from cleaner.warehouse import Warehouse
+
+    settings = tuple(setting for setting, given in ((True, saar), (False, no_saar)) if given) or (True,)
+    config = _config(
+        EvalConfig, models=tuple(model), datasets=_named_datasets(dataset), saar=settings, n=n,
+        prompt_style=prompt_style, limit=limit, temperature=temperature, top_p=top_p, max_turns=max_turns,
+        max_new_tokens=max_new_tokens or max_response_tokens, max_response_tokens=max_response_tokens,
+        seed=seed, batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
+        test_timeout_s=test_timeout_s,
+        sandbox=_config(SandboxConfig, workers=sandbox_workers),
+    )
+    outcome = _run_job(eval_job, Warehouse(warehouse), config, progress=output_format is EvalFormat.table)
+    if output_format is EvalFormat.json:
+        typer.echo(json.dumps(eval_records(outcome.rows), indent=2))
+        return
+    console.print(eval_table(outcome.rows))
+    stored = len(outcome.rows) - len(outcome.computed)
+    console.print(f"{len(outcome.computed)} evaluation(s) run, {stored} already stored, in "
+                  f"{outcome.seconds:.1f} s -> {warehouse} (`cleaner sql \"FROM eval_runs\"`)")
+
+
 def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), **fixed) -> list:
     """Every combination of the grid axes, with the `fixed` PurifyConfig fields."""
     from itertools import product

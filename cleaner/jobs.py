@@ -10,6 +10,8 @@ Idempotence and resume, phase by phase:
 - purify: a (iteration, config) that already has rows is skipped.
 - train: the checkpoint is swapped in atomically, then its train_steps are written; an iteration
   is complete once its `iterations` row exists.
+- eval: as collect, per evaluation; an evaluation is complete once its `eval_runs` row exists, and
+  running it again continues an interrupted one (no flag needed: its id is its whole config).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +34,10 @@ from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
-from cleaner.engine.config import CollectConfig, PurifyConfig, TrainConfig
+from cleaner.engine.config import CollectConfig, EvalConfig, PurifyConfig, TrainConfig
 from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_source
+from cleaner.engine.eval.metrics import eval_metrics
+from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
@@ -42,7 +46,7 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
@@ -154,6 +158,73 @@ def collected_policy(warehouse: Warehouse, iteration: int) -> str:
     if saved is None:
         raise JobError(f"{warehouse.root}: iteration {iteration} has no collect config; was it collected?")
     return json.loads(saved)["model"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluate
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    rows: list[EvalRunRow]  # one per (model, dataset, SAAR setting), in that order
+    computed: list[str]  # eval ids completed by this call (the others were already stored)
+    seconds: float
+
+
+def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str, Backend] | None = None,
+             progress: bool = True) -> EvalOutcome:
+    """Evaluate every model on every dataset under every SAAR setting; store rollouts and metrics.
+
+    An evaluation whose `eval_runs` row exists is not run again; one with committed rollouts but no
+    row (it was interrupted) generates only the rollouts it lacks. `backends` maps a model to a
+    loaded backend to use instead of loading it.
+    """
+    started, backends = time.monotonic(), dict(backends or {})
+    if any(model not in backends for model in config.models):  # fail before anything is written
+        require_backend(config.backend, config.sglang_url)
+    check_device(config.device)
+    for model in config.models:
+        if model not in backends:
+            check_model_path(model)
+    datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
+    for _, loaded in datasets:
+        if not loaded.tasks:
+            raise JobError(f"{loaded.path}: the dataset has no rows")
+    plans = eval_plans(config, datasets)
+    todo = [plan for plan in plans if warehouse.read_eval_run(plan.eval_id) is None]
+    if todo:
+        tasks = [task for _, loaded in datasets for task in loaded.tasks]
+        grading = _grader(tasks, config.sandbox, config.test_timeout_s)
+        with make_sandbox(config.sandbox) as sandbox, grading as grader:
+            for model in dict.fromkeys(plan.model for plan in todo):  # one model served at a time
+                load = functools.partial(load_backend, config.backend, model, device=config.device,
+                                         sglang_url=config.sglang_url)
+                with _serving(backends.get(model), load) as serving:
+                    if serving.tokenizer is None:
+                        raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "
+                                       "for the chat format")
+                    for model_plan in [plan for plan in todo if plan.model == model]:
+                        _evaluate(warehouse, model_plan, serving, sandbox, grader, progress)
+    rows = [warehouse.read_eval_run(plan.eval_id) for plan in plans]
+    return EvalOutcome(rows, [plan.eval_id for plan in todo], time.monotonic() - started)
+
+
+def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, grader: Grader,
+              progress: bool) -> None:
+    """Generate an evaluation's missing rollouts in committed batches, then write its eval_runs row."""
+    config, eval_id = plan.collect_config, plan.eval_id
+    warehouse.save_eval_config(eval_id, config.to_json())
+    stored = warehouse.eval_rollout_ids(eval_id)
+    started, generated = time.monotonic(), 0
+    for batch in collect(plan.data.tasks, config, backend, sandbox, ChatFormat(backend.tokenizer),
+                         reward_fn=grader, skip_rollout_ids=stored, progress=progress,
+                         rollout_prefix=plan.rollout_prefix):
+        warehouse.write_eval_batch(eval_id, batch.rollouts, batch.segments)
+        generated += len(batch.rollouts)
+    seconds = time.monotonic() - started
+    rollouts = warehouse.read_eval_rollouts(eval_id)
+    metrics = eval_metrics(rollouts, warehouse.read_eval_segments(eval_id), config.group_size)
+    warehouse.write_eval_run(eval_run_row(plan, metrics, rollouts[0].policy_version, seconds, generated))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def _warehouse(tmp_path):
 def test_help_lists_every_command():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("collect", "purify", "train", "run", "ablate", "sql", "show", "demo", "sandbox"):
+    for command in ("collect", "purify", "train", "run", "ablate", "eval", "sql", "show", "demo", "sandbox"):
         assert command in result.output
 
 

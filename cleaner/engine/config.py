@@ -233,3 +233,60 @@ class RunConfig(_Config):
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Config):
+    """`cleaner eval`: every model on every dataset under every SAAR setting (docs/architecture.md §12).
+
+    Defaults are the reference's evaluation settings (temperature 1, top-p 0.6, 16 turns, 16
+    samples, a 20480-token response). Each (model, dataset, setting) runs as one collect config
+    (`collect_config`), whose id is the evaluation's id.
+    """
+
+    models: tuple[str, ...] = (str(DEFAULT_POLICY),)  # Hugging Face paths or checkpoint directories
+    datasets: tuple[tuple[str, str], ...] = ()  # (name, Parquet path) in any layout of datasets.py
+    saar: tuple[bool, ...] = (True,)  # SAAR settings to run: True = purified context (the paper's test time)
+    n: int = 16  # samples per problem
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # the reference's prompts, or the problem alone
+    limit: int | None = None  # the first rows of each dataset; None = all
+    temperature: float = 1.0  # the reference's validation temperature
+    top_p: float = 0.6  # the reference's validation top-p
+    max_turns: int = 16  # steps per rollout (retries do not count)
+    max_retries: int = 3  # K: retries per failed tool-call step
+    max_new_tokens: int = 20480  # per assistant generation
+    max_response_tokens: int = 20480  # budget for everything after the prompt (the reference's)
+    gamma: float = 0.5  # SAAR similarity threshold of the purified context
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    seed: int = 0  # base seed; per-rollout seeds derive from (prompt_id, sample_index)
+    batch_rollouts: int = 64  # rollouts generated and committed per batch (the resume unit)
+    backend: str = "torch"  # torch | sglang
+    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
+    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
+
+    def __post_init__(self) -> None:
+        _check(len(self.models) >= 1, "give at least one model")
+        _check(len(self.datasets) >= 1, "give at least one dataset as NAME=PATH")
+        names = [name for name, _ in self.datasets]
+        _check(len(set(names)) == len(names), f"dataset names must differ, got {names}")
+        _check(len(self.saar) >= 1 and len(set(self.saar)) == len(self.saar),
+               f"saar must hold each setting once, got {self.saar}")
+        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(self.limit is None or self.limit >= 1, f"limit must be >= 1, got {self.limit}")
+        _enum_field(self, "prompt_style", PromptStyle)
+        self.collect_config(self.models[0], self.datasets[0][1], self.saar[0], 1)  # checks the rest
+
+    def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
+        """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0."""
+        return CollectConfig(
+            model=model, data=data, prompt_style=self.prompt_style, iteration=0, n_prompts=problems,
+            group_size=self.n, max_turns=self.max_turns, max_retries=self.max_retries,
+            max_new_tokens=self.max_new_tokens, max_response_tokens=self.max_response_tokens,
+            temperature=self.temperature, top_p=self.top_p,
+            collect_view=CollectView.PURIFIED if saar else CollectView.RAW, gamma=self.gamma,
+            rollback_prob=1.0, similarity_on=self.similarity_on, seed=self.seed,
+            batch_rollouts=self.batch_rollouts, backend=self.backend, sglang_url=self.sglang_url, device=self.device,
+            sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
+        )

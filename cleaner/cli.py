@@ -634,8 +634,9 @@ def sql(
 ) -> None:
     """Run DuckDB SQL over the warehouse views.
 
-    Views: rollouts, segments, purified, purify_configs, iterations, train_steps, and the convenience
-    views attempts (assistant segments with the outcome of their call) and failures.
+    Views: rollouts, segments, purified, purify_configs, iterations, train_steps, eval_rollouts,
+    eval_segments, eval_runs, and the convenience views attempts (assistant segments with the outcome
+    of their call) and failures.
     """
     import duckdb
     import polars as pl

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.engine.backends import Backend, load_backend, require_backend
-from cleaner.engine.backends.base import ScorerStats
+from cleaner.engine.backends.base import SamplingParams, ScorerStats
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.loop import collect
@@ -203,10 +203,19 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
                     if serving.tokenizer is None:
                         raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "
                                        "for the chat format")
+                    _warm_up(serving, sandbox, tasks[0])
                     for model_plan in [plan for plan in todo if plan.model == model]:
                         _evaluate(warehouse, model_plan, serving, sandbox, grader, progress)
     rows = [warehouse.read_eval_run(plan.eval_id) for plan in plans]
     return EvalOutcome(rows, [plan.eval_id for plan in todo], time.monotonic() - started)
+
+
+def _warm_up(backend: Backend, sandbox, task: Task) -> None:
+    """A few tokens and one tool call before anything is timed: the first forward passes and the
+    sandbox's first fork are slower, and would count against whichever setting runs first."""
+    chat = ChatFormat(backend.tokenizer)
+    backend.generate([chat.prompt_ids(task.messages)], SamplingParams(8, tuple(chat.stop_token_ids)), [0])
+    sandbox.run_many(["print(1)"])
 
 
 def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, grader: Grader,

@@ -670,6 +670,40 @@ def sql(
 
 
 @app.command()
+def compact(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    dataset: Annotated[str | None, typer.Option(help="One dataset (default: all); segments go with rollouts.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="One iteration (default: all).")] = None,
+    target_mb: Annotated[float, typer.Option(help="Parts below this size are merged into parts of at most this size.")] = 128.0,
+) -> None:
+    """Merge each partition's small parts into few, atomically.
+
+    Safe to interrupt: readers see every row once at any moment, and the next compaction finishes
+    what an interrupted one left. Writers may keep adding parts meanwhile; a reader that listed the
+    parts just before they were merged may have to read again.
+    """
+    from rich.table import Table
+
+    from cleaner.warehouse.compact import compact as compact_warehouse
+    from cleaner.warehouse.parts import WarehouseError
+
+    try:
+        result = compact_warehouse(warehouse, dataset, iteration, int(target_mb * 2**20))
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    table = Table("dataset", "partition", "parts", "rows", "MB before", "MB after")
+    for merge in result.merges:
+        table.add_row(merge.dataset, merge.partition, str(merge.n_parts), str(merge.n_rows),
+                      f"{merge.bytes_before / 2**20:.2f}", f"{merge.bytes_after / 2**20:.2f}")
+    if result.merges:
+        console.print(table)
+    if result.n_leftovers:
+        console.print(f"removed {result.n_leftovers} files left by an interrupted compaction")
+    merged = sum(merge.n_parts for merge in result.merges)
+    console.print(f"merged {merged} parts into {len(result.merges)} in {warehouse}")
+
+
+@app.command()
 def show(
     rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,

@@ -25,7 +25,8 @@ def _warehouse(tmp_path):
 def test_help_lists_every_command():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("collect", "purify", "train", "run", "ablate", "eval", "sql", "show", "demo", "sandbox"):
+    for command in ("collect", "purify", "train", "run", "ablate", "eval", "sql", "show", "demo", "sandbox",
+                    "compact"):
         assert command in result.output
 
 
@@ -58,6 +59,20 @@ def test_sql_names_a_truncated_file(tmp_path):
     assert result.exit_code == 1
     assert bad.name in result.output.replace("\n", "") and "not a readable Parquet file" in result.output
     assert bad.read_bytes() == content[:100]
+
+
+def test_compact_merges_and_sql_reads_the_same_rows(tmp_path):
+    wh = _warehouse(tmp_path)
+    wh.write_rollouts(0, [make_rollout("r2")], make_segments("r2"))
+    query = ["sql", "SELECT rollout_id, count(*) FROM segments GROUP BY 1 ORDER BY 1", "-w", str(wh.root), "-f", "csv"]
+    before = runner.invoke(app, query).output
+    result = runner.invoke(app, ["compact", "-w", str(wh.root), "--iteration", "0"])
+    assert result.exit_code == 0, result.output
+    assert "merged 4 parts into 2" in result.output  # two rollouts parts and their two segments twins
+    assert len(list_parts(wh.root, schema.ROLLOUTS)) == 1
+    assert runner.invoke(app, query).output == before == "rollout_id,count_star()\nr0,6\nr1,6\nr2,6\n"
+    result = runner.invoke(app, ["compact", "-w", str(wh.root), "--dataset", "nope"])
+    assert result.exit_code == 1 and "unknown dataset 'nope'" in result.output
 
 
 def test_sql_missing_warehouse(tmp_path):

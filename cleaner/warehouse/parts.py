@@ -1,35 +1,59 @@
-"""Parquet part files: atomic writes and validating reads.
+"""Parquet part files: atomic writes, validating reads, and which parts readers see.
 
 Writers only ever add part files. A part is written to a hidden temporary name in its final
 directory, fsynced, renamed into place (atomic on POSIX) and the directory fsynced, so a crash never
 leaves a half-written part where readers look (`part-*.parquet`). Readers check every part's footer
 against the dataset's schema and fail with a `WarehouseError` naming the file and the problem.
+
+Visibility (docs/architecture.md §3) is decided from the file names and two footers' worth of facts:
+- a part of a segments dataset is visible only while its twin of the same file name is visible
+  in the rollouts dataset that commits it (`schema.COMMITTED_BY`): the twin is the commit marker;
+- a merged part (`part-merged-*`, written by compaction) lists the parts it replaces in its footer's
+  key-value metadata, so the moment it is renamed into place those parts are hidden, whether or not
+  the compaction lived to delete them. The list travels inside the merged file itself, so no
+  separate journal can disagree with it or go missing. Only merged parts' footers are read for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cleaner.errors import CleanerError
-from cleaner.warehouse.schema import Dataset
+from cleaner.warehouse.schema import COMMITTED_BY, Dataset
 
 PART_GLOB = "part-*.parquet"
+MERGED_PREFIX = "part-merged-"
+REPLACES_KEY = b"cleaner.replaces"  # footer metadata of a merged part: JSON list of file names
+_ROW_GROUP_BYTES = 64 * 2**20  # in-memory size a merged part's row group is gathered up to
+
+ReplacesOf = Callable[[Path], tuple[str, ...]]
 
 
 class WarehouseError(CleanerError):
     """A warehouse file is unreadable or does not match its schema."""
 
 
+class PartExistsError(WarehouseError):
+    """A part of that name already exists; parts are never overwritten."""
+
+
 def new_part_name() -> str:
     return f"part-{uuid.uuid4().hex}.parquet"
 
 
-def _fsync_dir(directory: Path) -> None:
+def new_merged_name() -> str:
+    return f"{MERGED_PREFIX}{uuid.uuid4().hex}.parquet"
+
+
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -37,33 +61,69 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_part(directory: Path, table: pa.Table, name: str | None = None) -> Path:
-    """Write `table` as a new part file in `directory`, atomically. Returns the part's path."""
+def temporary_name(name: str) -> str:
+    """The hidden name a part is written under before its rename (readers never glob it)."""
+    return f".{name}.{os.getpid()}.tmp"
+
+
+def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / (name or new_part_name())
+    final = directory / name
     if final.exists():
-        raise WarehouseError(f"{final}: part already exists; parts are never overwritten")
-    temporary = directory / f".{final.name}.{os.getpid()}.tmp"
+        raise PartExistsError(f"{final}: part already exists; parts are never overwritten")
+    temporary = directory / temporary_name(name)
     try:
         with open(temporary, "wb") as sink:
-            pq.write_table(table, sink, compression="zstd", use_dictionary=_dictionary_columns(table))
+            write(sink)
             sink.flush()
             os.fsync(sink.fileno())
         os.rename(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return final
 
 
-def _dictionary_columns(table: pa.Table) -> list[str]:
+def write_part(directory: Path, table: pa.Table, name: str | None = None) -> Path:
+    """Write `table` as a new part file in `directory`, atomically. Returns the part's path."""
+    def write(sink: BinaryIO) -> None:
+        pq.write_table(table, sink, compression="zstd", use_dictionary=_dictionary_columns(table.schema))
+
+    return _write_atomically(directory, name or new_part_name(), write)
+
+
+def write_merged(directory: Path, name: str, tables: Iterable[pa.Table], dataset: Dataset,
+                 replaces: Iterable[str]) -> Path:
+    """Write the concatenation of `tables` as one merged part that replaces the named parts.
+
+    Tables are streamed: small inputs are gathered into row groups of about `_ROW_GROUP_BYTES`,
+    so memory stays bounded by a row group, not by the merged part.
+    """
+    schema = dataset.schema.with_metadata({REPLACES_KEY: json.dumps(sorted(replaces)).encode()})
+
+    def write(sink: BinaryIO) -> None:
+        with pq.ParquetWriter(sink, schema, compression="zstd",
+                              use_dictionary=_dictionary_columns(schema)) as writer:
+            pending: list[pa.Table] = []
+            for table in tables:
+                pending.append(table)
+                if sum(t.nbytes for t in pending) >= _ROW_GROUP_BYTES:
+                    writer.write_table(pa.concat_tables(pending))
+                    pending = []
+            if pending:
+                writer.write_table(pa.concat_tables(pending))
+
+    return _write_atomically(directory, name, write)
+
+
+def _dictionary_columns(schema: pa.Schema) -> list[str]:
     """Dictionary-encode only string columns: on token and log-prob lists it costs twice the
     write time and saves almost nothing (BENCHMARKS.md, "Purify")."""
-    return [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    return [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
 
 
 def list_parts(root: Path, dataset: Dataset, partition: dict[str, object] | None = None) -> list[Path]:
-    """Part files of `dataset` under `root`, optionally restricted to some partition values."""
+    """Every part file of `dataset` under `root` (visible or not), optionally in some partitions."""
     base = root / dataset.name
     if not base.is_dir():
         return []
@@ -74,8 +134,9 @@ def list_parts(root: Path, dataset: Dataset, partition: dict[str, object] | None
     return sorted(base.glob(pattern))
 
 
-def validate_part(path: Path, dataset: Dataset) -> None:
-    """Raise WarehouseError naming `path` if its footer is unreadable or its schema is not the dataset's."""
+def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
+    """Raise WarehouseError naming `path` if its footer is unreadable or its schema is not the
+    dataset's; return the names of the parts it replaces (empty unless it is a merged part)."""
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
@@ -86,18 +147,70 @@ def validate_part(path: Path, dataset: Dataset) -> None:
         found = schema.field(field.name).type
         if not found.equals(field.type):
             raise WarehouseError(f"{path}: column {field.name!r} has type {found}, expected {field.type}")
+    return _replaces(path, schema)
+
+
+def _replaces(path: Path, schema: pa.Schema) -> tuple[str, ...]:
+    if not path.name.startswith(MERGED_PREFIX):
+        return ()
+    raw = (schema.metadata or {}).get(REPLACES_KEY)
+    try:
+        names = json.loads(raw) if raw is not None else None
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise WarehouseError(f"{path}: merged part without a readable {REPLACES_KEY.decode()!r} list")
+    return tuple(names)
+
+
+def visible_parts(root: Path, dataset: Dataset, partition: dict[str, object] | None = None,
+                  replaces_of: ReplacesOf | None = None, *,
+                  marker_parts: list[Path] | None = None) -> list[Path]:
+    """The parts readers see, in name order (module docstring).
+
+    `replaces_of(path)` gives a merged part's replaced names (default: validate its footer);
+    `marker_parts` are the visible parts of the dataset that commits `dataset` (`COMMITTED_BY`), when
+    the caller has them. The commit markers are always listed before the parts they commit: a
+    writer adds the part first and its marker second, so a marker seen implies its part is seen.
+    """
+    marker = COMMITTED_BY.get(dataset.name)
+    if marker is not None:
+        if marker_parts is None:
+            marker_parts = visible_parts(root, marker, partition, replaces_of)
+        committed = {p.relative_to(root / marker.name) for p in marker_parts}
+        base = root / dataset.name
+        return [p for p in list_parts(root, dataset, partition) if p.relative_to(base) in committed]
+    parts = list_parts(root, dataset, partition)
+    check = replaces_of or (lambda path: validate_part(path, dataset))
+    hidden = {p.parent / name for p in parts if p.name.startswith(MERGED_PREFIX) for name in check(p)}
+    return [p for p in parts if p not in hidden]
 
 
 def read_parts(paths: list[Path], dataset: Dataset) -> pa.Table:
     """Validate and concatenate part files into one table in the dataset's schema."""
-    tables = []
-    for path in paths:
-        validate_part(path, dataset)
-        try:
-            table = pq.read_table(path, columns=list(dataset.columns), partitioning=None)
-        except (pa.ArrowException, OSError) as exc:
-            raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
-        tables.append(table.cast(dataset.schema))
+    tables = [read_part(path, dataset) for path in paths]
     if not tables:
         return dataset.schema.empty_table()
     return pa.concat_tables(tables)
+
+
+def read_part(path: Path, dataset: Dataset) -> pa.Table:
+    """One validated part in the dataset's schema (without a merged part's footer metadata)."""
+    validate_part(path, dataset)
+    try:
+        table = pq.read_table(path, columns=list(dataset.columns), partitioning=None)
+    except (pa.ArrowException, OSError) as exc:
+        raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
+    return table.cast(dataset.schema).replace_schema_metadata(None)
+
+
+def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedArray:
+    """One column of validated parts (reads only that column's pages)."""
+    chunks = []
+    for path in paths:
+        validate_part(path, dataset)
+        try:
+            chunks.extend(pq.read_table(path, columns=[column], partitioning=None).column(column).chunks)
+        except (pa.ArrowException, OSError) as exc:
+            raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
+    return pa.chunked_array(chunks, dataset.schema.field(column).type)

@@ -6,16 +6,29 @@ Commit protocol for collection and evaluation: a batch of complete rollouts is w
 part and then a rollouts part with the SAME file name. The rollouts part is the commit marker: a
 segments part whose twin is missing (the writer died in between) is invisible to every reader, so
 `collect --resume` (or an evaluation run again) can regenerate those rollouts without duplicating a row.
+Every read goes through `parts.visible_parts`, which also hides the parts a compaction has merged
+(`compact.py`).
+
+Purified rows are idempotent per rollout, not per config: a config's rows may come from several
+parts (shards of one purify, docs/architecture.md §5), and a write skips the rollouts that already
+have rows under their config. Shares are whole GRPO groups, so a group's rows are always written
+together, in one part.
+
+`connect()` validates each part once: a `Manifest` remembers the footers it has already checked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-from collections.abc import Sequence
+import uuid
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from cleaner.engine.records import (
     EvalRunRow,
@@ -27,15 +40,17 @@ from cleaner.engine.records import (
     TrainStepRow,
 )
 from cleaner.warehouse import schema
+from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
+    PartExistsError,
     WarehouseError,
-    list_parts,
     new_part_name,
+    read_column,
     read_parts,
-    validate_part,
+    visible_parts,
     write_part,
 )
-from cleaner.warehouse.schema import DATASETS, Dataset
+from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
 
 __all__ = ["Warehouse", "WarehouseError"]
 
@@ -73,53 +88,53 @@ class Warehouse:
         self._write(segments_dataset, segments, name, **partition)
         self._write(schema.COMMITTED_BY[segments_dataset.name], rollouts, name, **partition)
 
-    def committed_segment_parts(self, iteration: int | None = None) -> list[Path]:
-        return self._committed(schema.SEGMENTS, {} if iteration is None else {"iteration": iteration})
-
-    def _committed(self, segments_dataset: Dataset, partition: dict) -> list[Path]:
-        """The segments parts whose rollouts twin exists."""
-        rollouts_dataset = schema.COMMITTED_BY[segments_dataset.name]
-        committed = {(p.parent.name, p.name) for p in list_parts(self.root, rollouts_dataset, partition)}
-        return [
-            p for p in list_parts(self.root, segments_dataset, partition)
-            if (p.parent.name, p.name) in committed
-        ]
+    def _visible(self, dataset: Dataset, **partition: object) -> list[Path]:
+        return visible_parts(self.root, dataset, partition)
 
     def read_rollouts(self, iteration: int) -> list[Rollout]:
-        table = read_parts(list_parts(self.root, schema.ROLLOUTS, {"iteration": iteration}), schema.ROLLOUTS)
+        table = read_parts(self._visible(schema.ROLLOUTS, iteration=iteration), schema.ROLLOUTS)
         return schema.from_table(schema.ROLLOUTS, table)
 
-    def read_segments(self, iteration: int) -> list[Segment]:
-        table = read_parts(self.committed_segment_parts(iteration), schema.SEGMENTS)
-        return schema.from_table(schema.SEGMENTS, table)
+    def read_segments(self, iteration: int, rollout_ids: Collection[str] | None = None) -> list[Segment]:
+        """The committed segments of an iteration; of the given rollouts only, if given."""
+        table = read_parts(self._visible(schema.SEGMENTS, iteration=iteration), schema.SEGMENTS)
+        return schema.from_table(schema.SEGMENTS, _of_rollouts(table, rollout_ids))
 
     def rollout_ids(self, iteration: int) -> frozenset[str]:
         """Ids of the rollouts already committed for an iteration (for --resume)."""
-        table = read_parts(list_parts(self.root, schema.ROLLOUTS, {"iteration": iteration}), schema.ROLLOUTS)
-        return frozenset(table.column("rollout_id").to_pylist())
+        parts = self._visible(schema.ROLLOUTS, iteration=iteration)
+        return frozenset(read_column(parts, schema.ROLLOUTS, "rollout_id").to_pylist())
 
     def iterations_collected(self) -> list[int]:
-        return sorted({int(p.parent.name.split("=", 1)[1]) for p in list_parts(self.root, schema.ROLLOUTS)})
+        return sorted({int(p.parent.name.split("=", 1)[1]) for p in self._visible(schema.ROLLOUTS)})
 
     # -----------------------------------------------------------------------------------------
     # Purification
 
     def has_purified(self, iteration: int, config_id: str) -> bool:
-        return bool(list_parts(self.root, schema.PURIFIED, {"iteration": iteration, "config": config_id}))
+        """True if the config has rows for the iteration (of any share; see `purified_rollout_ids`)."""
+        return bool(self._visible(schema.PURIFIED, iteration=iteration, config=config_id))
+
+    def purified_rollout_ids(self, iteration: int, config_id: str) -> frozenset[str]:
+        """The rollouts that already have rows under a config (negative samples included)."""
+        parts = self._visible(schema.PURIFIED, iteration=iteration, config=config_id)
+        return frozenset(read_column(parts, schema.PURIFIED, "rollout_id").to_pylist())
 
     def write_purified(self, iteration: int, config: PurifyConfigRow, rows: Sequence[PurifiedRow]) -> None:
-        """Write one config's rows of an iteration, and its config row if new. Idempotent per config."""
+        """Write one config's rows of an iteration, and its config row if new. Idempotent per rollout."""
         self.write_purified_many(iteration, [(config, rows)])
 
     def write_purified_many(
         self, iteration: int, results: Sequence[tuple[PurifyConfigRow, Sequence[PurifiedRow]]]
     ) -> None:
         """`write_purified` for several configs: their new config rows go in one part, first."""
-        todo = [(c, rows) for c, rows in results if not self.has_purified(iteration, c.config_id)]
-        known = self.purify_config_ids() if todo else set()
-        new_configs = list({c.config_id: c for c, _ in todo if c.config_id not in known}.values())
-        if new_configs:
-            self._write(schema.PURIFY_CONFIGS, new_configs)
+        todo = []
+        for config, rows in results:
+            stored = self.purified_rollout_ids(iteration, config.config_id)
+            new = [row for row in rows if row.rollout_id not in stored]
+            if new:
+                todo.append((config, new))
+        self._write_config_rows([config for config, _ in todo])
         # one conversion for all configs, so rows they share are converted once (schema._column)
         table, offset = schema.to_table(schema.PURIFIED, [row for _, rows in todo for row in rows]), 0
         for config, rows in todo:
@@ -127,17 +142,30 @@ class Warehouse:
             offset += len(rows)
             write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part)
 
-    def purify_config_ids(self) -> set[str]:
-        table = read_parts(list_parts(self.root, schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS)
-        return set(table.column("config_id").to_pylist())
+    def _write_config_rows(self, configs: Sequence[PurifyConfigRow]) -> None:
+        known = self.purify_config_ids() if configs else set()
+        new = list({c.config_id: c for c in configs if c.config_id not in known}.values())
+        if not new:
+            return
+        # Shards purifying the same configs at once give the part the same name, so it is written
+        # once (a rename onto an existing name replaces it with identical rows).
+        digest = hashlib.sha256(",".join(sorted(c.config_id for c in new)).encode()).hexdigest()[:32]
+        with contextlib.suppress(PartExistsError):
+            self._write(schema.PURIFY_CONFIGS, new, f"part-{digest}.parquet")
 
-    def read_purified(self, iteration: int, config_id: str) -> list[PurifiedRow]:
-        parts = list_parts(self.root, schema.PURIFIED, {"iteration": iteration, "config": config_id})
+    def purify_config_ids(self) -> set[str]:
+        return set(read_column(self._visible(schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS, "config_id").to_pylist())
+
+    def read_purified(self, iteration: int, config_id: str,
+                      rollout_ids: Collection[str] | None = None) -> list[PurifiedRow]:
+        """A config's rows of an iteration; of the given rollouts only, if given."""
+        parts = self._visible(schema.PURIFIED, iteration=iteration, config=config_id)
         if not parts:
             raise WarehouseError(
                 f"{self.root}: no purified rows for iteration {iteration} and config {config_id}"
             )
-        return schema.from_table(schema.PURIFIED, read_parts(parts, schema.PURIFIED))
+        table = _of_rollouts(read_parts(parts, schema.PURIFIED), rollout_ids)
+        return schema.from_table(schema.PURIFIED, table)
 
     # -----------------------------------------------------------------------------------------
     # Training and the iteration log
@@ -147,13 +175,13 @@ class Warehouse:
             self._write(schema.TRAIN_STEPS, steps, iteration=iteration)
 
     def has_train_steps(self, iteration: int) -> bool:
-        return bool(list_parts(self.root, schema.TRAIN_STEPS, {"iteration": iteration}))
+        return bool(self._visible(schema.TRAIN_STEPS, iteration=iteration))
 
     def write_iteration(self, row: IterationRow) -> None:
         self._write(schema.ITERATIONS, [row])
 
     def read_iterations(self) -> list[IterationRow]:
-        table = read_parts(list_parts(self.root, schema.ITERATIONS), schema.ITERATIONS)
+        table = read_parts(self._visible(schema.ITERATIONS), schema.ITERATIONS)
         return sorted(schema.from_table(schema.ITERATIONS, table), key=lambda row: row.iteration)
 
     # -----------------------------------------------------------------------------------------
@@ -164,11 +192,11 @@ class Warehouse:
         self._commit(schema.EVAL_SEGMENTS, rollouts, segments, eval=eval_id)
 
     def read_eval_rollouts(self, eval_id: str) -> list[Rollout]:
-        table = read_parts(list_parts(self.root, schema.EVAL_ROLLOUTS, {"eval": eval_id}), schema.EVAL_ROLLOUTS)
+        table = read_parts(self._visible(schema.EVAL_ROLLOUTS, eval=eval_id), schema.EVAL_ROLLOUTS)
         return schema.from_table(schema.EVAL_ROLLOUTS, table)
 
     def read_eval_segments(self, eval_id: str) -> list[Segment]:
-        table = read_parts(self._committed(schema.EVAL_SEGMENTS, {"eval": eval_id}), schema.EVAL_SEGMENTS)
+        table = read_parts(self._visible(schema.EVAL_SEGMENTS, eval=eval_id), schema.EVAL_SEGMENTS)
         return schema.from_table(schema.EVAL_SEGMENTS, table)
 
     def eval_rollout_ids(self, eval_id: str) -> frozenset[str]:
@@ -180,7 +208,7 @@ class Warehouse:
 
     def read_eval_run(self, eval_id: str) -> EvalRunRow | None:
         """The completed evaluation `eval_id`, or None if it has not completed."""
-        table = read_parts(list_parts(self.root, schema.EVAL_RUNS), schema.EVAL_RUNS)
+        table = read_parts(self._visible(schema.EVAL_RUNS), schema.EVAL_RUNS)
         rows = [row for row in schema.from_table(schema.EVAL_RUNS, table) if row.eval_id == eval_id]
         return rows[0] if rows else None
 
@@ -198,7 +226,7 @@ class Warehouse:
         directory = self.root / "configs"
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
-        temporary = directory / f".{name}.json.tmp"
+        temporary = directory / f".{name}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"  # shards save at once
         temporary.write_text(config_json)
         os.replace(temporary, path)
         return path
@@ -250,23 +278,39 @@ class Warehouse:
     def connect(self) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per dataset plus convenience views.
 
-        Every part is validated first: a bad file raises WarehouseError naming it, and nothing is
-        modified. Datasets with no parts yet get an empty view with the right columns.
+        Every visible part is validated first, or found in the manifest as validated under its
+        current size and mtime: a bad file raises WarehouseError naming it, and nothing but the
+        manifest (a cache) is ever written, and only when every part passed. Datasets with no parts
+        yet get an empty view with the right columns.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
+        manifests = {name: Manifest(self.root, dataset) for name, dataset in DATASETS.items()}
+        visible: dict[str, list[Path]] = {}
+        for dataset in sorted(DATASETS.values(), key=lambda d: d.name in COMMITTED_BY):  # markers first
+            manifest = manifests[dataset.name]
+            marker = COMMITTED_BY.get(dataset.name)
+            parts = visible_parts(self.root, dataset, replaces_of=manifest.check,
+                                  marker_parts=None if marker is None else visible[marker.name])
+            for part in parts:
+                manifest.check(part)
+            visible[dataset.name] = parts
+        for manifest in manifests.values():
+            manifest.save()
         connection = duckdb.connect(":memory:")
         for dataset in DATASETS.values():
-            if dataset.name in schema.COMMITTED_BY:
-                parts = self._committed(dataset, {})
-            else:
-                parts = list_parts(self.root, dataset)
-            for part in parts:
-                validate_part(part, dataset)
-            _create_view(connection, dataset, parts)
+            _create_view(connection, dataset, visible[dataset.name])
         for name, query in CONVENIENCE_VIEWS.items():
             connection.execute(f"CREATE VIEW {name} AS {query}")
         return connection
+
+
+def _of_rollouts(table: pa.Table, rollout_ids: Collection[str] | None) -> pa.Table:
+    """The rows of `table` whose rollout_id is in `rollout_ids` (all rows if None), filtered in Arrow
+    so the rows of other shards are never turned into Python records."""
+    if rollout_ids is None:
+        return table
+    return table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(sorted(rollout_ids), pa.string())))
 
 
 def _config_order(config: PurifyConfigRow | None) -> tuple:

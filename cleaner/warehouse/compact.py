@@ -1,0 +1,236 @@
+"""`cleaner compact`: merge each partition's small parts into few, atomically (docs/architecture.md §3).
+
+One merge of parts P1..Pk of a partition into M:
+1. M is written as `part-merged-<uuid>.parquet` under a hidden temporary name, fsynced, and renamed
+   into place; its footer lists P1..Pk (`parts.REPLACES_KEY`). From that rename on, every reader
+   hides P1..Pk (`parts.visible_parts`): the rows are seen once, in M.
+2. P1..Pk are removed.
+A crash before the rename leaves a hidden temporary file and changes nothing readers see; a crash
+after it leaves replaced parts no reader sees, which the next compaction removes ("rolls forward")
+before it plans anything. No row is ever visible twice or not at all.
+
+Collection partitions merge a rollouts part together with its segments twin. The merged segments
+part is renamed first; it is invisible (it has no rollouts twin yet). The merged rollouts part of the
+same name is renamed second, and that rename is the single commit point: it hides the replaced
+rollouts parts, which makes their segments invisible (their twins are hidden), and it commits the
+merged segments. A crash between the two renames leaves a merged segments part without a twin,
+invisible like any uncommitted segments part, which the next compaction removes. Uncommitted
+segments parts of a crashed collection have no twin, so they are never merged and stay invisible.
+
+Design decisions:
+- Small parts: a part (a collection part: with its twin) below `target_bytes` is a candidate;
+  candidates are packed in name order into bins of at most `target_bytes`, and each bin of two or
+  more becomes one merged part, which is itself a candidate next time while it is small. Rows keep
+  their order within each part; parts follow each other in name order.
+- One compaction at a time: an exclusive `flock` on `<warehouse>/.compact.lock`, which the kernel
+  releases if the process dies, so a crash never leaves it held. Writers need no lock: they only add
+  parts, and a compaction merges only the parts it listed. Readers need none for crash safety, but a
+  reader that listed parts just before a compaction removed some may fail to open one and must read
+  again.
+- Every input part is validated as it is read, so a corrupt part stops the compaction with the
+  usual error naming it, before anything it would replace is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from cleaner.warehouse.parts import (
+    MERGED_PREFIX,
+    PART_GLOB,
+    WarehouseError,
+    fsync_dir,
+    list_parts,
+    new_merged_name,
+    read_part,
+    validate_part,
+    write_merged,
+)
+from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET_BYTES = 128 * 2**20
+LOCK_NAME = ".compact.lock"
+
+
+@dataclass(frozen=True)
+class Merge:
+    """Parts of one dataset's partition merged into one part."""
+
+    dataset: str
+    partition: str  # e.g. "iteration=3", "" for an unpartitioned dataset
+    n_parts: int  # parts replaced
+    n_rows: int
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    merges: tuple[Merge, ...]
+    n_leftovers: int  # files of an interrupted compaction removed (replaced parts, orphans)
+
+
+@dataclass(frozen=True)
+class _Partition:
+    """One partition directory of a dataset and, for a commit-marker dataset, its twins'."""
+
+    dataset: Dataset
+    relative: Path  # under the dataset's directory
+    twins: tuple[Dataset, ...]  # datasets committed by this one (segments for rollouts)
+
+    def directory(self, root: Path, dataset: Dataset | None = None) -> Path:
+        return root / (dataset or self.dataset).name / self.relative
+
+
+def compact(root: Path, dataset: str | None = None, iteration: int | None = None,
+            target_bytes: int = DEFAULT_TARGET_BYTES) -> CompactResult:
+    """Merge the small parts of every chosen partition; roll forward any interrupted compaction."""
+    if not root.is_dir():
+        raise WarehouseError(f"{root}: no such warehouse directory")
+    if target_bytes <= 0:
+        raise WarehouseError(f"the target part size must be > 0 bytes, got {target_bytes}")
+    merges: list[Merge] = []
+    leftovers = 0
+    with _exclusive(root):
+        for partition in _partitions(root, _chosen(dataset, iteration), iteration):
+            leftovers += _roll_forward(root, partition)
+            for names in _plan(root, partition, target_bytes):
+                merges += _merge(root, partition, names)
+    return CompactResult(tuple(merges), leftovers)
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    with open(root / LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as error:
+            raise WarehouseError(f"{root}: another `cleaner compact` is running (it holds {LOCK_NAME})") from error
+        yield  # closing the file releases the lock
+
+
+def _chosen(name: str | None, iteration: int | None) -> list[Dataset]:
+    """The commit-marker datasets to compact; a committed dataset goes with its marker."""
+    if name is not None and name not in DATASETS:
+        raise WarehouseError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    datasets = [DATASETS[name]] if name is not None else list(DATASETS.values())
+    if name is not None and iteration is not None and "iteration" not in DATASETS[name].partition_keys:
+        raise WarehouseError(f"{name} is not partitioned by iteration; compact it without --iteration")
+    markers = [COMMITTED_BY.get(d.name, d) for d in datasets]
+    return [d for d in dict.fromkeys(markers) if iteration is None or "iteration" in d.partition_keys]
+
+
+def _partitions(root: Path, datasets: Sequence[Dataset], iteration: int | None) -> list[_Partition]:
+    selected = {} if iteration is None else {"iteration": iteration}
+    found = []
+    for dataset in datasets:
+        twins = tuple(DATASETS[name] for name, marker in COMMITTED_BY.items() if marker is dataset)
+        base = root / dataset.name
+        for relative in sorted({p.parent.relative_to(base) for p in list_parts(root, dataset, selected)}):
+            found.append(_Partition(dataset, relative, twins))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Rolling an interrupted compaction forward
+
+
+def _roll_forward(root: Path, partition: _Partition) -> int:
+    """Remove what an interrupted compaction left: replaced parts, uncommitted merged twins and
+    temporary files. Returns how many files were removed."""
+    removed = 0
+    directory = partition.directory(root)
+    for dataset in (partition.dataset, *partition.twins):
+        here = partition.directory(root, dataset)
+        before = removed
+        for stale in here.glob(f".{MERGED_PREFIX}*.tmp"):  # no compaction but this one is running
+            removed += _remove(stale)
+        for merged in sorted(here.glob(f"{MERGED_PREFIX}*.parquet")):
+            if not merged.exists():
+                continue  # itself merged again, and removed by a part listed before it
+            if dataset is not partition.dataset and not (directory / merged.name).exists():
+                removed += _remove(merged)  # renamed before its commit marker: never visible
+                continue
+            removed += sum(_remove(here / name) for name in validate_part(merged, dataset))
+        if removed > before:
+            fsync_dir(here)
+    if removed:
+        logger.info("removed %d files of an interrupted compaction in %s", removed, directory)
+    return removed
+
+
+def _remove(path: Path) -> int:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning and merging
+
+
+def _plan(root: Path, partition: _Partition, target_bytes: int) -> list[list[str]]:
+    """Bins of part names to merge, each of two or more small parts (module docstring)."""
+    bins: list[list[str]] = [[]]
+    size = 0
+    for path in sorted(partition.directory(root).glob(PART_GLOB)):
+        unit = sum(_size(partition.directory(root, d) / path.name)
+                   for d in (partition.dataset, *partition.twins))
+        if unit >= target_bytes:
+            continue
+        if bins[-1] and size + unit > target_bytes:
+            bins.append([])
+            size = 0
+        bins[-1].append(path.name)
+        size += unit
+    return [names for names in bins if len(names) >= 2]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _merge(root: Path, partition: _Partition, names: list[str]) -> list[Merge]:
+    """Merge the named parts: twins first, the commit marker last, then remove the originals."""
+    merged = new_merged_name()
+    merges = [_write(root, partition, twin, names, merged) for twin in partition.twins]
+    merges.append(_write(root, partition, partition.dataset, names, merged))  # the commit point
+    for dataset in (partition.dataset, *partition.twins):
+        directory = partition.directory(root, dataset)
+        for name in names:
+            _remove(directory / name)
+        fsync_dir(directory)
+    return [merge for merge in merges if merge is not None]
+
+
+def _write(root: Path, partition: _Partition, dataset: Dataset, names: list[str], merged: str) -> Merge | None:
+    directory = partition.directory(root, dataset)
+    present = [directory / name for name in names if (directory / name).exists()]
+    if not present:
+        return None
+    rows = 0
+
+    def tables() -> Iterator[pa.Table]:
+        nonlocal rows
+        for path in present:
+            table = read_part(path, dataset)
+            rows += table.num_rows
+            yield table
+
+    path = write_merged(directory, merged, tables(), dataset, [p.name for p in present])
+    return Merge(dataset.name, str(partition.relative) if str(partition.relative) != "." else "",
+                 len(present), rows, sum(p.stat().st_size for p in present), path.stat().st_size)

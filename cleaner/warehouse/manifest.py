@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleaner.warehouse.parts import WarehouseError, validate_part
+from cleaner.warehouse.parts import WarehouseError, relative_name, validate_part
 from cleaner.warehouse.schema import Dataset
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Manifest:
 
     def check(self, path: Path) -> tuple[str, ...]:
         """Validate `path` unless its entry matches; return the names it replaces."""
-        name = str(path.relative_to(self._base))
+        name = relative_name(path, self._base)
         try:
             stat = os.stat(path)
         except OSError as error:  # removed since it was listed, e.g. by a compaction

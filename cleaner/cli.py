@@ -103,6 +103,14 @@ BackendOpt = Annotated[str, typer.Option(
     "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
 SglangUrlOpt = Annotated[str | None, typer.Option(
     "--sglang-url", help="A running SGLang server or router, e.g. http://host:30000 (with --backend sglang).")]
+ShardOpt = Annotated[str, typer.Option(
+    "--shard", help="i/N: do only the i-th of N disjoint shares (whole prompts) of the iteration.")]
+
+
+def _shard(text: str):
+    from cleaner.engine.config import Shard
+
+    return _config(Shard.parse, text=text)
 
 
 @app.command()
@@ -132,14 +140,20 @@ def collect(
     backend: BackendOpt = "torch",
     sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
-    resume: Annotated[bool, typer.Option(help="Finish a partly collected iteration.")] = False,
+    resume: Annotated[bool, typer.Option(help="Finish a partly collected iteration (or shard of one).")] = False,
+    shard: ShardOpt = "0/1",
 ) -> None:
-    """Run multi-turn tool-using rollouts and store every attempt in the warehouse."""
+    """Run multi-turn tool-using rollouts and store every attempt in the warehouse.
+
+    With --shard i/N, N processes (one machine or many sharing the warehouse) collect disjoint
+    shares of the iteration; together they write exactly the rollouts of an unsharded run.
+    """
     from cleaner.engine.collect.summary import summary_table
     from cleaner.engine.config import CollectConfig, SandboxConfig
     from cleaner.jobs import collect_job
     from cleaner.warehouse import Warehouse
 
+    share = _shard(shard)
     sandbox = _config(SandboxConfig, timeout_s=sandbox_timeout_s, workers=sandbox_workers)
     config = _config(
         CollectConfig, model=model, data=str(data) if data else None, prompt_style=prompt_style, iteration=iteration,
@@ -151,9 +165,10 @@ def collect(
         batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         sandbox=sandbox,
     )
-    outcome = _run_job(collect_job, Warehouse(warehouse), config, resume=resume)
+    outcome = _run_job(collect_job, Warehouse(warehouse), config, resume=resume, shard=share)
     console.print(summary_table(outcome.summary))
-    console.print(f"iteration {iteration}: {outcome.n_written} rollouts written "
+    where = f"iteration {iteration}" + (f" shard {share}" if share.sharded else "")
+    console.print(f"{where}: {outcome.n_written} rollouts written "
                   f"({outcome.n_planned} planned) in {outcome.seconds:.1f} s -> {warehouse}")
 
 
@@ -267,17 +282,23 @@ def purify(
     backend: BackendOpt = "torch",
     sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
+    shard: ShardOpt = "0/1",
 ) -> None:
-    """Replay stored attempts with SAAR, rescore them and compute GRPO advantages."""
+    """Replay stored attempts with SAAR, rescore them and compute GRPO advantages.
+
+    With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
+    their rows together equal an unsharded purify's.
+    """
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
+    share = _shard(shard)
     configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when], [rollback_is_threshold],
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
                               dpo_beta=dpo_beta, dpo_max_adjustment_ratio=dpo_max_adjustment_ratio,
                               dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
-                       sglang_url=sglang_url, device=device)
+                       sglang_url=sglang_url, device=device, shard=share)
     _print_purify(outcome)
 
 
@@ -314,18 +335,20 @@ def ablate(
     backend: BackendOpt = "torch",
     sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
+    shard: ShardOpt = "0/1",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
     from cleaner.jobs import purify_job
     from cleaner.warehouse import Warehouse
 
+    share = _shard(shard)
     configs = _purify_configs(_floats(gamma, "--gamma"), _floats(rollback_prob, "--rollback-prob"),
                               _words(similarity_on), _words(purify_when),
                               _floats(rollback_is_threshold, "--rollback-is-threshold"),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = _run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
-                       sglang_url=sglang_url, device=device)
+                       sglang_url=sglang_url, device=device, shard=share)
     _print_purify(outcome)
 
 

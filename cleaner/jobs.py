@@ -7,7 +7,8 @@ once per device and handed from phase to phase.
 
 Idempotence and resume, phase by phase:
 - collect: batches of complete rollouts are committed atomically; `resume` skips committed ids.
-- purify: a (iteration, config) that already has rows is skipped.
+- purify: a rollout that already has rows under a config is skipped (whole groups are written
+  together), so each shard of an iteration resumes on its own.
 - train: the checkpoint is swapped in atomically, then its train_steps are written; an iteration
   is complete once its `iterations` row exists.
 - eval: as collect, per evaluation; an evaluation is complete once its `eval_runs` row exists, and
@@ -31,10 +32,17 @@ from cleaner.engine.backends import Backend, load_backend, require_backend
 from cleaner.engine.backends.base import SamplingParams, ScorerStats
 from cleaner.engine.chat import ChatFormat
 from cleaner.engine.collect.datasets import load_dataset
-from cleaner.engine.collect.loop import collect
+from cleaner.engine.collect.loop import collect, rollout_key
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
-from cleaner.engine.config import CollectConfig, EvalConfig, PurifyConfig, TrainConfig
+from cleaner.engine.config import (
+    UNSHARDED,
+    CollectConfig,
+    EvalConfig,
+    PurifyConfig,
+    Shard,
+    TrainConfig,
+)
 from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_source
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
@@ -46,7 +54,7 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow
+from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
@@ -80,9 +88,9 @@ def _serving(backend: Backend | None, load: Callable[[], Backend]) -> Iterator[B
 @dataclass(frozen=True)
 class CollectOutcome:
     iteration: int
-    n_planned: int  # rollouts the iteration should hold
+    n_planned: int  # rollouts the iteration (the shard's share of it) should hold
     n_written: int  # rollouts written by this call (less than planned on resume)
-    summary: CollectSummary  # over the whole iteration
+    summary: CollectSummary  # over the whole iteration (the shard's share of it)
     seconds: float
 
 
@@ -98,29 +106,31 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
 
 
-def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False,
+def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False, shard: Shard = UNSHARDED,
                 backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
-    """Collect one iteration into the warehouse; with `resume`, finish a partly collected one."""
+    """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
+    finish a partly collected one."""
     started = time.monotonic()
     if backend is None:  # fail on a bad backend, model or device before anything is written
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
         check_model_path(config.model)
     iteration = config.iteration
-    tasks = load_tasks(config)
-    n_planned = len(tasks) * config.group_size
-    stored = warehouse.rollout_ids(iteration)
+    tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
+    planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
+                        for task in tasks for sample in range(config.group_size))
+    stored_anywhere = warehouse.rollout_ids(iteration)
+    stored = stored_anywhere & planned  # this share's; other shards' rollouts are theirs to resume
+    where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
     if stored and not resume:
         raise JobError(
-            f"{warehouse.root}: iteration {iteration} already holds {len(stored)} rollouts; "
+            f"{warehouse.root}: {where} already holds {len(stored)} rollouts; "
             "pass --resume to finish it, or collect another --iteration"
         )
-    saved = warehouse.collect_config(iteration)
-    if resume and saved is not None and json.loads(saved) != json.loads(config.to_json()):
-        raise JobError(f"iteration {iteration} was collected with another config; resume needs the same options")
+    _check_saved_config(warehouse, config, resume or bool(stored_anywhere))
     warehouse.save_collect_config(iteration, config.to_json())
     n_written = 0
-    if len(stored) < n_planned:
+    if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
                                  sglang_url=config.sglang_url)
         with _serving(backend, load) as serving:
@@ -134,8 +144,18 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
                                      skip_rollout_ids=stored, progress=progress):
                     warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
                     n_written += len(batch.rollouts)
-    summary = summarize(warehouse.read_rollouts(iteration), warehouse.read_segments(iteration))
-    return CollectOutcome(iteration, n_planned, n_written, summary, time.monotonic() - started)
+    rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]
+    summary = summarize(rollouts, warehouse.read_segments(iteration, planned))
+    return CollectOutcome(iteration, len(planned), n_written, summary, time.monotonic() - started)
+
+
+def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match: bool) -> None:
+    """An iteration holds the rollouts of one config: resuming it, or adding a shard to rollouts
+    that are already there, needs the config it was started with."""
+    saved = warehouse.collect_config(config.iteration)
+    if must_match and saved is not None and json.loads(saved) != json.loads(config.to_json()):
+        raise JobError(f"iteration {config.iteration} was collected with another config; "
+                       "resuming it or collecting another shard of it needs the same options")
 
 
 @contextlib.contextmanager
@@ -268,51 +288,78 @@ def _cyclic_gc_paused():
 
 
 @_cyclic_gc_paused()
-def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *,
+def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *, shard: Shard = UNSHARDED,
                backend: Backend | None = None, backend_kind: str = "torch", sglang_url: str | None = None,
                device: str = "cpu", progress: bool = True) -> PurifyOutcome:
-    """Purify an iteration under every config in ONE scorer pass, and store the rows.
+    """Purify an iteration, or one shard's share of it, under every config in ONE scorer pass,
+    and store the rows.
 
     The rows are scored by the scorer of `backend`, which must serve the policy that collected the
     iteration; without one, a `backend_kind` backend (at `sglang_url`, if given) is loaded with that
-    policy. Configs already stored for the iteration are not recomputed (idempotent); their
-    results are rebuilt from the stored rows so a comparison always covers every requested config.
-    Python's cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
+    policy. Rollouts that already have rows under a config are not recomputed (idempotent per
+    rollout, so each shard resumes on its own); results are rebuilt from the stored rows so a
+    comparison always covers every requested config. A share is whole GRPO groups, so its
+    advantages equal those of an unsharded purify. Python's cyclic garbage collector is paused
+    while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
     if backend is None:
         require_backend(backend_kind, sglang_url)
         check_device(device)
-    rollouts = warehouse.read_rollouts(iteration)
-    if not rollouts:
-        raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
-    segments = warehouse.read_segments(iteration)
-    todo = [c for c in configs if not warehouse.has_purified(iteration, c.config_id)]
+    rollouts, segments = _share(warehouse, iteration, shard)
+    ids = frozenset(rollout.rollout_id for rollout in rollouts)
+    missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
+    todo = [c for c in configs if missing[c.config_id]]
     computed, scorer_stats = {}, None
     if todo:
-        policy = collected_policy(warehouse, iteration)
-        if backend is not None and Path(backend.model_path) != Path(policy):
-            raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
-                           f"{backend.model_path}; purify scores with the policy that collected")
-        load = functools.partial(load_backend, backend_kind, policy, device=device, sglang_url=sglang_url)
-        with _serving(backend, load) as serving:
-            scorer = serving.scorer(progress=progress)
-            decode = ChatFormat(serving.tokenizer).decode
-            purified = purify_iteration(rollouts, segments, todo, scorer, decode,
-                                        scorer_version=f"{scorer.version}:{serving.policy_version}")
+        # whole groups, so a group's advantages see all of it; rows already stored are not rewritten
+        groups = {r.group_id for r in rollouts if any(r.rollout_id in missing[c.config_id] for c in todo)}
+        work = [r for r in rollouts if r.group_id in groups]
+        work_ids = {r.rollout_id for r in work}
+        load = functools.partial(load_backend, backend_kind, collected_policy(warehouse, iteration),
+                                 device=device, sglang_url=sglang_url)
+        purified, scorer_stats = _purify_with(warehouse, iteration, backend, load, work,
+                                              [s for s in segments if s.rollout_id in work_ids], todo, progress)
         _store_purified(warehouse, iteration, purified)
-        computed = {result.config.config_id: result for result in purified}
-        scorer_stats = scorer.stats
+        computed = {result.config.config_id: result for result in purified if len(work) == len(rollouts)}
     errors = errors_by_type(segments)
     results = []
     for config in configs:
         if config.config_id in computed:
             results.append(computed[config.config_id])
             continue
-        rows = warehouse.read_purified(iteration, config.config_id)
+        rows = warehouse.read_purified(iteration, config.config_id, ids)
         premise = iteration_premise(rollouts, segments, rows)
         results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors, premise)))
-    return PurifyOutcome(results, list(computed), scorer_stats, time.monotonic() - started)
+    return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
+
+
+def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, load: Callable[[], Backend],
+                 rollouts: list[Rollout], segments: list[Segment], configs: list[PurifyConfig],
+                 progress: bool) -> tuple[list[PurifyResult], ScorerStats]:
+    """Render and score the rollouts under the configs with the collecting policy's scorer."""
+    policy = collected_policy(warehouse, iteration)
+    if backend is not None and Path(backend.model_path) != Path(policy):
+        raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
+                       f"{backend.model_path}; purify scores with the policy that collected")
+    with _serving(backend, load) as serving:
+        scorer = serving.scorer(progress=progress)
+        decode = ChatFormat(serving.tokenizer).decode
+        purified = purify_iteration(rollouts, segments, configs, scorer, decode,
+                                    scorer_version=f"{scorer.version}:{serving.policy_version}")
+    return purified, scorer.stats
+
+
+def _share(warehouse: Warehouse, iteration: int, shard: Shard) -> tuple[list[Rollout], list[Segment]]:
+    """The rollouts of an iteration in the shard's share, and their segments."""
+    rollouts = warehouse.read_rollouts(iteration)
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
+    rollouts = [rollout for rollout in rollouts if shard.owns(rollout.prompt_id)]
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: shard {shard} of iteration {iteration} holds no rollouts "
+                       "(more shards than prompts?)")
+    return rollouts, warehouse.read_segments(iteration, {rollout.rollout_id for rollout in rollouts})
 
 
 def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence[PurifyResult]) -> None:

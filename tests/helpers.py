@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import pytest
 import torch
 
 
@@ -16,3 +21,20 @@ def tiny_qwen3(seed: int = 0, vocab_size: int = 64, num_hidden_layers: int = 2, 
         max_position_embeddings=512, **overrides,
     )
     return Qwen3ForCausalLM(config)
+
+
+def cli(*args: str) -> list[str]:
+    """The command line that runs `cleaner ARGS` in a fresh interpreter."""
+    return [sys.executable, "-m", "cleaner.cli", *args]
+
+
+def wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
+    """Poll until `predicate()`; fail if `process` ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if process.poll() is not None:
+            pytest.fail(f"process ended (rc {process.returncode}) before the kill point")
+        time.sleep(0.05)
+    pytest.fail("kill point not reached in time")

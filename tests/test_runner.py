@@ -6,7 +6,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from cleaner.jobs import JobError
 from cleaner.runner import checkpoint_dir, run_loop
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
+from tests.helpers import cli, wait_for
 
 
 def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
@@ -75,35 +75,20 @@ def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each
     assert steps == list(range(len(steps))) and len(steps) >= 2  # one optimiser for the run
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleaner.cli", *args]
-
-
-def _wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if process.poll() is not None:
-            pytest.fail(f"process ended (rc {process.returncode}) before the kill point")
-        time.sleep(0.05)
-    pytest.fail("kill point not reached in time")
-
-
 def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_policy):
     warehouse = tmp_path / "wh"
     args = ["collect", "-w", str(warehouse), "--prompts", "4", "--group-size", "2", "--batch-rollouts", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "48",
             "--max-response-tokens", "96", "--sandbox-workers", "1"]
-    process = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rollouts_dir = warehouse / "rollouts" / "iteration=0"
-    _wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
+    wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert len(Warehouse(warehouse).rollout_ids(0)) < 8, "killed too late to test resume"
-    refused = subprocess.run(_cli(*args), capture_output=True, text=True)
+    refused = subprocess.run(cli(*args), capture_output=True, text=True)
     assert refused.returncode == 1 and "--resume" in refused.stderr
-    finished = subprocess.run(_cli(*args, "--resume"), capture_output=True, text=True)
+    finished = subprocess.run(cli(*args, "--resume"), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
     connection = Warehouse(warehouse).connect()
     assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
@@ -121,12 +106,12 @@ def test_sigkill_run_mid_iteration_then_resume(tmp_path, random_policy):
     run_dir = tmp_path / "run"
     args = ["run", "--run-dir", str(run_dir), "--iterations", "2", "--prompts", "2", "--group-size", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24"]
-    process = subprocess.Popen(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     purified = run_dir / "warehouse" / "purified"
-    _wait_for(lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 180, process)
+    wait_for(lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 180, process)
     os.kill(process.pid, signal.SIGKILL)  # after purify, before or during training of iteration 0
     process.wait()
-    finished = subprocess.run(_cli(*args, "--resume"), capture_output=True, text=True)
+    finished = subprocess.run(cli(*args, "--resume"), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
     connection = Warehouse(run_dir / "warehouse").connect()
     assert connection.sql("SELECT list(iteration ORDER BY iteration) FROM iterations").fetchall() == [([0, 1],)]
@@ -155,13 +140,13 @@ def test_run_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tm
                 "--lr", "1e-2", "--mini-batch-size", "2", "--warmup-steps", "3", "--sandbox-workers", "1"]
 
     started = time.monotonic()
-    whole = subprocess.run(_cli(*args(tmp_path / "whole")), capture_output=True, text=True)
+    whole = subprocess.run(cli(*args(tmp_path / "whole")), capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr
     duration = time.monotonic() - started
     rng, kills = random.Random(0), 0
     while True:
         resume = ["--resume"] if (tmp_path / "killed").exists() else []
-        process = subprocess.Popen(_cli(*args(tmp_path / "killed"), *resume),
+        process = subprocess.Popen(cli(*args(tmp_path / "killed"), *resume),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:  # kill at a random moment of a whole run's span; after 8 kills, let it finish
             process.wait(timeout=rng.uniform(0.2, 0.6) * duration if kills < 8 else None)

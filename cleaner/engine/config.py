@@ -224,6 +224,46 @@ class TrainConfig(_Config):
 
 
 @dataclass(frozen=True)
+class Shard:
+    """The `index`-th of `count` disjoint shares of an iteration's prompts (docs/architecture.md §5).
+
+    A prompt belongs to the share its id hashes to, so a share is a set of whole GRPO groups,
+    decided by the prompt alone: no shard needs to know the others, the task order, or how many
+    prompts there are, and collect and purify with the same i/N cover the same groups. Not part of
+    any config: every shard of an iteration runs the same config.
+    """
+
+    index: int = 0  # this shard, 0 <= index < count
+    count: int = 1  # shards of the iteration; 1 = unsharded
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 1 and 0 <= self.index < self.count,
+               f"--shard takes i/N with 0 <= i < N, got '{self}'")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """`i/N` -> Shard(i, N); ValueError naming the expected form."""
+        index, slash, count = text.strip().partition("/")
+        if not (slash and index.strip().isdigit() and count.strip().isdigit()):
+            raise ValueError(f"--shard takes i/N with 0 <= i < N, got {text!r}")
+        return cls(int(index), int(count))
+
+    def owns(self, prompt_id: str) -> bool:
+        digest = hashlib.sha256(prompt_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.count == self.index
+
+    @property
+    def sharded(self) -> bool:
+        return self.count > 1
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+UNSHARDED = Shard()
+
+
+@dataclass(frozen=True)
 class RunConfig(_Config):
     run_dir: str = "runs/default"  # holds warehouse/ and checkpoints/
     iterations: int = 3  # collect -> purify -> train iterations

@@ -4,8 +4,7 @@ Builds a synthetic warehouse with the real schemas and the real part writer (`wr
 names, fsyncs): `--batches` collection batches spread over `--iterations`, each a segments part and
 its rollouts twin, segments shaped like a collected rollout (prompt, then assistant/tool turns).
 Then, in one run on the same files:
-- cold: the first `connect()`, which validates every part's footer and writes the manifest (what
-  every `connect()` cost before the manifest);
+- cold: the first `connect()`, which validates every part's footer and writes the manifest;
 - warm: `connect()` + the query, against a fresh `duckdb.connect()` + the same query over
   `read_parquet('<warehouse>/<dataset>/*/*.parquet')`, alternated `--repeats` times, medians;
 - a corrupt part: one segments part truncated, the error must name it (then it is restored);

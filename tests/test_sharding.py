@@ -10,6 +10,7 @@ import signal
 import subprocess
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cleaner.cli import app
@@ -141,7 +142,10 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
     args = ["collect", "-w", str(warehouse), "--prompts", "6", "--group-size", "2", "--batch-rollouts", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24",
             "--max-response-tokens", "48", "--sandbox-workers", "1"]
-    process = subprocess.Popen(cli(*args, "--shard", "1/2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A forward's float rounding depends on the thread count: the subprocesses use this process's.
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    process = subprocess.Popen(cli(*args, "--shard", "1/2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=env)
     rollouts_dir = warehouse / "rollouts" / "iteration=0"
     wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
     os.kill(process.pid, signal.SIGKILL)
@@ -154,7 +158,7 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
     refused = CliRunner().invoke(app, args[:1] + ["--shard", "1/2"] + args[1:])
     output = " ".join(refused.output.split())
     assert refused.exit_code == 1 and "shard 1/2 already holds" in output and "--resume" in output
-    finished = subprocess.run(cli(*args, "--shard", "1/2", "--resume"), capture_output=True, text=True)
+    finished = subprocess.run(cli(*args, "--shard", "1/2", "--resume"), capture_output=True, text=True, env=env)
     assert finished.returncode == 0, finished.stderr
     assert _collected(Warehouse(warehouse)) == _collected(unsharded)
     connection = Warehouse(warehouse).connect()

@@ -111,12 +111,8 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # Purification
 
-    def has_purified(self, iteration: int, config_id: str) -> bool:
-        """True if the config has rows for the iteration (of any share; see `purified_rollout_ids`)."""
-        return bool(self._visible(schema.PURIFIED, iteration=iteration, config=config_id))
-
     def purified_rollout_ids(self, iteration: int, config_id: str) -> frozenset[str]:
-        """The rollouts that already have rows under a config (negative samples included)."""
+        """The rollouts that already have rows under a config, from any shard (a purify skips them)."""
         parts = self._visible(schema.PURIFIED, iteration=iteration, config=config_id)
         return frozenset(read_column(parts, schema.PURIFIED, "rollout_id").to_pylist())
 

@@ -94,6 +94,18 @@ def test_the_commit_protocol_holds_after_compaction(tmp_path):
     assert (wh.root / "segments" / "iteration=0" / merged).exists() is False
 
 
+def test_an_evaluation_is_compacted_with_its_commit_protocol(tmp_path):
+    wh = Warehouse(tmp_path / "wh")
+    for batch in range(3):
+        wh.write_eval_batch("ev1", [make_rollout(f"e{batch}")], make_segments(f"e{batch}"))
+    before = (sorted(map(repr, wh.read_eval_rollouts("ev1"))), sorted(map(repr, wh.read_eval_segments("ev1"))))
+    result = compact(wh.root, "eval_segments")
+    assert {(m.dataset, m.partition, m.n_parts) for m in result.merges} == {
+        ("eval_rollouts", "eval=ev1", 3), ("eval_segments", "eval=ev1", 3)}
+    assert (sorted(map(repr, wh.read_eval_rollouts("ev1"))), sorted(map(repr, wh.read_eval_segments("ev1")))) == before
+    assert wh.connect().sql("SELECT count(*) FROM eval_segments").fetchall() == [(18,)]
+
+
 def test_only_the_chosen_dataset_and_iteration_are_compacted(tmp_path):
     wh = _warehouse(tmp_path)
     wh.write_rollouts(1, [make_rollout("q1", iteration=1)], make_segments("q1", iteration=1))

@@ -396,6 +396,12 @@ def train(
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
 
+
+class LogTarget(StrEnum):  # cleaner.engine.tracking.TARGETS
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
 def _flag_layer(ctx: typer.Context, values: dict) -> dict:
     """The config layer of the `run` flags given on the command line (not their defaults)."""
     from cleaner.engine.run_config import RUN_FLAGS, flag_layer
@@ -434,7 +440,7 @@ def _resolve_run(layers: list[dict], where: str, resume: bool):
     return config
 
 
-def _run_and_report(config, resume: bool) -> list:
+def _run_and_report(config, resume: bool, metrics=None) -> list:
     from cleaner.engine.report import iteration_table
     from cleaner.runner import run_loop
 
@@ -445,7 +451,7 @@ def _run_and_report(config, resume: bool) -> list:
             f"merges {row.n_shallow} shallow / {row.n_deep} deep  "
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
-    rows = _run_job(run_loop, config, resume=resume, on_iteration=one_line)
+    rows = _run_job(run_loop, config, resume=resume, on_iteration=one_line, metrics=metrics)
     console.print(iteration_table(rows))
     return rows
 
@@ -504,11 +510,15 @@ def run(
     deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", rich_help_panel="Train")] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
+    log_to: Annotated[list[LogTarget] | None, typer.Option("--log-to", help="Also log every iteration and optimiser step to tensorboard (<run-dir>/tensorboard/) or wandb; repeatable.", show_default=False, rich_help_panel="Logging")] = None,
+    wandb_project: Annotated[str, typer.Option(help="W&B project.", rich_help_panel="Logging")] = "cleaner",
+    wandb_offline: Annotated[bool, typer.Option("--wandb-offline", help="W&B offline even with an API key (it is offline anyway without one).", rich_help_panel="Logging")] = False,
 ) -> None:
     """Loop collect -> purify -> train for several iterations, in one process.
 
     Every option can also come from `--config run.toml` (flags override the file); `--print-config`
-    shows the resolved config in that format.
+    shows the resolved config in that format. The logging options are not part of the config: they
+    say where to mirror the metrics, not what the run computes, so a resumed run may change them.
     """
     from cleaner.engine.run_config import ConfigError, read_toml
 
@@ -523,7 +533,13 @@ def run(
 
         typer.echo(to_toml(config), nl=False)
         return
-    _run_and_report(config, resume)
+    from cleaner.engine.tracking import open_loggers
+
+    metrics = _run_job(open_loggers, [target.value for target in log_to or []], Path(config.run_dir),
+                       name=Path(config.run_dir).name, config=config.to_dict(), wandb_project=wandb_project,
+                       wandb_offline=wandb_offline)
+    with metrics:
+        _run_and_report(config, resume, metrics)
 
 
 DEMO_SQL = (

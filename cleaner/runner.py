@@ -11,6 +11,10 @@ continues the previous one's AdamW and lr schedule, and every checkpoint carries
 Every phase is idempotent (see `cleaner.jobs`), so `resume` after a crash, even a SIGKILL, redoes
 only the unfinished part of the unfinished iteration, and continues from the saved optimiser. An iteration is complete once its
 `iterations` row is written; its trained policy is `<run_dir>/checkpoints/iteration-<i+1>`.
+
+A metrics logger (cleaner.engine.tracking) gets each iteration this process completes, once its
+row is written: its optimiser steps as the warehouse holds them, then its row. Iterations a
+previous process completed were logged by that process, so a resumed run logs no step twice.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from cleaner.engine.backends.torch_backend import TorchBackend
 from cleaner.engine.config import RunConfig
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.records import IterationRow
+from cleaner.engine.tracking import MetricsLogger, NullLogger
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
 
@@ -60,8 +65,12 @@ def _policy_to_train(backend: Backend, kept: torch.nn.Module | None) -> torch.nn
 
 
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
-             on_iteration: Callable[[IterationRow], None] | None = None) -> list[IterationRow]:
-    """Run `config.iterations` iterations; returns the iteration rows of the whole run."""
+             on_iteration: Callable[[IterationRow], None] | None = None,
+             metrics: MetricsLogger | None = None) -> list[IterationRow]:
+    """Run `config.iterations` iterations; returns the iteration rows of the whole run.
+
+    `metrics` gets every iteration completed here (module docstring); the caller closes it."""
+    metrics = metrics or NullLogger()
     # a bad backend, device or model fails before anything is written
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(config.collect.device)
@@ -90,6 +99,9 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
             else:  # trained before a crash: the next training loads the checkpoint and its optimiser
                 kept, optimization = None, None
             policy = row.policy_out
+            for step in warehouse.read_train_steps(iteration):
+                metrics.log_step(step)
+            metrics.log_iteration(row)
             if on_iteration is not None:
                 on_iteration(row)
     finally:

@@ -52,3 +52,36 @@ def random_policy(tmp_path_factory):
     tiny_model(tokenizer, seed=0).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """A 2-iteration `cleaner run` of the committed tiny policy (4 prompts x 4 samples, 2 optimiser
+    steps per iteration) with its metrics logged to TensorBoard, then iteration 1 purified under two
+    more configs: a warehouse with every dataset, failures and an ablation grid. Tests must not
+    write into it. Returns the run directory."""
+    from cleaner.engine.config import (
+        DEFAULT_POLICY,
+        CollectConfig,
+        PurifyConfig,
+        RunConfig,
+        TrainConfig,
+    )
+    from cleaner.engine.tracking import TensorBoardLogger
+    from cleaner.jobs import purify_job
+    from cleaner.runner import run_loop
+    from cleaner.sandbox import SandboxConfig
+    from cleaner.warehouse import Warehouse
+
+    run_dir = tmp_path_factory.mktemp("small-run") / "run"
+    config = RunConfig(
+        run_dir=str(run_dir), iterations=2,
+        collect=CollectConfig(model=str(DEFAULT_POLICY), n_prompts=4, group_size=4, seed=3,
+                              sandbox=SandboxConfig(workers=1)),
+        train=TrainConfig(lr=1e-4, mini_batch_size=8, micro_batch_size=8),
+    )
+    with TensorBoardLogger(run_dir / "tensorboard") as metrics:
+        run_loop(config, progress=False, metrics=metrics)
+    purify_job(Warehouse(run_dir / "warehouse"), 1, [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.9)],
+               progress=False)
+    return run_dir

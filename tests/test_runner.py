@@ -177,3 +177,26 @@ def test_run_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tm
     final = checkpoint_dir(tmp_path / "killed", 2)
     for name, value in _weights(checkpoint_dir(tmp_path / "whole", 2)).items():
         torch.testing.assert_close(_weights(final)[name], value, atol=1e-5, rtol=0)
+
+
+def test_run_logs_to_tensorboard_and_a_resumed_run_logs_only_its_new_iterations(tmp_path, random_policy):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+    from tests.engine.test_tracking import scalars
+
+    def run(iterations: int, *more: str):
+        return CliRunner().invoke(app, [
+            "run", "--run-dir", str(tmp_path / "run"), "--iterations", str(iterations), "--prompts", "2",
+            "--group-size", "2", "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "12",
+            "--max-response-tokens", "24", "--sandbox-workers", "1", "--mini-batch-size", "2", *more])
+
+    first = run(1, "--log-to", "tensorboard")
+    assert first.exit_code == 0, first.output
+    # the logging targets are not part of the run's config: a resumed run may change them
+    resumed = run(2, "--resume", "--log-to", "tensorboard", "--log-to", "tensorboard")
+    assert resumed.exit_code == 0, resumed.output
+    logged = scalars(tmp_path / "run" / "tensorboard")
+    assert [step for step, _ in logged["iteration/accuracy"]] == [0, 1]  # iteration 0 logged once
+    # 4 rollouts per iteration in mini batches of 2: two optimiser steps per iteration, numbered run-wide
+    assert logged["train/iteration"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0)]

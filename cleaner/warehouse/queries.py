@@ -1,0 +1,124 @@
+"""The read-only queries behind `cleaner report` (docs/architecture.md §12), over `Warehouse.connect()`.
+
+Each query returns a polars frame with the columns the figures plot, so the SQL (and every column
+name of the datasets) stays in the warehouse layer and the figures never see a table.
+
+Design decisions:
+- The per-iteration curves come from `iterations`, the run's own record: they are the numbers
+  `cleaner run` printed, and a warehouse without that table (collect or ablate only) has no run
+  to plot. An iteration logged twice keeps its latest row, as `cleaner run`'s table does.
+- Error types come from the `failures` view, so they exist for any collected warehouse. A failure
+  without an exception name (timeout, format error) is counted under its status.
+- An *ablation* is an iteration purified under two or more configs; `cleaner run` purifies one
+  config per iteration, so its iterations are never one. Negative samples are counted apart and
+  left out of every other count, which are per rollout.
+- Eval results are read from a relation (table or view) named `eval_runs`, if the connection
+  holds one; this module does not create it. The interface, for whoever writes eval results:
+  one row per evaluation with columns `model` (text), `dataset` (text), `saar` (any type; the
+  setting the model was evaluated under, shown as text), `avg_at_n` (number in [0, 1]),
+  `pass_at_k` (JSON or struct, shown as text) and `failures_per_trajectory` (number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import polars as pl
+
+EVAL_RELATION = "eval_runs"
+
+
+def _frame(connection: duckdb.DuckDBPyConnection, query: str) -> pl.DataFrame:
+    return pl.from_arrow(connection.sql(query).to_arrow_table())
+
+
+def iteration_curves(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """One row per completed iteration: headline metrics, merges and the premise diagnostic."""
+    return _frame(connection, """
+        SELECT iteration, accuracy, first_attempt_error_rate, failures_per_trajectory,
+               n_shallow, n_deep, n_gated,
+               clean_rollouts, clean_accuracy, recovered_rollouts, recovered_accuracy,
+               unrecovered_rollouts, unrecovered_accuracy
+        FROM iterations
+        QUALIFY row_number() OVER (PARTITION BY iteration ORDER BY created_at DESC) = 1
+        ORDER BY iteration
+    """)
+
+
+def train_curves(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """One row per optimiser step, in run order."""
+    return _frame(connection, """
+        SELECT iteration, step, optimizer_step, loss, clip_fraction, approx_kl, entropy, grad_norm, lr
+        FROM train_steps ORDER BY optimizer_step, iteration, step
+    """)
+
+
+def error_types(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Failed calls per (iteration, error), and per rollout of that iteration."""
+    return _frame(connection, """
+        WITH sizes AS (SELECT iteration, count(*) AS rollouts FROM rollouts GROUP BY iteration)
+        SELECT f.iteration, coalesce(f.error_type, f.tool_status) AS error, count(*) AS failures,
+               count(*) / any_value(s.rollouts) AS per_rollout
+        FROM failures f JOIN sizes s USING (iteration)
+        GROUP BY f.iteration, error
+        ORDER BY f.iteration, failures DESC, error
+    """)
+
+
+def ablation_grid(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Per (iteration, config) of every iteration purified under two or more configs: the config's
+    parameters and what it did to the iteration's rollouts."""
+    return _frame(connection, """
+        WITH grid AS (
+            SELECT iteration FROM purified GROUP BY iteration HAVING count(DISTINCT config_id) >= 2),
+        configs AS (SELECT * FROM purify_configs QUALIFY row_number() OVER (PARTITION BY config_id) = 1)
+        SELECT p.iteration, p.config_id, c.gamma, c.rollback_prob, c.similarity_on, c.purify_when,
+               TRY_CAST(json_extract_string(c.params_json, '$.rollback_is_threshold') AS DOUBLE)
+                   AS is_threshold,
+               coalesce(json_extract_string(c.params_json, '$.negative_samples') = 'true', false)
+                   AS negative_samples,
+               count(*) FILTER (WHERE p.negative_seq IS NULL) AS rollouts,
+               count(*) FILTER (WHERE p.negative_seq IS NULL AND p.rolled_back) AS rolled_back,
+               coalesce(sum(p.n_shallow) FILTER (WHERE p.negative_seq IS NULL), 0)::BIGINT AS shallow,
+               coalesce(sum(p.n_deep) FILTER (WHERE p.negative_seq IS NULL), 0)::BIGINT AS deep,
+               coalesce(sum(p.n_gated) FILTER (WHERE p.negative_seq IS NULL), 0)::BIGINT AS gated,
+               coalesce(sum(p.n_unrecovered) FILTER (WHERE p.negative_seq IS NULL), 0)::BIGINT AS unrecovered,
+               coalesce(sum(p.tokens_removed) FILTER (WHERE p.negative_seq IS NULL), 0)::BIGINT AS tokens_removed,
+               count(*) FILTER (WHERE p.negative_seq IS NOT NULL) AS negatives
+        FROM purified p JOIN grid USING (iteration) LEFT JOIN configs c USING (config_id)
+        GROUP BY ALL
+        ORDER BY p.iteration, c.gamma, c.rollback_prob, is_threshold, p.config_id
+    """)
+
+
+def has_relation(connection: duckdb.DuckDBPyConnection, name: str) -> bool:
+    """Whether the connection holds a table or view of this name."""
+    ((count,),) = connection.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchall()
+    return count > 0
+
+
+def eval_results(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
+    """The `eval_runs` relation as text and numbers (module docstring), or None without one."""
+    if not has_relation(connection, EVAL_RELATION):
+        return None
+    return _frame(connection, f"""
+        SELECT CAST(model AS VARCHAR) AS model, CAST(dataset AS VARCHAR) AS dataset,
+               CAST(saar AS VARCHAR) AS saar, CAST(avg_at_n AS DOUBLE) AS avg_at_n,
+               CAST(pass_at_k AS VARCHAR) AS pass_at_k,
+               CAST(failures_per_trajectory AS DOUBLE) AS failures_per_trajectory
+        FROM {EVAL_RELATION} ORDER BY dataset, model, saar
+    """)
+
+
+@dataclass(frozen=True)
+class Counts:
+    rollouts: int
+    iterations_collected: int  # distinct iterations with rollouts
+
+
+def counts(connection: duckdb.DuckDBPyConnection) -> Counts:
+    ((rollouts, collected),) = connection.sql(
+        "SELECT count(*), count(DISTINCT iteration) FROM rollouts").fetchall()
+    return Counts(rollouts, collected)

@@ -571,6 +571,29 @@ def demo(
     console.print(f"\nreport: {png}\nwarehouse: {warehouse}\nTry:")
     for query in DEMO_SQL:
         console.print(f'  cleaner sql -w {warehouse} "{query}"', soft_wrap=True, highlight=False)
+    console.print(f"  cleaner report -w {warehouse}   # every figure, and {run_dir / 'report' / 'report.md'}",
+                  soft_wrap=True, highlight=False)
+
+
+@app.command()
+def report(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: report/ beside the warehouse).", show_default=False)] = None,
+) -> None:
+    """Plot a warehouse: accuracy, tool failures, merges, the premise diagnostic, train metrics,
+    error types, ablation grids and eval results as PNGs, and report.md embedding them.
+
+    Figures whose data the warehouse lacks are skipped, and report.md says why.
+    """
+    from cleaner.jobs import report_job
+    from cleaner.warehouse import Warehouse
+
+    out = out or warehouse.parent / "report"
+    written = _run_job(report_job, Warehouse(warehouse), out)
+    for section in written.sections:
+        status = section.file or f"skipped: {section.skipped}"
+        console.print(f"{section.title}: {status}", soft_wrap=True, highlight=False)
+    console.print(f"report: {written.page}")
 
 
 @app.command()

@@ -57,6 +57,8 @@ class LoggingError(CleanerError):
 
 
 class MetricsLogger(Protocol):
+    """Where a run's metrics are mirrored; `ScalarLogger` implements the row methods for any sink."""
+
     def log_metrics(self, section: str, values: Mapping[str, float], step: int) -> None: ...
 
     def log_iteration(self, row: IterationRow) -> None: ...
@@ -156,7 +158,7 @@ class TensorBoardLogger(ScalarLogger):
 
 
 def wandb_mode(offline: bool, environ: Mapping[str, str] = os.environ) -> str | None:
-    """"offline", or None to let wandb follow WANDB_MODE (module docstring)."""
+    """The mode to start W&B in: "offline", or None to let wandb follow WANDB_MODE (default online)."""
     if offline:
         return "offline"
     if environ.get("WANDB_MODE") or environ.get("WANDB_API_KEY"):

@@ -12,11 +12,11 @@ Design decisions:
 - An *ablation* is an iteration purified under two or more configs; `cleaner run` purifies one
   config per iteration, so its iterations are never one. Negative samples are counted apart and
   left out of every other count, which are per rollout.
-- Eval results are read from a relation (table or view) named `eval_runs`, if the connection
-  holds one; this module does not create it. The interface, for whoever writes eval results:
-  one row per evaluation with columns `model` (text), `dataset` (text), `saar` (any type; the
-  setting the model was evaluated under, shown as text), `avg_at_n` (number in [0, 1]),
-  `pass_at_k` (JSON or struct, shown as text) and `failures_per_trajectory` (number).
+- Eval results are read from the relation named `eval_runs`: the dataset `cleaner eval` writes,
+  or a table a caller registers on its own connection under that name. The columns read: one row
+  per evaluation with `model` (text), `dataset` (text), `saar` (any type; the setting the model
+  was evaluated under, shown as text), `avg_at_n` (number in [0, 1]), `pass_at_k` (a map, JSON or
+  struct, shown as text) and `failures_per_trajectory` (number). No relation, or no rows: None.
 """
 
 from __future__ import annotations
@@ -100,16 +100,17 @@ def has_relation(connection: duckdb.DuckDBPyConnection, name: str) -> bool:
 
 
 def eval_results(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
-    """The `eval_runs` relation as text and numbers (module docstring), or None without one."""
+    """The `eval_runs` relation as text and numbers (module docstring), or None without rows."""
     if not has_relation(connection, EVAL_RELATION):
         return None
-    return _frame(connection, f"""
+    frame = _frame(connection, f"""
         SELECT CAST(model AS VARCHAR) AS model, CAST(dataset AS VARCHAR) AS dataset,
                CAST(saar AS VARCHAR) AS saar, CAST(avg_at_n AS DOUBLE) AS avg_at_n,
                CAST(pass_at_k AS VARCHAR) AS pass_at_k,
                CAST(failures_per_trajectory AS DOUBLE) AS failures_per_trajectory
         FROM {EVAL_RELATION} ORDER BY dataset, model, saar
     """)
+    return frame if frame.height else None
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ class Warehouse:
 
     def read_train_steps(self, iteration: int) -> list[TrainStepRow]:
         """An iteration's optimiser steps in order."""
-        table = read_parts(list_parts(self.root, schema.TRAIN_STEPS, {"iteration": iteration}), schema.TRAIN_STEPS)
+        table = read_parts(self._visible(schema.TRAIN_STEPS, iteration=iteration), schema.TRAIN_STEPS)
         return sorted(schema.from_table(schema.TRAIN_STEPS, table), key=lambda row: row.optimizer_step)
 
     def has_train_steps(self, iteration: int) -> bool:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from cleaner.engine.records import Rollout, Segment
+import dataclasses
+import math
+
+from cleaner.engine.records import EvalRunRow, Rollout, Segment
 
 
 def make_rollout(rollout_id: str, iteration: int = 0, reward: float = 1.0, n_failed: int = 1) -> Rollout:
@@ -31,3 +34,15 @@ def make_segments(rollout_id: str, iteration: int = 0) -> list[Segment]:
         seg(4, "tool", 0, 1, [7, 10], tool_code="print(1)", tool_status="ok", exec_ms=2.0),
         seg(5, "assistant", 1, 0, [11, 12], text="\\boxed{42}"),
     ]
+
+
+def make_eval_run(eval_id: str, saar: bool, **changes) -> EvalRunRow:
+    """An `eval_runs` row; `changes` override its fields."""
+    row = EvalRunRow(
+        eval_id=eval_id, model="m", policy_version="m@1", dataset="aime24", data_path="a.parquet",
+        data_source="AIME2024", prompt_style="reference", saar=saar, n=4, problems=2, rollouts=8, avg_at_n=0.25,
+        pass_at_k=((1, 0.25), (2, 0.5), (4, 0.75)), maj_at_n=0.5, tool_calls_per_trajectory=1.5,
+        failures_per_trajectory=0.125, first_call_error_rate=math.nan, recovery_rate=1.0, seconds=2.0,
+        rollouts_generated=8, seed=0, temperature=1.0, top_p=0.6, max_turns=16, config_json="{}",
+    )
+    return dataclasses.replace(row, **changes)

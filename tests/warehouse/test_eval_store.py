@@ -5,22 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from cleaner.engine.records import EvalRunRow
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.parts import write_part
 
-from .factories import make_rollout, make_segments
-
-
-def _run_row(eval_id: str, saar: bool, **changes) -> EvalRunRow:
-    row = EvalRunRow(
-        eval_id=eval_id, model="m", policy_version="m@1", dataset="aime24", data_path="a.parquet",
-        data_source="AIME2024", prompt_style="reference", saar=saar, n=4, problems=2, rollouts=8, avg_at_n=0.25,
-        pass_at_k=((1, 0.25), (2, 0.5), (4, 0.75)), maj_at_n=0.5, tool_calls_per_trajectory=1.5,
-        failures_per_trajectory=0.125, first_call_error_rate=math.nan, recovery_rate=1.0, seconds=2.0,
-        rollouts_generated=8, seed=0, temperature=1.0, top_p=0.6, max_turns=16, config_json="{}",
-    )
-    return dataclasses.replace(row, **changes)
+from .factories import make_eval_run, make_rollout, make_segments
 
 
 def test_eval_batches_commit_like_collection_and_stay_apart(tmp_path):
@@ -40,12 +28,12 @@ def test_eval_batches_commit_like_collection_and_stay_apart(tmp_path):
 def test_eval_runs_round_trip_and_sql(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     assert wh.read_eval_run("e1") is None
-    wh.write_eval_run(_run_row("e1", True))
-    wh.write_eval_run(_run_row("e2", False, avg_at_n=0.5, pass_at_k=((1, 0.5), (2, 0.6), (4, 0.9))))
+    wh.write_eval_run(make_eval_run("e1", True))
+    wh.write_eval_run(make_eval_run("e2", False, avg_at_n=0.5, pass_at_k=((1, 0.5), (2, 0.6), (4, 0.9))))
     stored = wh.read_eval_run("e1")
     assert stored.pass_at_k == ((1, 0.25), (2, 0.5), (4, 0.75)) and math.isnan(stored.first_call_error_rate)
     assert dataclasses.replace(stored, first_call_error_rate=0.0) == dataclasses.replace(
-        _run_row("e1", True, created_at=stored.created_at), first_call_error_rate=0.0)
+        make_eval_run("e1", True, created_at=stored.created_at), first_call_error_rate=0.0)
     rows = wh.connect().sql("SELECT eval_id, pass_at_k[4] FROM eval_runs ORDER BY avg_at_n DESC").fetchall()
     assert rows == [("e2", 0.9), ("e1", 0.75)]
 

@@ -8,7 +8,7 @@ from datetime import datetime
 
 from cleaner.engine.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
 from cleaner.warehouse import Warehouse, queries
-from tests.warehouse.factories import make_rollout, make_segments
+from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
 
 
 def iteration_row(iteration: int, accuracy: float, created_at: datetime) -> IterationRow:
@@ -78,17 +78,16 @@ def test_ablation_grid_holds_only_iterations_with_several_configs(tmp_path):
     ]
 
 
-def test_eval_results_read_an_eval_runs_relation_when_there_is_one(tmp_path):
+def test_eval_results_read_the_eval_runs_of_the_warehouse(tmp_path):
     wh = Warehouse(tmp_path)
     wh.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    assert queries.eval_results(wh.connect()) is None  # no evaluation yet
+    wh.write_eval_run(make_eval_run("e1", True, model="tiny", dataset="toy", avg_at_n=0.25,
+                                    pass_at_k=((1, 0.25), (4, 0.5)), failures_per_trajectory=1.5))
+    wh.write_eval_run(make_eval_run("e2", False, model="base", dataset="toy", avg_at_n=0.125,
+                                    pass_at_k=((1, 0.125), (4, 0.25)), failures_per_trajectory=2.0))
     connection = wh.connect()
-    assert queries.eval_results(connection) is None
-    connection.execute("""
-        CREATE TABLE eval_runs AS SELECT * FROM (VALUES
-            ('tiny', 'toy', true, 0.25, {'1': 0.25::DOUBLE, '4': 0.5::DOUBLE}, 1.5),
-            ('base', 'toy', false, 0.125, {'1': 0.125::DOUBLE, '4': 0.25::DOUBLE}, 2.0))
-        AS t(model, dataset, saar, avg_at_n, pass_at_k, failures_per_trajectory)""")
     runs = queries.eval_results(connection)
-    assert runs.rows() == [("base", "toy", "false", 0.125, "{'1': 0.125, '4': 0.25}", 2.0),
-                           ("tiny", "toy", "true", 0.25, "{'1': 0.25, '4': 0.5}", 1.5)]
+    assert runs.rows() == [("base", "toy", "false", 0.125, "{1=0.125, 4=0.25}", 2.0),
+                           ("tiny", "toy", "true", 0.25, "{1=0.25, 4=0.5}", 1.5)]
     assert queries.counts(connection) == queries.Counts(rollouts=1, iterations_collected=1)

@@ -139,9 +139,7 @@ class TensorBoardLogger(ScalarLogger):
 
     def log_metrics(self, section: str, values: Mapping[str, float], step: int) -> None:
         if self._writer is None:
-            from torch.utils.tensorboard import (
-                SummaryWriter,  # needs the optional tensorboard package
-            )
+            from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         for name, value in values.items():

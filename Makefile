@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # torch is pinned in the CPU install path: 2.13.0 is the CPU wheel; an unpinned torch pulls CUDA.
 TORCH_SPEC ?= torch==2.13.0
+# The DeepSpeed the slow tests were verified with (an sdist; its ops build just in time, not here).
+DEEPSPEED_SPEC ?= deepspeed==0.19.0
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-slow test-gpu lint bench clean
@@ -17,13 +19,19 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The deepspeed extra for the slow tests, with the pinned torch on the same command line so the
+# resolver keeps the CPU wheel instead of pulling a CUDA torch.
+$(VENV)/.deepspeed-installed: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(PIP) install -q "$(TORCH_SPEC)" "$(DEEPSPEED_SPEC)" -e '.[dev,deepspeed]'
+	touch $@
+
 demo: setup
 	$(VENV)/bin/cleaner demo
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-slow: setup
+test-slow: setup $(VENV)/.deepspeed-installed
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-gpu: setup

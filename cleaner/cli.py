@@ -368,8 +368,10 @@ def train(
     kl_coef: Annotated[float, typer.Option(help="KL to the reference; 0 = off.")] = 0.0,
     truncated_is: Annotated[bool, typer.Option(help="Truncated IS on rewritten contexts.")] = False,
     dynamic_sampling: Annotated[bool, typer.Option(help="Drop equal-reward groups.")] = False,
-    engine: Annotated[str, typer.Option(help="torch | deepspeed (multi-GPU).")] = "torch",
-    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", exists=True)] = None,
+    engine: Annotated[str, typer.Option(help="torch | deepspeed (ZeRO over the ranks torchrun starts).")] = "torch",
+    deepspeed_config: Annotated[Path | None, typer.Option(
+        help="DeepSpeed JSON: ZeRO stage, offload, precision (cleaner sets batch sizes, optimiser, clipping).",
+        exists=True)] = None,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Take a GRPO/DAPO step on a purified iteration and write a new checkpoint.
@@ -386,7 +388,10 @@ def train(
                      epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
                      dynamic_sampling=dynamic_sampling, engine=engine,
                      deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
-    steps = _run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result.steps
+    result = _run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result
+    if not result.main_process:  # another DeepSpeed rank: rank 0 reports
+        return
+    steps = result.steps
     if steps:
         last = steps[-1]
         console.print(f"{len(steps)} steps; last loss {last.loss:.4f} kl {last.approx_kl:.4f} "
@@ -506,8 +511,8 @@ def run(
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per forward/backward (default: min(16, mini batch)).", show_default=False, rich_help_panel="Train")] = None,
     epochs: Annotated[int, typer.Option(help="Passes over each iteration's rows.", rich_help_panel="Train")] = 1,
     max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping.", rich_help_panel="Train")] = 1.0,
-    engine: Annotated[str, typer.Option(help="torch | deepspeed.", rich_help_panel="Train")] = "torch",
-    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON config.", rich_help_panel="Train")] = None,
+    engine: Annotated[str, typer.Option(help="torch | deepspeed (one process; several ranks: `cleaner train` under torchrun).", rich_help_panel="Train")] = "torch",
+    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON: ZeRO stage, offload, precision.", rich_help_panel="Train")] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     log_to: Annotated[list[LogTarget] | None, typer.Option("--log-to", help="Also log every iteration and optimiser step to tensorboard (<run-dir>/tensorboard/) or wandb; repeatable.", show_default=False, rich_help_panel="Logging")] = None,

@@ -56,6 +56,7 @@ from cleaner.engine.purify.pipeline import (
     stats_from_rows,
 )
 from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
+from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
@@ -399,6 +400,8 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     """
     started = time.monotonic()
     check_device(config.device)
+    if config.engine == "deepspeed":
+        check_deepspeed_setup(config)
     if model is None:
         check_model_path(policy)
     if rows is None:
@@ -408,8 +411,9 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
             raise JobError(f"{exc}; run `cleaner purify` first") from exc
     result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress,
                              optimization=optimization)
-    warehouse.write_train_steps(iteration, result.steps)
-    warehouse.save_config(f"train-iteration={iteration}", config.to_json())
+    if result.main_process:  # DeepSpeed's ranks all train; one writes, so each step is one row
+        warehouse.write_train_steps(iteration, result.steps)
+        warehouse.save_config(f"train-iteration={iteration}", config.to_json())
     return TrainOutcome(result, time.monotonic() - started)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from cleaner.engine.config import RunConfig
 from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.records import IterationRow
 from cleaner.engine.tracking import MetricsLogger, NullLogger
+from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
 
@@ -55,13 +57,26 @@ def _load_backend(config: RunConfig, policy: str) -> Backend:
     return load_backend(collect.backend, policy, device=collect.device, sglang_url=collect.sglang_url)
 
 
-def _policy_to_train(backend: Backend, kept: torch.nn.Module | None) -> torch.nn.Module | None:
+def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str) -> torch.nn.Module | None:
     """The in-memory model training updates: the torch backend's own (trained in place, so the
     next collection needs no reload), else the model trained last iteration (None: the trainer
-    loads the checkpoint)."""
+    loads the checkpoint). DeepSpeed always loads it: ZeRO-3 would partition a model it is handed."""
+    if engine == "deepspeed":
+        return None
     if isinstance(backend, TorchBackend):
         return backend.train_in_place()
     return kept
+
+
+def _check_deepspeed_run(config: RunConfig) -> None:
+    """A run trains with DeepSpeed in its one process only: every rank would collect and write the
+    warehouse, so several ranks train with `cleaner train` under torchrun instead."""
+    check_deepspeed_setup(config.train)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise JobError(f"cleaner run is one process, but it was launched on {world_size} ranks; "
+                       "collect and purify once, then train on many ranks with `cleaner train "
+                       "--engine deepspeed` under torchrun")
 
 
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
@@ -75,6 +90,8 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(config.collect.device)
     check_model_path(config.collect.model)
+    if config.train.engine == "deepspeed":
+        _check_deepspeed_run(config)
     run_dir = Path(config.run_dir)
     warehouse = Warehouse(run_dir / "warehouse")
     exists = warehouse.root.exists()
@@ -133,7 +150,7 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     trained, train_s = None, 0.0
     if not (warehouse.has_train_steps(iteration) and out.exists()):
         outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                            model=_policy_to_train(backend, kept), rows=result.rows,
+                            model=_policy_to_train(backend, kept, config.train.engine), rows=result.rows,
                             optimization=optimization, progress=progress)
         trained, train_s = outcome.result, outcome.seconds
     summary = collected.summary

@@ -1,36 +1,45 @@
 """DeepSpeed ZeRO behind the trainer's interface (engine = "deepspeed"; docs/architecture.md §7).
 
-UNVERIFIED: written against the DeepSpeed API (deepspeed/__init__.py `initialize`, runtime/engine.py
-`backward`, `step`, `save_16bit_model`, `get_global_grad_norm`, `get_lr`) but never run here: no
-GPU and no deepspeed in this environment. Its test is @pytest.mark.gpu.
-
-Launch with the DeepSpeed launcher (`deepspeed --num_gpus N ...`), which sets the ranks.
+Launch one process per device with torchrun (or DeepSpeed's launcher), which sets the ranks; a
+process started without a launcher is a world of one. Verified with ZeRO-2 and ZeRO-3 on two CPU
+processes (gloo, `DS_ACCELERATOR=cpu`): the weights equal the torch engine's within 1e-5
+(tests/engine/train/test_deepspeed.py).
 
 Design decisions:
-- The same stages as the torch trainer (`prepare_rows`, `iter_mini_batches`, `micro_batch_loss`),
-  so both engines compute the same objective. Every rank sees every row in the same seeded order
-  and trains on its share `mini_rows[rank::world_size]`.
-- Gradient accumulation is DeepSpeed's: the JSON's `train_micro_batch_size_per_gpu`,
-  `gradient_accumulation_steps`, `train_batch_size` and `gradient_clipping` are set from
-  TrainConfig (micro_batch_size, ceil(mini_batch_size / (micro_batch_size * world)), max_grad_norm)
-  and `engine.step()` is called after every micro batch; DeepSpeed steps at the boundary. A rank
-  whose share is short of a full accumulation cycle runs padding micro batches with loss * 0, so
-  every rank reaches the boundary together.
-- Token-mean across ranks: each micro loss is divided by the loss tokens of the WHOLE mini batch
+- The same stages as the torch engine (`prepare_rows`, `iter_mini_batches`, `micro_batch_loss`),
+  and the same optimiser: `optim.new_optimization`'s AdamW and warmup schedule, handed to DeepSpeed
+  as its client optimiser and scheduler, with the batch sizes and clipping of TrainConfig
+  (`deepspeed_config.py`). Every rank sees every row in the same seeded order and trains on its
+  share `mini_rows[rank::world_size]`.
+- Token mean across ranks: each micro loss is divided by the loss tokens of the WHOLE mini batch
   (every rank knows it) and multiplied by world_size, because DeepSpeed averages gradients over
-  ranks; `backward(..., scale_wrt_gas=False)` because our normalisation already covers accumulation.
-- The optimiser is torch AdamW (a ZeRO-supported client optimiser) unless the JSON names one.
-- Saving: every rank calls `engine.save_16bit_model` into a staging directory beside out_path
-  (ZeRO-3 needs `stage3_gather_16bit_weights_on_model_save: true`); rank 0 then assembles a
-  Hugging Face directory (weights + config + tokenizer) atomically at out_path.
+  ranks: (1/W) sum_r W g_r / N = sum_r g_r / N, the torch engine's gradient.
+  `backward(..., scale_wrt_gas=False)` because that normalisation already covers accumulation.
+- Accumulation is DeepSpeed's: `engine.step()` after every micro batch steps at the boundary. A
+  rank whose share is short of a full accumulation cycle runs padding micro batches with weight 0,
+  so every rank reaches the boundary (and ZeRO-3's collective forwards) together.
+- Numbering and schedule: a step row carries the run-wide `optimizer_step` and the lr that step
+  used, read from the schedule before stepping. A step DeepSpeed skips (fp16 overflow) still moves
+  the schedule on, as the torch engine's skipped step does. DeepSpeed skips non-finite steps only
+  under fp16 (or bf16 with its `check_grad_overflow`); the torch engine skips any.
+- The optimiser state is partitioned under ZeRO, so it is saved with DeepSpeed's own
+  `save_checkpoint` (each rank its partition) into `<checkpoint>/optimizer/deepspeed/`, beside a
+  small `optimizer/deepspeed.json` (run-wide step, ZeRO stage, ranks), inside the same atomic
+  directory as the weights. Resuming needs the same stage and number of ranks (DeepSpeed cannot
+  repartition); a checkpoint of the other engine is refused rather than silently restarted, since
+  a fresh AdamW mid-run trains differently (`optim.py`); a plain Hugging Face model starts fresh.
+- Only rank 0 writes: it creates the temporary directory, the ranks write their partitions into
+  it, rank 0 adds the Hugging Face weights (`save_pretrained`; ZeRO-3 gathers them first), config,
+  tokenizer and metadata, and swaps it in. `TrainResult.main_process` tells the callers which
+  process prints and writes warehouse rows.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import shutil
+import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +50,20 @@ from cleaner.engine.config import TrainConfig
 from cleaner.engine.models import load_policy, load_tokenizer_if_present
 from cleaner.engine.records import PurifiedRow, TrainStepRow
 from cleaner.engine.train.checkpoint import atomic_directory
+from cleaner.engine.train.deepspeed_config import (
+    check_deepspeed_setup,
+    deepspeed_config_for,
+    zero_stage,
+)
+from cleaner.engine.train.optim import (
+    DEEPSPEED_STATE_DIR,
+    DEEPSPEED_STATE_META,
+    STATE_PATH,
+    Optimization,
+    OptimizerStateError,
+    new_optimization,
+    other_engine_error,
+)
 from cleaner.engine.train.stages import (
     TrainResult,
     chunks,
@@ -53,43 +76,78 @@ from cleaner.engine.train.stages import (
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_FILENAME = "pytorch_model.bin"  # what save_16bit_model writes; from_pretrained reads it
-
-# ---------------------------------------------------------------------------
-# Configuration
-
-
-def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
-    """The user's DeepSpeed JSON with batch sizes and clipping taken from TrainConfig."""
-    ds_config = json.loads(Path(config.deepspeed_config).read_text())
-    accumulation = math.ceil(config.mini_batch_size / (config.micro_batch_size * world_size))
-    ds_config["train_micro_batch_size_per_gpu"] = config.micro_batch_size
-    ds_config["gradient_accumulation_steps"] = accumulation
-    ds_config["train_batch_size"] = config.micro_batch_size * accumulation * world_size
-    ds_config["gradient_clipping"] = config.max_grad_norm
-    return ds_config
+STATE_TAG = "state"  # the one save_checkpoint tag a checkpoint holds
+STATE_FORMAT = 1
+GATHERED_WEIGHTS = ".gathered/pytorch_model.bin"  # ZeRO-3's gathered weights, removed after use
 
 
-def _initialize(model: torch.nn.Module, config: TrainConfig):
+def _comm():
     import deepspeed  # optional extra (deepspeed), needed only by this engine
 
+    return deepspeed.comm
+
+
+# ---------------------------------------------------------------------------
+# Ranks and initialisation
+
+
+def _init_distributed() -> None:
+    """Join the launcher's process group; without a launcher, be a world of one."""
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
+
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        # DeepSpeed would otherwise look for MPI; these are what torchrun sets for one process.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     deepspeed.init_distributed()
-    world_size = deepspeed.comm.get_world_size()
-    ds_config = deepspeed_config_for(config, world_size)
-    optimizer = None
-    if "optimizer" not in ds_config:
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-        )
+
+
+def saved_optimizer_step(policy_path: str | Path, ds_config: dict, world_size: int) -> int | None:
+    """The run-wide step of the DeepSpeed state saved with `policy_path`; None if it has none."""
+    meta_path, torch_state = Path(policy_path) / DEEPSPEED_STATE_META, Path(policy_path) / STATE_PATH
+    if not meta_path.is_file():
+        if torch_state.is_file():
+            raise other_engine_error(policy_path, STATE_PATH, "torch")
+        logger.info("%s holds no optimiser state (%s): the optimiser starts fresh at step 0",
+                    policy_path, DEEPSPEED_STATE_META)
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != STATE_FORMAT:
+        raise OptimizerStateError(f"{meta_path}: format {meta.get('format')!r}, expected {STATE_FORMAT}")
+    saved = (meta["zero_stage"], meta["world_size"])
+    if saved != (zero_stage(ds_config), world_size):
+        raise OptimizerStateError(
+            f"{policy_path}: its optimiser state is partitioned for ZeRO stage {saved[0]} on "
+            f"{saved[1]} ranks, this run has stage {zero_stage(ds_config)} on {world_size}; resume "
+            "with the same, or delete its optimizer/ directory to start a fresh optimiser")
+    return int(meta["optimizer_step"])
+
+
+def _initialize(model: torch.nn.Module, config: TrainConfig, ds_config: dict, step: int):
+    """The DeepSpeed engine over cleaner's AdamW and schedule, positioned at run-wide `step`."""
+    import deepspeed  # optional extra (deepspeed), needed only by this engine
+
+    optimization = new_optimization(model, config, step)
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config,
-    )
-    return engine
+        model=model, optimizer=optimization.optimizer, lr_scheduler=optimization.scheduler,
+        config=ds_config)
+    return engine, optimization
+
+
+def _resume(engine, optimization: Optimization, policy_path: str | Path, config: TrainConfig) -> None:
+    """Load the saved partitions; hyper-parameters stay the config's, as in `optim.py`."""
+    loaded, _ = engine.load_checkpoint(str(Path(policy_path) / DEEPSPEED_STATE_DIR), tag=STATE_TAG,
+                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+    if loaded is None:
+        raise OptimizerStateError(f"{policy_path}: {DEEPSPEED_STATE_DIR} holds no DeepSpeed checkpoint")
+    lrs = optimization.scheduler.get_last_lr()
+    for group, base_lr, lr in zip(optimization.optimizer.param_groups, optimization.scheduler.base_lrs,
+                                  lrs, strict=True):
+        group.update(lr=lr, initial_lr=base_lr, weight_decay=config.weight_decay)
+    logger.info("resuming the DeepSpeed optimiser of %s at step %d", policy_path, optimization.step)
 
 
 # ---------------------------------------------------------------------------
@@ -110,39 +168,37 @@ def _rank_micro_batches(
     return micro + [(share[:1], 0.0)] * (accumulation - len(micro))
 
 
-def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> TrainStepRow:
-    import deepspeed  # optional extra (deepspeed), needed only by this engine
+def rank_loss_scale(weight: float, world_size: int) -> float:
+    """What a rank multiplies its micro loss (already / the mini batch's tokens) by, so that
+    DeepSpeed's mean over ranks is the mini batch's token-mean gradient."""
+    return weight * world_size
 
-    world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
+
+def _deepspeed_step(engine, optimization: Optimization, reference, mini_rows, config, iteration,
+                    step) -> TrainStepRow:
+    comm = _comm()
+    world_size, rank = comm.get_world_size(), comm.get_rank()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
-    optimizer_step = int(engine.global_steps)
-    accumulation = engine.gradient_accumulation_steps()
+    optimizer_step, lr = optimization.step, optimization.lr  # what this step uses
     sums = torch.zeros(4, device=engine.device)  # loss, clip fraction, approx kl, entropy
-    for rows, weight in _rank_micro_batches(
-        mini_rows, rank, world_size, config.micro_batch_size, accumulation
-    ):
-        part = micro_batch_loss(
-            engine, reference, collate_rows(rows, engine.device), config, total_tokens
-        )
-        engine.backward(part.loss * (weight * world_size), scale_wrt_gas=False)
+    for rows, weight in _rank_micro_batches(mini_rows, rank, world_size, config.micro_batch_size,
+                                            engine.gradient_accumulation_steps()):
+        part = micro_batch_loss(engine, reference, collate_rows(rows, engine.device), config,
+                                total_tokens)
+        engine.backward(part.loss * rank_loss_scale(weight, world_size), scale_wrt_gas=False)
         engine.step()
         sums += weight * torch.tensor(
-            [part.loss.item(), part.clip_fraction, part.approx_kl, part.entropy],
-            device=engine.device,
-        )
-    deepspeed.comm.all_reduce(sums)  # each rank holds its share of the mini-batch means
+            [part.loss.item(), part.clip_fraction, part.approx_kl, part.entropy], device=engine.device)
+    if not engine.was_step_applied():
+        logger.warning("iteration %d step %d: DeepSpeed skipped the step (overflow)", iteration, step)
+        optimization.scheduler.step()  # the run-wide schedule moves on, as the torch engine's does
+    comm.all_reduce(sums)  # each rank holds its share of the mini-batch values
     loss, clip_fraction, approx_kl, entropy = sums.tolist()
     grad_norm = engine.get_global_grad_norm()
     return TrainStepRow(
-        iteration=iteration,
-        step=step,
-        optimizer_step=optimizer_step,
-        loss=loss,
-        clip_fraction=clip_fraction,
-        approx_kl=approx_kl,
-        entropy=entropy,
-        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-        lr=float(engine.get_lr()[0]),
+        iteration=iteration, step=step, optimizer_step=optimizer_step, loss=loss,
+        clip_fraction=clip_fraction, approx_kl=approx_kl, entropy=entropy,
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
         tokens=total_tokens,
     )
 
@@ -151,30 +207,50 @@ def _deepspeed_step(engine, reference, mini_rows, config, iteration, step) -> Tr
 # Save and the iteration
 
 
-def _save(engine, policy_path: str | Path, out_path: str | Path, config: TrainConfig) -> Path:
-    """All ranks gather 16-bit weights; rank 0 assembles the HF directory atomically."""
-    import deepspeed  # optional extra (deepspeed), needed only by this engine
+def _write_partitions(engine, temp_dir: Path, ds_config: dict) -> dict | None:
+    """Every rank: its optimiser partition, and under ZeRO-3 its share of the weight gathering.
+    Returns the gathered weights on rank 0 under ZeRO-3, else None (the module holds them)."""
+    engine.save_checkpoint(str(temp_dir / DEEPSPEED_STATE_DIR), tag=STATE_TAG)
+    if zero_stage(ds_config) != 3:
+        return None
+    gathered = temp_dir / GATHERED_WEIGHTS
+    if not engine.save_16bit_model(str(gathered.parent), gathered.name):
+        raise RuntimeError("ZeRO-3 saved no gathered weights although cleaner enabled gathering")
+    if _comm().get_rank() != 0:
+        return None
+    state_dict = torch.load(gathered, map_location="cpu", weights_only=True)
+    gathered.unlink()
+    gathered.parent.rmdir()
+    return state_dict
 
+
+def _write_checkpoint(engine, optimization: Optimization, ds_config: dict, policy_path: str | Path,
+                      out_path: str | Path, config: TrainConfig) -> Path:
+    """All ranks write their partitions into rank 0's temporary directory; rank 0 swaps it in."""
+    comm = _comm()
     out_path = Path(out_path).resolve()
-    staging = out_path.parent / f".{out_path.name}.deepspeed-staging"
-    if not engine.save_16bit_model(str(staging), WEIGHTS_FILENAME):
-        raise RuntimeError(
-            "save_16bit_model saved nothing: with ZeRO-3 set "
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save = true"
-        )
-    deepspeed.comm.barrier()
-    if deepspeed.comm.get_rank() == 0:
-        tokenizer = load_tokenizer_if_present(policy_path)
-        with atomic_directory(out_path) as temp_dir:
-            shutil.move(str(staging / WEIGHTS_FILENAME), temp_dir / WEIGHTS_FILENAME)
-            engine.module.config.save_pretrained(temp_dir)
-            if getattr(engine.module, "generation_config", None) is not None:
-                engine.module.generation_config.save_pretrained(temp_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(temp_dir)
-            (temp_dir / "train_config.json").write_text(config.to_json())
-        shutil.rmtree(staging, ignore_errors=True)
-    deepspeed.comm.barrier()
+    if comm.get_rank() != 0:
+        shared = [None]
+        comm.broadcast_object_list(shared, src=0)
+        _write_partitions(engine, Path(shared[0]), ds_config)
+        comm.barrier()  # rank 0 completes the directory
+        comm.barrier()  # and swaps it in
+        return out_path
+    tokenizer = load_tokenizer_if_present(policy_path)
+    with atomic_directory(out_path) as temp_dir:
+        comm.broadcast_object_list([str(temp_dir)], src=0)
+        state_dict = _write_partitions(engine, temp_dir, ds_config)
+        comm.barrier()
+        engine.module.save_pretrained(temp_dir, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temp_dir)
+        (temp_dir / "train_config.json").write_text(config.to_json())
+        meta = {"format": STATE_FORMAT, "optimizer_step": optimization.step,
+                "zero_stage": zero_stage(ds_config), "world_size": comm.get_world_size(),
+                "deepspeed_config": ds_config}
+        (temp_dir / DEEPSPEED_STATE_META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    comm.barrier()
+    logger.info("saved checkpoint to %s", out_path)
     return out_path
 
 
@@ -187,23 +263,32 @@ def train_iteration_deepspeed(
     model: torch.nn.Module | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """`trainer.train_iteration` on DeepSpeed ZeRO; every rank calls it with the same rows."""
+    """`trainer.train_iteration` on DeepSpeed; every rank calls it with the same rows.
+
+    The optimiser state saved with `policy_path` by this engine is resumed. A `model` passed in
+    belongs to DeepSpeed afterwards (ZeRO-3 partitions its parameters).
+    """
+    check_deepspeed_setup(config)
     torch.manual_seed(config.seed)
+    _init_distributed()
+    comm = _comm()
+    ds_config = deepspeed_config_for(config, comm.get_world_size())
+    step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
     train_rows = prepare_rows(rows, config)
-    engine = _initialize(model if model is not None else load_policy(policy_path), config)
+    model = model if model is not None else load_policy(policy_path)
+    engine, optimization = _initialize(model, config, ds_config, step or 0)
+    if step is not None:
+        _resume(engine, optimization, policy_path, config)
     engine.train()
     reference = None
     if config.kl_coef > 0:
         reference = load_policy(policy_path, engine.device).eval().requires_grad_(False)
-    import deepspeed  # optional extra (deepspeed), needed only by this engine
-
-    show = progress and deepspeed.comm.get_rank() == 0
+    main = comm.get_rank() == 0
     steps: list[TrainStepRow] = []
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
-    for step, mini_rows in enumerate(
-        tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not show)
-    ):
-        steps.append(_deepspeed_step(engine, reference, mini_rows, config, iteration, step))
+    bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not (progress and main))
+    for index, mini_rows in enumerate(bar):
+        steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
     engine.eval()
-    saved = _save(engine, policy_path, out_path, config)
-    return TrainResult(out_path=saved, steps=steps, model=engine.module, optimization=None)
+    saved = _write_checkpoint(engine, optimization, ds_config, policy_path, out_path, config)
+    return TrainResult(out_path=saved, steps=steps, model=None, optimization=None, main_process=main)

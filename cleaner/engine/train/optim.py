@@ -9,7 +9,10 @@ moments settle. So the optimiser lives as long as the run:
   directory swap as the weights), so `cleaner train --policy CKPT` and `cleaner run --resume`
   continue exactly where the saved run was;
 - a checkpoint without that file (any Hugging Face model) still loads: the optimiser starts fresh,
-  and says so.
+  and says so;
+- the DeepSpeed engine saves the same optimiser partitioned, in its own format
+  (`DEEPSPEED_STATE_DIR` and `DEEPSPEED_STATE_META`, `deepspeed_engine.py`); each engine refuses the
+  other's state rather than silently starting fresh mid-run.
 
 Design decisions:
 - The schedule is transformers' `get_constant_schedule_with_warmup`: at optimiser step t (run-wide,
@@ -33,11 +36,25 @@ import torch
 from transformers import get_constant_schedule_with_warmup
 
 from cleaner.engine.config import TrainConfig
+from cleaner.errors import CleanerError
 
 logger = logging.getLogger(__name__)
 
 STATE_PATH = "optimizer/state.pt"  # inside a checkpoint directory; not a weight file
 STATE_FORMAT = 1
+DEEPSPEED_STATE_DIR = "optimizer/deepspeed"  # DeepSpeed's save_checkpoint, one partition per rank
+DEEPSPEED_STATE_META = "optimizer/deepspeed.json"  # {format, optimizer_step, zero_stage, world_size}
+
+
+class OptimizerStateError(CleanerError, ValueError):
+    """A checkpoint's optimiser state cannot continue this run; the message says how to go on."""
+
+
+def other_engine_error(checkpoint: str | Path, found: str, engine: str) -> OptimizerStateError:
+    """The error for a checkpoint whose optimiser state (`found`) was written by `engine`."""
+    return OptimizerStateError(
+        f"{checkpoint}: its optimiser state ({found}) was written by the {engine} engine; continue "
+        f"with --engine {engine}, or delete its optimizer/ directory to start a fresh optimiser")
 
 
 @dataclass
@@ -79,8 +96,9 @@ def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
     optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)  # moments; casts them to each parameter's device
-        for group in optimizer.param_groups:  # hyper-parameters are the config's, not the checkpoint's
-            group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
+    for group in optimizer.param_groups:  # hyper-parameters are the config's, not the checkpoint's;
+        # initial_lr lets the schedule start mid-run (step > 0) before DeepSpeed loads the moments
+        group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps, last_epoch=step - 1)
     return Optimization(optimizer, scheduler)
 
@@ -88,17 +106,19 @@ def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
 def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: str | Path) -> Optimization:
     """The optimiser saved with `checkpoint`, bound to `model`; fresh if the checkpoint has none."""
     path = Path(checkpoint) / STATE_PATH
+    if not path.is_file() and (Path(checkpoint) / DEEPSPEED_STATE_META).is_file():
+        raise other_engine_error(checkpoint, DEEPSPEED_STATE_META, "deepspeed")
     if not path.is_file():
         logger.info("%s holds no optimiser state (%s): the optimiser starts fresh at step 0",
                     checkpoint, STATE_PATH)
         return new_optimization(model, config)
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if saved.get("format") != STATE_FORMAT:
-        raise ValueError(f"{path}: optimiser state format {saved.get('format')!r}, expected {STATE_FORMAT}")
+        raise OptimizerStateError(f"{path}: optimiser state format {saved.get('format')!r}, expected {STATE_FORMAT}")
     groups = saved["optimizer"]["param_groups"]
     n_saved = sum(len(group["params"]) for group in groups)
     if n_saved != len(_trainable(model)):
-        raise ValueError(f"{path}: optimiser state for {n_saved} parameters, the model trains "
+        raise OptimizerStateError(f"{path}: optimiser state for {n_saved} parameters, the model trains "
                          f"{len(_trainable(model))}; it belongs to another architecture")
     logger.info("resuming the optimiser of %s at step %d", checkpoint, saved["optimizer_step"])
     return new_optimization(model, config, saved["optimizer_step"], saved["optimizer"])

@@ -61,8 +61,9 @@ PAD_TOKEN_ID = 0  # padding is masked out of attention and loss, so its id does 
 class TrainResult:
     out_path: Path  # the new checkpoint directory
     steps: list[TrainStepRow]  # one per optimiser step
-    model: torch.nn.Module  # the trained model, in memory
+    model: torch.nn.Module | None  # the trained model, in memory (None: DeepSpeed's, maybe partitioned)
     optimization: Optimization | None  # the run's optimiser, bound to `model` (None: DeepSpeed's own)
+    main_process: bool = True  # False on DeepSpeed's other ranks: they print and write nothing
 
 
 # ---------------------------------------------------------------------------

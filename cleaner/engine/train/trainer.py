@@ -5,7 +5,9 @@
     -> save_checkpoint_atomic (weights, tokenizer and the optimiser state, in one swap).
 
 `train_iteration` is also the entry point for both engines: engine = "deepspeed" hands the same
-stages to `deepspeed_engine.py` (docs/architecture.md §7).
+stages, optimiser and schedule to `deepspeed_engine.py` (docs/architecture.md §7), which always
+resumes its optimiser from the checkpoint at `policy_path` (an `optimization` passed in is the torch
+engine's and is not used).
 
 Design decisions:
 - A step whose gradient norm is not finite is skipped (grads dropped) and logged, not applied.

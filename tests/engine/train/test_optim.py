@@ -9,7 +9,13 @@ import torch
 
 from cleaner.engine.config import TrainConfig
 from cleaner.engine.models import load_policy
-from cleaner.engine.train.optim import STATE_PATH, load_optimization, new_optimization
+from cleaner.engine.train.optim import (
+    DEEPSPEED_STATE_META,
+    STATE_PATH,
+    OptimizerStateError,
+    load_optimization,
+    new_optimization,
+)
 from cleaner.engine.train.trainer import train_iteration
 from tests.engine.train.test_trainer import _batch, policy_dir  # noqa: F401 (fixture)
 
@@ -94,3 +100,20 @@ def test_hyperparameters_come_from_the_config_and_the_position_from_the_checkpoi
     loaded = load_optimization(load_policy(first.out_path), other, first.out_path)
     assert loaded.step == 2 and loaded.lr == pytest.approx(5e-3 * 2 / 4)
     assert loaded.optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_the_torch_engine_refuses_a_deepspeed_engines_optimizer_state(policy_dir, tmp_path):  # noqa: F811
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((policy_dir / name).read_bytes())
+    (tmp_path / DEEPSPEED_STATE_META).parent.mkdir()
+    (tmp_path / DEEPSPEED_STATE_META).write_text('{"format": 1, "optimizer_step": 3}')
+    with pytest.raises(OptimizerStateError, match="written by the deepspeed engine; continue with --engine deepspeed"):
+        load_optimization(load_policy(tmp_path), CONFIG, tmp_path)
+
+
+def test_a_fresh_optimizer_can_start_mid_run():
+    """The DeepSpeed engine positions a new AdamW at the saved step before loading its moments."""
+    model = torch.nn.Linear(2, 1)
+    optimization = new_optimization(model, TrainConfig(lr=1e-2, warmup_steps=4), step=3)
+    assert optimization.step == 3 and optimization.lr == pytest.approx(1e-2 * 3 / 4)
+

@@ -31,39 +31,9 @@ def backend():
 CONFIG = CollectConfig(n_prompts=6, group_size=4, seed=3, sandbox=SandboxConfig(workers=1))
 
 
-def test_stored_segments_reproduce_every_context(backend):
-    contexts: list[tuple[str, list[int]]] = []
-    chat = ChatFormat(backend.tokenizer)
-    with make_sandbox(CONFIG.sandbox) as sandbox:
-        batches = list(collect(toy_tasks(6, seed=11), CONFIG, backend, sandbox, chat, progress=False,
-                               on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids)))))
-    rollouts = {r.rollout_id: r for b in batches for r in b.rollouts}
-    by_rollout = defaultdict(list)
-    for segment in sorted((s for b in batches for s in b.segments), key=lambda s: s.seq):
-        by_rollout[segment.rollout_id].append(segment)
-    generations_seen = Counter()
-    retried = 0
-    for rollout_id, context in contexts:
-        own = by_rollout[rollout_id]
-        # The k-th context of a rollout is the rendering of everything before its k-th generation.
-        k = generations_seen[rollout_id]
-        generations_seen[rollout_id] += 1
-        end = [i for i, s in enumerate(own) if s.kind == "assistant"][k]
-        rollout = rollouts[rollout_id]
-        view = view_for(rollout.rollback_draw, True, CONFIG.gamma, CONFIG.rollback_prob, CONFIG.similarity_on)
-        assert list(render(own[:end], view, chat.decode).token_ids) == context
-        retried += own[end].attempt > 0
-    assert retried > 0, "the sample should contain contexts after a failed call"
-    assert {r.collect_view for r in rollouts.values()} == {"purified"}
-
-
-def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backend):
-    """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: see the README): the
-    agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
-    give every context again."""
-    from cleaner.engine.saar import ScoreCache
-
-    config = dataclasses.replace(CONFIG, rollback_is_threshold=0.5, rollback_is_mode="mean")
+def _collect_with_contexts(backend, config: CollectConfig):
+    """Collect toy tasks; yield (rollout, its segments in order, the end of the k-th generation's
+    context, that context) for every context the model was given, in order."""
     contexts: list[tuple[str, list[int]]] = []
     chat = ChatFormat(backend.tokenizer)
     with make_sandbox(config.sandbox) as sandbox:
@@ -73,12 +43,38 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
     by_rollout = defaultdict(list)
     for segment in sorted((s for b in batches for s in b.segments), key=lambda s: s.seq):
         by_rollout[segment.rollout_id].append(segment)
-    cache, seen, gated, merged = ScoreCache(), Counter(), 0, 0
+    generations_seen = Counter()
     for rollout_id, context in contexts:
-        own, k = by_rollout[rollout_id], seen[rollout_id]
-        seen[rollout_id] += 1
+        own = by_rollout[rollout_id]
+        # The k-th context of a rollout is the rendering of everything before its k-th generation.
+        k = generations_seen[rollout_id]
+        generations_seen[rollout_id] += 1
         end = [i for i, s in enumerate(own) if s.kind == "assistant"][k]
-        rollout = rollouts[rollout_id]
+        yield rollouts[rollout_id], own, end, context
+
+
+def test_stored_segments_reproduce_every_context(backend):
+    chat = ChatFormat(backend.tokenizer)
+    retried, views = 0, set()
+    for rollout, own, end, context in _collect_with_contexts(backend, CONFIG):
+        view = view_for(rollout.rollback_draw, True, CONFIG.gamma, CONFIG.rollback_prob, CONFIG.similarity_on)
+        assert list(render(own[:end], view, chat.decode).token_ids) == context
+        retried += own[end].attempt > 0
+        views.add(rollout.collect_view)
+    assert retried > 0, "the sample should contain contexts after a failed call"
+    assert views == {"purified"}
+
+
+def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backend):
+    """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: see the README): the
+    agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
+    give every context again."""
+    from cleaner.engine.saar import ScoreCache
+
+    config = dataclasses.replace(CONFIG, rollback_is_threshold=0.5, rollback_is_mode="mean")
+    chat = ChatFormat(backend.tokenizer)
+    cache, gated, merged = ScoreCache(), 0, 0
+    for rollout, own, end, context in _collect_with_contexts(backend, config):
         view = view_for(rollout.rollback_draw, True, config.gamma, config.rollback_prob,
                         config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode)
         while (rendered := render(own[:end], view, chat.decode, oracle=cache)).provisional:

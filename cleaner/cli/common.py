@@ -1,0 +1,121 @@
+"""What every `cleaner` command shares: the typer app, consoles, option types, errors.
+
+Kept thin on purpose: every command's work lives in `cleaner.jobs`, `cleaner.engine` or
+`cleaner.warehouse`; a command parses options, builds a config and calls one job.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+app = typer.Typer(
+    name="cleaner",
+    help="CLEANER: collect tool-using rollouts, purify them with SAAR, train with GRPO/DAPO.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+sandbox_app = typer.Typer(help="Run code through the Python tool's sandbox.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
+
+console = Console()
+if not console.is_terminal:  # pipes, logs and CI: wide tables instead of rich's 80-column default
+    console = Console(width=160)
+err_console = Console(stderr=True)
+
+WarehouseOpt = Annotated[
+    Path, typer.Option("--warehouse", "-w", help="Warehouse directory.", envvar="CLEANER_WAREHOUSE")
+]
+DEFAULT_WAREHOUSE = Path("warehouse")
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print an error to stderr and return the Exit to raise."""
+    # escaped: a message may hold brackets rich would read as markup (pip install 'cleaner[sglang]')
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
+    return typer.Exit(code)
+
+
+def not_built(command: str) -> typer.Exit:
+    return fail(f"`cleaner {command}` is not built yet in this version.", code=2)
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
+    """CLEANER: self-purified trajectories for agentic RL (arXiv 2601.15141)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building configs and calling jobs
+
+
+def build_config(factory, **kwargs):
+    """Build a config; an invalid value becomes a clear CLI error."""
+    try:
+        return factory(**kwargs)
+    except ValueError as exc:
+        raise fail(f"invalid option: {exc}") from exc
+
+
+def floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise fail(f"{name} takes comma-separated numbers, got {text!r}") from exc
+
+
+def words(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def run_job(job, *args, **kwargs):
+    """Call a job; its expected failures become CLI errors with exit code 1."""
+    from cleaner.errors import CleanerError
+
+    try:
+        return job(*args, **kwargs)
+    except CleanerError as exc:
+        raise fail(str(exc)) from exc
+
+
+ModelOpt = Annotated[str, typer.Option("--model", help="HF model path or checkpoint dir (default: tiny policy).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
+MaxTurnsOpt = Annotated[int, typer.Option(help="Assistant generations per rollout.")]
+MaxNewTokensOpt = Annotated[int, typer.Option(help="Tokens per generation.")]
+SeedOpt = Annotated[int, typer.Option(help="Base seed.")]
+# Where the policy runs. Every command that generates or scores takes these two (collect, purify,
+# ablate, run; an eval command too) and hands them to cleaner.engine.backends.load_backend.
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
+SglangUrlOpt = Annotated[str | None, typer.Option(
+    "--sglang-url", help="A running SGLang server or router, e.g. http://host:30000 (with --backend sglang).")]
+ShardOpt = Annotated[str, typer.Option(
+    "--shard", help="i/N: do only the i-th of N disjoint shares (whole prompts) of the iteration.")]
+
+
+def parse_shard(text: str):
+    from cleaner.engine.config import Shard
+
+    return build_config(Shard.parse, text=text)
+
+
+IsThresholdOpt = Annotated[float, typer.Option(
+    "--rollback-is-threshold", help="IS gate tau: a merge whose IS < tau keeps its chain raw; 0 = off.")]
+IsModeOpt = Annotated[str, typer.Option(
+    "--rollback-is-mode", help="IS over R's tokens: sum (the design) | mean (per token, the reference's later code).")]
+NegativeSamplesOpt = Annotated[bool, typer.Option(
+    help="Pair each fixed failure with its fix and push them apart (the reference's DPO term).")]
+DpoBetaOpt = Annotated[float, typer.Option(help="Beta of the negative-sample term.")]
+DpoRatioOpt = Annotated[float, typer.Option(help="Cap of the negative-sample push per token.")]
+DpoCapOpt = Annotated[str, typer.Option(help="relative (x |advantage|) | absolute (the reference's code).")]
+

@@ -1,0 +1,209 @@
+"""The commands that read a warehouse or run the sandbox: report, sandbox run, sql, compact, show.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cleaner.cli.common import (
+    DEFAULT_WAREHOUSE,
+    WarehouseOpt,
+    app,
+    build_config,
+    console,
+    fail,
+    run_job,
+    sandbox_app,
+)
+from cleaner.engine.show import Panels
+
+
+@app.command()
+def report(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: report/ beside the warehouse).", show_default=False)] = None,
+) -> None:
+    """Plot a warehouse: accuracy, tool failures, merges, the premise diagnostic, train metrics,
+    error types, ablation grids and eval results as PNGs, and report.md embedding them.
+
+    Figures whose data the warehouse lacks are skipped, and report.md says why.
+    """
+    from cleaner.jobs import report_job
+    from cleaner.warehouse import Warehouse
+
+    out = out or warehouse.parent / "report"
+    written = run_job(report_job, Warehouse(warehouse), out)
+    for section in written.sections:
+        status = section.file or f"skipped: {section.skipped}"
+        console.print(f"{section.title}: {status}", soft_wrap=True, highlight=False)
+    console.print(f"report: {written.page}")
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    file: Annotated[Path, typer.Argument(help="Python file to run.")],
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Wall-clock limit in seconds.")] = 4.0,
+    stdin: Annotated[Path | None, typer.Option("--stdin", help="File fed to the code's stdin.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run one Python file through the sandbox and print the result.
+
+    Exits 0 whenever the sandbox worked, whatever the code did; non-zero if FILE is missing or the
+    sandbox itself failed.
+    """
+    import dataclasses
+
+    from rich.table import Table
+
+    from cleaner.engine.chat import format_tool_response
+    from cleaner.sandbox import ExecStatus, SandboxConfig, SandboxError, make_sandbox
+
+    for path in (file, stdin):
+        if path is not None and not path.is_file():
+            raise fail(f"no such file: {path}")
+    try:
+        config = SandboxConfig(workers=1, timeout_s=timeout_s)
+        with make_sandbox(config) as sandbox:
+            result = sandbox.run(file.read_text(), stdin.read_text() if stdin else None)
+    except (SandboxError, ValueError) as error:
+        raise fail(f"sandbox failed: {error}") from error
+    if result.status == ExecStatus.INFRA_ERROR:
+        raise fail(f"sandbox failed: {result.stderr}")
+    if as_json:
+        ok = result.status == ExecStatus.OK
+        reason = None if ok else str(result.status)
+        response = format_tool_response(ok, result.stdout, result.stderr, reason)
+        # with the text a model would see, which the sandbox itself does not word
+        typer.echo(json.dumps({**dataclasses.asdict(result), "response": response}))
+        return
+    table = Table(show_header=False, title=str(file))
+    for name in ("status", "error_type", "stdout", "stderr", "exec_ms"):
+        value = getattr(result, name)
+        table.add_row(name, f"{value:.1f}" if name == "exec_ms" else str(value), end_section=True)
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warehouse commands
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="DuckDB SQL over the views: rollouts, segments, attempts, ...")],
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Run DuckDB SQL over the warehouse views.
+
+    Views: rollouts, segments, purified, purify_configs, iterations, train_steps, eval_rollouts,
+    eval_segments, eval_runs, and the convenience views attempts (assistant segments with the outcome
+    of their call) and failures.
+    """
+    import duckdb
+    import polars as pl
+
+    from cleaner.engine.show import result_table
+    from cleaner.warehouse import Warehouse, WarehouseError
+
+    try:
+        connection = Warehouse(warehouse).connect()
+        relation = connection.sql(query)  # None for statements that return nothing
+        table = relation.to_arrow_table() if relation is not None else None
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    except duckdb.Error as exc:
+        raise fail(f"query failed: {exc}") from exc
+    if table is None:
+        return
+    if output_format is OutputFormat.table:
+        if output is None:
+            console.print(result_table(table))
+        else:
+            with open(output, "w") as sink:
+                Console(file=sink, width=200).print(result_table(table))
+        return
+    frame = pl.from_arrow(table)
+    text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
+    if output:
+        output.write_text(text)
+    else:
+        typer.echo(text, nl=False)
+
+
+@app.command()
+def compact(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    dataset: Annotated[str | None, typer.Option(help="One dataset (default: all); segments go with rollouts.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="One iteration (default: all).")] = None,
+    target_mb: Annotated[float, typer.Option(help="Parts below this size are merged into parts of at most this size.")] = 128.0,
+) -> None:
+    """Merge each partition's small parts into few, atomically.
+
+    Safe to interrupt: readers see every row once at any moment, and the next compaction finishes
+    what an interrupted one left. Writers may keep adding parts meanwhile; a reader that listed the
+    parts just before they were merged may have to read again.
+    """
+    from rich.table import Table
+
+    from cleaner.warehouse.compact import compact as compact_warehouse
+    from cleaner.warehouse.parts import WarehouseError
+
+    try:
+        result = compact_warehouse(warehouse, dataset, iteration, int(target_mb * 2**20))
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    table = Table("dataset", "partition", "parts", "rows", "MB before", "MB after")
+    for merge in result.merges:
+        table.add_row(merge.dataset, merge.partition, str(merge.n_parts), str(merge.n_rows),
+                      f"{merge.bytes_before / 2**20:.2f}", f"{merge.bytes_after / 2**20:.2f}")
+    if result.merges:
+        console.print(table)
+    if result.n_leftovers:
+        console.print(f"removed {result.n_leftovers} files left by an interrupted compaction")
+    merged = sum(merge.n_parts for merge in result.merges)
+    console.print(f"merged {merged} parts into {len(result.merges)} in {warehouse}")
+
+
+@app.command()
+def show(
+    rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified view.")] = 0.5,
+    similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
+    view: Annotated[Panels, typer.Option("--view", help="raw | purified | both.")] = Panels.BOTH,
+    tokenizer: Annotated[bool, typer.Option(help="Decode with the collecting policy's tokenizer.")] = True,
+) -> None:
+    """Print one rollout raw (failures red, retries yellow, what SAAR drops struck through) and purified.
+
+    The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
+    each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
+    """
+    from cleaner.engine.render import View
+    from cleaner.engine.show import Decoder, load_decoder, load_inspection, show_rollout
+    from cleaner.warehouse import Warehouse, WarehouseError
+
+    saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on)
+    try:
+        inspection = load_inspection(Warehouse(warehouse), rollout_id)
+    except WarehouseError as exc:
+        raise fail(str(exc)) from exc
+    if inspection is None:
+        raise fail(f"no rollout {rollout_id!r} in {warehouse}")
+    decoder = load_decoder(inspection.model) if tokenizer and view is not Panels.RAW else Decoder(
+        None, "--no-tokenizer: text below is the stored segment text, not decoded tokens")
+    console.print(show_rollout(inspection, saar, decoder, view))
+
+

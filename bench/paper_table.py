@@ -91,6 +91,48 @@ def iterations_to_reach(summary: pl.DataFrame, arms: list[str]) -> dict[str, int
     return reached
 
 
+def arm_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataFrame:
+    """Per arm, over the last `last` iterations: accuracy and failures per trajectory (mean and std
+    across seeds of each seed's mean), their difference to the baseline of the same seed (the
+    arms share seeds, so the pairing removes the seed's own luck), the seeds on which the arm beat
+    the baseline, and what SAAR did (merges and gated merges per iteration)."""
+    final = frame.filter(pl.col("iteration") > frame["iteration"].max() - last)
+    per_seed = final.group_by("arm", "seed").agg(
+        pl.col("accuracy").mean().alias("acc"), pl.col("failures_per_trajectory").mean().alias("fail"),
+        (pl.col("n_shallow") + pl.col("n_deep")).mean().alias("merges"), pl.col("n_gated").mean().alias("gated"))
+    baseline = per_seed.filter(pl.col("arm") == "baseline").select(
+        "seed", pl.col("acc").alias("base_acc"), pl.col("fail").alias("base_fail"))
+    start = frame.filter(pl.col("iteration") == 0).group_by("arm").agg(pl.col("accuracy").mean().alias("acc_0"))
+    return (
+        per_seed.join(baseline, on="seed")
+        .with_columns((pl.col("acc") - pl.col("base_acc")).alias("d_acc"),
+                      (pl.col("fail") - pl.col("base_fail")).alias("d_fail"))
+        .group_by("arm")
+        .agg(pl.col("acc").mean().alias("acc_mean"), pl.col("acc").std().alias("acc_std"),
+             pl.col("d_acc").mean().alias("d_acc_mean"), pl.col("d_acc").std().alias("d_acc_std"),
+             (pl.col("d_acc") > 0).sum().alias("seeds_above"), pl.len().alias("seeds"),
+             pl.col("fail").mean().alias("fail_mean"), pl.col("d_fail").mean().alias("d_fail_mean"),
+             pl.col("d_fail").std().alias("d_fail_std"), pl.col("merges").mean(), pl.col("gated").mean())
+        .join(start, on="arm")
+        .sort(pl.col("arm").replace_strict({arm: i for i, arm in enumerate(arms)}, default=len(arms)))
+    )
+
+
+def summary_markdown(arms_frame: pl.DataFrame, last: int) -> str:
+    def pm(mean, std):
+        return f"{mean:+.3f} ± {std or 0:.3f}"
+
+    lines = [f"| arm | acc, iteration 0 | acc, last {last} | vs baseline (same seed) | seeds above | "
+             f"fail/traj, last {last} | vs baseline | merges / iteration | gated / iteration |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in arms_frame.iter_rows(named=True):
+        lines.append(
+            f"| {r['arm']} | {r['acc_0']:.3f} | {r['acc_mean']:.3f} ± {r['acc_std'] or 0:.3f} | "
+            f"{pm(r['d_acc_mean'], r['d_acc_std'])} | {r['seeds_above']}/{r['seeds']} | {r['fail_mean']:.3f} | "
+            f"{pm(r['d_fail_mean'], r['d_fail_std'])} | {r['merges']:.1f} | {r['gated']:.1f} |")
+    return "\n".join(lines)
+
+
 def premise_at_start(frame: pl.DataFrame) -> pl.DataFrame:
     """The premise diagnostic of iteration 0, per arm (mean over seeds)."""
     return (
@@ -163,6 +205,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out", default="runs/paper_table/mixed")
     parser.add_argument("--plot", default=None, help="PNG to write (default: <out>/paper_table.png)")
+    parser.add_argument("--last", type=int, default=5, help="iterations averaged in the summary table")
     args = parser.parse_args()
     args.arms = [arm for arm in args.arms.split(",") if arm]
     unknown = set(args.arms) - set(ARMS)
@@ -176,7 +219,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     frame.write_json(out / "iterations.json")
-    text = markdown(summary, reached, premise, args.arms)
+    text = (summary_markdown(arm_summary(frame, args.arms, args.last), args.last) + "\n\n"
+            + markdown(summary, reached, premise, args.arms))
     (out / "table.md").write_text(text + "\n")
     plot(summary, args.arms, Path(args.plot) if args.plot else out / "paper_table.png", str(args.model))
     print(text)

@@ -123,9 +123,15 @@ def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[Purif
 def iter_mini_batches(
     rows: Sequence[PurifiedRow], config: TrainConfig, iteration: int
 ) -> Iterator[list[PurifiedRow]]:
-    """Seeded shuffle per epoch, then consecutive chunks of mini_batch_size rows."""
+    """Seeded shuffle per epoch, then consecutive chunks of mini_batch_size rows.
+
+    The shuffle starts from the rows sorted by (rollout, negative sample), not from their input
+    order, so the mini batches depend only on which rows there are: two purify configs that give
+    the same rows (or the rows read back from the warehouse on resume) train identically, and arms
+    of an experiment with the same seed differ only by what purification changed."""
+    canonical = sorted(rows, key=lambda row: (row.rollout_id, -1 if row.negative_seq is None else row.negative_seq))
     for epoch in range(config.epochs):
-        order = list(rows)
+        order = list(canonical)
         random.Random(f"{config.seed}:{iteration}:{epoch}").shuffle(order)
         for start in range(0, len(order), config.mini_batch_size):
             yield order[start : start + config.mini_batch_size]

@@ -237,6 +237,20 @@ def test_mini_batches_are_a_seeded_shuffle():
     assert order(config, iteration=1) != first
 
 
+def test_mini_batches_depend_on_the_rows_not_their_input_order():
+    """Arms of an experiment (and a resumed run reading rows back) hand the trainer the same rows
+    in other orders; a negative sample sorts right after its rollout's own row."""
+    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(7)]
+    rows.append(dataclasses.replace(rows[3], negative_seq=5))
+    config = TrainConfig(mini_batch_size=3, micro_batch_size=1)
+
+    def order(given):
+        return [[(r.rollout_id, r.negative_seq) for r in mini] for mini in iter_mini_batches(given, config, 0)]
+
+    assert order(rows[::-1]) == order(rows) == order(rows[4:] + rows[:4])
+    assert len(set(sum(order(rows), []))) == len(rows)  # every row once, the negative sample too
+
+
 def test_collate_right_pads_and_masks_position_zero():
     rows = [
         _row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]),

@@ -22,6 +22,7 @@ from cleaner.engine.config import DEFAULT_POLICY, EvalConfig
 from cleaner.jobs import eval_job
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
+from tests.engine.test_tracking import scalars
 
 runner = CliRunner()
 
@@ -53,9 +54,17 @@ def test_eval_prints_both_settings_stores_them_and_reprints_as_json(tmp_path, to
     assert result.exit_code == 0, result.output
     for text in ("avg@4", "pass@4", "maj@4", "fail/traj", "latency x", "2 evaluation(s) run"):
         assert text in result.stdout
-    result = runner.invoke(app, [*args, "--format", "json"])  # stored: reprinted, not run again
+    # stored: reprinted, not run again, and mirrored to TensorBoard at the given step
+    result = runner.invoke(app, [*args, "--format", "json", "--log-to", "tensorboard", "--log-step", "7"])
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)
+    logged = scalars(tmp_path / "tensorboard")  # beside the warehouse by default
+    for record in records:
+        section = f"eval/toy/{DEFAULT_POLICY.name}/{'saar' if record['saar'] else 'raw'}"
+        assert logged[f"{section}/avg_at_n"] == [(7, pytest.approx(record["avg_at_n"], rel=1e-6))]
+        assert logged[f"{section}/pass_at_4"] == [(7, pytest.approx(record["pass_at_k"]["4"], rel=1e-6))]
+        assert logged[f"{section}/failures_per_trajectory"] == [
+            (7, pytest.approx(record["failures_per_trajectory"], rel=1e-6))]
     assert [(r["dataset"], r["saar"], r["n"], r["problems"], r["rollouts"]) for r in records] == [
         ("toy", True, 4, 16, 64), ("toy", False, 4, 16, 64)]
     for record in records:

@@ -7,6 +7,7 @@ Kept thin on purpose: every command's work lives in `cleaner.jobs`, `cleaner.eng
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -119,3 +120,15 @@ DpoBetaOpt = Annotated[float, typer.Option(help="Beta of the negative-sample ter
 DpoRatioOpt = Annotated[float, typer.Option(help="Cap of the negative-sample push per token.")]
 DpoCapOpt = Annotated[str, typer.Option(help="relative (x |advantage|) | absolute (the reference's code).")]
 
+
+
+class LogTarget(StrEnum):  # cleaner.engine.tracking.TARGETS
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
+# Where `run` and `eval` mirror their metrics besides the warehouse (cleaner.engine.tracking).
+WandbProjectOpt = Annotated[str, typer.Option(help="W&B project.", rich_help_panel="Logging")]
+WandbOfflineOpt = Annotated[bool, typer.Option(
+    "--wandb-offline", help="W&B offline even with an API key (it is offline anyway without one).",
+    rich_help_panel="Logging")]

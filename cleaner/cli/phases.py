@@ -19,6 +19,7 @@ from cleaner.cli.common import (
     DpoRatioOpt,
     IsModeOpt,
     IsThresholdOpt,
+    LogTarget,
     MaxNewTokensOpt,
     MaxTurnsOpt,
     ModelOpt,
@@ -26,6 +27,8 @@ from cleaner.cli.common import (
     SeedOpt,
     SglangUrlOpt,
     ShardOpt,
+    WandbOfflineOpt,
+    WandbProjectOpt,
     WarehouseOpt,
     app,
     build_config,
@@ -136,6 +139,11 @@ def evaluate(
     sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
     output_format: Annotated[EvalFormat, typer.Option("--format", "-f", help="table | json.")] = EvalFormat.table,
+    log_to: Annotated[list[LogTarget] | None, typer.Option("--log-to", help="Also log each evaluation's metrics to tensorboard or wandb; repeatable.", show_default=False, rich_help_panel="Logging")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Where the logs go (default: beside the warehouse, so a run's evals log with the run).", show_default=False, rich_help_panel="Logging")] = None,
+    log_step: Annotated[int, typer.Option(help="The x value of this evaluation, e.g. the iteration of the checkpoint.", rich_help_panel="Logging")] = 0,
+    wandb_project: WandbProjectOpt = "cleaner",
+    wandb_offline: WandbOfflineOpt = False,
 ) -> None:
     """Evaluate models on benchmark files with the agent loop (no training); store every rollout.
 
@@ -144,7 +152,8 @@ def evaluate(
     same command again continues an interrupted evaluation and reprints completed ones.
     """
     from cleaner.engine.config import EvalConfig, SandboxConfig
-    from cleaner.engine.eval.report import eval_records, eval_table
+    from cleaner.engine.eval.report import eval_records, eval_scalars, eval_table
+    from cleaner.engine.tracking import open_loggers
     from cleaner.jobs import eval_job
     from cleaner.warehouse import Warehouse
 
@@ -157,7 +166,13 @@ def evaluate(
         test_timeout_s=test_timeout_s,
         sandbox=build_config(SandboxConfig, workers=sandbox_workers),
     )
-    outcome = run_job(eval_job, Warehouse(warehouse), config, progress=output_format is EvalFormat.table)
+    log_dir = log_dir or warehouse.resolve().parent
+    metrics = run_job(open_loggers, [target.value for target in log_to or []], log_dir, name=log_dir.name,
+                      wandb_project=wandb_project, wandb_offline=wandb_offline)
+    with metrics:
+        outcome = run_job(eval_job, Warehouse(warehouse), config, progress=output_format is EvalFormat.table)
+        for row in outcome.rows:  # every evaluation the command prints, stored ones too
+            metrics.log_metrics(*eval_scalars(row), step=log_step)
     if output_format is EvalFormat.json:
         typer.echo(json.dumps(eval_records(outcome.rows), indent=2))
         return

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +11,10 @@ import typer
 
 from cleaner.cli.common import (
     DeviceOpt,
+    LogTarget,
     SeedOpt,
+    WandbOfflineOpt,
+    WandbProjectOpt,
     app,
     console,
     fail,
@@ -21,11 +23,6 @@ from cleaner.cli.common import (
 from cleaner.engine.config import DEFAULT_POLICY
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
-
-
-class LogTarget(StrEnum):  # cleaner.engine.tracking.TARGETS
-    tensorboard = "tensorboard"
-    wandb = "wandb"
 
 
 def _flag_layer(ctx: typer.Context, values: dict) -> dict:
@@ -137,8 +134,8 @@ def run(
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     log_to: Annotated[list[LogTarget] | None, typer.Option("--log-to", help="Also log every iteration and optimiser step to tensorboard (<run-dir>/tensorboard/) or wandb; repeatable.", show_default=False, rich_help_panel="Logging")] = None,
-    wandb_project: Annotated[str, typer.Option(help="W&B project.", rich_help_panel="Logging")] = "cleaner",
-    wandb_offline: Annotated[bool, typer.Option("--wandb-offline", help="W&B offline even with an API key (it is offline anyway without one).", rich_help_panel="Logging")] = False,
+    wandb_project: WandbProjectOpt = "cleaner",
+    wandb_offline: WandbOfflineOpt = False,
 ) -> None:
     """Loop collect -> purify -> train for several iterations, in one process.
 

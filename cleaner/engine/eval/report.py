@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.table import Table
 
@@ -55,6 +56,20 @@ def eval_records(rows: Sequence[EvalRunRow]) -> list[dict]:
         "eval_id": row.eval_id, "data_source": row.data_source, "prompt_style": row.prompt_style,
         "policy_version": row.policy_version,
     } for row in rows]
+
+
+def eval_scalars(row: EvalRunRow) -> tuple[str, dict[str, float]]:
+    """The section and scalars a metrics logger gets for one evaluation: section
+    `eval/<dataset>/<model directory name>/<saar|raw>`, values avg@n, pass@k per k, maj@n, the tool
+    rates and seconds (a rate without calls is NaN, as stored)."""
+    setting = "saar" if row.saar else "raw"
+    section = f"eval/{row.dataset}/{Path(row.model).name or row.model}/{setting}"
+    values = {"avg_at_n": row.avg_at_n, **{f"pass_at_{k}": value for k, value in row.pass_at_k},
+              "maj_at_n": row.maj_at_n, "tool_calls_per_trajectory": row.tool_calls_per_trajectory,
+              "failures_per_trajectory": row.failures_per_trajectory,
+              "first_call_error_rate": row.first_call_error_rate, "recovery_rate": row.recovery_rate,
+              "seconds": row.seconds}
+    return section, values
 
 
 def _rate(value: float) -> str:

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cleaner.engine.backends import Backend, load_backend, require_backend
 from cleaner.engine.backends.base import SamplingParams, ScorerStats
@@ -61,10 +60,7 @@ from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
 from cleaner.sandbox import SandboxConfig, make_sandbox
-from cleaner.warehouse import Warehouse, WarehouseError, queries
-
-if TYPE_CHECKING:
-    from cleaner.engine.report_page import Report
+from cleaner.warehouse import Warehouse, WarehouseError
 
 logger = logging.getLogger(__name__)
 
@@ -415,25 +411,3 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
         warehouse.write_train_steps(iteration, result.steps)
         warehouse.save_config(f"train-iteration={iteration}", config.to_json())
     return TrainOutcome(result, time.monotonic() - started)
-
-
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def report_job(warehouse: Warehouse, out: Path, connection=None) -> Report:
-    """Plot a warehouse: PNGs and `out/report.md` embedding them (cleaner.engine.report_page).
-
-    `connection` is one of the warehouse's DuckDB connections when the caller holds one, e.g. with
-    an `eval_runs` relation registered (cleaner.warehouse.queries); else one is opened here.
-    """
-    from cleaner.engine.report_page import ReportData, write_report  # matplotlib: start-up time
-
-    connection = connection or warehouse.connect()
-    sizes = queries.counts(connection)
-    data = ReportData(
-        rollouts=sizes.rollouts, iterations_collected=sizes.iterations_collected,
-        iterations=queries.iteration_curves(connection), train_steps=queries.train_curves(connection),
-        error_types=queries.error_types(connection), ablation=queries.ablation_grid(connection),
-        eval_runs=queries.eval_results(connection))
-    return write_report(data, out, str(warehouse.root))

@@ -116,7 +116,8 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
             else:  # trained before a crash: the next training loads the checkpoint and its optimiser
                 kept, optimization = None, None
             policy = row.policy_out
-            for step in warehouse.read_train_steps(iteration):
+            # the steps as stored: in memory if trained here, else trained before a crash
+            for step in trained.steps if trained is not None else warehouse.read_train_steps(iteration):
                 metrics.log_step(step)
             metrics.log_iteration(row)
             if on_iteration is not None:

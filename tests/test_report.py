@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.engine.report_figures import HEIGHT_PX, WIDTH_PX, eval_series
-from cleaner.jobs import report_job
+from cleaner.report import report_job
 from cleaner.warehouse import Warehouse, queries
 from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
 
@@ -76,22 +76,31 @@ def test_report_says_what_a_collect_only_warehouse_lacks(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["error_types.png", "report.md"]
 
 
-def test_report_plots_eval_runs_when_the_connection_holds_them(tmp_path):
+def test_report_plots_the_eval_runs_of_the_warehouse(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     wh.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
     for eval_id, model, dataset, avg, failures in [("e1", "tiny", "toy", 0.25, 1.5), ("e2", "tiny", "toy", 0.75, 0.5),
                                                    ("e3", "tiny", "gsm8k", 0.125, 2.0), ("e4", "base", "toy", 0.5, 1.0)]:
         wh.write_eval_run(make_eval_run(eval_id, False, model=model, dataset=dataset, avg_at_n=avg,
                                         pass_at_k=((1, avg),), failures_per_trajectory=failures))
-    connection = wh.connect()
-    written = report_job(wh, tmp_path / "out", connection)
+    written = report_job(wh, tmp_path / "out")
     assert_drawn(tmp_path / "out" / "eval.png")
     assert [s.title for s in written.sections if s.file] == ["Error types", "Eval results"]
     page = (tmp_path / "out" / "report.md").read_text()
     assert '| tiny | gsm8k | false | 0.125 | {1=0.125} | 2.000 |' in page
     # a repeated (model, dataset) is averaged; one saar setting: series are the models
-    assert eval_series(queries.eval_results(connection)).sort("dataset", "series").rows() == [
+    assert eval_series(queries.eval_results(wh.connect())).sort("dataset", "series").rows() == [
         ("gsm8k", "tiny", 0.125, 2.0), ("toy", "base", 0.5, 1.0), ("toy", "tiny", 0.5, 1.0)]
+
+
+def test_report_out_at_a_file_is_one_error_line(tmp_path):
+    wh = Warehouse(tmp_path / "wh")
+    wh.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    (tmp_path / "taken").write_text("not a directory")
+    result = runner.invoke(app, ["report", "-w", str(wh.root), "--out", str(tmp_path / "taken")])
+    assert result.exit_code == 1
+    assert "error:" in result.output and "not a directory" in result.output and "Traceback" not in result.output
+    assert (tmp_path / "taken").read_text() == "not a directory"
 
 
 def test_report_of_a_missing_warehouse_is_one_error_line(tmp_path):

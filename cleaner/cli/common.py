@@ -43,9 +43,6 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def not_built(command: str) -> typer.Exit:
-    return fail(f"`cleaner {command}` is not built yet in this version.", code=2)
-
 
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):

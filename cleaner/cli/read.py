@@ -34,7 +34,7 @@ def report(
 
     Figures whose data the warehouse lacks are skipped, and report.md says why.
     """
-    from cleaner.jobs import report_job
+    from cleaner.report import report_job
     from cleaner.warehouse import Warehouse
 
     out = out or warehouse.parent / "report"

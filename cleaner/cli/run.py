@@ -180,7 +180,8 @@ def demo(
     resume: Annotated[bool, typer.Option(help="Continue an interrupted demo.")] = False,
 ) -> None:
     """Run the whole loop on the tiny default policy and the toy task (a few minutes on two cores)."""
-    from cleaner.engine.report import plot_report
+    from cleaner.report import report_job
+    from cleaner.warehouse import Warehouse
 
     if run_dir.exists() and not resume:
         import shutil
@@ -188,14 +189,12 @@ def demo(
         shutil.rmtree(run_dir)  # the demo always starts clean unless asked to resume
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
                             "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
-    rows = _run_and_report(config, resume)
-    png = plot_report(rows, run_dir / "report.png")
+    _run_and_report(config, resume)
     warehouse = run_dir / "warehouse"
-    console.print(f"\nreport: {png}\nwarehouse: {warehouse}\nTry:")
+    written = run_job(report_job, Warehouse(warehouse), run_dir / "report")
+    console.print(f"\nreport: {written.page} (every figure as a PNG beside it)\nwarehouse: {warehouse}\nTry:")
     for query in DEMO_SQL:
         console.print(f'  cleaner sql -w {warehouse} "{query}"', soft_wrap=True, highlight=False)
-    console.print(f"  cleaner report -w {warehouse}   # every figure, and {run_dir / 'report' / 'report.md'}",
-                  soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -1,9 +1,8 @@
-"""Per-iteration report of a run: a rich table and `report.png` (matplotlib, headless)."""
+"""The per-iteration table `cleaner run` and `cleaner demo` print (the figures: `cleaner report`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import polars as pl
 from rich.table import Table
@@ -38,32 +37,3 @@ def iteration_table(rows: Sequence[IterationRow], title: str = "cleaner run") ->
     for record in iterations_frame(rows).iter_rows(named=True):
         table.add_row(*(fmt.format(record[name]) for name, _, fmt in COLUMNS))
     return table
-
-
-def plot_report(rows: Sequence[IterationRow], path: Path) -> Path:
-    """Curves of accuracy, tool failures, merges and phase seconds per iteration."""
-    import matplotlib  # matplotlib costs start-up time: loaded only to plot
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (start-up time, as above; after choosing the headless backend)
-
-    frame = iterations_frame(rows)
-    x = frame["iteration"].to_list()
-    figure, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    panels = [
-        (axes[0, 0], ["accuracy"], "accuracy"),
-        (axes[0, 1], ["first_attempt_error_rate", "failures_per_trajectory"], "tool failures"),
-        (axes[1, 0], ["n_shallow", "n_deep"], "SAAR merges"),
-        (axes[1, 1], ["collect_s", "purify_s", "train_s"], "seconds per phase"),
-    ]
-    for axis, names, title in panels:
-        for name in names:
-            axis.plot(x, frame[name].to_list(), marker="o", label=name)
-        axis.set_title(title)
-        axis.set_xlabel("iteration")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path

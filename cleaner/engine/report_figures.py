@@ -92,6 +92,16 @@ def failures_figure(iterations: pl.DataFrame) -> Figure:
     return figure
 
 
+def _stacked(axis, x: list, series: dict[str, list[float]]) -> None:
+    """One stacked bar per x, a segment per series (in order), with a legend above the bars."""
+    bottom = [0.0] * len(x)
+    for label, heights in series.items():
+        axis.bar(x, heights, 0.6, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    axis.margins(y=0.2)  # headroom for the legend
+    axis.legend(fontsize=8)
+
+
 def merges_figure(iterations: pl.DataFrame) -> Figure:
     figure, (axis,) = new_figure()
     _bars(axis, _values(iterations, "iteration"), {
@@ -107,13 +117,8 @@ def premise_figure(iterations: pl.DataFrame) -> Figure:
     _lines(left, iterations, {f"{name}_accuracy": name for name in classes})
     left.set_ylim(0, 1)
     _style(left, "accuracy by class", ylabel="share correct")
-    x, bottom = _values(iterations, "iteration"), [0.0] * iterations.height
-    for name in classes:
-        counts = _values(iterations, f"{name}_rollouts")
-        right.bar(x, counts, 0.6, bottom=bottom, label=name)
-        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
-    right.margins(y=0.2)  # headroom for the legend
-    right.legend(fontsize=8)
+    _stacked(right, _values(iterations, "iteration"),
+             {name: _values(iterations, f"{name}_rollouts") for name in classes})
     _style(right, "rollouts by class", ylabel="rollouts")
     return figure
 
@@ -151,14 +156,11 @@ def error_types_figure(errors: pl.DataFrame, top: int = TOP_ERROR_TYPES) -> Figu
                .group_by("iteration", "error").agg(pl.col("per_rollout").sum()))
     iterations = sorted(set(grouped["iteration"].to_list()))
     figure, (axis,) = new_figure()
-    bottom = [0.0] * len(iterations)
+    series = {}
     for error in kept + (["other"] if len(ranked) > top else []):
         share = dict(grouped.filter(pl.col("error") == error).select("iteration", "per_rollout").iter_rows())
-        heights = [float(share.get(i, 0.0)) for i in iterations]
-        axis.bar(iterations, heights, 0.6, bottom=bottom, label=error)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    axis.margins(y=0.2)  # headroom for the legend
-    axis.legend(fontsize=8)
+        series[error] = [float(share.get(i, 0.0)) for i in iterations]
+    _stacked(axis, iterations, series)
     _style(axis, "failed calls per trajectory by error type", ylabel="failed calls per trajectory")
     return figure
 

@@ -4,7 +4,7 @@ Design decisions:
 - The page is a fixed list of sections, each a figure with a one-line caption. A section whose
   data the warehouse lacks (no run, no training, no ablation) is kept with one line saying what
   is missing, so a short page is never mistaken for a broken one. Eval results are the exception:
-  most warehouses have none, and their section appears only when an `eval_runs` relation exists
+  most warehouses have none, and their section appears only when `eval_runs` holds rows
   (cleaner.warehouse.queries).
 - Figures are built and saved one at a time, so a long run's report holds one figure in memory.
 - The page is written last, with links relative to it: the output directory can be moved whole.

@@ -1,4 +1,4 @@
-"""Experiment logging: a run's metrics mirrored to TensorBoard and Weights & Biases (docs/architecture.md §12).
+"""Experiment logging: a run's metrics mirrored to TensorBoard and Weights & Biases (docs/architecture.md §13).
 
 The warehouse stays the record; a logger is a dashboard's copy of it, like verl's
 `trainer.logger`. `cleaner run --log-to tensorboard --log-to wandb` logs every iteration's row

@@ -1,4 +1,4 @@
-"""The read-only queries behind `cleaner report` (docs/architecture.md §12), over `Warehouse.connect()`.
+"""The read-only queries behind `cleaner report` (docs/architecture.md §13), over `Warehouse.connect()`.
 
 Each query returns a polars frame with the columns the figures plot, so the SQL (and every column
 name of the datasets) stays in the warehouse layer and the figures never see a table.
@@ -12,11 +12,9 @@ Design decisions:
 - An *ablation* is an iteration purified under two or more configs; `cleaner run` purifies one
   config per iteration, so its iterations are never one. Negative samples are counted apart and
   left out of every other count, which are per rollout.
-- Eval results are read from the relation named `eval_runs`: the dataset `cleaner eval` writes,
-  or a table a caller registers on its own connection under that name. The columns read: one row
-  per evaluation with `model` (text), `dataset` (text), `saar` (any type; the setting the model
-  was evaluated under, shown as text), `avg_at_n` (number in [0, 1]), `pass_at_k` (a map, JSON or
-  struct, shown as text) and `failures_per_trajectory` (number). No relation, or no rows: None.
+- Eval results are read from the `eval_runs` view (what `cleaner eval` writes): `model`,
+  `dataset`, `saar` (shown as text), `avg_at_n`, `pass_at_k` (a map, shown as text) and
+  `failures_per_trajectory`. A warehouse without evaluations gives None.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from dataclasses import dataclass
 
 import duckdb
 import polars as pl
-
-EVAL_RELATION = "eval_runs"
 
 
 def _frame(connection: duckdb.DuckDBPyConnection, query: str) -> pl.DataFrame:
@@ -92,23 +88,14 @@ def ablation_grid(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """)
 
 
-def has_relation(connection: duckdb.DuckDBPyConnection, name: str) -> bool:
-    """Whether the connection holds a table or view of this name."""
-    ((count,),) = connection.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchall()
-    return count > 0
-
-
 def eval_results(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
-    """The `eval_runs` relation as text and numbers (module docstring), or None without rows."""
-    if not has_relation(connection, EVAL_RELATION):
-        return None
-    frame = _frame(connection, f"""
+    """The `eval_runs` view as text and numbers (module docstring), or None without rows."""
+    frame = _frame(connection, """
         SELECT CAST(model AS VARCHAR) AS model, CAST(dataset AS VARCHAR) AS dataset,
                CAST(saar AS VARCHAR) AS saar, CAST(avg_at_n AS DOUBLE) AS avg_at_n,
                CAST(pass_at_k AS VARCHAR) AS pass_at_k,
                CAST(failures_per_trajectory AS DOUBLE) AS failures_per_trajectory
-        FROM {EVAL_RELATION} ORDER BY dataset, model, saar
+        FROM eval_runs ORDER BY dataset, model, saar
     """)
     return frame if frame.height else None
 

@@ -61,7 +61,7 @@ def eval_records(rows: Sequence[EvalRunRow]) -> list[dict]:
 def eval_scalars(row: EvalRunRow) -> tuple[str, dict[str, float]]:
     """The section and scalars a metrics logger gets for one evaluation: section
     `eval/<dataset>/<model directory name>/<saar|raw>`, values avg@n, pass@k per k, maj@n, the tool
-    rates and seconds (a rate without calls is NaN, as stored)."""
+    rates and seconds; a rate without calls (NaN in the row) is left out, as `row_metrics` does."""
     setting = "saar" if row.saar else "raw"
     section = f"eval/{row.dataset}/{Path(row.model).name or row.model}/{setting}"
     values = {"avg_at_n": row.avg_at_n, **{f"pass_at_{k}": value for k, value in row.pass_at_k},
@@ -69,7 +69,7 @@ def eval_scalars(row: EvalRunRow) -> tuple[str, dict[str, float]]:
               "failures_per_trajectory": row.failures_per_trajectory,
               "first_call_error_rate": row.first_call_error_rate, "recovery_rate": row.recovery_rate,
               "seconds": row.seconds}
-    return section, values
+    return section, {name: value for name, value in values.items() if not math.isnan(value)}
 
 
 def _rate(value: float) -> str:

@@ -89,7 +89,7 @@ def read_deepspeed_config(path: str | Path) -> dict:
     if not isinstance(zero, dict):
         raise DeepSpeedConfigError(f"{path}: 'zero_optimization' must be a JSON object")
     for key in GATHER_KEYS:
-        if zero.get(key) is False and zero.get("stage") == 3:
+        if zero.get(key) is False and int(zero.get("stage", 0)) == 3:
             raise DeepSpeedConfigError(
                 f"{path}: zero_optimization.{key} is false, but a ZeRO-3 checkpoint is a Hugging Face "
                 "directory of gathered weights; remove the key (cleaner sets it to true)")
@@ -116,7 +116,7 @@ def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
     ds_config["train_batch_size"] = config.micro_batch_size * accumulation * world_size
     ds_config["gradient_clipping"] = config.max_grad_norm
     zero = dict(ds_config.get("zero_optimization", {}))
-    if zero.get("stage") == 3:
+    if int(zero.get("stage", 0)) == 3:
         for key in GATHER_KEYS:
             zero.pop(key, None)
         zero[GATHER_KEYS[0]] = True

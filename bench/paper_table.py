@@ -133,6 +133,42 @@ def summary_markdown(arms_frame: pl.DataFrame, last: int) -> str:
     return "\n".join(lines)
 
 
+def premise_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataFrame:
+    """Where each arm's accuracy comes from over the last `last` iterations (all seeds pooled): the
+    first-call error rate, and the share and accuracy of clean, recovered and unrecovered rollouts;
+    with the mean advantage recovered rollouts were trained with over the whole run."""
+    final = frame.filter(pl.col("iteration") > frame["iteration"].max() - last)
+    total = pl.col("clean_rollouts") + pl.col("recovered_rollouts") + pl.col("unrecovered_rollouts")
+
+    def weighted(name: str) -> pl.Expr:  # accuracy over rollouts, not a mean of iteration means
+        return ((pl.col(f"{name}_accuracy").fill_nan(0) * pl.col(f"{name}_rollouts")).sum()
+                / pl.col(f"{name}_rollouts").sum()).alias(f"{name}_acc")
+
+    run_advantage = frame.group_by("arm").agg(
+        ((pl.col("recovered_advantage").fill_nan(0) * pl.col("recovered_rollouts")).sum()
+         / pl.col("recovered_rollouts").sum()).alias("recovered_adv_run"))
+    return (
+        final.group_by("arm")
+        .agg(pl.col("first_attempt_error_rate").mean().alias("first_err"),
+             (pl.col("clean_rollouts").sum() / total.sum()).alias("clean_share"), weighted("clean"),
+             (pl.col("recovered_rollouts").sum() / total.sum()).alias("recovered_share"), weighted("recovered"),
+             (pl.col("unrecovered_rollouts").sum() / total.sum()).alias("unrecovered_share"))
+        .join(run_advantage, on="arm")
+        .sort(pl.col("arm").replace_strict({arm: i for i, arm in enumerate(arms)}, default=len(arms)))
+    )
+
+
+def premise_markdown(premise: pl.DataFrame, last: int) -> str:
+    lines = [f"| arm (last {last} iterations) | first-call errors | clean: share, accuracy | recovered: share, "
+             "accuracy | unrecovered share | recovered rollouts' mean advantage (whole run) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in premise.iter_rows(named=True):
+        lines.append(f"| {r['arm']} | {r['first_err']:.3f} | {r['clean_share']:.3f}, {r['clean_acc']:.3f} | "
+                     f"{r['recovered_share']:.3f}, {r['recovered_acc']:.3f} | {r['unrecovered_share']:.3f} | "
+                     f"{r['recovered_adv_run']:+.3f} |")
+    return "\n".join(lines)
+
+
 def premise_at_start(frame: pl.DataFrame) -> pl.DataFrame:
     """The premise diagnostic of iteration 0, per arm (mean over seeds)."""
     return (
@@ -220,6 +256,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     frame.write_json(out / "iterations.json")
     text = (summary_markdown(arm_summary(frame, args.arms, args.last), args.last) + "\n\n"
+            + premise_markdown(premise_summary(frame, args.arms, args.last), args.last) + "\n\n"
             + markdown(summary, reached, premise, args.arms))
     (out / "table.md").write_text(text + "\n")
     plot(summary, args.arms, Path(args.plot) if args.plot else out / "paper_table.png", str(args.model))

@@ -15,6 +15,10 @@ only the unfinished part of the unfinished iteration, and continues from the sav
 A metrics logger (cleaner.engine.tracking) gets each iteration this process completes, once its
 row is written: its optimiser steps as the warehouse holds them, then its row. Iterations a
 previous process completed were logged by that process, so a resumed run logs no step twice.
+
+One process at a time drives a run directory (an exclusive lock on `<run_dir>/.run.lock`, which
+the kernel releases if the process dies): a second `cleaner run` on it, resumed or not, fails at
+once instead of collecting the same iteration twice.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from cleaner.engine.tracking import MetricsLogger, NullLogger
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.jobs import JobError, collect_job, purify_job, train_job
 from cleaner.warehouse import Warehouse
+from cleaner.warehouse.lock import exclusive
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +84,9 @@ def _check_deepspeed_run(config: RunConfig) -> None:
                        "--engine deepspeed` under torchrun")
 
 
+RUN_LOCK = ".run.lock"  # in the run directory: one process drives a run
+
+
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
              on_iteration: Callable[[IterationRow], None] | None = None,
              metrics: MetricsLogger | None = None) -> list[IterationRow]:
@@ -93,6 +101,16 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     if config.train.engine == "deepspeed":
         _check_deepspeed_run(config)
     run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive(run_dir / RUN_LOCK, f"{run_dir}: another process is running this run (it holds "
+                                       f"{RUN_LOCK}); wait for it to end, or choose another --run-dir"):
+        return _run_iterations(config, run_dir, resume, progress, on_iteration, metrics)
+
+
+def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bool,
+                    on_iteration: Callable[[IterationRow], None] | None,
+                    metrics: MetricsLogger) -> list[IterationRow]:
+    """The body of `run_loop`, under the run directory's lock."""
     warehouse = Warehouse(run_dir / "warehouse")
     exists = warehouse.root.exists()
     done = {row.iteration: row for row in warehouse.read_iterations()} if exists else {}

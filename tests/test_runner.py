@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import signal
 import subprocess
@@ -15,9 +16,9 @@ import torch
 from cleaner.engine.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.models import policy_version_of
 from cleaner.jobs import JobError
-from cleaner.runner import checkpoint_dir, run_loop
+from cleaner.runner import RUN_LOCK, checkpoint_dir, run_loop
 from cleaner.sandbox import SandboxConfig
-from cleaner.warehouse import Warehouse
+from cleaner.warehouse import Warehouse, WarehouseError
 from tests.helpers import cli, wait_for
 
 
@@ -50,6 +51,25 @@ def test_run_loop_chains_iterations_and_is_idempotent(tmp_path, random_policy):
     assert connection.sql("SELECT count(*) FROM iterations").fetchall() == [(2,)]
     assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
     assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(8,)]
+
+
+def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(tmp_path, random_policy):
+    """Two processes driving one run would collect the same iteration twice (duplicate rollouts);
+    the second finds the run directory's lock held and stops before touching the warehouse."""
+    config = _config(tmp_path / "run", random_policy)
+    (tmp_path / "run").mkdir()
+    with open(tmp_path / "run" / RUN_LOCK, "a") as other:  # another process's open lock file
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WarehouseError, match="another process is running this run"):
+            run_loop(config, resume=True, progress=False)
+        assert not (tmp_path / "run" / "warehouse").exists()
+        result = subprocess.run(cli("run", "--run-dir", str(tmp_path / "run"), "--model", str(random_policy),
+                                    "--resume"), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and "another process is running this run" in result.stderr
+        assert "Traceback" not in result.stderr
+    # released (as when the holder dies): the run goes on
+    rows = run_loop(dataclasses.replace(config, iterations=1), resume=True, progress=False)
+    assert [row.iteration for row in rows] == [0]
 
 
 def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each_checkpoint(tmp_path, random_policy):

@@ -33,8 +33,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from cleaner.warehouse.lock import exclusive
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -100,22 +99,12 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
         raise WarehouseError(f"the target part size must be > 0 bytes, got {target_bytes}")
     merges: list[Merge] = []
     leftovers = 0
-    with _exclusive(root):
+    with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running (it holds {LOCK_NAME})"):
         for partition in _partitions(root, _chosen(dataset, iteration), iteration):
             leftovers += _roll_forward(root, partition)
             for names in _plan(root, partition, target_bytes):
                 merges += _merge(root, partition, names)
     return CompactResult(tuple(merges), leftovers)
-
-
-@contextlib.contextmanager
-def _exclusive(root: Path) -> Iterator[None]:
-    with open(root / LOCK_NAME, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            raise WarehouseError(f"{root}: another `cleaner compact` is running (it holds {LOCK_NAME})") from error
-        yield  # closing the file releases the lock
 
 
 def _chosen(name: str | None, iteration: int | None) -> list[Dataset]:

@@ -169,6 +169,34 @@ def premise_markdown(premise: pl.DataFrame, last: int) -> str:
     return "\n".join(lines)
 
 
+def training_signal(args: argparse.Namespace) -> str:
+    """What each arm trained on, read from its warehouses (all seeds): the mean advantage per
+    trained token (group-normalised advantages sum to zero per group; what purification removes
+    from the trained tokens moves this away from the baseline's) and the policy's entropy on the
+    trained tokens early and late (a context rewritten after sampling puts tokens where the policy
+    would not have put them)."""
+    from cleaner.warehouse import Warehouse  # only for this table
+
+    lines = ["| arm | mean advantage per trained token | entropy, iterations 0-2 | entropy, last 3 |",
+             "| --- | --- | --- | --- |"]
+    last = args.iterations - 3
+    for arm in args.arms:
+        push = tokens = 0.0
+        early, late = [], []
+        for seed in range(args.seeds):
+            connection = Warehouse(Path(args.out) / arm / f"seed-{seed}" / "warehouse").connect()
+            (num, den), = connection.execute(
+                "SELECT sum(advantage * list_sum(loss_mask)), sum(list_sum(loss_mask)) FROM purified "
+                "WHERE negative_seq IS NULL AND NOT infra_fault").fetchall()
+            push, tokens = push + num, tokens + den
+            early += [e for (e,) in connection.execute("SELECT entropy FROM train_steps WHERE iteration < 3").fetchall()]
+            late += [e for (e,) in connection.execute(
+                "SELECT entropy FROM train_steps WHERE iteration >= ?", [last]).fetchall()]
+            connection.close()
+        lines.append(f"| {arm} | {push / tokens:+.4f} | {sum(early) / len(early):.3f} | {sum(late) / len(late):.3f} |")
+    return "\n".join(lines)
+
+
 def premise_at_start(frame: pl.DataFrame) -> pl.DataFrame:
     """The premise diagnostic of iteration 0, per arm (mean over seeds)."""
     return (
@@ -216,7 +244,8 @@ def plot(summary: pl.DataFrame, arms: list[str], path: Path, title: str) -> None
         x = data["iteration"].to_list()
         for axis, mean, std in ((axes[0], "acc_mean", "acc_std"), (axes[1], "fail_mean", "fail_std")):
             m, s = data[mean].to_numpy(), data[std].fill_null(0).to_numpy()
-            axis.plot(x, m, marker="o", markersize=3, label=arm)
+            style = {"color": "black", "linestyle": "--", "zorder": 5} if arm == "baseline" else {}
+            axis.plot(x, m, marker="o", markersize=3, label=arm, **style)
             axis.fill_between(x, m - s, m + s, alpha=0.12)
     axes[0].set_title("accuracy (mean ± std over seeds)")
     axes[1].set_title("failed tool calls per trajectory")
@@ -257,6 +286,7 @@ def main() -> None:
     frame.write_json(out / "iterations.json")
     text = (summary_markdown(arm_summary(frame, args.arms, args.last), args.last) + "\n\n"
             + premise_markdown(premise_summary(frame, args.arms, args.last), args.last) + "\n\n"
+            + training_signal(args) + "\n\n"
             + markdown(summary, reached, premise, args.arms))
     (out / "table.md").write_text(text + "\n")
     plot(summary, args.arms, Path(args.plot) if args.plot else out / "paper_table.png", str(args.model))

@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from benchmarks_md import write_section  # bench/, beside this script
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +44,6 @@ from cleaner.engine.eval.grader import Grader
 from cleaner.engine.records import SegmentKind
 from cleaner.sandbox import SandboxConfig, make_sandbox
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 HEADING = "## Evaluation: test-time SAAR latency"
 PROGRESS = Console(stderr=True)
 NOTE = (
@@ -140,16 +140,6 @@ def render(passes: list[Pass], command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(section: str) -> None:
-    text = BENCHMARKS.read_text()
-    start = text.find(HEADING + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    BENCHMARKS.write_text(text)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -187,7 +177,7 @@ def main() -> None:
                     f"of the fastest passes: {ratio(passes, min):.3f}")
     if args.write_benchmarks:
         command = ".venv/bin/python bench/eval_latency.py " + shlex.join(sys.argv[1:])
-        write_section(render(passes, command))
+        write_section(HEADING, render(passes, command))
 
 
 if __name__ == "__main__":

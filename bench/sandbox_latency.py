@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
+from benchmarks_md import write_section  # bench/, beside this script
 from rich.console import Console
 from rich.table import Table
 
@@ -32,7 +32,6 @@ from cleaner.sandbox import SandboxConfig, make_sandbox
 SNIPPET = "print(1)"
 SYMPY_SNIPPET = "import sympy\nprint(1)"
 SYMPY_CALLS = 10
-BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 HEADING = "## Sandbox"
 
 
@@ -125,17 +124,6 @@ def render(figures: list[Figures], command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(section: str) -> None:
-    """Replace (or append) the '## Sandbox' section of BENCHMARKS.md, leaving the others alone."""
-    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else "# Benchmarks\n"
-    start = text.find(HEADING + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    BENCHMARKS.write_text(text)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,7 +141,7 @@ def main() -> None:
     Console().print(table)
     if args.write_benchmarks:
         command = ".venv/bin/python bench/sandbox_latency.py " + shlex.join(sys.argv[1:])
-        write_section(render(figures, command))
+        write_section(HEADING, render(figures, command))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,15 @@ class Warehouse:
         return visible_parts(self.root, dataset, partition)
 
     def read_rollouts(self, iteration: int) -> list[Rollout]:
+        """An iteration's committed rollouts; an error if one is stored twice (two writers)."""
         table = read_parts(self._visible(schema.ROLLOUTS, iteration=iteration), schema.ROLLOUTS)
+        if pc.count_distinct(table["rollout_id"]).as_py() < table.num_rows:
+            counts = pc.value_counts(table["rollout_id"]).to_pylist()
+            twice = sorted(c["values"] for c in counts if c["counts"] > 1)
+            raise WarehouseError(
+                f"{self.root}: iteration {iteration} stores {len(twice)} rollout(s) more than once "
+                f"({', '.join(twice[:3])}{', ...' if len(twice) > 3 else ''}): two processes collected "
+                "it at once; delete the iteration's rollouts and segments parts and collect it again")
         return schema.from_table(schema.ROLLOUTS, table)
 
     def read_segments(self, iteration: int, rollout_ids: Collection[str] | None = None) -> list[Segment]:

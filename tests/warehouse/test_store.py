@@ -42,6 +42,19 @@ def test_round_trip_through_records(tmp_path):
     assert list((tmp_path / "wh" / "rollouts").iterdir())[0].name == "iteration=0"
 
 
+def test_a_rollout_stored_twice_is_named_not_read(tmp_path):
+    """Two processes collecting one iteration commit the same batch twice; reading it names the
+    duplicates instead of handing purify a rollout whose segments come twice."""
+    wh = Warehouse(tmp_path)
+    rollouts = [make_rollout("r0"), make_rollout("r1")]
+    segments = make_segments("r0") + make_segments("r1")
+    wh.write_rollouts(0, rollouts, segments)
+    assert [r.rollout_id for r in wh.read_rollouts(0)] == ["r0", "r1"]
+    wh.write_rollouts(0, rollouts[:1], make_segments("r0"))  # the second writer's copy of r0
+    with pytest.raises(WarehouseError, match=r"iteration 0 stores 1 rollout\(s\) more than once \(r0\)"):
+        wh.read_rollouts(0)
+
+
 def test_duckdb_views_and_attempts(tmp_path):
     connection = _fill(tmp_path).connect()
     assert connection.sql("SELECT count(*) FROM rollouts").fetchall() == [(2,)]

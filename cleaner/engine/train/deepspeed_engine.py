@@ -291,4 +291,6 @@ def train_iteration_deepspeed(
         steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
     engine.eval()
     saved = _write_checkpoint(engine, optimization, ds_config, policy_path, out_path, config)
+    if hasattr(engine, "destroy"):  # ZeRO-3's hooks would outlive the iteration in `cleaner run`
+        engine.destroy()
     return TrainResult(out_path=saved, steps=steps, model=None, optimization=None, main_process=main)

@@ -1,9 +1,10 @@
-"""The paper's comparison in miniature, on one toy policy: seven arms, same seeds, same start.
+"""The paper's comparison in miniature, on one toy policy: eight arms, same seeds, same start.
 
 Each arm is one `cleaner run` command (printed at the start) run for N iterations:
   baseline       --rollback-prob 0 --collect-view raw   (GRPO on raw trajectories)
   cleaner-call   --similarity-on call                   (CLEANER as the paper ran it)
   cleaner-code   (defaults: code similarity)            (CLEANER with code similarity, ours)
+  cleaner-deep   --gamma 1.5                            (every merge deep: the reference's gamma)
   positive       --purify-when positive                 (purify only above-mean rollouts, ours)
   is-gated       --rollback-is-threshold 0.5 --rollback-is-mode mean   (the authors' follow-up)
   is-gated-sum   --rollback-is-threshold 0.5                            (the IS as the design defines it)
@@ -35,6 +36,7 @@ ARMS = {
     "baseline": {"rollback_prob": 0.0, "collect_view": "raw"},
     "cleaner-call": {"similarity_on": "call"},
     "cleaner-code": {},
+    "cleaner-deep": {"gamma": 1.5},
     "positive": {"purify_when": "positive"},
     "is-gated": {"rollback_is_threshold": 0.5, "rollback_is_mode": "mean"},
     "is-gated-sum": {"rollback_is_threshold": 0.5},

@@ -30,6 +30,7 @@ import polars as pl
 from cleaner.engine.config import DEFAULT_POLICY, RunConfig
 from cleaner.engine.run_config import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
 from cleaner.runner import run_loop
+from cleaner.warehouse import Warehouse
 
 # The `cleaner run` flags of each arm, beyond the ones every arm shares (arm_flags).
 ARMS = {
@@ -93,12 +94,21 @@ def iterations_to_reach(summary: pl.DataFrame, arms: list[str]) -> dict[str, int
     return reached
 
 
+def _last_iterations(frame: pl.DataFrame, last: int) -> pl.DataFrame:
+    return frame.filter(pl.col("iteration") > frame["iteration"].max() - last)
+
+
+def _arm_order(arms: list[str]) -> pl.Expr:
+    """Sort key: the arms in the order given (ARMS), unknown ones last."""
+    return pl.col("arm").replace_strict({arm: i for i, arm in enumerate(arms)}, default=len(arms))
+
+
 def arm_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataFrame:
     """Per arm, over the last `last` iterations: accuracy and failures per trajectory (mean and std
     across seeds of each seed's mean), their difference to the baseline of the same seed (the
     arms share seeds, so the pairing removes the seed's own luck), the seeds on which the arm beat
     the baseline, and what SAAR did (merges and gated merges per iteration)."""
-    final = frame.filter(pl.col("iteration") > frame["iteration"].max() - last)
+    final = _last_iterations(frame, last)
     per_seed = final.group_by("arm", "seed").agg(
         pl.col("accuracy").mean().alias("acc"), pl.col("failures_per_trajectory").mean().alias("fail"),
         (pl.col("n_shallow") + pl.col("n_deep")).mean().alias("merges"), pl.col("n_gated").mean().alias("gated"))
@@ -116,7 +126,7 @@ def arm_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataFrame
              pl.col("fail").mean().alias("fail_mean"), pl.col("d_fail").mean().alias("d_fail_mean"),
              pl.col("d_fail").std().alias("d_fail_std"), pl.col("merges").mean(), pl.col("gated").mean())
         .join(start, on="arm")
-        .sort(pl.col("arm").replace_strict({arm: i for i, arm in enumerate(arms)}, default=len(arms)))
+        .sort(_arm_order(arms))
     )
 
 
@@ -139,7 +149,7 @@ def premise_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataF
     """Where each arm's accuracy comes from over the last `last` iterations (all seeds pooled): the
     first-call error rate, and the share and accuracy of clean, recovered and unrecovered rollouts;
     with the mean advantage recovered rollouts were trained with over the whole run."""
-    final = frame.filter(pl.col("iteration") > frame["iteration"].max() - last)
+    final = _last_iterations(frame, last)
     total = pl.col("clean_rollouts") + pl.col("recovered_rollouts") + pl.col("unrecovered_rollouts")
 
     def weighted(name: str) -> pl.Expr:  # accuracy over rollouts, not a mean of iteration means
@@ -156,7 +166,7 @@ def premise_summary(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataF
              (pl.col("recovered_rollouts").sum() / total.sum()).alias("recovered_share"), weighted("recovered"),
              (pl.col("unrecovered_rollouts").sum() / total.sum()).alias("unrecovered_share"))
         .join(run_advantage, on="arm")
-        .sort(pl.col("arm").replace_strict({arm: i for i, arm in enumerate(arms)}, default=len(arms)))
+        .sort(_arm_order(arms))
     )
 
 
@@ -177,8 +187,6 @@ def training_signal(args: argparse.Namespace) -> str:
     from the trained tokens moves this away from the baseline's) and the policy's entropy on the
     trained tokens early and late (a context rewritten after sampling puts tokens where the policy
     would not have put them)."""
-    from cleaner.warehouse import Warehouse  # only for this table
-
     lines = ["| arm | mean advantage per trained token | entropy, iterations 0-2 | entropy, last 3 |",
              "| --- | --- | --- | --- |"]
     last = args.iterations - 3

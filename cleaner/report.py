@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
+
 from cleaner.engine.report_page import Report, ReportData, write_report
 from cleaner.errors import CleanerError
 from cleaner.warehouse import Warehouse, queries
@@ -23,12 +25,18 @@ def report_job(warehouse: Warehouse, out: Path) -> Report:
         raise ReportError(f"{out}: exists and is not a directory; give --out a directory")
     connection = warehouse.connect()
     try:
-        sizes = queries.counts(connection)
-        data = ReportData(
-            rollouts=sizes.rollouts, iterations_collected=sizes.iterations_collected,
-            iterations=queries.iteration_curves(connection), train_steps=queries.train_curves(connection),
-            error_types=queries.error_types(connection), ablation=queries.ablation_grid(connection),
-            eval_runs=queries.eval_results(connection))
+        data = report_data(connection)
     finally:
         connection.close()
     return write_report(data, out, str(warehouse.root))
+
+
+def report_data(connection: duckdb.DuckDBPyConnection) -> ReportData:
+    """Every frame the report plots, over one of `Warehouse.connect()`'s connections (the report
+    and `cleaner ui`'s overview draw the same figures from it)."""
+    sizes = queries.counts(connection)
+    return ReportData(
+        rollouts=sizes.rollouts, iterations_collected=sizes.iterations_collected,
+        iterations=queries.iteration_curves(connection), train_steps=queries.train_curves(connection),
+        error_types=queries.error_types(connection), ablation=queries.ablation_grid(connection),
+        eval_runs=queries.eval_results(connection))

@@ -1,4 +1,4 @@
-"""The commands that read a warehouse or run the sandbox: report, sandbox run, sql, compact, show.
+"""The commands that read a warehouse or run the sandbox: report, sandbox run, sql, compact, show, ui.
 """
 
 from __future__ import annotations
@@ -207,3 +207,27 @@ def show(
     console.print(show_rollout(inspection, saar, decoder, view))
 
 
+
+
+@app.command()
+def ui(
+    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
+    host: Annotated[str, typer.Option(help="Address to listen on; anything but loopback needs --token.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free one).")] = 8765,
+    token: Annotated[str | None, typer.Option(help="Every request must carry it (?token= once, then a cookie).", envvar="CLEANER_UI_TOKEN", show_default=False)] = None,
+) -> None:
+    """Browse a warehouse in a web browser, read-only: overview charts, a filterable rollout list,
+    each rollout raw beside its purified rows with every merge decision, and a SQL box.
+
+    Serves until interrupted (Ctrl-C); writes nothing into the warehouse. Needs the `ui` extra.
+    """
+    try:
+        import jinja2  # noqa: F401  (the ui extra: checked before anything starts)
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise fail(f"cleaner ui needs the ui extra ({error.name} is missing): pip install 'cleaner[ui]'") from error
+    from cleaner.ui.server import UiConfig, serve
+
+    config = build_config(UiConfig, warehouse=warehouse, host=host, port=port, token=token)
+    run_job(serve, config, started=lambda url: console.print(f"serving {warehouse} read-only at {url}", soft_wrap=True))

@@ -55,7 +55,9 @@ class Report:
 
 
 @dataclass(frozen=True)
-class _Planned:
+class Planned:
+    """A section before its figure is drawn (`cleaner ui` draws the same ones as SVG)."""
+
     title: str
     file: str
     caption: str
@@ -68,12 +70,12 @@ NO_RUN = "no `iterations` rows: this warehouse holds no completed `cleaner run` 
 
 
 def _planned(title: str, file: str, caption: str, build: Callable[[], Figure] | None, missing: str | None,
-             table: str | None = None) -> _Planned:
+             table: str | None = None) -> Planned:
     """A section with its figure, or skipped when `missing` says what data it lacks."""
-    return _Planned(title, file, caption, build if missing is None else None, missing, table)
+    return Planned(title, file, caption, build if missing is None else None, missing, table)
 
 
-def _run_sections(data: ReportData) -> list[_Planned]:
+def _run_sections(data: ReportData) -> list[Planned]:
     frame = data.iterations
     missing = NO_RUN if frame.is_empty() else None
     classes = pl.col("clean_rollouts") + pl.col("recovered_rollouts") + pl.col("unrecovered_rollouts")
@@ -96,7 +98,7 @@ def _run_sections(data: ReportData) -> list[_Planned]:
     ]
 
 
-def _other_sections(data: ReportData) -> list[_Planned]:
+def _other_sections(data: ReportData) -> list[Planned]:
     steps, errors, grid, runs = data.train_steps, data.error_types, data.ablation, data.eval_runs
     planned = [
         _planned("Train metrics", "train.png",
@@ -168,11 +170,16 @@ def _section_text(section: Section) -> str:
     return "\n".join(lines)
 
 
+def planned_sections(data: ReportData) -> list[Planned]:
+    """The report's sections in page order, each with its figure's builder or why it is skipped."""
+    return _run_sections(data) + _other_sections(data)
+
+
 def write_report(data: ReportData, out: Path, source: str) -> Report:
     """Write every figure the data allows into `out`, then `out/report.md`."""
     out.mkdir(parents=True, exist_ok=True)
     sections = []
-    for planned in _run_sections(data) + _other_sections(data):
+    for planned in planned_sections(data):
         if planned.build is None:
             sections.append(Section(planned.title, planned.caption, None, planned.skipped, planned.table))
             continue

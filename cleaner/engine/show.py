@@ -139,7 +139,7 @@ def raw_panel(
             title.append(f"  partly removed (keeps tokens {ranges})", style="bold yellow")
             body = Text.assemble(*(  # [- -] marks the drop where the terminal shows no style
                 (_clip(text, max_chars), "") if inside else (f"[-{_clip(text, max_chars)}-]", "strike dim")
-                for text, inside in _pieces(segment, kept, decode)
+                for text, inside in kept_pieces(segment, kept, decode)
             ))
         panels.append(Panel(body, title=title, title_align="left", border_style=border))
     return Group(*panels)
@@ -149,8 +149,9 @@ def raw_panel(
 # Token ranges as text
 
 
-def _token_text(segment: Segment, start: int, end: int, decode: Decode | None) -> str:
-    """Text of tokens [start, end): decoded, or else cut from the segment text at `<tool_call>`."""
+def token_text(segment: Segment, start: int, end: int, decode: Decode | None) -> str:
+    """Text of tokens [start, end): decoded, or else cut from the segment text at `<tool_call>`
+    (a range that is neither the whole segment nor one side of the call is named, not shown)."""
     if decode is not None:
         return decode(segment.token_ids[start:end])
     if (start, end) == (0, len(segment.token_ids)):
@@ -164,11 +165,11 @@ def _token_text(segment: Segment, start: int, end: int, decode: Decode | None) -
     return f"<tokens {start}:{end} of #{segment.seq}>"
 
 
-def _pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | None) -> list[tuple[str, bool]]:
+def kept_pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | None) -> list[tuple[str, bool]]:
     """The segment cut at the kept ranges' edges: (text, kept?) in token order."""
     bounds = sorted({0, len(segment.token_ids), *(edge for span in kept for edge in span)})
     return [
-        (_token_text(segment, low, high, decode), any(a <= low and high <= b for a, b in kept))
+        (token_text(segment, low, high, decode), any(a <= low and high <= b for a, b in kept))
         for low, high in pairwise(bounds)
     ]
 
@@ -185,14 +186,14 @@ def purified_texts(segments: Sequence[Segment], steps: Sequence[StepOutcome], de
     """The purified sequence as text, step by step: each step's spliced token ids decoded at once."""
     by_seq = {segment.seq: segment for segment in segments}
     prompt = [segment for segment in sorted(segments, key=lambda s: s.seq) if segment.kind == SegmentKind.PROMPT]
-    texts = [StepText(None, "".join(_token_text(s, 0, len(s.token_ids), decode) for s in prompt))]
+    texts = [StepText(None, "".join(token_text(s, 0, len(s.token_ids), decode) for s in prompt))]
     for step in steps:
         if decode is not None:
             ids = [i for piece in step.kept for i in by_seq[piece.seq].token_ids[piece.start:piece.end]]
             texts.append(StepText(step, decode(ids)))
         else:
             texts.append(StepText(step, "".join(
-                _token_text(by_seq[piece.seq], piece.start, piece.end, None) for piece in step.kept)))
+                token_text(by_seq[piece.seq], piece.start, piece.end, None) for piece in step.kept)))
     return texts
 
 
@@ -303,13 +304,14 @@ class Inspection:
         return self.rollout.iteration if self.rollout is not None else self.segments[0].iteration
 
 
-def load_inspection(warehouse, rollout_id: str) -> Inspection | None:
+def load_inspection(warehouse, rollout_id: str, connection=None) -> Inspection | None:
     """Read one rollout, its segments and purified rows (None if it has no segments).
 
-    `warehouse` is a `cleaner.warehouse.Warehouse` (passed in: the reads are the warehouse's);
+    `warehouse` is a `cleaner.warehouse.Warehouse` (passed in: the reads are the warehouse's), and
+    `connection` one of its `connect()` connections to read over (default: a new one per read);
     WarehouseError propagates.
     """
-    rollout, segments = warehouse.read_rollout(rollout_id)
+    rollout, segments = warehouse.read_rollout(rollout_id, connection)
     if not segments:
         return None
     iteration = rollout.iteration if rollout is not None else segments[0].iteration
@@ -317,7 +319,7 @@ def load_inspection(warehouse, rollout_id: str) -> Inspection | None:
     if eval_config is not None:  # an evaluation's rollout: never purified for training
         return Inspection(rollout, tuple(segments), (), _collect_model(eval_config, iteration),
                           rollout.collect_config_id)
-    configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration))
+    configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration, connection))
     return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
 
 

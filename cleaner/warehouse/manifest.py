@@ -51,11 +51,13 @@ def _fingerprint(dataset: Dataset) -> str:
 class Manifest:
     """One dataset's manifest, loaded on construction; `check` each part, then `save`."""
 
-    def __init__(self, root: Path, dataset: Dataset) -> None:
+    def __init__(self, root: Path, dataset: Dataset, known: dict[str, PartEntry] | None = None) -> None:
+        """`known`: entries to start from instead of the file's (a read-only reader keeps them in
+        memory between reads, since it never writes the file)."""
         self.dataset = dataset
         self.path = root / MANIFEST_DIR / f"{dataset.name}.json"
         self._base = root / dataset.name
-        self._known = self._load()
+        self._known = self._load() if known is None else dict(known)
         self._seen: dict[str, PartEntry] = {}
         self.n_validated = 0  # parts whose footer this manifest had to read
 
@@ -82,6 +84,11 @@ class Manifest:
             self.n_validated += 1
         self._seen[name] = entry
         return entry.replaces
+
+    @property
+    def checked(self) -> dict[str, PartEntry]:
+        """The entries of the parts checked since loading (what `save` would write)."""
+        return dict(self._seen)
 
     def save(self) -> None:
         """Write the entries of the parts checked since loading, if they differ from the file's."""

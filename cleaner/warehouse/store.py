@@ -56,10 +56,21 @@ __all__ = ["Warehouse", "WarehouseError"]
 
 
 class Warehouse:
-    """A warehouse directory. Cheap to construct; nothing is read until asked."""
+    """A warehouse directory. Cheap to construct; nothing is read until asked.
 
-    def __init__(self, root: Path | str) -> None:
+    `read_only=True` opens it for readers that must leave the directory byte for byte as it was
+    (`cleaner ui`): `connect()` keeps the validation manifest in memory instead of writing it, and
+    every write raises WarehouseError.
+    """
+
+    def __init__(self, root: Path | str, read_only: bool = False) -> None:
         self.root = Path(root)
+        self.read_only = read_only
+        self._checked: dict[str, dict] = {}  # read-only: each dataset's validated parts, in memory
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise WarehouseError(f"{self.root}: opened read-only; nothing may be written")
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name
@@ -68,6 +79,7 @@ class Warehouse:
         return path
 
     def _write(self, dataset: Dataset, rows: Sequence, name: str | None = None, **partition) -> Path:
+        self._writable()
         table = schema.to_table(dataset, rows)
         return write_part(self._dir(dataset, **partition), table, name)
 
@@ -126,12 +138,14 @@ class Warehouse:
 
     def write_purified(self, iteration: int, config: PurifyConfigRow, rows: Sequence[PurifiedRow]) -> None:
         """Write one config's rows of an iteration, and its config row if new. Idempotent per rollout."""
+        self._writable()
         self.write_purified_many(iteration, [(config, rows)])
 
     def write_purified_many(
         self, iteration: int, results: Sequence[tuple[PurifyConfigRow, Sequence[PurifiedRow]]]
     ) -> None:
         """`write_purified` for several configs: their new config rows go in one part, first."""
+        self._writable()
         todo = []
         for config, rows in results:
             stored = self.purified_rollout_ids(iteration, config.config_id)
@@ -232,6 +246,7 @@ class Warehouse:
 
     def save_config(self, name: str, config_json: str) -> Path:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
+        self._writable()
         directory = self.root / "configs"
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
@@ -254,10 +269,11 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # One rollout, for `cleaner show`
 
-    def read_rollout(self, rollout_id: str) -> tuple[Rollout | None, list[Segment]]:
+    def read_rollout(self, rollout_id: str, connection: duckdb.DuckDBPyConnection | None = None,
+                     ) -> tuple[Rollout | None, list[Segment]]:
         """One rollout and its committed segments in seq order, collected or evaluated (None, [] if
-        unknown)."""
-        connection = self.connect()
+        unknown); over `connection` (one of `connect()`'s) if given, else a new one."""
+        connection = connection or self.connect()
         for rollouts_dataset, segments_dataset in ((schema.ROLLOUTS, schema.SEGMENTS),
                                                    (schema.EVAL_ROLLOUTS, schema.EVAL_SEGMENTS)):
             rollouts = schema.from_table(rollouts_dataset, connection.sql(
@@ -269,10 +285,12 @@ class Warehouse:
                 return (rollouts[0] if rollouts else None), segments
         return None, []
 
-    def read_purified_of(self, rollout_id: str, iteration: int) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
+    def read_purified_of(self, rollout_id: str, iteration: int,
+                         connection: duckdb.DuckDBPyConnection | None = None,
+                         ) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
         """The rollout's purified row under every stored config of its iteration, with the config's
-        row (None if missing), ordered by the config's parameters."""
-        connection = self.connect()
+        row (None if missing), ordered by the config's parameters; over `connection` if given."""
+        connection = connection or self.connect()
         rows = schema.from_table(schema.PURIFIED, connection.sql(
             "SELECT * FROM purified WHERE rollout_id = ? AND iteration = ?",
             params=[rollout_id, iteration]).to_arrow_table())
@@ -289,12 +307,13 @@ class Warehouse:
 
         Every visible part is validated first, or found in the manifest as validated under its
         current size and mtime: a bad file raises WarehouseError naming it, and nothing but the
-        manifest (a cache) is ever written, and only when every part passed. Datasets with no parts
-        yet get an empty view with the right columns.
+        manifest (a cache) is ever written, and only when every part passed; a read-only warehouse
+        keeps it in memory and writes nothing. Datasets with no parts yet get an empty view with
+        the right columns.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
-        manifests = {name: Manifest(self.root, dataset) for name, dataset in DATASETS.items()}
+        manifests = {name: Manifest(self.root, dataset, self._checked.get(name)) for name, dataset in DATASETS.items()}
         visible: dict[str, list[Path]] = {}
         for dataset in sorted(DATASETS.values(), key=lambda d: d.name in COMMITTED_BY):  # markers first
             manifest = manifests[dataset.name]
@@ -304,8 +323,11 @@ class Warehouse:
             for part in parts:
                 manifest.check(part)
             visible[dataset.name] = parts
-        for manifest in manifests.values():
-            manifest.save()
+        for name, manifest in manifests.items():
+            if self.read_only:
+                self._checked[name] = manifest.checked
+            else:
+                manifest.save()
         connection = duckdb.connect(":memory:")
         for dataset in DATASETS.values():
             _create_view(connection, dataset, visible[dataset.name])
@@ -328,6 +350,11 @@ def _config_order(config: PurifyConfigRow | None) -> tuple:
     return (config.gamma, config.rollback_prob, config.similarity_on, config.purify_when)
 
 
+def parts_variable(dataset: Dataset) -> str:
+    """The DuckDB variable holding the file list of a dataset's view (unset when it has no parts)."""
+    return f"_cleaner_parts_{dataset.name}"
+
+
 def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
     if not parts:
         empty: pa.Table = dataset.schema.empty_table()
@@ -336,7 +363,7 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
         return
     # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
     # paths costs DuckDB more than the rest of connect() together.
-    variable = f"_cleaner_parts_{dataset.name}"
+    variable = parts_variable(dataset)
     connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in parts]])
     columns = ", ".join(dataset.columns)
     connection.execute(

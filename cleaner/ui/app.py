@@ -1,0 +1,276 @@
+"""The trajectory browser's web app (Starlette, Jinja2 pages rendered on the server).
+
+Design decisions (docs/architecture.md §14):
+- Starlette, not FastAPI: the app serves HTML pages, so FastAPI's request validation and OpenAPI
+  schema would be dead weight; Starlette is the small ASGI core FastAPI is built on, with Jinja2
+  templates and a test client. uvicorn serves it.
+- Every page is rendered on the server; the only assets are one stylesheet and the SVG figures,
+  both served by the app itself: the pages load nothing from the network and run no script.
+- Reads go through one `Browser` snapshot (cleaner.warehouse.browse), whose connection is locked
+  down and whose lock serialises the handlers (DuckDB connections are not thread-safe).
+- Errors a reader can cause are pages, never tracebacks: an unknown rollout or config is a 404,
+  a refused query is said above the query box, anything unexpected is a 500 page naming the
+  error type (its traceback goes to the log only).
+- With a token (required off loopback, `server.check_host`), every request must carry it: as
+  `?token=` (which also sets a cookie, so links need not repeat it), the cookie, or an
+  `X-Cleaner-Token` / `Authorization: Bearer` header; otherwise 401. On loopback without a token,
+  only loopback Host headers are served, so a web page elsewhere cannot read the app through a
+  DNS name it re-points to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import csv
+import hmac
+import io
+import logging
+from pathlib import Path
+from urllib.parse import urlencode
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from cleaner.engine.show import Decoder, load_decoder, load_inspection
+from cleaner.errors import CleanerError
+from cleaner.ui.overview import Overview
+from cleaner.ui.rollout_view import purified_pane, raw_segments
+from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter
+from cleaner.warehouse.readonly import QueryRefused, run_select
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+TOKEN_COOKIE = "cleaner_ui_token"
+PAGE_SIZE = 50
+SQL_MAX_ROWS = 1000  # rows shown under the query box
+CSV_MAX_ROWS = 1_000_000  # rows of a CSV download
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                               autoescape=True, undefined=jinja2.StrictUndefined)
+
+
+class State:
+    """What the handlers share: the snapshot, its overview, the tokenizers loaded so far."""
+
+    def __init__(self, browser: Browser) -> None:
+        self.browser = browser
+        self.overview: Overview | None = None
+        self.decoders: dict[str | None, Decoder] = {}
+
+    def get_overview(self) -> Overview:
+        with self.browser.lock:
+            if self.overview is None:
+                self.overview = Overview(self.browser.connection)
+            return self.overview
+
+    def decoder(self, model: str | None) -> Decoder:
+        if model not in self.decoders:
+            self.decoders[model] = load_decoder(model)
+        return self.decoders[model]
+
+
+def page(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
+    state: State = request.app.state.ui
+    body = TEMPLATES.get_template(template).render(
+        request=request, warehouse=str(state.browser.root), path=request.url.path, **context)
+    return HTMLResponse(body, status_code=status_code)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pages
+
+
+def overview_page(request: Request) -> Response:
+    overview = request.app.state.ui.get_overview()
+    return page(request, "overview.html", overview=overview, data=overview.data)
+
+
+def chart(request: Request) -> Response:
+    svg = request.app.state.ui.get_overview().svg(request.path_params["name"])
+    if svg is None:
+        raise HTTPException(404, f"no figure {request.path_params['name']!r} in this warehouse")
+    return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-cache"})
+
+
+def _filter(request: Request) -> RolloutFilter:
+    params = request.query_params
+
+    def value(name: str, kind=str):
+        text = params.get(name, "").strip()
+        if not text:
+            return None
+        try:
+            return kind(text)
+        except ValueError as error:
+            raise HTTPException(400, f"{name} must be a {kind.__name__}, got {text!r}") from error
+
+    try:
+        return RolloutFilter(iteration=value("iteration", int), group_id=value("group"),
+                             reward_min=value("reward_min", float), reward_max=value("reward_max", float),
+                             finish_reason=value("finish_reason"), error_type=value("error_type"),
+                             premise_class=value("class"), collect_view=value("collect_view"))
+    except ValueError as error:
+        raise HTTPException(400, str(error)) from error
+
+
+def rollouts_page(request: Request) -> Response:
+    state: State = request.app.state.ui
+    where = _filter(request)
+    try:
+        offset = max(0, int(request.query_params.get("offset", "0")))
+    except ValueError as error:
+        raise HTTPException(400, "offset must be an integer") from error
+    listing = state.browser.list_rollouts(where, offset, PAGE_SIZE)
+    kept = {k: v for k, v in request.query_params.items() if k not in ("offset", "token") and v}
+
+    def at(new_offset: int) -> str:
+        return "/rollouts?" + urlencode({**kept, "offset": new_offset})
+
+    previous = at(max(0, offset - PAGE_SIZE)) if offset > 0 else None
+    following = at(offset + PAGE_SIZE) if offset + PAGE_SIZE < listing.total else None
+    return page(request, "rollouts.html", listing=listing, facets=state.browser.facets(), classes=CLASSES,
+                selected=kept, previous=previous, following=following)
+
+
+def rollout_page(request: Request) -> Response:
+    state: State = request.app.state.ui
+    rollout_id = request.path_params["rollout_id"]
+    inspection = load_inspection(state.browser, rollout_id)
+    if inspection is None:
+        raise HTTPException(404, f"no rollout {rollout_id!r} in this warehouse")
+    decoder = state.decoder(inspection.model)
+    stored = state.browser.read_purified_of(rollout_id, inspection.iteration)
+    rows = [(row, config) for row, config in stored if not row.is_negative]
+    wanted = request.query_params.get("config")
+    chosen = [pair for pair in rows if wanted is None or pair[0].config_id == wanted][:1]
+    if wanted is not None and not chosen:
+        raise HTTPException(404, f"rollout {rollout_id!r} has no purified row under config {wanted!r}")
+    pane = purified_pane(inspection.segments, *chosen[0], decoder.decode) if chosen else None
+    wanted_id = pane.row.config_id if pane is not None else None
+    raw = raw_segments(inspection.segments, pane.explained if pane else (), decoder.decode)
+    rollout = inspection.rollout
+    group = state.browser.group(rollout.group_id, rollout.iteration) if rollout is not None else ()
+    return page(request, "rollout.html", inspection=inspection, rollout=rollout, raw=raw, pane=pane,
+                configs=[config_id_label(row, config) for row, config in rows], note=decoder.note,
+                listed=state.browser.listed(rollout_id), group=group,
+                negatives=sum(row.is_negative and row.config_id == wanted_id for row, _ in stored))
+
+
+def config_id_label(row, config) -> tuple[str, str]:
+    """(config_id, a label of its parameters) for the selector."""
+    if config is None:
+        return row.config_id, f"{row.config_id} (config row missing)"
+    return row.config_id, (f"{row.config_id}: γ={config.gamma:g} p={config.rollback_prob:g} "
+                           f"on {config.similarity_on}, {config.purify_when}")
+
+
+def sql_page(request: Request) -> Response:
+    state: State = request.app.state.ui
+    query = request.query_params.get("q", "")
+    result, error = None, None
+    if query.strip():
+        try:
+            with state.browser.lock:
+                result = run_select(state.browser.connection, query, SQL_MAX_ROWS)
+        except QueryRefused as refused:
+            error = str(refused)
+    csv_link = "/sql.csv?" + urlencode({"q": query}) if result is not None else None
+    return page(request, "sql.html", query=query, result=result, error=error, csv_link=csv_link,
+                status_code=400 if error else 200)
+
+
+def sql_csv(request: Request) -> Response:
+    state: State = request.app.state.ui
+    try:
+        with state.browser.lock:
+            result = run_select(state.browser.connection, request.query_params.get("q", ""), CSV_MAX_ROWS)
+    except QueryRefused as refused:
+        return Response(f"error: {refused}\n", status_code=400, media_type="text/plain")
+    sink = io.StringIO()
+    writer = csv.writer(sink)
+    writer.writerow(result.columns)
+    writer.writerows(result.rows)
+    return Response(sink.getvalue(), media_type="text/csv",
+                    headers={"Content-Disposition": 'attachment; filename="query.csv"'})
+
+
+def refresh(request: Request) -> Response:
+    state: State = request.app.state.ui
+    with state.browser.lock:
+        state.browser.refresh()
+        state.overview = None
+    return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors and the token
+
+
+async def http_error(request: Request, error: HTTPException) -> Response:
+    return page(request, "error.html", status_code=error.status_code, status=error.status_code,
+                message=error.detail)
+
+
+async def expected_error(request: Request, error: CleanerError) -> Response:
+    return page(request, "error.html", status_code=500, status=500, message=str(error))
+
+
+async def unexpected_error(request: Request, error: Exception) -> Response:
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return page(request, "error.html", status_code=500, status=500,
+                message=f"{type(error).__name__} (a bug: the traceback is in the server's log)")
+
+
+class TokenGate(BaseHTTPMiddleware):
+    """Refuses (401) any request that does not carry the token (module docstring)."""
+
+    def __init__(self, app, token: str) -> None:
+        super().__init__(app)
+        self.token = token.encode()
+
+    async def dispatch(self, request: Request, call_next) -> Response:
+        in_query = request.query_params.get("token")
+        bearer = request.headers.get("authorization", "")
+        given = (in_query or request.headers.get("x-cleaner-token")
+                 or (bearer[7:] if bearer.lower().startswith("bearer ") else None)
+                 or request.cookies.get(TOKEN_COOKIE) or "")
+        if not hmac.compare_digest(given.encode(), self.token):
+            return HTMLResponse("<!doctype html><title>401</title><h1>401: a token is required</h1>"
+                                "<p>Open the address <code>cleaner ui</code> printed (it carries "
+                                "<code>?token=</code>).</p>", status_code=401)
+        response = await call_next(request)
+        if in_query:
+            response.set_cookie(TOKEN_COOKIE, in_query, httponly=True, samesite="strict")
+        return response
+
+
+def create_app(browser: Browser, token: str | None = None, loopback: bool = True) -> Starlette:
+    """The app over one browser snapshot; `token` is required on every request when given."""
+    middleware = []
+    if loopback and token is None:
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    if token is not None:
+        middleware.append(Middleware(TokenGate, token=token))
+    routes = [
+        Route("/", overview_page),
+        Route("/charts/{name}.svg", chart),
+        Route("/rollouts", rollouts_page),
+        Route("/rollouts/{rollout_id:path}", rollout_page),
+        Route("/sql", sql_page),
+        Route("/sql.csv", sql_csv),
+        Route("/refresh", refresh, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+        HTTPException: http_error, CleanerError: expected_error, Exception: unexpected_error})
+    app.state.ui = State(browser)
+    return app

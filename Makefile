@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-gpu lint bench clean
+.PHONY: setup demo test test-slow test-gpu test-ui lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,21 @@ test-slow: setup $(VENV)/.deepspeed-installed
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# The browser tests of `cleaner ui`: Debian's Chromium and its driver from apt (root, or sudo),
+# selenium from pip (pointed at /usr/bin/chromedriver: no browser is downloaded at test time).
+# CLEANER_UI_SCREENSHOTS=docs/figures refreshes the README's screenshot.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+$(VENV)/.ui-test-installed: $(VENV)/.installed
+	$(PIP) install -q "$(TORCH_SPEC)" -e '.[ui-test]'
+	touch $@
+
+test-ui: setup $(VENV)/.ui-test-installed
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; \
+	fi
+	$(PY) -m pytest -q -m ui $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check cleaner tests bench

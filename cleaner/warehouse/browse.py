@@ -170,6 +170,10 @@ class Browser:
         readonly.lock_down(connection, self.root)
         return connection
 
+    def close(self) -> None:
+        with self.lock:
+            self.connection.close()
+
     def refresh(self) -> None:
         """A new snapshot: parts written since the last one become visible."""
         with self.lock:

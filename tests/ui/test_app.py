@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,10 @@ def test_a_read_only_warehouse_refuses_writes(warehouse):
         Warehouse(warehouse, read_only=True).write_iteration(None)
     with pytest.raises(WarehouseError, match="read-only"):
         Warehouse(warehouse, read_only=True).save_config("x", "{}")
+
+
+def test_without_the_ui_extra_the_cli_prints_the_install_hint(warehouse, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    result = CliRunner().invoke(cli_app, ["ui", "-w", str(warehouse)])
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert "pip install 'cleaner[ui]'" in result.output and "uvicorn" in result.output

@@ -160,12 +160,12 @@ def rollout_page(request: Request) -> Response:
     rollout = inspection.rollout
     group = state.browser.group(rollout.group_id, rollout.iteration) if rollout is not None else ()
     return page(request, "rollout.html", inspection=inspection, rollout=rollout, raw=raw, pane=pane,
-                configs=[config_id_label(row, config) for row, config in rows], note=decoder.note,
+                configs=[_config_label(row, config) for row, config in rows], note=decoder.note,
                 listed=state.browser.listed(rollout_id), group=group,
                 negatives=sum(row.is_negative and row.config_id == wanted_id for row, _ in stored))
 
 
-def config_id_label(row, config) -> tuple[str, str]:
+def _config_label(row, config) -> tuple[str, str]:
     """(config_id, a label of its parameters) for the selector."""
     if config is None:
         return row.config_id, f"{row.config_id} (config row missing)"

@@ -23,7 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
-from cleaner.engine.render import RAW, Decode, KeptTokens, StepOutcome, View, explain, render
+from cleaner.engine.render import (
+    RAW,
+    Decode,
+    KeptTokens,
+    MergeDecision,
+    StepOutcome,
+    View,
+    explain,
+    render,
+)
 from cleaner.engine.show import kept_pieces, step_label, token_text
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +117,7 @@ class Piece:
 class PurifiedStep:
     label: str  # show.step_label: outcome, merges with their similarity, what was removed
     outcome: str
-    merges: tuple[dict, ...]  # attempt, kind, similarity, log_is, rejected (for the table)
+    merges: tuple[MergeDecision, ...]  # attempt, kind, similarity, log IS, rejected
     pieces: tuple[Piece, ...]
 
 
@@ -158,13 +167,14 @@ def _params(config: PurifyConfigRow) -> dict:
 def purified_pane(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None,
                   decode: Decode | None) -> PurifiedPane:
     """The stored row, step by step, with the decisions of the view it was rendered under."""
-    view = config_view(config, row)
     oracle = StoredLogprobs(row)
     mask = row.loss_mask
+    view = RAW
     try:
+        view = config_view(config, row)
         steps = explain(segments, view, decode, oracle)
         rendered = render(segments, view, decode, oracle).token_ids
-    except ValueError as error:  # e.g. similarity on call tokens without a tokenizer
+    except ValueError as error:  # similarity on call tokens without a tokenizer; a foreign config
         return _unmatched(segments, row, config, view, decode, f"cannot re-render this row: {error}", ())
     by_seq = {segment.seq: segment for segment in segments}
     prompt = [s for s in segments if s.kind == SegmentKind.PROMPT]
@@ -192,7 +202,7 @@ def purified_pane(segments: Sequence[Segment], row: PurifiedRow, config: PurifyC
             out.append(PurifiedStep("prompt", "prompt", (), tuple(texts)))
         else:
             step = steps[index - 1]
-            out.append(PurifiedStep(step_label(step), str(step.outcome), _merges(step), tuple(texts)))
+            out.append(PurifiedStep(step_label(step), str(step.outcome), step.merges, tuple(texts)))
     return PurifiedPane(row, config, view, tuple(out), tuple(steps), sum(mask), masked, None)
 
 
@@ -211,11 +221,6 @@ def _css(kind: SegmentKind, mask_value: int) -> str:
     if kind == SegmentKind.ASSISTANT:
         return "trained" if mask_value else "masked"
     return "prompt" if kind == SegmentKind.PROMPT else "tool"
-
-
-def _merges(step: StepOutcome) -> tuple[dict, ...]:
-    return tuple({"attempt": m.attempt, "kind": str(m.kind), "similarity": m.similarity,
-                  "log_is": m.log_is, "rejected": m.rejected} for m in step.merges)
 
 
 def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None, view: View,

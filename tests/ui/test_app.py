@@ -164,7 +164,19 @@ def test_the_is_gate_reads_old_logprobs_from_the_stored_row():
     assert StoredLogprobs(row).logprob_sum(row.token_ids[:4], row.token_ids[4:6]) == -0.5
     pane = purified_pane(segments, row, config, None)
     (merge,) = pane.steps[1].merges
-    assert pane.note is None and merge["log_is"] == pytest.approx(-0.5 - (-1.0)) and not merge["rejected"]
+    assert pane.note is None and merge.log_is == pytest.approx(-0.5 - (-1.0)) and not merge.rejected
+
+
+def test_a_row_that_is_no_re_rendering_is_shown_from_its_own_tokens_and_says_so():
+    segments = make_segments("r0")
+    row = dataclasses.replace(stored_row(SHALLOW, segments, 1.0, View(True, 0.5)), token_ids=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    pane = purified_pane(segments, row, SHALLOW, lambda ids: "".join(chr(96 + i) for i in ids))
+    assert "not a re-rendering" in pane.note
+    # the shallow row's mask: prompt 0 0 0, merged turn 1 1 1, tool 0 0, answer 1 1; ids 1..10 -> a..j
+    assert [(p.text, p.css) for p in pane.steps[0].pieces] == [("abc", "prompt"), ("def", "trained"), ("gh", "tool"),
+                                                               ("ij", "trained")]
+    foreign = dataclasses.replace(SHALLOW, params_json=json.dumps({"rollback_is_mode": "median"}))
+    assert "cannot re-render" in purified_pane(segments, row, foreign, None).note
 
 
 @pytest.mark.parametrize(("url", "says"), [

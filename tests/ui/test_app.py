@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import re
 import sys
@@ -322,3 +323,10 @@ def test_without_the_ui_extra_the_cli_prints_the_install_hint(warehouse, monkeyp
     result = CliRunner().invoke(cli_app, ["ui", "-w", str(warehouse)])
     assert result.exit_code == 1 and result.output.count("\n") == 1
     assert "pip install 'cleaner[ui]'" in result.output and "uvicorn" in result.output
+
+
+def test_the_cli_flags_default_to_the_config():
+    from cleaner.cli.read import ui
+
+    defaults = {name: p.default for name, p in inspect.signature(ui).parameters.items()}
+    assert (defaults["host"], defaults["port"], defaults["token"]) == (UiConfig.host, UiConfig.port, UiConfig.token)

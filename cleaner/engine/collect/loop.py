@@ -38,6 +38,12 @@ Design decisions:
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
 - Faults: a backend exception ends the affected rollouts with finish_reason `error` (reward 0); a
   sandbox exception is retried call by call, and a call that still raises gets `infra_error`.
+- Model text never ends a collection: a call that cannot be read (any JSON, any depth, any size,
+  code that is not valid text) is a `format_error` row, since `parse_tool_call` never raises. Text
+  columns hold valid UTF-8: assistant text is decoded from token ids (a byte-level tokenizer writes
+  invalid bytes as U+FFFD; the ids stay the record), and the two texts that are not, the parsed
+  code and the sandbox's output, are checked (`chat.parse_tool_call`) or made valid (`_from_result`)
+  where they enter the trajectory.
 - Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`.
 No disk I/O here: the caller (warehouse writer) stores each yielded batch.
 """
@@ -54,7 +60,13 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from cleaner.engine.backends.base import LENGTH, Generation, SamplingParams
-from cleaner.engine.chat import ChatFormat, ToolCall, format_tool_response, parse_tool_call
+from cleaner.engine.chat import (
+    ChatFormat,
+    ToolCall,
+    format_tool_response,
+    parse_tool_call,
+    valid_text,
+)
 from cleaner.engine.collect.rewards import compute_reward
 from cleaner.engine.config import CollectConfig
 from cleaner.engine.records import (
@@ -383,12 +395,19 @@ def _run_one(code: str, sandbox) -> _Outcome:
 
 
 def _from_result(result) -> _Outcome:
-    """The sandbox reports what happened; the text the model sees is worded here."""
+    """The sandbox reports what happened; the text the model sees is worded here.
+
+    Every text of a trajectory that is not decoded from token ids enters through here or through
+    the call parser, so this is where the tool's output is made valid text (`valid_text`): the code
+    decides what it prints, and may forge the sandbox's result (an error type or message holding a
+    lone surrogate), which neither the tokenizer nor the warehouse could store.
+    """
     status = ToolStatus(result.status)  # the sandbox's statuses are a subset of the tool's
     exec_ms = None if result.exec_ms is None else float(result.exec_ms)
-    response = format_tool_response(status == ToolStatus.OK, result.stdout, result.stderr,
-                                    None if status == ToolStatus.OK else status)
-    return _Outcome(status, result.error_type, exec_ms, response)
+    response = format_tool_response(status == ToolStatus.OK, valid_text(result.stdout),
+                                    valid_text(result.stderr), None if status == ToolStatus.OK else status)
+    error_type = None if result.error_type is None else valid_text(result.error_type)
+    return _Outcome(status, error_type, exec_ms, response)
 
 
 # ---------------------------------------------------------------------------------------------

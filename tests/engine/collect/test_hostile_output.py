@@ -129,6 +129,8 @@ def _brackets(kind: str, depth: int) -> list[Case]:
 
 def _cases(tokenizer) -> list[Case]:
     encoded_surrogate = tuple(tokenizer.convert_tokens_to_ids(["í", "³", "¿"]))  # bytes ED B3 BF
+    # Code may write its own closing JSON to the child's result pipe (the highest fd it may open) and
+    # close it: the sandbox then reports the forged error type and message.
     forge = (f"import os\nos.write({SandboxConfig().max_open_files - 1}, "
              "b'{\"error_type\": \"\\\\udcff\", \"error_text\": \"forged \\\\udcff\"}')\n"
              f"os.close({SandboxConfig().max_open_files - 1})")

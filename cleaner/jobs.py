@@ -248,7 +248,7 @@ def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, g
     started, generated = time.monotonic(), 0
     for batch in collect(plan.data.tasks, config, backend, sandbox, ChatFormat(backend.tokenizer),
                          reward_fn=grader, skip_rollout_ids=stored, progress=progress,
-                         rollout_prefix=plan.rollout_prefix):
+                         rollout_prefix=plan.rollout_prefix, strict_context=False):
         warehouse.write_eval_batch(eval_id, batch.rollouts, batch.segments)
         generated += len(batch.rollouts)
     seconds = time.monotonic() - started

@@ -55,6 +55,7 @@ def collect(
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool call.")] = 3,
     max_new_tokens: MaxNewTokensOpt = 160,
     max_response_tokens: Annotated[int, typer.Option(help="Token budget after the prompt.")] = 768,
+    truncate_prompts: Annotated[bool, typer.Option(help="A prompt too long for the model's context with the response budget keeps its last tokens (verl's truncation=left); default: an error naming the row.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     collect_view: Annotated[str, typer.Option(help="Context rendering for later turns: purified | raw.")] = "purified",
     gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified context.")] = 0.5,
@@ -87,7 +88,7 @@ def collect(
     config = build_config(
         CollectConfig, model=model, data=str(data) if data else None, prompt_style=prompt_style, iteration=iteration,
         n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
-        max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens,
+        max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens, truncate_prompts=truncate_prompts,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
         similarity_on=similarity_on, rollback_is_threshold=rollback_is_threshold,
         rollback_is_mode=rollback_is_mode, seed=seed,

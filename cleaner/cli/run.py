@@ -98,6 +98,7 @@ def run(
     max_retries: Annotated[int, typer.Option(help="K: retries per failed tool-call step.", rich_help_panel="Collect")] = 3,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.", rich_help_panel="Collect")] = 160,
     max_response_tokens: Annotated[int | None, typer.Option(help="Token budget after the prompt (default: max(768, --max-new-tokens)).", show_default=False, rich_help_panel="Collect")] = None,
+    truncate_prompts: Annotated[bool, typer.Option(help="A prompt too long for the model's context with the response budget keeps its last tokens (verl's truncation=left); default: an error naming the row.", rich_help_panel="Collect")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.", rich_help_panel="Collect")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling.", rich_help_panel="Collect")] = 1.0,
     collect_view: Annotated[str, typer.Option(help="Context of later turns: purified (the paper) | raw (the baseline).", rich_help_panel="Collect")] = "purified",

@@ -10,11 +10,22 @@ Matches the Qwen/Hermes convention used by the reference (Open-CLEANER's tool ag
   Its tokens carry loss_mask 0, so the policy is never trained on them.
 
 Broken JSON inside a call is repaired with `json_repair`, as the reference does.
+
+Model text never raises here (docs/architecture.md §5): a call that cannot be read is a
+`ToolCall` with the reason, which the agent loop records as a `format_error` row and shows the
+model. A call `json` reads is taken whatever its size. Otherwise it is repaired, within a bound: a
+small model early in RL writes thousands of unclosed brackets, and `json_repair` (pure Python)
+takes time that grows with the text's length times its bracket depth (tens of seconds for a run
+of 100,000 `{`), so a call is repaired only if that product is at most MAX_REPAIR_WORK. Brackets
+are counted inside strings too: the repair may decide that a string never ended and parse what
+follows it. Code that is not valid Unicode text (an escaped lone surrogate such as `"\\udcff"`)
+is a format error as well: neither Python, a tokenizer nor a Parquet column can hold it.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +35,9 @@ TOOL_NAME = "code_interpreter"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+# Characters x bracket depth of the largest call repaired: 50,000 characters at a call's depth of 2.
+MAX_REPAIR_WORK = 100_000
 
 TOOL_SCHEMA = {
     "type": "function",
@@ -37,6 +51,10 @@ TOOL_SCHEMA = {
         },
     },
 }
+
+
+_PREVIEW = reprlib.Repr()  # a value quoted in a format error: shallow and short
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother = 2, 80, 80
 
 
 @dataclass(frozen=True)
@@ -74,7 +92,10 @@ def tool_response_text(response: str) -> str:
 
 
 def parse_tool_call(text: str) -> ToolCall | None:
-    """Parse the first call in an assistant segment's text; None if it contains no call."""
+    """Parse the first call in an assistant segment's text; None if it contains no call.
+
+    Never raises: whatever the text, a call that cannot be read is a ToolCall with its reason.
+    """
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
         return None
@@ -82,21 +103,78 @@ def parse_tool_call(text: str) -> ToolCall | None:
     end = body.find(TOOL_CALL_CLOSE)
     if end < 0:
         return ToolCall(None, f"the call is not closed with {TOOL_CALL_CLOSE}")
-    body = body[:end].strip()
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError:
-        payload = json_repair.loads(body)
+    payload, error = _load_json(body[:end].strip(), "the call")
+    if error is not None:
+        return ToolCall(None, error)
     if not isinstance(payload, dict):
         return ToolCall(None, "the call is not a JSON object")
     if payload.get("name") != TOOL_NAME:
-        return ToolCall(None, f"unknown tool {payload.get('name')!r}; the only tool is {TOOL_NAME}")
+        return ToolCall(None, f"unknown tool {_preview(payload.get('name'))}; the only tool is {TOOL_NAME}")
     arguments = payload.get("arguments")
     if isinstance(arguments, str):  # some models double-encode the arguments
-        arguments = json_repair.loads(arguments)
+        arguments, error = _load_json(arguments, "the arguments string")
+        if error is not None:
+            return ToolCall(None, error)
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
         return ToolCall(None, 'the call needs "arguments": {"code": "..."}')
-    return ToolCall(arguments["code"], None)
+    code = arguments["code"]
+    error = _text_error(code)
+    return ToolCall(None, error) if error is not None else ToolCall(code, None)
+
+
+def _load_json(text: str, what: str) -> tuple[object, str | None]:
+    """(value, None), or (None, why `what` cannot be read): strict JSON first, then a bounded repair."""
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError):  # JSONDecodeError, a number of too many digits, deep nesting
+        pass
+    depth = bracket_depth(text)
+    if len(text) * max(depth, 1) > MAX_REPAIR_WORK:
+        return None, (f"{what} is not valid JSON, and too big to repair ({len(text):,} characters, "
+                      f"brackets nested {depth:,} deep)")
+    try:
+        return json_repair.loads(text), None
+    except Exception as error:  # noqa: BLE001 - whatever the repair raises on model text is a format error
+        return None, f"{what} is not valid JSON ({type(error).__name__})"
+
+
+def bracket_depth(text: str) -> int:
+    """The most brackets (`[`, `{`, `(`) open at once, strings or not."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]})" and depth:
+            depth -= 1
+    return deepest
+
+
+def _text_error(code: str) -> str | None:
+    """Why `code` is not valid Unicode text (a lone surrogate from an escape), or None."""
+    try:
+        code.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"the code is not valid text: character {error.start} is the lone surrogate "
+                f"{code[error.start]!r}, which UTF-8 cannot encode")
+    return None
+
+
+def _preview(value: object) -> str:
+    """`value` quoted for a message to the model: escaped, cut, and shallow (`reprlib`), so that
+    neither a long string nor a deep list is quoted whole."""
+    return _PREVIEW.repr(value)
+
+
+def valid_text(text: str) -> str:
+    """`text` with each lone surrogate written as its escape (`\\udcff`), as Python writes one to
+    a `backslashreplace` stream such as the sandbox's stdout: a tokenizer and a Parquet string
+    column take only valid Unicode. Other characters, control characters included, are kept."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 class ChatFormat:

@@ -104,6 +104,7 @@ class CollectConfig(_Config):
     max_retries: int = 3  # K: retries per failed tool-call step
     max_new_tokens: int = 160  # per assistant generation
     max_response_tokens: int = 768  # budget for everything after the prompt
+    truncate_prompts: bool = False  # a prompt too long for context - budget keeps its end; off: an error
     temperature: float = 1.0  # sampling temperature; greedy never shows errors
     top_p: float = 1.0  # nucleus sampling
     collect_view: CollectView = CollectView.PURIFIED  # context rendering for later turns

@@ -112,6 +112,32 @@ def load_tokenizer_if_present(path: str | Path) -> object | None:
         raise ModelError(f"model {str(path)!r}: cannot load its tokenizer ({error})") from error
 
 
+# ---------------------------------------------------------------------------- context length
+
+# Where Hugging Face configs keep the number of positions a model attends over, in the order tried.
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(config: object) -> int | None:
+    """The positions a model with this Hugging Face config attends over; None if it does not say."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def context_length_of(path: str | Path) -> int | None:
+    """`context_length` of the checkpoint's config.json (for backends that hold no model here)."""
+    from transformers import AutoConfig  # transformers' import costs CLI start-up time
+
+    try:
+        return context_length(AutoConfig.from_pretrained(str(path)))
+    except (OSError, ValueError) as error:
+        raise ModelError(f"model {str(path)!r}: cannot read its config ({error})") from error
+
+
 # ---------------------------------------------------------------------------- policy version
 
 

@@ -141,6 +141,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
     "max_turns": (("collect", "max_turns"),), "max_retries": (("collect", "max_retries"),),
     "max_new_tokens": (("collect", "max_new_tokens"),),
     "max_response_tokens": (("collect", "max_response_tokens"), ("train", "max_response_tokens")),
+    "truncate_prompts": (("collect", "truncate_prompts"),),
     "temperature": (("collect", "temperature"),), "top_p": (("collect", "top_p"),),
     "collect_view": (("collect", "collect_view"),),
     "gamma": (("collect", "gamma"), ("purify", "gamma")),

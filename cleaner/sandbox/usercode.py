@@ -29,7 +29,7 @@ import sys
 
 USER_FILENAME = "<code>"  # the filename user code is compiled under; frames with it are the user's
 RESULT_MARKER = "\x00CLEANER-RESULT\x00"  # docker backend: result JSON follows on stderr's last line
-MAX_ERROR_CHARS = 4096  # an error message longer than this is cut
+MAX_ERROR_CHARS = 4096  # an error message, or the quoted line, longer than this is cut
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,13 +52,20 @@ def _user_line(error: BaseException) -> int | None:
 def format_error(error: BaseException, code: str) -> str:
     """`"{ErrorType} at line {n}: {message}\\n  {line}"`, or `"{ErrorType}: {message}"`."""
     name = type(error).__name__
-    message = error.msg if isinstance(error, SyntaxError) else str(error)
-    message = message[:MAX_ERROR_CHARS]
+    message = _cut(error.msg if isinstance(error, SyntaxError) else str(error))
     line_number = _user_line(error)
     lines = code.splitlines()
     if line_number is None or not 1 <= line_number <= len(lines):
         return f"{name}: {message}"
-    return f"{name} at line {line_number}: {message}\n  {lines[line_number - 1].strip()}"
+    return f"{name} at line {line_number}: {message}\n  {_cut(lines[line_number - 1].strip())}"
+
+
+def _cut(text: str) -> str:
+    """At most MAX_ERROR_CHARS of `text`, with the streams' truncation marker: the quoted line of a
+    one-line program of 100,000 brackets must not make the error text 100,000 characters long."""
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}...[truncated {len(text) - MAX_ERROR_CHARS} chars]"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,3 +51,12 @@ def test_batch_texts_are_the_sandbox_format():
 def test_each_snippet_runs_in_fresh_globals():
     first, second = run_batch(["leaked = 1", "print('leaked' in globals())"])
     assert (first, second) == (["", None, None], ["False\n", None, None])
+
+
+def test_a_long_error_message_and_line_are_cut_with_the_marker():
+    (_, error_type, error_text), = run_batch(["(" * 100_000])
+    quoted = "(" * 4096 + f"...[truncated {100_000 - 4096} chars]"
+    assert (error_type, error_text) == ("SyntaxError", f"SyntaxError at line 1: too many nested parentheses\n  {quoted}")
+    (_, error_type, error_text), = run_batch(["raise ValueError('m' * 5000)"])
+    assert error_text == ("ValueError at line 1: " + "m" * 4096 + f"...[truncated {5000 - 4096} chars]"
+                          "\n  raise ValueError('m' * 5000)")

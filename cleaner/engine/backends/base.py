@@ -109,6 +109,12 @@ class Backend(Protocol):
         """Identifies the weights (checkpoint directory name + content hash)."""
         ...
 
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model attends over (its config's `max_position_embeddings`); None if
+        unknown. Collection checks prompts and budgets against it (docs/architecture.md §5)."""
+        ...
+
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[Generation]:

@@ -43,7 +43,7 @@ from cleaner.engine.backends.sglang_wire import (
     responses_of,
     score_body,
 )
-from cleaner.engine.models import load_tokenizer_if_present, policy_version_of
+from cleaner.engine.models import context_length_of, load_tokenizer_if_present, policy_version_of
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class SGLangBackend:
         engine_kwargs.setdefault("enable_deterministic_inference", True)
         self._model_path = Path(model_path)
         self.tokenizer = load_tokenizer_if_present(model_path)
+        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
         self.engine = sglang.Engine(model_path=str(model_path), dtype=dtype, **engine_kwargs)
         self._policy_version = policy_version_of(model_path)
 
@@ -88,6 +89,12 @@ class SGLangBackend:
     @property
     def policy_version(self) -> str:
         return self._policy_version
+
+    @property
+    def context_length(self) -> int | None:
+        """The checkpoint's own limit, as the engine derives it by default (an engine started with
+        a smaller `--context-length` is not seen here)."""
+        return self._context_length
 
     def adopt(self, model_path: str | Path) -> None:
         """Load the weights saved at `model_path` (same architecture) into the running engine."""

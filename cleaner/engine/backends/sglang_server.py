@@ -52,7 +52,7 @@ from cleaner.engine.backends.sglang_wire import (
     update_weights_body,
     worker_urls,
 )
-from cleaner.engine.models import load_tokenizer_if_present, policy_version_of
+from cleaner.engine.models import context_length_of, load_tokenizer_if_present, policy_version_of
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class SGLangServerBackend:
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
         self.tokenizer = load_tokenizer_if_present(model_path)
+        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
         self.workers = discover_workers(self.url, timeout_s)
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
         self._model_path = Path(model_path)
@@ -127,6 +128,12 @@ class SGLangServerBackend:
     @property
     def policy_version(self) -> str:
         return self._policy_version
+
+    @property
+    def context_length(self) -> int | None:
+        """The checkpoint's own limit, as the engine derives it by default (an engine started with
+        a smaller `--context-length` is not seen here)."""
+        return self._context_length
 
     def adopt(self, model_path: str | Path) -> None:
         """Every server loads the checkpoint saved at `model_path` (same architecture)."""

@@ -42,6 +42,7 @@ from cleaner.engine.backends.kv import causal_forward, kv_select, target_logprob
 from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
 from cleaner.engine.models import (
     check_device,
+    context_length,
     load_policy,
     load_tokenizer_if_present,
     policy_version_of,
@@ -120,6 +121,10 @@ class TorchBackend:
     @property
     def policy_version(self) -> str:
         return self._policy_version
+
+    @property
+    def context_length(self) -> int | None:
+        return context_length(self.model.config)
 
     @property
     def pad_id(self) -> int:

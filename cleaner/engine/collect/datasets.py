@@ -135,7 +135,8 @@ def _eval_tasks(path: Path, table: pa.Table, layout: Layout, prompt_style: Promp
             raise row_error(path, index, "a non-empty string `data_source`", source)
         read = _ROW_READERS[layout](path, index, row)
         content = read.reference_prompt if prompt_style == PromptStyle.REFERENCE else read.problem
-        tasks.append(Task(f"{source}-{index}", ({"role": "user", "content": content},), read.ground_truth, source))
+        tasks.append(Task(f"{source}-{index}", ({"role": "user", "content": content},), read.ground_truth, source,
+                          index))
     return tasks
 
 

@@ -32,12 +32,19 @@ Design decisions:
 - Response budget: measured on the CONTEXT the model sees (rendered length minus prompt length), as
   the reference measures its (rolled-back) response. One generate call per turn carries the largest
   per-rollout limit; a generation is then cut to its own limit (a prefix of a sample is a sample of
-  the shorter request) and marked LENGTH.
+  the shorter request) and marked LENGTH. No generation runs past the model's context: prompts are
+  checked against it first (context.py), and a limit never exceeds what the context has left.
 - max_turns: as in the reference, a call opening the last allowed step is not executed; a retry
   is always executed (the reference regenerates it with its termination checks off).
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
 - Faults: a backend exception ends the affected rollouts with finish_reason `error` (reward 0); a
   sandbox exception is retried call by call, and a call that still raises gets `infra_error`.
+- Model text never ends a collection: a call that cannot be read (any JSON, any depth, any size,
+  code that is not valid text) is a `format_error` row, since `parse_tool_call` never raises. Text
+  columns hold valid UTF-8: assistant text is decoded from token ids (a byte-level tokenizer writes
+  invalid bytes as U+FFFD; the ids stay the record), and the two texts that are not, the parsed
+  code and the sandbox's output, are checked (`chat.parse_tool_call`) or made valid (`_from_result`)
+  where they enter the trajectory.
 - Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`.
 No disk I/O here: the caller (warehouse writer) stores each yielded batch.
 """
@@ -54,7 +61,14 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from cleaner.engine.backends.base import LENGTH, Generation, SamplingParams
-from cleaner.engine.chat import ChatFormat, ToolCall, format_tool_response, parse_tool_call
+from cleaner.engine.chat import (
+    ChatFormat,
+    ToolCall,
+    format_tool_response,
+    parse_tool_call,
+    valid_text,
+)
+from cleaner.engine.collect.context import fit_prompts
 from cleaner.engine.collect.rewards import compute_reward
 from cleaner.engine.config import CollectConfig
 from cleaner.engine.records import (
@@ -154,11 +168,12 @@ class _Outcome:
     response: str
 
 
-def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat,
-          skip_rollout_ids: frozenset[str], rollout_prefix: str) -> list[_State]:
+def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_rollout_ids: frozenset[str],
+          rollout_prefix: str, context_length: int | None, strict_context: bool) -> list[_State]:
+    prompts = [chat.prompt_ids(task.messages) for task in tasks]  # the same for every sample of a group
+    prompts = fit_prompts(tasks, prompts, config, context_length, strict=strict_context)
     states = []
-    for task in tasks:
-        prompt_ids = chat.prompt_ids(task.messages)  # the same for every sample of the group
+    for task, prompt_ids in zip(tasks, prompts, strict=True):
         for sample_index in range(config.group_size):
             rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
             rollout_id, group_id = rollout_prefix + rollout_id, rollout_prefix + group_id
@@ -191,13 +206,18 @@ def collect(
     on_context: Callable[[str, list[int]], None] | None = None,
     progress: bool = True,
     rollout_prefix: str = "",
+    strict_context: bool = True,
 ) -> Iterator[CollectedBatch]:
     """Run config.group_size rollouts per task; yield batches of config.batch_rollouts complete ones.
 
     `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
-    apart from every other's); seeds do not depend on it.
+    apart from every other's); seeds do not depend on it. Before anything is generated, every prompt
+    is checked against the backend's context length (`context.fit_prompts`): with `strict_context`
+    (collect, run) a prompt that leaves less than the response budget is a ContextError (or is
+    truncated, with `config.truncate_prompts`); without it (eval) that is a warning, and
+    generations stop at the context's end.
     """
-    states = _plan(tasks, config, chat, skip_rollout_ids, rollout_prefix)
+    states = _plan(tasks, config, chat, skip_rollout_ids, rollout_prefix, backend.context_length, strict_context)
     logger.info("collecting %d rollouts (%d skipped as already stored)", len(states),
                 len(tasks) * config.group_size - len(states))
     with tqdm(total=len(states), desc="collect", unit="rollout", disable=not progress) as bar:
@@ -212,7 +232,7 @@ def collect(
 
 def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, chat: ChatFormat,
                on_context: Callable[[str, list[int]], None] | None) -> None:
-    active, cache = list(states), ScoreCache()
+    active, cache, context_length = list(states), ScoreCache(), backend.context_length
     while active:
         renderings = _render_contexts(active, backend, chat, cache)
         if renderings is None:
@@ -222,6 +242,8 @@ def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, ch
         contexts, limits = [], []
         for state, rendered in zip(active, renderings, strict=True):
             remaining = config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
+            if context_length is not None:  # binds only where the budget exceeds it (eval)
+                remaining = min(remaining, context_length - len(rendered.token_ids))
             if remaining <= 0:
                 state.finish_reason = FinishReason.MAX_TOKENS
                 continue
@@ -383,12 +405,19 @@ def _run_one(code: str, sandbox) -> _Outcome:
 
 
 def _from_result(result) -> _Outcome:
-    """The sandbox reports what happened; the text the model sees is worded here."""
+    """The sandbox reports what happened; the text the model sees is worded here.
+
+    Every text of a trajectory that is not decoded from token ids enters through here or through
+    the call parser, so this is where the tool's output is made valid text (`valid_text`): the code
+    decides what it prints, and may forge the sandbox's result (an error type or message holding a
+    lone surrogate), which neither the tokenizer nor the warehouse could store.
+    """
     status = ToolStatus(result.status)  # the sandbox's statuses are a subset of the tool's
     exec_ms = None if result.exec_ms is None else float(result.exec_ms)
-    response = format_tool_response(status == ToolStatus.OK, result.stdout, result.stderr,
-                                    None if status == ToolStatus.OK else status)
-    return _Outcome(status, result.error_type, exec_ms, response)
+    response = format_tool_response(status == ToolStatus.OK, valid_text(result.stdout),
+                                    valid_text(result.stderr), None if status == ToolStatus.OK else status)
+    error_type = None if result.error_type is None else valid_text(result.error_type)
+    return _Outcome(status, error_type, exec_ms, response)
 
 
 # ---------------------------------------------------------------------------------------------

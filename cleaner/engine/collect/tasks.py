@@ -46,6 +46,7 @@ class Task:
     messages: tuple[dict, ...]  # chat messages {"role", "content"}: system optional, then user
     ground_truth: str
     data_source: str  # selects the reward; "toy" for the toy family
+    source_row: int | None = None  # its row in the dataset file (errors name it); None for toy tasks
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_sourc
     prompt_id = f"{data_source}-{row_index if row_index is not None else index}"
     if style == PromptStyle.REFERENCE:
         messages = reference_training_messages(messages, file_source, data_source)
-    return Task(prompt_id, messages, str(ground_truth), data_source)
+    return Task(prompt_id, messages, str(ground_truth), data_source, index)
 
 
 def read_parquet_table(path: str | Path) -> pa.Table:

@@ -88,6 +88,15 @@ def naive_logprobs(model, tokens: list[int]) -> list[float]:
     return picked.squeeze(-1).tolist()
 
 
+def test_context_length_is_the_checkpoints(served, checkpoint):
+    from transformers import AutoConfig
+
+    backend, _ = served
+    expected = AutoConfig.from_pretrained(checkpoint).max_position_embeddings
+    assert backend.context_length == expected
+    assert "CLEANER_SGLANG_MODEL" in os.environ or expected == 512  # tests.helpers.tiny_qwen3
+
+
 # ---------------------------------------------------------------------------- generate
 
 

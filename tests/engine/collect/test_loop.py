@@ -77,6 +77,7 @@ class ScriptedBackend:
     """Request with seed s writes script[s]; logprob of token k of any request is -(k + 1) / 100."""
 
     policy_version = "fake-policy@1"
+    context_length = None  # no model: prompts are not checked against a context
 
     def __init__(self, scripts: dict[tuple[str, int], list[str]], config: CollectConfig,
                  raise_on: set[tuple[str, int, int]] = frozenset()):
@@ -410,6 +411,7 @@ class RandomBackend:
     """Samples one of a few turns from random.Random(seed): the output depends on the seed only."""
 
     policy_version = "random@1"
+    context_length = None
 
     def generate(self, prompts, params, seeds):
         turns = [call("T.", "print(oops)"), call("T.", "print(1)"), answer("42"), answer("7")]

@@ -56,9 +56,9 @@ def test_load_rl_parquet_reads_the_open_agentrl_layout(tmp_path):
     tasks = load_rl_parquet(path, prompt_style=PromptStyle.BARE)
     assert tasks == [
         Task("math_dapo-10", ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}),
-             "2", "math_dapo"),
+             "2", "math_dapo", source_row=0),  # the id carries extra_info's index; errors name the row
         Task("aime-11", ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}),
-             "4", "aime"),
+             "4", "aime", source_row=1),
     ]
     assert len(load_rl_parquet(path, limit=1)) == 1
 

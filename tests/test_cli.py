@@ -264,6 +264,29 @@ def test_run_resume_keeps_the_saved_config(tmp_path):
     assert changed.exit_code == 1 and "train.lr: 0.0003 -> 0.001" in changed.output
 
 
+def test_run_edit_mask_collects_raw_unless_told_otherwise():
+    masked = _resolved(runner.invoke(app, ["run", "--edit", "mask", "--print-config"]).output)
+    assert masked["purify"]["edit"] == "mask" and masked["collect"]["collect_view"] == "raw"
+    told = _resolved(runner.invoke(app, ["run", "--edit", "mask", "--collect-view", "purified",
+                                         "--print-config"]).output)
+    assert told["collect"]["collect_view"] == "purified"
+    assert _resolved(runner.invoke(app, ["run", "--print-config"]).output)["collect"]["collect_view"] == "purified"
+    refused = runner.invoke(app, ["run", "--edit", "mask", "--negative-samples", "--print-config"])
+    assert refused.exit_code == 1 and "does not combine with negative_samples" in refused.output
+
+
+def test_a_run_saved_before_a_field_existed_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    saved = _resolved(runner.invoke(app, ["run", "--run-dir", str(run_dir), "--print-config"]).output)
+    del saved["purify"]["edit"]  # as a run started before purify had an edit saved it
+    Warehouse(run_dir / "warehouse").save_config("run", json.dumps(saved))
+    resumed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--print-config"])
+    assert resumed.exit_code == 0, resumed.output
+    assert 'edit = "replace"' in resumed.output
+    changed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--edit", "mask"])
+    assert changed.exit_code == 1 and "purify.edit: 'replace' -> 'mask'" in changed.output
+
+
 def _resolved(toml_text: str) -> dict:
     import tomllib
 

@@ -58,7 +58,7 @@ def _resolve_run(layers: list[dict], where: str, resume: bool):
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where)
     except ConfigError as error:
         raise fail(str(error)) from error
-    changed = differences(saved_config.to_dict(), config.to_dict(), ignore=("iterations",))
+    changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=("iterations",))
     if changed:
         raise fail(f"{config.run_dir} was started with another config; --resume continues it as it was "
                    f"(only --iterations may change). Differs: {'; '.join(changed)}")

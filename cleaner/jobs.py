@@ -38,6 +38,7 @@ from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.config import (
     UNSHARDED,
     CollectConfig,
+    Edit,
     EvalConfig,
     PurifyConfig,
     Shard,
@@ -51,6 +52,7 @@ from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
     iteration_premise,
+    masked_tokens,
     purify_iteration,
     stats_from_rows,
 )
@@ -331,7 +333,8 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
             continue
         rows = warehouse.read_purified(iteration, config.config_id, ids)
         premise = iteration_premise(rollouts, segments, rows)
-        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors, premise)))
+        masked = masked_tokens(rows, segments) if config.edit == Edit.MASK else 0
+        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors, premise, masked)))
     return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
 
 
@@ -368,7 +371,8 @@ def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence[Puri
     configs = [(result.config, result.config.to_json()) for result in results]
     warehouse.write_purified_many(iteration, [
         (PurifyConfigRow(config_id=config.config_id, gamma=config.gamma, rollback_prob=config.rollback_prob,
-                         similarity_on=config.similarity_on, purify_when=config.purify_when, params_json=params),
+                         similarity_on=config.similarity_on, purify_when=config.purify_when, params_json=params,
+                         edit=config.edit),
          result.rows)
         for (config, params), result in zip(configs, results, strict=True)
     ])

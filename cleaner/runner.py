@@ -147,12 +147,15 @@ def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bo
 
 
 def _premise_columns(premise: PremiseStats | None) -> dict[str, float]:
-    """The iterations row's premise columns (clean_rollouts, clean_accuracy, ...)."""
+    """The iterations row's premise columns (clean_rollouts, clean_accuracy, ..., the failed-call credit)."""
     if premise is None:
         return {}
+    credit = premise.credit
     return {f"{name}_{field}": getattr(getattr(premise, name), key)
             for name in ("clean", "recovered", "unrecovered")
-            for field, key in (("rollouts", "rollouts"), ("accuracy", "accuracy"), ("advantage", "mean_advantage"))}
+            for field, key in (("rollouts", "rollouts"), ("accuracy", "accuracy"), ("advantage", "mean_advantage"))} | {
+        "failed_call_tokens": credit.tokens, "failed_call_advantage": credit.mean_advantage,
+        "failed_call_positive_share": credit.positive_share}
 
 
 def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend: Backend,

@@ -132,7 +132,20 @@ def test_show_lists_purified_configs_and_advantage(tmp_path):
     assert "purified rows of this rollout (iteration 0)" in out
     line = next(line for line in out.splitlines() if "cfg0123abcd" in line)
     assert [cell.strip() for cell in line.strip("│ ").split("│")] == [
-        "cfg0123abcd", "0.7", "0.5", "call", "positive", "True", "1", "0", "0", "5", "1", "+0.7071"]
+        "cfg0123abcd", "0.7", "0.5", "call", "positive", "replace", "True", "1", "0", "0", "5", "1", "+0.7071"]
+
+
+def test_show_edit_mask_marks_what_is_kept_untrained(tmp_path):
+    # the shallow merge drops a_0's call (tokens 1:3) and a_1's reasoning; a_1's call succeeded,
+    # so under mask only a_0's call is untrained, and nothing is removed
+    out = _show(_warehouse(tmp_path), "--edit", "mask").output
+    assert "masked view (gamma 0.5, similarity on code)" in out
+    assert "#1 (3 tok)  partly masked (tokens 1:3 not trained)" in out
+    assert "removed" not in out.replace("tokens removed", "")
+    assert "tokens masked 2 · shallow 1 · deep 0 · unrecovered 0" in out
+    assert "step 0 · shallow · 2 attempts · a1 shallow (sim 0.88) · masked 2 tok" in out
+    bad = _show(_warehouse(tmp_path / "bad"), "--edit", "splice")
+    assert bad.exit_code == 1 and "edit must be one of" in bad.output
 
 
 def test_show_view_option_and_bad_options(tmp_path):
@@ -249,6 +262,29 @@ def test_run_resume_keeps_the_saved_config(tmp_path):
     assert "lr = 0.0003" in resumed.output and "iterations = 9" in resumed.output
     changed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--lr", "1e-3"])
     assert changed.exit_code == 1 and "train.lr: 0.0003 -> 0.001" in changed.output
+
+
+def test_run_edit_mask_collects_raw_unless_told_otherwise():
+    masked = _resolved(runner.invoke(app, ["run", "--edit", "mask", "--print-config"]).output)
+    assert masked["purify"]["edit"] == "mask" and masked["collect"]["collect_view"] == "raw"
+    told = _resolved(runner.invoke(app, ["run", "--edit", "mask", "--collect-view", "purified",
+                                         "--print-config"]).output)
+    assert told["collect"]["collect_view"] == "purified"
+    assert _resolved(runner.invoke(app, ["run", "--print-config"]).output)["collect"]["collect_view"] == "purified"
+    refused = runner.invoke(app, ["run", "--edit", "mask", "--negative-samples", "--print-config"])
+    assert refused.exit_code == 1 and "does not combine with negative_samples" in refused.output
+
+
+def test_a_run_saved_before_a_field_existed_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    saved = _resolved(runner.invoke(app, ["run", "--run-dir", str(run_dir), "--print-config"]).output)
+    del saved["purify"]["edit"]  # as a run started before purify had an edit saved it
+    Warehouse(run_dir / "warehouse").save_config("run", json.dumps(saved))
+    resumed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--print-config"])
+    assert resumed.exit_code == 0, resumed.output
+    assert 'edit = "replace"' in resumed.output
+    changed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--edit", "mask"])
+    assert changed.exit_code == 1 and "purify.edit: 'replace' -> 'mask'" in changed.output
 
 
 def _resolved(toml_text: str) -> dict:

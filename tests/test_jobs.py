@@ -95,6 +95,27 @@ def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tm
     assert third.computed == [] and third.scorer_stats is None
 
 
+def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(collected, tmp_path):
+    from cleaner.engine.config import PurifyConfig
+    from cleaner.jobs import purify_job
+
+    replace, mask, raw = PurifyConfig(), PurifyConfig(edit="mask"), PurifyConfig(rollback_prob=0.0)
+    warehouse = _copy(collected, tmp_path / "a")
+    ablation = purify_job(warehouse, 0, [replace, mask], progress=False)
+    reference = purify_job(_copy(collected, tmp_path / "b"), 0, [replace, raw], progress=False)
+    # one pass over the trie of both configs, which forwards exactly what replace and the raw view need
+    assert ablation.scorer_stats.tokens_forwarded == reference.scorer_stats.tokens_forwarded
+    assert ablation.scorer_stats.tokens_naive == reference.scorer_stats.tokens_naive
+    masked, raw_rows = ablation.results[1], reference.results[1]
+    assert masked.stats.n_shallow + masked.stats.n_deep > 0 and masked.stats.tokens_masked > 0
+    for row, base in zip(masked.rows, raw_rows.rows, strict=True):
+        assert row.token_ids == base.token_ids and row.advantage == base.advantage
+        assert all(m <= b for m, b in zip(row.loss_mask, base.loss_mask, strict=True))
+        assert row.old_logprobs == tuple(o if m else 0.0 for o, m in zip(base.old_logprobs, row.loss_mask, strict=True))
+    again = purify_job(warehouse, 0, [mask], progress=False)  # rebuilt from the stored rows
+    assert again.computed == [] and again.results[0].stats == masked.stats
+
+
 def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
     from cleaner.engine.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
     from cleaner.jobs import JobError, purify_job, train_job

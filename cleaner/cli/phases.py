@@ -183,7 +183,7 @@ def evaluate(
                   f"{outcome.seconds:.1f} s -> {warehouse} (`cleaner sql \"FROM eval_runs\"`)")
 
 
-def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), **fixed) -> list:
+def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), edits=("replace",), **fixed) -> list:
     """Every combination of the grid axes, with the `fixed` PurifyConfig fields."""
     from itertools import product
 
@@ -191,8 +191,8 @@ def _purify_configs(gammas, probs, similarity, when, taus=(0.0,), **fixed) -> li
 
     return [
         build_config(PurifyConfig, gamma=g, rollback_prob=p, similarity_on=s, purify_when=w,
-                rollback_is_threshold=tau, **fixed)
-        for g, p, s, w, tau in product(gammas, probs, similarity, when, taus)
+                     rollback_is_threshold=tau, edit=edit, **fixed)
+        for g, p, s, w, tau, edit in product(gammas, probs, similarity, when, taus, edits)
     ]
 
 
@@ -205,6 +205,7 @@ def purify(
     rollback_prob: Annotated[float, typer.Option(help="p: SAAR applies iff rollback_draw < p.")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code (default) | call (the reference).")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.")] = "always",
+    edit: Annotated[str, typer.Option(help="replace (CLEANER: SAAR's sequence) | mask (the raw sequence, what replace drops untrained).")] = "replace",
     rollback_is_threshold: IsThresholdOpt = 0.0,
     rollback_is_mode: IsModeOpt = "sum",
     negative_samples: NegativeSamplesOpt = False,
@@ -226,7 +227,7 @@ def purify(
 
     share = parse_shard(shard)
     configs = _purify_configs([gamma], [rollback_prob], [similarity_on], [purify_when], [rollback_is_threshold],
-                              rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
+                              [edit], rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
                               dpo_beta=dpo_beta, dpo_max_adjustment_ratio=dpo_max_adjustment_ratio,
                               dpo_cap=dpo_cap)
     outcome = run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
@@ -258,6 +259,7 @@ def ablate(
     rollback_prob: Annotated[str, typer.Option(help="Comma-separated p values.")] = "0.7,1.0",
     similarity_on: Annotated[str, typer.Option(help="Comma-separated: code,call.")] = "code",
     purify_when: Annotated[str, typer.Option(help="Comma-separated: always,positive.")] = "always",
+    edit: Annotated[str, typer.Option(help="Comma-separated: replace,mask.")] = "replace",
     rollback_is_threshold: Annotated[str, typer.Option(help="Comma-separated IS gate taus; 0 = off.")] = "0",
     rollback_is_mode: IsModeOpt = "sum",
     negative_samples: NegativeSamplesOpt = False,
@@ -276,7 +278,7 @@ def ablate(
     share = parse_shard(shard)
     configs = _purify_configs(floats(gamma, "--gamma"), floats(rollback_prob, "--rollback-prob"),
                               words(similarity_on), words(purify_when),
-                              floats(rollback_is_threshold, "--rollback-is-threshold"),
+                              floats(rollback_is_threshold, "--rollback-is-threshold"), words(edit),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,

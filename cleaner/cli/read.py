@@ -183,10 +183,14 @@ def show(
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified view.")] = 0.5,
     similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
+    edit: Annotated[str, typer.Option(help="replace (SAAR's sequence) | mask (the raw sequence; what replace drops is marked untrained).")] = "replace",
     view: Annotated[Panels, typer.Option("--view", help="raw | purified | both.")] = Panels.BOTH,
     tokenizer: Annotated[bool, typer.Option(help="Decode with the collecting policy's tokenizer.")] = True,
 ) -> None:
     """Print one rollout raw (failures red, retries yellow, what SAAR drops struck through) and purified.
+
+    With --edit mask the second view is the raw sequence with what replace would drop marked as
+    masked (kept in context, not trained).
 
     The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
@@ -195,7 +199,7 @@ def show(
     from cleaner.engine.show import Decoder, load_decoder, load_inspection, show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
 
-    saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on)
+    saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
     try:
         inspection = load_inspection(Warehouse(warehouse), rollout_id)
     except WarehouseError as exc:

@@ -54,9 +54,11 @@ def _resolve_run(layers: list[dict], where: str, resume: bool):
             return config
         saved_layer = json.loads(saved)
         config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where)
+        # the saved run resolved alone: a field added since it was saved takes its default there
+        saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where)
     except ConfigError as error:
         raise fail(str(error)) from error
-    changed = differences(saved_layer, config.to_dict(), ignore=("iterations",))
+    changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=("iterations",))
     if changed:
         raise fail(f"{config.run_dir} was started with another config; --resume continues it as it was "
                    f"(only --iterations may change). Differs: {'; '.join(changed)}")
@@ -68,10 +70,11 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
     from cleaner.runner import run_loop
 
     def one_line(row):
+        credit = "-" if row.failed_call_advantage is None else f"{row.failed_call_advantage:+.3f}"
         console.print(
             f"iteration {row.iteration}: accuracy {row.accuracy:.3f}  1st-call errors "
             f"{row.first_attempt_error_rate:.3f}  failures/traj {row.failures_per_trajectory:.3f}  "
-            f"merges {row.n_shallow} shallow / {row.n_deep} deep  "
+            f"merges {row.n_shallow} shallow / {row.n_deep} deep  failed-call credit {credit}  "
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
     rows = run_job(run_loop, config, resume=resume, on_iteration=one_line, metrics=metrics)
@@ -109,6 +112,7 @@ def run(
     rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts purified (collect and purify).", rich_help_panel="Purify")] = 1.0,
     similarity_on: Annotated[str, typer.Option(help="code | call (the reference).", rich_help_panel="Purify")] = "code",
     purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.", rich_help_panel="Purify")] = "always",
+    edit: Annotated[str, typer.Option(help="replace (CLEANER: SAAR's sequence) | mask (the raw sequence, what replace drops untrained; collects raw).", rich_help_panel="Purify")] = "replace",
     rollback_is_threshold: Annotated[float, typer.Option("--rollback-is-threshold", help="IS gate tau (collect and purify); 0 = off.", rich_help_panel="Purify")] = 0.0,
     rollback_is_mode: Annotated[str, typer.Option("--rollback-is-mode", help="sum (the design) | mean (per token, the reference's later code).", rich_help_panel="Purify")] = "sum",
     negative_samples: Annotated[bool, typer.Option(help="Negative samples: push fixed failures down, their fixes up.", rich_help_panel="Purify")] = False,
@@ -207,10 +211,12 @@ def bootstrap(
     fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
     failures: Annotated[str, typer.Option("--failures", help="mixed (typos, wrong approaches) | environment (missing functions only: the second policy).")] = "mixed",
     slip_share: Annotated[float, typer.Option("--slip-share", help="Share of trajectories that miscopy one digit of the question in every call.")] = 0.0,
+    no_tool_share: Annotated[float, typer.Option("--no-tool-share", help="Share of trajectories that answer with a guess, without calling the tool (the third policy).")] = 0.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 3e-3,
     init_from: Annotated[Path | None, typer.Option("--init-from", exists=True, file_okay=False, help="Continue from this policy (and its tokenizer): the calibration stage.")] = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 2,
 ) -> None:
     """Train the tiny default policy into assets/tiny-policy.
 
@@ -223,9 +229,9 @@ def bootstrap(
 
     try:
         corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share, failures=failures,
-                              slip_share=slip_share)
+                              slip_share=slip_share, no_tool_share=no_tool_share)
         config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
-                                 checkpoint_every=checkpoint_every,
+                                 checkpoint_every=checkpoint_every, threads=threads,
                                  init_from=None if init_from is None else str(init_from))
     except ValueError as error:
         raise fail(str(error)) from error

@@ -25,6 +25,8 @@ ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_POLICY = ASSETS_DIR / "tiny-policy"
 # The second tiny policy, on which CLEANER's premise holds (docs/architecture.md §11).
 ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
+# The third, on which outcome-only GRPO gives failed calls positive credit (docs/architecture.md §11).
+RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 
 def _check(condition: bool, message: str) -> None:
@@ -63,6 +65,13 @@ class PurifyWhen(StrEnum):
 
     ALWAYS = "always"  # every rollout whose draw is below p (the paper)
     POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
+
+
+class Edit(StrEnum):
+    """What a purify config does to the attempts SAAR takes out (docs/architecture.md §4)."""
+
+    REPLACE = "replace"  # CLEANER: the row is SAAR's rendering, the failed attempts spliced out
+    MASK = "mask"  # the row is the raw rendering; what replace drops is not trained (loss mask 0)
 
 
 class IsMode(StrEnum):
@@ -162,12 +171,19 @@ class PurifyConfig(_Config):
     dpo_max_adjustment_ratio: float = 0.1  # cap of the push per token (see dpo_cap)
     dpo_cap: DpoCap = DpoCap.RELATIVE  # relative to |advantage| (DESIGN) or absolute (the reference code)
     advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
+    edit: Edit = Edit.REPLACE  # replace (SAAR's rendering) | mask (raw tokens, what replace drops untrained)
 
     def __post_init__(self) -> None:
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
         _enum_field(self, "similarity_on", SimilarityOn)
         _enum_field(self, "purify_when", PurifyWhen)
+        _enum_field(self, "edit", Edit)
+        # A masked row keeps the failed call in the sequence, untrained; a negative sample trains it
+        # in a row of its own, paired with a fix spliced into a purified row that mask never builds.
+        _check(not (self.edit == Edit.MASK and self.negative_samples),
+               "edit 'mask' does not combine with negative_samples: masking keeps each failed call in "
+               "its row untrained, and a negative sample pairs it with a fix in a purified row")
         _check(self.rollback_is_threshold >= 0,
                f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
         _enum_field(self, "rollback_is_mode", IsMode)

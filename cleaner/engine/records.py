@@ -176,6 +176,7 @@ class PurifyConfigRow:
     purify_when: str
     params_json: str
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
+    edit: str = "replace"  # replace | mask (a part written before the column reads as replace)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ class IterationRow:
     unrecovered_accuracy: float | None = None
     unrecovered_advantage: float | None = None
     n_gated: int = 0  # merges the IS gate rejected
+    # The credit of failed calls (cleaner.engine.premise.FailedCallCredit): assistant tokens of the
+    # attempts whose call failed, their mean advantage, the share in positive-advantage rollouts.
+    # None in rows written before these columns, and for the two means when there are no such tokens.
+    failed_call_tokens: int | None = None
+    failed_call_advantage: float | None = None
+    failed_call_positive_share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ Design decisions:
 - Negative samples (`negatives=True`): each failed attempt a_k of a recovered chain, as the turn
   stood after merging it (its own call, the reasoning SAAR would keep), after the rendered context
   before the chain; paired with the fix's call tokens in the rendered row (docs/architecture.md §7).
+- Edit mask (`View.edit`, docs/architecture.md §4): the same walk decides every merge, then the raw
+  sequence is emitted token for token, and an assistant token is trained iff the replace rendering
+  emits it or its attempt's call succeeded. A shallow merge thus masks the failed call, a deep one
+  the failed turn; the fix is trained whole where it was sampled; what replace renders raw masks
+  nothing. The provenance of the spans (below) says which raw tokens replace emits.
 - n_unrecovered counts chains rendered without a successful call, including a chain that is merely
   in progress during collection (stats of partial renders are not used).
 - Malformed chains (attempt numbers out of order, an attempt after a successful call, a tool segment
@@ -31,10 +36,12 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
-from cleaner.engine.config import IsMode, SimilarityOn
+from cleaner.engine.config import Edit, IsMode, SimilarityOn
 from cleaner.engine.records import Segment, SegmentKind, enum_value
 from cleaner.engine.saar import (
     ChainResult,
@@ -51,7 +58,7 @@ from cleaner.engine.saar import (
     span_of,
 )
 
-__all__ = ["RAW", "Decode", "KeptTokens", "LogprobOracle", "MergeDecision", "NegativeSample", "Outcome",
+__all__ = ["RAW", "Decode", "Edit", "KeptTokens", "LogprobOracle", "MergeDecision", "NegativeSample", "Outcome",
            "RenderStats", "Rendered", "StepOutcome", "View", "clear_similarity_cache", "explain",
            "render", "view_for"]
 
@@ -68,10 +75,12 @@ class View:
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what the merge decision compares
     is_threshold: float = 0.0  # tau of the IS gate; 0 = off (every merge is kept)
     is_mode: IsMode = IsMode.SUM  # sum or per-token mean of R's log-ratios
+    edit: Edit = Edit.REPLACE  # replace: SAAR's sequence; mask: the raw sequence, dropped tokens untrained
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "similarity_on", enum_value(SimilarityOn, self.similarity_on, "similarity_on"))
         object.__setattr__(self, "is_mode", enum_value(IsMode, self.is_mode, "is_mode"))
+        object.__setattr__(self, "edit", enum_value(Edit, self.edit, "edit"))
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
         if self.is_threshold < 0:
@@ -88,6 +97,7 @@ class RenderStats:
     n_unrecovered: int  # chains rendered without a successful call
     tokens_removed: int  # len(raw view) - len(this view)
     n_gated: int = 0  # merges the IS gate rejected (their chain renders raw from there)
+    tokens_masked: int = 0  # edit mask: trained tokens of the raw view that this row does not train
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class StepOutcome:
     kept: tuple[KeptTokens, ...]  # raw token ranges the rendering emits for this step, in order
     removed_seqs: tuple[int, ...]  # raw segments of which no token is emitted
     tokens_removed: int  # raw tokens of the chain minus emitted tokens
+    masked: tuple[KeptTokens, ...] = ()  # edit mask: assistant token ranges emitted but not trained
 
 
 @dataclass(frozen=True)
@@ -130,11 +141,12 @@ class Rendered:
 def view_for(
     rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
     similarity_on: SimilarityOn, is_threshold: float = 0.0, is_mode: IsMode = IsMode.SUM,
+    edit: Edit = Edit.REPLACE,
 ) -> View:
     """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (docs/architecture.md §4)."""
     if purified and rollback_draw < rollback_prob:
         return View(purified=True, gamma=gamma, similarity_on=similarity_on, is_threshold=is_threshold,
-                    is_mode=is_mode)
+                    is_mode=is_mode, edit=edit)
     return RAW
 
 
@@ -164,6 +176,9 @@ def render(segments: Sequence[Segment], view: View, decode: Decode | None = None
            oracle: LogprobOracle | None = None, negatives: bool = False) -> Rendered:
     """Render the segments of ONE rollout under `view` (sorted by seq here)."""
     prompt, body = _split(segments, view, decode)
+    if negatives and _masking(view):
+        raise ValueError("negative samples pair a failed call with a fix spliced into a purified row; "
+                         "edit 'mask' builds none")
     gate = _gate(view, oracle)
     walked = _walk(prompt, body, view, decode, gate)
     spans = [span_of(segment) for segment in prompt] + [span for _, r in walked for span in r.spans]
@@ -177,8 +192,15 @@ def render(segments: Sequence[Segment], view: View, decode: Decode | None = None
         tokens_removed=raw_len - sum(len(span.token_ids) for span in spans),
         n_gated=sum(result.n_gated for result in results),
     )
+    provisional = gate is not None and gate.provisional
+    if _masking(view):
+        return _masked(prompt, body, spans, prompt_len, stats, provisional)
     found = _negatives(spans[: len(prompt)], results) if negatives else ()
-    return _assemble(spans, prompt_len, stats, found, gate is not None and gate.provisional)
+    return _assemble(spans, prompt_len, stats, found, provisional)
+
+
+def _masking(view: View) -> bool:
+    return view.purified and view.edit == Edit.MASK
 
 
 def _gate(view: View, oracle: LogprobOracle | None) -> Gate | None:
@@ -200,6 +222,53 @@ def _assemble(spans: Sequence[Span], prompt_len: int, stats: RenderStats,
         logprobs.extend(span.logprobs if span.trained else (0.0,) * len(span.token_ids))
     return Rendered(tuple(token_ids), tuple(loss_mask), tuple(logprobs), prompt_len, stats, negatives,
                     provisional)
+
+
+def _masked(prompt: Sequence[Segment], body: Sequence[Segment], spans: Sequence[Span], prompt_len: int,
+            stats: RenderStats, provisional: bool) -> Rendered:
+    """Edit mask: the raw sequence, with the ranges `_masked_ranges` finds left untrained."""
+    masked = _masked_ranges(body, spans)
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    for segment in (*prompt, *body):
+        span = span_of(segment)
+        mask = [int(span.trained)] * len(span.token_ids)
+        for piece in masked.get(segment.seq, ()):
+            mask[piece.start:piece.end] = [0] * (piece.end - piece.start)
+        token_ids.extend(span.token_ids)
+        loss_mask.extend(mask)
+        logprobs.extend(value if trained else 0.0 for value, trained in zip(span.logprobs, mask, strict=True))
+    n_masked = sum(piece.end - piece.start for pieces in masked.values() for piece in pieces)
+    stats = dataclasses.replace(stats, tokens_removed=0, tokens_masked=n_masked)
+    return Rendered(tuple(token_ids), tuple(loss_mask), tuple(logprobs), prompt_len, stats, (), provisional)
+
+
+def _masked_ranges(body: Sequence[Segment], spans: Sequence[Span]) -> dict[int, tuple[KeptTokens, ...]]:
+    """Per assistant segment, the token ranges edit mask leaves untrained: those the replace
+    rendering (`spans`) does not emit, except in an attempt whose call succeeded (a shallow merge
+    drops the fix's reasoning; mask trains it in the context it was sampled in)."""
+    kept: dict[int, list[tuple[int, int]]] = {}
+    for span in spans:
+        if span.trained:
+            for piece in span.origin:
+                kept.setdefault(piece.seq, []).append((piece.start, piece.end))
+    succeeded = {call.seq for call, answer in pairwise(body)
+                 if call.kind == SegmentKind.ASSISTANT and answer.kind == SegmentKind.TOOL and not answer.failed}
+    masked = {}
+    for segment in body:
+        if segment.kind != SegmentKind.ASSISTANT or segment.seq in succeeded:
+            continue
+        gaps, position = [], 0
+        for start, end in sorted(kept.get(segment.seq, ())):
+            if start > position:
+                gaps.append(KeptTokens(segment.seq, position, start))
+            position = max(position, end)
+        if position < len(segment.token_ids):
+            gaps.append(KeptTokens(segment.seq, position, len(segment.token_ids)))
+        if gaps:
+            masked[segment.seq] = tuple(gaps)
+    return masked
 
 
 def _negatives(prompt_spans: Sequence[Span], results: Sequence[ChainResult]) -> tuple[NegativeSample, ...]:
@@ -224,11 +293,19 @@ def _negatives(prompt_spans: Sequence[Span], results: Sequence[ChainResult]) -> 
 
 def explain(segments: Sequence[Segment], view: View, decode: Decode | None = None,
             oracle: LogprobOracle | None = None) -> list[StepOutcome]:
-    """Step by step, how `render(segments, view, decode, oracle)` treats each chain (prompt excluded)."""
+    """Step by step, how `render(segments, view, decode, oracle)` treats each chain (prompt excluded).
+
+    Under edit mask every raw token is emitted; `masked` lists the ranges left untrained."""
     prompt, body = _split(segments, view, decode)
+    walked = _walk(prompt, body, view, decode, _gate(view, oracle))
+    masking = _masking(view)
+    masked = _masked_ranges(body, [span for _, r in walked for span in r.spans]) if masking else {}
     outcomes = []
-    for chain, result in _walk(prompt, body, view, decode, _gate(view, oracle)):
-        kept = tuple(piece for span in result.spans for piece in span.origin)
+    for chain, result in walked:
+        if masking:
+            kept = tuple(KeptTokens(segment.seq, 0, len(segment.token_ids)) for segment in chain)
+        else:
+            kept = tuple(piece for span in result.spans for piece in span.origin)
         emitted = {piece.seq for piece in kept}
         outcomes.append(StepOutcome(
             step=chain[0].step,
@@ -240,6 +317,7 @@ def explain(segments: Sequence[Segment], view: View, decode: Decode | None = Non
             removed_seqs=tuple(segment.seq for segment in chain if segment.seq not in emitted),
             tokens_removed=sum(len(segment.token_ids) for segment in chain)
             - sum(piece.end - piece.start for piece in kept),
+            masked=tuple(piece for segment in chain for piece in masked.get(segment.seq, ())),
         ))
     return outcomes
 

@@ -112,14 +112,23 @@ def merges_figure(iterations: pl.DataFrame) -> Figure:
 
 
 def premise_figure(iterations: pl.DataFrame) -> Figure:
-    figure, (left, right) = new_figure(1, 2)
+    """Accuracy and count per class (top); the credit of failed calls (bottom): their tokens' mean
+    advantage beside the recovered rollouts', and the share of them in positive-advantage rollouts."""
+    figure, (accuracy, count, credit, share) = new_figure(2, 2)
     classes = ("clean", "recovered", "unrecovered")
-    _lines(left, iterations, {f"{name}_accuracy": name for name in classes})
-    left.set_ylim(0, 1)
-    _style(left, "accuracy by class", ylabel="share correct")
-    _stacked(right, _values(iterations, "iteration"),
+    _lines(accuracy, iterations, {f"{name}_accuracy": name for name in classes})
+    accuracy.set_ylim(0, 1)
+    _style(accuracy, "accuracy by class", ylabel="share correct")
+    _stacked(count, _values(iterations, "iteration"),
              {name: _values(iterations, f"{name}_rollouts") for name in classes})
-    _style(right, "rollouts by class", ylabel="rollouts")
+    _style(count, "rollouts by class", ylabel="rollouts")
+    _lines(credit, iterations, {"failed_call_advantage": "failed-call tokens",
+                                "recovered_advantage": "recovered rollouts"})
+    credit.axhline(0, color="grey", linewidth=1)
+    _style(credit, "credit of failed calls: mean advantage", ylabel="advantage")
+    _lines(share, iterations, {"failed_call_positive_share": "share in positive rollouts"})
+    share.set_ylim(0, 1)
+    _style(share, "failed-call tokens in positive-advantage rollouts", ylabel="share of tokens")
     return figure
 
 
@@ -180,6 +189,8 @@ def config_label(row: dict) -> str:
         words.append(f"τ={row['is_threshold']:g}")
     if row["negative_samples"]:
         words.append("negatives")
+    if row.get("edit") not in (None, "replace"):
+        words.append(str(row["edit"]))
     return "\n".join(words)
 
 

@@ -92,8 +92,10 @@ def _run_sections(data: ReportData) -> list[Planned]:
                  "reasoning), deep (the whole turn replaced), gated (rejected by the IS gate).",
                  lambda: figures.merges_figure(frame), missing),
         _planned("Premise diagnostic", "premise.png",
-                 "Accuracy (left) and count (right) of clean, recovered and unrecovered rollouts: "
-                 "recovered about as accurate as clean means purifying removes noise the reward cannot see.",
+                 "Accuracy and count of clean, recovered and unrecovered rollouts (top): recovered about as "
+                 "accurate as clean means purifying removes noise the reward cannot see. The credit of failed "
+                 "calls (bottom): the mean advantage of their tokens under the raw view and the share of them "
+                 "in positive-advantage rollouts; positive credit is what outcome-only GRPO reinforces.",
                  lambda: figures.premise_figure(frame), no_premise),
     ]
 

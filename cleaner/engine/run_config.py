@@ -9,7 +9,8 @@ Design decisions:
 - Layers are nested dicts merged key by key, so a layer says only what it changes.
 - Derived values, filled in only when no layer sets them, keep one run self-consistent:
   purify's gamma, p, similarity and IS threshold follow collect's (purifying at the collect config is what keeps
-  the purified rows on-policy); train's response budget, seed and device follow collect's;
+  the purified rows on-policy); with purify's edit `mask`, collection uses the raw view (a masked row
+  is the raw sequence, on-policy only if the agent loop saw it); train's response budget, seed and device follow collect's;
   the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
   reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
   max(768, max_new_tokens).
@@ -147,7 +148,7 @@ RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
     "gamma": (("collect", "gamma"), ("purify", "gamma")),
     "rollback_prob": (("collect", "rollback_prob"), ("purify", "rollback_prob")),
     "similarity_on": (("collect", "similarity_on"), ("purify", "similarity_on")),
-    "purify_when": (("purify", "purify_when"),),
+    "purify_when": (("purify", "purify_when"),), "edit": (("purify", "edit"),),
     "rollback_is_threshold": (("collect", "rollback_is_threshold"), ("purify", "rollback_is_threshold")),
     "rollback_is_mode": (("collect", "rollback_is_mode"), ("purify", "rollback_is_mode")),
     **{name: (("purify", name),) for name in (
@@ -210,8 +211,9 @@ def _derived(layer: Mapping) -> dict:
     response = collect.get("max_response_tokens", max(768, max_new_tokens))
     quarter = max(1, n_prompts * group_size // 4)
     mini = train.get("mini_batch_size", max(quarter, train.get("micro_batch_size", 1)))
+    masking = layer.get("purify", {}).get("edit") == "mask"
     return {
-        "collect": {"max_response_tokens": response},
+        "collect": {"max_response_tokens": response, **({"collect_view": "raw"} if masking else {})},
         "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold",
                                                  "rollback_is_mode") if key in collect},
         "train": {"max_response_tokens": response, "mini_batch_size": mini,

@@ -41,7 +41,7 @@ from cleaner.engine.records import (
     ToolStatus,
     enum_value,
 )
-from cleaner.engine.render import Decode, Outcome, StepOutcome, View, explain, render
+from cleaner.engine.render import Decode, Edit, Outcome, StepOutcome, View, explain, render
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +113,19 @@ def raw_panel(
 
     With `steps` (from `render.explain`), what that rendering drops is struck through and dimmed:
     whole segments are titled `removed`; in segments it cuts (shallow merges), titled `partly
-    removed`, the dropped text is also bracketed [-like this-].
+    removed`, the dropped text is also bracketed [-like this-]. Under edit mask nothing is dropped;
+    what is kept but not trained is titled `masked` and bracketed [~like this~].
     """
     panels: list = [] if rollout is None else [_header(rollout)]
     kept_by_seq: dict[int, list[tuple[int, int]]] = {}
+    masked_by_seq: dict[int, list[tuple[int, int]]] = {}
     for step in steps:
         for seq in step.seqs:
             kept_by_seq.setdefault(seq, [])
         for piece in step.kept:
             kept_by_seq[piece.seq].append((piece.start, piece.end))
+        for piece in step.masked:
+            masked_by_seq.setdefault(piece.seq, []).append((piece.start, piece.end))
     for segment in sorted(segments, key=lambda s: s.seq):
         border = KIND_STYLE[segment.kind]
         if segment.kind == SegmentKind.TOOL:
@@ -141,8 +145,28 @@ def raw_panel(
                 (_clip(text, max_chars), "") if inside else (f"[-{_clip(text, max_chars)}-]", "strike dim")
                 for text, inside in kept_pieces(segment, kept, decode)
             ))
+        if segment.seq in masked_by_seq:
+            title, body = _masked_segment(segment, masked_by_seq[segment.seq], title, decode, max_chars)
         panels.append(Panel(body, title=title, title_align="left", border_style=border))
     return Group(*panels)
+
+
+def _masked_segment(segment: Segment, masked: Sequence[tuple[int, int]], title: Text, decode: Decode | None,
+                    max_chars: int) -> tuple[Text, Text]:
+    """Title and body of a segment edit mask keeps but does not (wholly) train."""
+    if masked == [(0, len(segment.token_ids))]:
+        title.append("  masked (not trained)", style="bold magenta")
+    else:
+        ranges = ", ".join(f"{start}:{end}" for start, end in masked)
+        title.append(f"  partly masked (tokens {ranges} not trained)", style="bold magenta")
+    return title, _marked(segment, masked, decode, max_chars)
+
+
+def _marked(segment: Segment, masked: Sequence[tuple[int, int]], decode: Decode | None, max_chars: int) -> Text:
+    """The segment's text with the masked ranges bracketed [~like this~] and dimmed."""
+    return Text.assemble(*(
+        (f"[~{_clip(text, max_chars)}~]", "dim italic") if inside else (_clip(text, max_chars), "")
+        for text, inside in _pieces(segment, masked, decode)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,6 +240,8 @@ def step_label(step: StepOutcome) -> str:
     if step.tokens_removed:
         removed = " ".join(f"#{seq}" for seq in step.removed_seqs) or "none whole"
         parts.append(f"removed {removed}, {step.tokens_removed} tok")
+    if step.masked:
+        parts.append(f"masked {sum(piece.end - piece.start for piece in step.masked)} tok")
     return " · ".join(parts)
 
 
@@ -230,16 +256,25 @@ def purified_panel(
         return Panel(Text(f"cannot render the purified view: {exc}\n{note}", style="red"),
                      title="purified view", title_align="left", border_style="red")
     body = Text()
+    by_seq = {segment.seq: segment for segment in segments}
     for piece in purified_texts(segments, steps, decode):
         if piece.step is None:
             body.append(_clip(piece.text, max_chars), style="dim")
             continue
         body.append(f"\n── {step_label(piece.step)} ──\n", style=OUTCOME_STYLE[piece.step.outcome])
-        body.append(_clip(piece.text, max_chars))
-    body.append(f"\n\ntokens removed {stats.tokens_removed} · shallow {stats.n_shallow} · deep {stats.n_deep}"
+        if piece.step.masked:  # edit mask: the raw tokens, the untrained ones bracketed
+            for seq in piece.step.seqs:
+                ranges = [(m.start, m.end) for m in piece.step.masked if m.seq == seq]
+                body.append(_marked(by_seq[seq], ranges, decode, max_chars) if ranges
+                            else Text(_clip(_token_text(by_seq[seq], 0, len(by_seq[seq].token_ids), decode), max_chars)))
+        else:
+            body.append(_clip(piece.text, max_chars))
+    removed = f"tokens masked {stats.tokens_masked}" if view.edit == Edit.MASK else f"tokens removed {stats.tokens_removed}"
+    body.append(f"\n\n{removed} · shallow {stats.n_shallow} · deep {stats.n_deep}"
                 f" · unrecovered {stats.n_unrecovered}\n", style="bold")
     body.append(note, style="dim italic")
-    title = f"purified view (gamma {view.gamma:g}, similarity on {view.similarity_on})"
+    name = "masked view" if view.edit == Edit.MASK else "purified view"
+    title = f"{name} (gamma {view.gamma:g}, similarity on {view.similarity_on})"
     return Panel(body, title=title, title_align="left", border_style="cyan")
 
 
@@ -263,6 +298,7 @@ class ConfigOutcome:
     tokens_removed: int
     reward: float
     advantage: float
+    edit: str | None = None  # replace | mask; None if the config row is missing
 
 
 def _number(value: float | None) -> str:
@@ -275,12 +311,12 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
         return Text(f"no purified rows for this rollout in iteration {iteration} (run `cleaner purify`)",
                     style="dim")
     table = Table(title=f"purified rows of this rollout (iteration {iteration})", header_style="bold")
-    for name in ("config_id", "gamma", "p", "similarity_on", "purify_when", "rolled_back", "shallow",
+    for name in ("config_id", "gamma", "p", "similarity_on", "purify_when", "edit", "rolled_back", "shallow",
                  "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
-        table.add_column(name, justify="right" if name not in ("config_id", "similarity_on", "purify_when") else "left")
+        table.add_column(name, justify="left" if name in ("config_id", "similarity_on", "purify_when", "edit") else "right")
     for c in configs:
         table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), _cell(c.similarity_on),
-                      _cell(c.purify_when), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
+                      _cell(c.purify_when), _cell(c.edit), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
                       str(c.n_unrecovered), str(c.tokens_removed), f"{c.reward:g}", f"{c.advantage:+.4f}")
     return table
 
@@ -328,7 +364,8 @@ def _outcome(row: PurifiedRow, config: PurifyConfigRow | None) -> ConfigOutcome:
         config_id=row.config_id, gamma=None if config is None else config.gamma,
         rollback_prob=None if config is None else config.rollback_prob,
         similarity_on=None if config is None else config.similarity_on,
-        purify_when=None if config is None else config.purify_when, rolled_back=row.rolled_back,
+        purify_when=None if config is None else config.purify_when,
+        edit=None if config is None else config.edit, rolled_back=row.rolled_back,
         n_shallow=row.n_shallow, n_deep=row.n_deep, n_unrecovered=row.n_unrecovered,
         tokens_removed=row.tokens_removed, reward=row.reward, advantage=row.advantage,
     )

@@ -151,8 +151,11 @@ def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
         raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
+    added = dict(dataset.added)
     for field in dataset.schema:
         if field.name not in schema.names:
+            if field.name in added:  # a part written before the column existed
+                continue
             raise WarehouseError(f"{path}: missing column {field.name!r} ({dataset.name} expects {field.type})")
         found = schema.field(field.name).type
         if not found.equals(field.type):
@@ -213,18 +216,30 @@ def read_part(path: Path, dataset: Dataset) -> pa.Table:
     """One validated part in the dataset's schema (without a merged part's footer metadata)."""
     validate_part(path, dataset)
     try:
-        table = pq.read_table(path, columns=list(dataset.columns), partitioning=None)
+        names = set(pq.read_schema(path).names) if dataset.added else set(dataset.columns)
+        table = pq.read_table(path, columns=[c for c in dataset.columns if c in names], partitioning=None)
     except (pa.ArrowException, OSError) as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
-    return table.cast(dataset.schema).replace_schema_metadata(None)
+    for name, value in dataset.added:
+        if name not in names:  # a part written before the column existed reads as its default
+            table = table.append_column(name, _filled(dataset, name, value, table.num_rows))
+    return table.select(list(dataset.columns)).cast(dataset.schema).replace_schema_metadata(None)
+
+
+def _filled(dataset: Dataset, column: str, value: object, length: int) -> pa.Array:
+    return pa.array([value] * length, dataset.schema.field(column).type)
 
 
 def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedArray:
     """One column of validated parts (reads only that column's pages)."""
     chunks = []
+    added = dict(dataset.added)
     for path in paths:
         validate_part(path, dataset)
         try:
+            if column in added and column not in pq.read_schema(path).names:
+                chunks.append(_filled(dataset, column, added[column], pq.read_metadata(path).num_rows))
+                continue
             chunks.extend(pq.read_table(path, columns=[column], partitioning=None).column(column).chunks)
         except (pa.ArrowException, OSError) as exc:
             raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc

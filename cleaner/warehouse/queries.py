@@ -7,6 +7,8 @@ Design decisions:
 - The per-iteration curves come from `iterations`, the run's own record: they are the numbers
   `cleaner run` printed, and a warehouse without that table (collect or ablate only) has no run
   to plot. An iteration logged twice keeps its latest row, as `cleaner run`'s table does.
+- An ablation's configs carry their edit (replace or mask; a config stored before edits existed
+  reads as replace).
 - Error types come from the `failures` view, so they exist for any collected warehouse. A failure
   without an exception name (timeout, format error) is counted under its status.
 - An *ablation* is an iteration purified under two or more configs; `cleaner run` purifies one
@@ -30,12 +32,14 @@ def _frame(connection: duckdb.DuckDBPyConnection, query: str) -> pl.DataFrame:
 
 
 def iteration_curves(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """One row per completed iteration: headline metrics, merges and the premise diagnostic."""
+    """One row per completed iteration: headline metrics, merges and the premise diagnostic, with
+    the credit of failed calls (null in rows written before it was stored)."""
     return _frame(connection, """
         SELECT iteration, accuracy, first_attempt_error_rate, failures_per_trajectory,
                n_shallow, n_deep, n_gated,
                clean_rollouts, clean_accuracy, recovered_rollouts, recovered_accuracy,
-               unrecovered_rollouts, unrecovered_accuracy
+               unrecovered_rollouts, unrecovered_accuracy, recovered_advantage,
+               failed_call_advantage, failed_call_positive_share
         FROM iterations
         QUALIFY row_number() OVER (PARTITION BY iteration ORDER BY created_at DESC) = 1
         ORDER BY iteration
@@ -69,7 +73,7 @@ def ablation_grid(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
         WITH grid AS (
             SELECT iteration FROM purified GROUP BY iteration HAVING count(DISTINCT config_id) >= 2),
         configs AS (SELECT * FROM purify_configs QUALIFY row_number() OVER (PARTITION BY config_id) = 1)
-        SELECT p.iteration, p.config_id, c.gamma, c.rollback_prob, c.similarity_on, c.purify_when,
+        SELECT p.iteration, p.config_id, c.gamma, c.rollback_prob, c.similarity_on, c.purify_when, c.edit,
                TRY_CAST(json_extract_string(c.params_json, '$.rollback_is_threshold') AS DOUBLE)
                    AS is_threshold,
                coalesce(json_extract_string(c.params_json, '$.negative_samples') = 'true', false)
@@ -84,7 +88,7 @@ def ablation_grid(connection: duckdb.DuckDBPyConnection) -> pl.DataFrame:
                count(*) FILTER (WHERE p.negative_seq IS NOT NULL) AS negatives
         FROM purified p JOIN grid USING (iteration) LEFT JOIN configs c USING (config_id)
         GROUP BY ALL
-        ORDER BY p.iteration, c.gamma, c.rollback_prob, is_threshold, p.config_id
+        ORDER BY p.iteration, c.gamma, c.rollback_prob, is_threshold, c.edit DESC, p.config_id
     """)
 
 

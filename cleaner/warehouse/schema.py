@@ -28,6 +28,9 @@ class Dataset:
     record: type  # the frozen dataclass whose fields are the columns
     schema: pa.Schema
     partition_keys: tuple[str, ...]  # Hive partition directories, outermost first
+    # Columns added after parts were written, with the value a part without them reads as (None:
+    # null); every other column is required (docs/architecture.md §3).
+    added: tuple[tuple[str, object], ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -64,8 +67,8 @@ PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
 PURIFY_CONFIGS = Dataset("purify_configs", records.PurifyConfigRow, pa.schema([
     ("config_id", pa.string()), ("gamma", pa.float32()), ("rollback_prob", pa.float32()),
     ("similarity_on", pa.string()), ("purify_when", pa.string()), ("params_json", pa.string()),
-    ("created_at", _TIME),
-]), ())
+    ("created_at", _TIME), ("edit", pa.string()),
+]), (), added=(("edit", "replace"),))
 
 ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
     ("iteration", pa.int32()), ("policy_in", pa.string()), ("policy_out", pa.string()),
@@ -78,7 +81,9 @@ ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
     ("recovered_rollouts", pa.int32()), ("recovered_accuracy", pa.float32()),
     ("recovered_advantage", pa.float32()), ("unrecovered_rollouts", pa.int32()),
     ("unrecovered_accuracy", pa.float32()), ("unrecovered_advantage", pa.float32()), ("n_gated", pa.int32()),
-]), ())
+    ("failed_call_tokens", pa.int32()), ("failed_call_advantage", pa.float32()),
+    ("failed_call_positive_share", pa.float32()),
+]), (), added=(("failed_call_tokens", None), ("failed_call_advantage", None), ("failed_call_positive_share", None)))
 
 TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
     ("iteration", pa.int32()), ("step", pa.int32()), ("optimizer_step", pa.int32()), ("loss", pa.float32()),
@@ -123,6 +128,7 @@ def _check_record_fields(dataset: Dataset) -> None:
 
 for _dataset in DATASETS.values():
     _check_record_fields(_dataset)
+    assert {name for name, _ in _dataset.added} <= set(_dataset.columns), _dataset.name
 
 
 # ---------------------------------------------------------------------------------------------

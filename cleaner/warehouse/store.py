@@ -365,11 +365,24 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
     # paths costs DuckDB more than the rest of connect() together.
     variable = parts_variable(dataset)
     connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in parts]])
+    source = f"read_parquet(getvariable('{variable}'), hive_partitioning = false)"
     columns = ", ".join(dataset.columns)
-    connection.execute(
-        f"CREATE VIEW {dataset.name} AS SELECT {columns} "
-        f"FROM read_parquet(getvariable('{variable}'), hive_partitioning = false)"
-    )
+    if dataset.added:  # parts written before a column was added lack it: matched by name, then defaulted
+        connection.register(f"_empty_{dataset.name}", dataset.schema.empty_table())
+        source = (f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME "
+                  f"SELECT * FROM {source[:-1]}, union_by_name = true))")
+        defaults = {name: _literal(value) for name, value in dataset.added if value is not None}
+        columns = ", ".join(f"coalesce({c}, {defaults[c]}) AS {c}" if c in defaults else c for c in dataset.columns)
+    connection.execute(f"CREATE VIEW {dataset.name} AS SELECT {columns} FROM {source}")
+
+
+def _literal(value: object) -> str:
+    """A default of schema.py as SQL text (strings and numbers only)."""
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value)
+    raise TypeError(f"no SQL literal for the column default {value!r}")
 
 
 # Convenience views over the base views.

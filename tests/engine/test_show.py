@@ -133,7 +133,7 @@ def test_load_inspection_reads_rollout_segments_configs_and_model(tmp_path):
     assert inspection.rollout.rollout_id == "r0" and inspection.iteration == 0
     assert [s.seq for s in inspection.segments] == [0, 1, 2, 3, 4, 5]
     assert inspection.configs == (ConfigOutcome("cfg-a", 0.5, 1.0, "code", "always", True, 1, 0, 0, 5,
-                                                1.0, pytest.approx(0.7071)),)
+                                                1.0, pytest.approx(0.7071), edit="replace"),)
     assert inspection.model == "some/model"
     assert load_inspection(wh, "nope") is None
 

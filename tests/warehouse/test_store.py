@@ -187,3 +187,35 @@ def test_wrong_row_type_is_rejected(tmp_path):
     with pytest.raises(TypeError, match="rollouts takes Rollout rows"):
         schema.to_table(schema.ROLLOUTS, make_segments("r0"))
     assert isinstance(schema.to_table(schema.ROLLOUTS, []), pa.Table)
+
+
+def test_parts_written_before_a_column_was_added_still_read(tmp_path):
+    """purify_configs.edit and the iterations' failed-call credit were added later: a part without
+    them reads edit as replace and the credit as null, in records, SQL and after a compaction."""
+    from cleaner.engine.records import IterationRow
+    from cleaner.warehouse.compact import compact
+
+    wh = Warehouse(tmp_path)
+    old_config = schema.to_table(schema.PURIFY_CONFIGS, [PurifyConfigRow("old", 0.5, 1.0, "code", "always", "{}")])
+    write_part(wh.root / "purify_configs", old_config.drop_columns(["edit"]))
+    new_config = PurifyConfigRow("new", 0.5, 1.0, "code", "always", "{}", edit="mask")
+    write_part(wh.root / "purify_configs", schema.to_table(schema.PURIFY_CONFIGS, [new_config]))
+    row = IterationRow(0, "p", "q", "{}", "{}", "{}", 1.0, 1.0, 1.0, 0.5, 0.25, 0.5, 1, 2)
+    added = ["failed_call_tokens", "failed_call_advantage", "failed_call_positive_share"]
+    write_part(wh.root / "iterations", schema.to_table(schema.ITERATIONS, [row]).drop_columns(added))
+    wh.write_iteration(IterationRow(1, "q", "r", "{}", "{}", "{}", 1.0, 1.0, 1.0, 0.75, 0.25, 0.5, 1, 2,
+                                    failed_call_tokens=40, failed_call_advantage=0.25, failed_call_positive_share=0.5))
+    for _ in range(2):  # before and after merging the old parts with the new ones
+        connection = wh.connect()
+        assert connection.sql("SELECT config_id, edit FROM purify_configs ORDER BY 1").fetchall() == [
+            ("new", "mask"), ("old", "replace")]
+        assert connection.sql("SELECT iteration, failed_call_tokens, failed_call_advantage FROM iterations "
+                              "ORDER BY 1").fetchall() == [(0, None, None), (1, 40, 0.25)]
+        assert [(r.iteration, r.failed_call_positive_share) for r in wh.read_iterations()] == [(0, None), (1, 0.5)]
+        assert wh.purify_config_ids() == {"old", "new"}
+        compact(wh.root)
+    assert len(list_parts(wh.root, schema.ITERATIONS)) == 1
+    missing = schema.to_table(schema.PURIFY_CONFIGS, [PurifyConfigRow("x", 0.5, 1.0, "code", "always", "{}")])
+    path = write_part(wh.root / "purify_configs", missing.drop_columns(["similarity_on"]))
+    with pytest.raises(WarehouseError, match=rf"{path}.*missing column 'similarity_on'"):  # others stay required
+        wh.connect()

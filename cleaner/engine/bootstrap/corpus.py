@@ -19,6 +19,11 @@ With `failures = "environment"` (the second tiny policy) the failures are only o
 `slip_share` makes a share of trajectories miscopy one digit of one number from the question, in
 every call of the trajectory, and report what that code printed: wrong answers that do not depend
 on whether a call failed, so accuracy can be set without touching the premise.
+`no_tool_share` makes a share of trajectories answer at once without calling the tool, with a
+guess (a number below the modulus, never the answer): the behaviour that loses. With environment
+failures at a high `fail_share`, the tool users who fail and recover are then right far more often
+than the group's mean, so outcome-only GRPO gives their failed calls positive credit (the third
+tiny policy, docs/architecture.md §11).
 Each assistant turn starts with a short reasoning sentence, so shallow and deep merges keep
 different reasoning. Error texts come from really running the code, never from a hand-written
 string. The default executor is `local_exec` (one child process for the whole corpus, ~1 s): its
@@ -39,7 +44,8 @@ from cleaner.engine.chat import IM_END, format_call, tool_response_text
 from cleaner.engine.collect.tasks import TOY_SOURCE, Task, ToyProblem, toy_problem
 
 NONE, TYPO, APPROACH, ENVIRONMENT = "none", "typo", "approach", "environment"
-FAILURE_KINDS = (NONE, TYPO, APPROACH, ENVIRONMENT)
+NO_TOOL = "no_tool"  # not a failed call: the trajectory answers without calling the tool
+FAILURE_KINDS = (NONE, TYPO, APPROACH, ENVIRONMENT, NO_TOOL)
 FAILURE_SETS = ("mixed", "environment")  # mixed: typos and approaches; environment: ENVIRONMENT only
 CORPUS_SEED_OFFSET = 1_000_000  # corpus problems never coincide with toy_tasks(n, seed) for small seeds
 
@@ -52,13 +58,14 @@ class CorpusConfig:
     approach_share: float = 0.5  # among failures: share by wrong approach (the rest are typos)
     failures: str = "mixed"  # mixed (typos and approaches) | environment (see the module docstring)
     slip_share: float = 0.0  # share of trajectories that miscopy one digit of the question everywhere
+    no_tool_share: float = 0.0  # share of trajectories that answer with a guess, without calling the tool
 
     def __post_init__(self) -> None:
         if self.failures not in FAILURE_SETS:
             raise ValueError(f"failures must be one of {FAILURE_SETS}, got {self.failures!r}")
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
-        for name in ("fail_share", "approach_share", "slip_share"):
+        for name in ("fail_share", "approach_share", "slip_share", "no_tool_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -66,7 +73,7 @@ class CorpusConfig:
 @dataclass(frozen=True)
 class CorpusExample:
     task: Task
-    failure: str  # none | typo | approach
+    failure: str  # none | typo | approach | environment | no_tool
     assistant_texts: tuple[str, ...]  # calls end with </tool_call>, the answer with <|im_end|>
     tool_texts: tuple[str, ...]  # tool segment texts; tool_texts[i] follows assistant_texts[i]
     failed_code: str | None  # the failing first call's code (None when failure == none)
@@ -93,6 +100,12 @@ TYPO_REASONING = {
     "SyntaxError": ("I missed a closing parenthesis. Let me fix it.", "The parentheses are unbalanced; fixing it."),
 }
 FINAL_TEMPLATES = ("The result is {n}.\n\\boxed{{{n}}}", "So the answer is \\boxed{{{n}}}.")
+# A trajectory that answers without the tool: one of these sentences, then a guess.
+NO_TOOL_TEMPLATES = (
+    "I can do this in my head. The answer is \\boxed{{{n}}}.",
+    "No tool is needed here.\n\\boxed{{{n}}}",
+    "This is small enough to compute mentally: \\boxed{{{n}}}.",
+)
 
 # (reasoning, code) of calls to modules that do not exist; the fix is a different program.
 APPROACHES = (
@@ -159,9 +172,12 @@ class _Plan:
     fixed_code: str
     rng_state: int  # seed for the wording chosen after execution
     fix_reasoning: str | None = None  # fixed in the plan (ENVIRONMENT), else worded after execution
+    guess: int | None = None  # NO_TOOL: the number answered without calling the tool
 
 
 def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Random) -> _Plan:
+    if config.no_tool_share > 0 and rng.random() < config.no_tool_share:  # no draw at 0, as slip_share
+        return _no_tool_plan(problem, task, rng)
     draw = rng.random()
     failure = NONE
     if draw < config.fail_share:
@@ -185,6 +201,13 @@ def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Ran
     return _Plan(task, problem, failure, rng.choice(START_REASONING), failed, good, rng.getrandbits(32))
 
 
+def _no_tool_plan(problem: ToyProblem, task: Task, rng: random.Random) -> _Plan:
+    """An answer without the tool: a guess below the modulus, never the right one."""
+    guess = rng.randrange(problem.d - 1)
+    guess += guess >= problem.answer  # skips the answer, so every guess is wrong
+    return _Plan(task, problem, NO_TOOL, "", None, "", rng.getrandbits(32), guess=guess)
+
+
 def _slipped(problem: ToyProblem, rng: random.Random) -> ToyProblem:
     """The problem with one digit of a, b or c miscopied (the leading digit stays non-zero)."""
     name = rng.choice(("a", "b", "c"))
@@ -198,6 +221,9 @@ def _slipped(problem: ToyProblem, rng: random.Random) -> ToyProblem:
 def _assemble(plan: _Plan, failed_response: str | None, error_type: str | None,
               fixed_response: str) -> CorpusExample:
     rng = random.Random(plan.rng_state)
+    if plan.failure == NO_TOOL:
+        text = rng.choice(NO_TOOL_TEMPLATES).format(n=plan.guess) + IM_END
+        return CorpusExample(plan.task, plan.failure, (text,), (), None, plan.fixed_code)
     assistant, tools = [], []
     if plan.failed_code is not None:
         assistant.append(_call_text(plan.first_reasoning, plan.failed_code))
@@ -231,11 +257,16 @@ def build_corpus(config: CorpusConfig, executor: Executor | None = None) -> list
         task = Task(f"corpus-{config.seed}-{index}", ({"role": "user", "content": problem.question},),
                     str(problem.answer), TOY_SOURCE)
         plans.append(_plan(problem, task, config, rng))
-    codes = [plan.fixed_code for plan in plans] + [p.failed_code for p in plans if p.failed_code]
+    tool_plans = [plan for plan in plans if plan.failure != NO_TOOL]
+    codes = [plan.fixed_code for plan in tool_plans] + [p.failed_code for p in tool_plans if p.failed_code]
     results = executor(codes)
-    fixed_results, failed_results = results[: len(plans)], iter(results[len(plans):])
+    fixed_results, failed_results = iter(results[: len(tool_plans)]), iter(results[len(tool_plans):])
     examples = []
-    for plan, fixed in zip(plans, fixed_results, strict=True):
+    for plan in plans:
+        if plan.failure == NO_TOOL:
+            examples.append(_assemble(plan, None, None, ""))
+            continue
+        fixed = next(fixed_results)
         if not fixed.ok or fixed.response.split("stdout: ")[-1].strip() != str(plan.problem.answer):
             raise RuntimeError(f"corpus code gave a wrong result: {plan.fixed_code!r} -> {fixed.response!r}")
         failed = next(failed_results) if plan.failed_code else None

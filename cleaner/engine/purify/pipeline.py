@@ -18,6 +18,11 @@ Design decisions:
   assumed (one extra round per decision that turned a chain raw; the cache shares every score).
 - Negative samples (negative_samples): each recovered failure becomes a row of its own, scored in
   the same call; the SimPO-style pushes (negatives.py) then set per-token advantages.
+- Edit mask (docs/architecture.md §4): the same SAAR decisions, the raw tokens, the dropped ones
+  untrained. A masked row's tokens are the raw rendering's, so its scores are the raw row's (the
+  requests are keyed by their tokens: an ablation of replace and mask scores each raw row once).
+  Its tokens are on-policy only where the agent loop saw the raw view: masking rollouts collected
+  with the purified view logs a warning.
 - The premise diagnostic (`cleaner.engine.premise`) is computed once per call: clean, recovered and
   unrecovered rollouts with their accuracy and mean advantage.
 - Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
@@ -41,10 +46,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cleaner.engine.advantages import grpo_advantages
-from cleaner.engine.config import PurifyConfig, PurifyWhen
-from cleaner.engine.premise import PremiseStats, RolloutClass, classify, premise_stats
+from cleaner.engine.config import Edit, PurifyConfig, PurifyWhen
+from cleaner.engine.premise import (
+    PremiseStats,
+    RolloutClass,
+    classify,
+    failed_call_tokens,
+    premise_stats,
+)
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.records import (
+    CollectView,
     FinishReason,
     PurifiedRow,
     Rollout,
@@ -87,6 +99,7 @@ class PurifyStats:
     n_gated: int = 0  # merges the IS gate rejected
     n_negatives: int = 0  # negative-sample rows
     premise: PremiseStats | None = None  # clean / recovered / unrecovered rollouts (premise.py)
+    tokens_masked: int = 0  # edit mask: trained tokens of the raw view left untrained, summed over rollouts
 
 
 @dataclass(frozen=True)
@@ -158,8 +171,9 @@ def errors_by_type(segments: Sequence[Segment]) -> tuple[tuple[str, int], ...]:
 
 def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
                     errors_by_type: tuple[tuple[str, int], ...] = (),
-                    premise: PremiseStats | None = None) -> PurifyStats:
-    """The stats of a config from its stored rows (for configs purified in an earlier run)."""
+                    premise: PremiseStats | None = None, tokens_masked: int = 0) -> PurifyStats:
+    """The stats of a config from its stored rows (for configs purified in an earlier run);
+    `tokens_masked` from `masked_tokens` for a config with edit mask."""
     rows_ = [r for r in rows if not r.is_negative]
     return PurifyStats(
         config_id=config_id, n_rollouts=len(rows_), n_rolled_back=sum(r.rolled_back for r in rows_),
@@ -167,8 +181,18 @@ def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
         n_unrecovered=sum(r.n_unrecovered for r in rows_),
         tokens_removed=sum(r.tokens_removed for r in rows_), errors_by_type=errors_by_type,
         n_infra_fault=sum(r.infra_fault for r in rows_), n_gated=sum(r.n_gated for r in rows_),
-        n_negatives=len(rows) - len(rows_), premise=premise,
+        n_negatives=len(rows) - len(rows_), premise=premise, tokens_masked=tokens_masked,
     )
+
+
+def masked_tokens(rows: Sequence[PurifiedRow], segments: Sequence[Segment]) -> int:
+    """The tokens edit mask left untrained in its rows: a masked row holds the raw tokens, so it
+    is every assistant token of the rollout less the row's trained ones."""
+    assistant: Counter[str] = Counter()
+    for segment in segments:
+        if segment.kind == SegmentKind.ASSISTANT:
+            assistant[segment.rollout_id] += len(segment.token_ids)
+    return sum(assistant[row.rollout_id] - sum(row.loss_mask) for row in rows if not row.is_negative)
 
 
 def iteration_premise(rollouts: Sequence[Rollout], segments: Sequence[Segment],
@@ -176,7 +200,12 @@ def iteration_premise(rollouts: Sequence[Rollout], segments: Sequence[Segment],
     """The premise diagnostic of an iteration, with the advantages of one config's stored rows."""
     grouped = _segments_by_rollout(rollouts, segments)
     advantage = {r.rollout_id: r.advantage for r in rows if not r.is_negative}
-    return premise_stats(rollouts, _classes(rollouts, grouped), [advantage.get(r.rollout_id, 0.0) for r in rollouts])
+    return premise_stats(rollouts, _classes(rollouts, grouped), [advantage.get(r.rollout_id, 0.0) for r in rollouts],
+                         _failed_tokens(rollouts, grouped))
+
+
+def _failed_tokens(rollouts: Sequence[Rollout], grouped: dict[str, list[Segment]]) -> list[int]:
+    return [failed_call_tokens(grouped[r.rollout_id]) for r in rollouts]
 
 
 def _classes(rollouts: Sequence[Rollout], grouped: dict[str, list[Segment]]) -> list[RolloutClass | None]:
@@ -217,7 +246,7 @@ def _plan(
     for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
-                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode)
+                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode, config.edit)
         chain = grouped[rollout.rollout_id]
         failed = any(s.kind == SegmentKind.TOOL and s.failed for s in chain)
         key = (rollout.rollout_id, view if failed else RAW, config.negative_samples and failed)
@@ -238,7 +267,8 @@ def _plan(
         n_infra_fault=sum(faults),
         n_gated=sum(c.n_gated for c in counts),
         n_negatives=sum(len(draft.rendered.negatives) for draft in drafts),
-        premise=premise_stats(rollouts, classes, advantages),
+        tokens_masked=sum(c.tokens_masked for c in counts),
+        premise=premise_stats(rollouts, classes, advantages, _failed_tokens(rollouts, grouped)),
     )
     return PurifyPlan(config, tuple(drafts), stats)
 
@@ -280,6 +310,7 @@ def purify_iteration(
     """Render under every config, score all rows in ONE scorer call (more rounds only for IS
     decisions that changed a rendering), scatter old_logprobs back, add negative samples."""
     grouped = _segments_by_rollout(rollouts, segments)
+    _warn_masking_purified(rollouts, configs)
     renders: dict = {}
     errors, classes, cache = _input_errors(grouped), _classes(rollouts, grouped), ScoreCache()
     while True:
@@ -304,6 +335,17 @@ def purify_iteration(
             rows += _rows_with_negatives(plan.config, draft, old_logprobs, cache, scorer_version)
         results.append(PurifyResult(plan.config, rows, plan.stats))
     return results
+
+
+def _warn_masking_purified(rollouts: Sequence[Rollout], configs: Sequence[PurifyConfig]) -> None:
+    """Masked rows keep the raw tokens; a rollout collected with the purified view sampled its later
+    turns after a rendered context, so its raw row is off-policy after every merge."""
+    purified = sum(rollout.collect_view == CollectView.PURIFIED for rollout in rollouts)
+    if purified and any(config.edit == Edit.MASK for config in configs):
+        logger.warning("edit mask on rollouts collected with the purified view (%d of %d): their turns after a "
+                       "failed call were sampled in SAAR's context, so the raw rows mask trains are off-policy "
+                       "there; collect with --collect-view raw (cleaner run --edit mask does)",
+                       purified, len(rollouts))
 
 
 def _rows_with_negatives(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...],

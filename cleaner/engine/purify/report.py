@@ -38,10 +38,11 @@ def stats_frame(results: Sequence) -> pl.DataFrame:
         records.append({
             "config_id": stats.config_id, "gamma": config.gamma, "p": config.rollback_prob,
             "sim": config.similarity_on, "when": config.purify_when, "tau": config.rollback_is_threshold,
-            "neg": config.negative_samples, "rollouts": stats.n_rollouts,
+            "neg": config.negative_samples, "edit": str(config.edit), "rollouts": stats.n_rollouts,
             "rolled": stats.n_rolled_back, "shallow": stats.n_shallow, "deep": stats.n_deep,
             "unrecov": stats.n_unrecovered, "infra": stats.n_infra_fault, "gated": stats.n_gated,
-            "negatives": stats.n_negatives, "removed": stats.tokens_removed, "trained": trained,
+            "negatives": stats.n_negatives, "removed": stats.tokens_removed, "masked": stats.tokens_masked,
+            "trained": trained,
             "rewritten": rewritten,
         })
     return pl.DataFrame(records)
@@ -51,8 +52,9 @@ def _cell(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg")
-OPTIONAL = {"gated": "tau", "negatives": "neg"}  # counters shown only when some config uses them
+PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg", "edit")
+# Counters shown only when some config sets their parameter off its default (parameter, default).
+OPTIONAL = {"gated": ("tau", 0.0), "negatives": ("neg", False), "masked": ("edit", "replace")}
 
 
 def stats_table(results: Sequence, title: str = "purify") -> Table:
@@ -60,8 +62,8 @@ def stats_table(results: Sequence, title: str = "purify") -> Table:
     frame = stats_frame(results)
     if frame.is_empty():
         return Table(title=title)
-    unused = [counter for counter, parameter in OPTIONAL.items() if not (frame[parameter].cast(pl.Float64) != 0).any()]
-    unset = [OPTIONAL[counter] for counter in unused]  # their parameters are at the default everywhere
+    unused = [counter for counter, (parameter, default) in OPTIONAL.items() if (frame[parameter] == default).all()]
+    unset = [OPTIONAL[counter][0] for counter in unused]  # their parameters are at the default everywhere
     constant = [name for name in PARAMETERS if name not in unset and frame[name].n_unique() == 1 and frame.height > 1]
     facts = [f"{frame['rollouts'][0]} rollouts"] + [f"{name} {_cell(frame[name][0])}" for name in constant]
     title += " (" + ", ".join(facts) + ")"
@@ -93,7 +95,15 @@ def premise_table(premise: PremiseStats, title: str = "premise") -> Table:
         advantage = "-" if stats.mean_advantage is None else f"{stats.mean_advantage:+.3f}"
         table.add_row(name, str(stats.rollouts), _rate(stats.accuracy), advantage)
     ratio = premise.recovered_over_clean
+    credit = premise.credit
+    if credit.tokens:
+        table.add_section()
+        table.add_row("failed-call tokens", str(credit.tokens), f"{credit.positive_share:.1%} in +adv",
+                      f"{credit.mean_advantage:+.3f}")
     table.caption = ("recovered / clean accuracy " + ("-" if math.isnan(ratio) else f"{ratio:.2f}")
                      + ": near 1, failed calls do not predict a wrong answer and purifying removes noise "
                        "the reward cannot see; well below 1, the reward already punishes them")
+    if credit.tokens:
+        table.caption += ("; failed-call tokens (raw view): their mean advantage is the credit GRPO gives "
+                          "failed calls, positive = reinforced (the paper's premise), negative = already pushed down")
     return table

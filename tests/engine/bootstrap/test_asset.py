@@ -51,13 +51,15 @@ def test_greedy_first_turn_is_a_correct_tool_call(policy):
     assert correct >= 5, list(zip(codes, printed, [t.ground_truth for t in tasks], strict=True))
 
 
-def test_the_second_policy_shares_the_first_ones_architecture_and_tokenizer():
+@pytest.mark.parametrize("name", ["tiny-policy-env", "tiny-policy-recover"])
+def test_the_other_policies_share_the_first_ones_architecture_and_tokenizer(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cleaner.engine.config import ENV_POLICY
+    from cleaner.engine.config import ASSETS_DIR
 
-    model = AutoModelForCausalLM.from_pretrained(ENV_POLICY)
+    policy = ASSETS_DIR / name
+    model = AutoModelForCausalLM.from_pretrained(policy)
     assert model.config.to_dict() | {"_name_or_path": ""} == (
         AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY).config.to_dict() | {"_name_or_path": ""})
-    assert AutoTokenizer.from_pretrained(ENV_POLICY).get_vocab() == AutoTokenizer.from_pretrained(DEFAULT_POLICY).get_vocab()
-    assert (ENV_POLICY / "model.safetensors").stat().st_size < 3_000_000
+    assert AutoTokenizer.from_pretrained(policy).get_vocab() == AutoTokenizer.from_pretrained(DEFAULT_POLICY).get_vocab()
+    assert (policy / "model.safetensors").stat().st_size < 3_000_000

@@ -100,3 +100,20 @@ def test_environment_failures_fix_with_the_same_numbers_in_the_same_order():
         "ModuleNotFoundError", "AttributeError"}
     with pytest.raises(ValueError, match="failures"):
         CorpusConfig(failures="some")
+
+
+def test_no_tool_trajectories_answer_a_wrong_guess_at_once():
+    from cleaner.engine.bootstrap.corpus import ENVIRONMENT, NO_TOOL
+
+    config = CorpusConfig(size=300, seed=5, fail_share=0.5, failures="environment", no_tool_share=0.3)
+    examples = build_corpus(config)
+    kinds = [e.failure for e in examples]
+    assert 0.2 < kinds.count(NO_TOOL) / len(kinds) < 0.4 and {NONE, ENVIRONMENT, NO_TOOL} == set(kinds)
+    for example in (e for e in examples if e.failure == NO_TOOL):
+        (text,) = example.assistant_texts  # one turn, no call, no tool segment
+        assert example.tool_texts == () and "<tool_call>" not in text and text.endswith("<|im_end|>")
+        guess = int(re.search(r"\\boxed\{(\d+)\}", text).group(1))
+        modulus = int(re.findall(r"\d+", example.task.messages[-1]["content"])[3])
+        assert 0 <= guess < modulus and str(guess) != example.task.ground_truth
+    # a share of 0 draws nothing: the corpora of the other policies are unchanged
+    assert build_corpus(CorpusConfig(size=50, seed=2)) == build_corpus(CorpusConfig(size=50, seed=2, no_tool_share=0.0))

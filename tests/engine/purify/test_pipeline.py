@@ -141,3 +141,72 @@ def test_scorer_with_wrong_lengths_is_rejected():
 
     with pytest.raises(ValueError, match="logprobs"):
         purify_iteration(ROLLOUTS, SEGMENTS, [HALF], ShortScorer(), None, "v")
+
+
+# ----------------------------------------------------------------------------------------------
+# Edit mask (docs/architecture.md §4)
+
+MASK = PurifyConfig(gamma=0.5, rollback_prob=1.0, edit="mask")
+REPLACE = PurifyConfig(gamma=0.5, rollback_prob=1.0)
+BASELINE = PurifyConfig(rollback_prob=0.0)  # the raw view
+MASK_POSITIVE = PurifyConfig(gamma=0.5, rollback_prob=1.0, purify_when="positive", edit="mask")
+
+
+def raw_mask(b):
+    return tuple(int(t in (b + 10, b + 11, b + 12, b + 20, b + 21, b + 22, b + 30)) for t in raw(b))
+
+
+def masked_call(b):
+    """The shallow merge drops a_0's call (b+12) and a_1's reasoning (b+20); a_1 succeeded, so
+    only the call is masked."""
+    return tuple(0 if t == b + 12 else m for t, m in zip(raw(b), raw_mask(b), strict=True))
+
+
+def test_mask_rows_are_the_raw_rows_with_the_failed_call_untrained():
+    scorer = FakeScorer()
+    replace, mask, baseline = purify_iteration(ROLLOUTS, SEGMENTS, [REPLACE, MASK, BASELINE], scorer, None, "v")
+    assert len(scorer.calls) == 1  # one scorer pass; a masked row's tokens are the raw row's
+    sequences, _ = scorer.calls[0]
+    assert sorted(sequences) == sorted({shallow(b) for b in (100, 200, 300, 400)} | {raw(b) for b in (100, 200, 300, 400)})
+    for b, row, base in zip((100, 200, 300, 400), mask.rows, baseline.rows, strict=True):
+        assert row.token_ids == raw(b) == base.token_ids and base.loss_mask == raw_mask(b)
+        assert row.loss_mask == masked_call(b) and row.rolled_back
+        assert row.advantage == base.advantage and row.reward == base.reward
+        assert row.old_logprobs == tuple(o if m else 0.0 for o, m in zip(base.old_logprobs, row.loss_mask, strict=True))
+        assert (row.n_shallow, row.n_deep, row.tokens_removed) == (1, 0, 0)
+    assert [r.advantage for r in replace.rows] == [r.advantage for r in baseline.rows]
+    assert (mask.stats.n_shallow, mask.stats.tokens_removed, mask.stats.tokens_masked) == (4, 0, 4)
+    assert replace.stats.tokens_masked == 0
+
+
+def test_an_ablation_of_replace_and_mask_scores_what_replace_and_the_raw_view_score():
+    with_mask, with_raw = FakeScorer(), FakeScorer()
+    purify_iteration(ROLLOUTS, SEGMENTS, [REPLACE, MASK], with_mask, None, "v")
+    purify_iteration(ROLLOUTS, SEGMENTS, [REPLACE, BASELINE], with_raw, None, "v")
+    assert len(with_mask.calls) == len(with_raw.calls) == 1
+    assert sorted(with_mask.calls[0][0]) == sorted(with_raw.calls[0][0])
+
+
+def test_mask_positive_masks_only_above_mean_rollouts():
+    (mask,) = purify_iteration(ROLLOUTS, SEGMENTS, [MASK_POSITIVE], FakeScorer(), None, "v")
+    # r1 beats its group (advantage > 0); r2 is below its mean; g2's rewards are all equal
+    assert [row.advantage > 0 for row in mask.rows] == [True, False, False, False]
+    assert [row.rolled_back for row in mask.rows] == [True, False, False, False]
+    assert mask.rows[0].loss_mask == masked_call(100)
+    assert [row.loss_mask for row in mask.rows[1:]] == [raw_mask(b) for b in (200, 300, 400)]  # nothing masked
+    assert all(row.token_ids == raw(b) for b, row in zip((100, 200, 300, 400), mask.rows, strict=True))
+    assert mask.stats.tokens_masked == 1
+
+
+def test_masking_rollouts_collected_purified_is_warned_about(caplog):
+    purify_iteration(ROLLOUTS, SEGMENTS, [REPLACE], FakeScorer(), None, "v")
+    assert "edit mask" not in caplog.text
+    purify_iteration(ROLLOUTS, SEGMENTS, [MASK], FakeScorer(), None, "v")
+    assert "edit mask on rollouts collected with the purified view (4 of 4)" in caplog.text
+
+
+def test_mask_and_negative_samples_are_refused():
+    with pytest.raises(ValueError, match="does not combine with negative_samples"):
+        PurifyConfig(edit="mask", negative_samples=True)
+    with pytest.raises(ValueError, match="edit must be one of"):
+        PurifyConfig(edit="splice")

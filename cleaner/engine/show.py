@@ -166,7 +166,7 @@ def _marked(segment: Segment, masked: Sequence[tuple[int, int]], decode: Decode 
     """The segment's text with the masked ranges bracketed [~like this~] and dimmed."""
     return Text.assemble(*(
         (f"[~{_clip(text, max_chars)}~]", "dim italic") if inside else (_clip(text, max_chars), "")
-        for text, inside in _pieces(segment, masked, decode)))
+        for text, inside in kept_pieces(segment, masked, decode)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def purified_panel(
             for seq in piece.step.seqs:
                 ranges = [(m.start, m.end) for m in piece.step.masked if m.seq == seq]
                 body.append(_marked(by_seq[seq], ranges, decode, max_chars) if ranges
-                            else Text(_clip(_token_text(by_seq[seq], 0, len(by_seq[seq].token_ids), decode), max_chars)))
+                            else Text(_clip(token_text(by_seq[seq], 0, len(by_seq[seq].token_ids), decode), max_chars)))
         else:
             body.append(_clip(piece.text, max_chars))
     removed = f"tokens masked {stats.tokens_masked}" if view.edit == Edit.MASK else f"tokens removed {stats.tokens_removed}"

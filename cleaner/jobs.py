@@ -47,6 +47,7 @@ from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_s
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
 from cleaner.engine.models import check_device, check_model_path
+from cleaner.engine.outputs import CHECKPOINT, check_replaceable
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
@@ -395,6 +396,7 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
     started = time.monotonic()
+    check_replaceable(out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
     check_device(config.device)
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)

@@ -236,7 +236,7 @@ def test_run_config_errors_name_the_file_and_key(tmp_path):
     result = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
     assert result.exit_code == 1 and "not valid TOML" in result.output
     result = runner.invoke(app, ["run", "--collect-view", "sideways", "--print-config"])
-    assert result.exit_code == 1 and "collect_view must be one of" in result.output
+    assert result.exit_code == 1 and "invalid option: --collect-view must be one of" in result.output
 
 
 def test_run_resume_keeps_the_saved_config(tmp_path):

@@ -111,3 +111,86 @@ def test_a_server_url_needs_the_sglang_backend(tmp_path):
                    "sglang_url is for backend sglang")
     _fails_cleanly(["purify", "-w", str(tmp_path / "w"), "--sglang-url", "http://127.0.0.1:9"],
                    "--sglang-url http://127.0.0.1:9 needs --backend sglang")
+
+
+
+def _run_warehouse_copy(small_run, tmp_path) -> tuple[Warehouse, str]:
+    """A copy of the small run's warehouse (purified rows of iteration 0), and their config id."""
+    import shutil
+
+    warehouse = Warehouse(shutil.copytree(small_run / "warehouse", tmp_path / "warehouse"))
+    [(config_id,)] = warehouse.connect().sql("SELECT DISTINCT config_id FROM purified WHERE iteration = 0").fetchall()
+    return warehouse, config_id
+
+
+def test_train_out_never_replaces_a_warehouse_or_a_users_directory(small_run, tmp_path):
+    """`train --out` at the warehouse itself, a directory holding a user's file, or a file: one
+    error line, before any training (no train_steps written), each left byte for byte as it was."""
+    from tests.helpers import tree_digest
+
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    mine, notes = tmp_path / "mine", tmp_path / "notes.txt"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    notes.write_text("my notes")
+    policy = small_run / "checkpoints" / "iteration-1"
+    for out, why in ((warehouse.root, "cleaner did not write it (no .cleaner-output.json; it holds "),
+                     (mine, "cleaner did not write it (no .cleaner-output.json; it holds notes.txt)"),
+                     (notes, "it exists and is a file, not a directory")):
+        before, steps_before = tree_digest(out), tree_digest(warehouse.root / "train_steps")
+        _fails_cleanly(["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id,
+                        "--policy", str(policy), "--out", str(out), "--mini-batch-size", "8"],
+                       f"{out}: will not replace it with a checkpoint: {why}")
+        assert tree_digest(out) == before
+        assert tree_digest(warehouse.root / "train_steps") == steps_before  # nothing trained
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt", "warehouse"]  # no temp left
+
+
+def test_train_out_replaces_the_checkpoint_it_wrote(small_run, tmp_path):
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    command = ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id, "--policy",
+               str(small_run / "checkpoints" / "iteration-1"), "--out", str(tmp_path / "out"),
+               "--mini-batch-size", "8"]
+    for _ in range(2):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / ".cleaner-output.json").is_file()
+
+
+def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path):
+    from tests.helpers import tree_digest
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    before = tree_digest(mine)
+    _fails_cleanly(["demo", "--run-dir", str(mine), "--iterations", "1", "--prompts", "1"],
+                   f"{mine}: not a run directory cleaner wrote (holds notes.txt)")
+    assert tree_digest(mine) == before
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ('[collect]\ngroup_size = "four"\n', "bad.toml.collect.group_size: expected int, got 'four'"),
+    ('[train]\nmini_batch_size = "2"\n', "bad.toml.train.mini_batch_size: expected int, got '2'"),
+    ("collect = 5\n", "bad.toml.collect: expected a table, got 5"),
+    ("[collect.sandbox]\nworkers = 1.5\n", "bad.toml.collect.sandbox.workers: expected int, got 1.5"),
+])
+def test_run_config_of_the_wrong_type_is_one_line(tmp_path, toml, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--config", str(path)], expected)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("command", "expected", "not_expected"), [
+    (["collect", "--prompts", "0"], "invalid option: --prompts must be >= 1, got 0", "n_prompts"),
+    (["collect", "--sandbox-workers", "0"], "invalid option: --sandbox-workers must be >= 1, got 0", "option: workers"),
+    (["run", "--mini-batch-size", "0"], "invalid option: --mini-batch-size must be >= 1, got 0", "micro_batch_size"),
+    (["run", "--prompts", "0"], "invalid option: --prompts must be >= 1, got 0", "n_prompts"),
+    (["train", "--config-id", "c", "--policy", ".", "--out", "o", "--mini-batch-size", "4"],
+     "invalid option: --mini-batch-size (4) must be >= --micro-batch-size (8)", "micro_batch_size"),
+])
+def test_errors_name_the_flag_the_user_typed(tmp_path, command, expected, not_expected):
+    where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]
+    output = _fails_cleanly([*command, *where], expected)
+    assert not_expected not in output

@@ -57,12 +57,18 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
 # Building configs and calling jobs
 
 
-def build_config(factory, **kwargs):
-    """Build a config; an invalid value becomes a clear CLI error."""
+def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
+    """Build a config; an invalid value becomes a clear CLI error naming the flag it came from.
+
+    A field passed in `kwargs` is named `--field-name` in the error, or `flags[field]` where the
+    command's flag is spelled otherwise (n_prompts is `--prompts`)."""
     try:
         return factory(**kwargs)
     except ValueError as exc:
-        raise fail(f"invalid option: {exc}") from exc
+        from cleaner.engine.run_config import name_fields  # engine imports cost CLI start-up time
+
+        names = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for name in kwargs}
+        raise fail(f"invalid option: {name_fields(str(exc), names)[0]}") from exc
 
 
 def floats(text: str, name: str) -> list[float]:
@@ -104,7 +110,7 @@ ShardOpt = Annotated[str, typer.Option(
 def parse_shard(text: str):
     from cleaner.engine.config import Shard
 
-    return build_config(Shard.parse, text=text)
+    return build_config(Shard.parse, {"text": "--shard"}, text=text)
 
 
 IsThresholdOpt = Annotated[float, typer.Option(

@@ -27,17 +27,17 @@ from cleaner.engine.show import Panels
 @app.command()
 def report(
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
-    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: report/ beside the warehouse).", show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: <warehouse>-report/ beside the warehouse).", show_default=False)] = None,
 ) -> None:
     """Plot a warehouse: accuracy, tool failures, merges, the premise diagnostic, train metrics,
     error types, ablation grids and eval results as PNGs, and report.md embedding them.
 
     Figures whose data the warehouse lacks are skipped, and report.md says why.
     """
-    from cleaner.report import report_job
+    from cleaner.report import default_report_dir, report_job
     from cleaner.warehouse import Warehouse
 
-    out = out or warehouse.parent / "report"
+    out = out or default_report_dir(warehouse)
     written = run_job(report_job, Warehouse(warehouse), out)
     for section in written.sections:
         status = section.file or f"skipped: {section.skipped}"

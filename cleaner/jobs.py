@@ -113,6 +113,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
     finish a partly collected one."""
     started = time.monotonic()
+    warehouse.check_writable()
     if backend is None:  # fail on a bad backend, model or device before anything is written
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
@@ -202,6 +203,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     loaded backend to use instead of loading it.
     """
     started, backends = time.monotonic(), dict(backends or {})
+    warehouse.check_writable()
     if any(model not in backends for model in config.models):  # fail before anything is written
         require_backend(config.backend, config.sglang_url)
     check_device(config.device)
@@ -305,6 +307,7 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
+    warehouse.check_writable()
     if backend is None:
         require_backend(backend_kind, sglang_url)
         check_device(device)
@@ -397,6 +400,7 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     """
     started = time.monotonic()
     check_replaceable(out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
+    warehouse.check_writable()
     check_device(config.device)
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)

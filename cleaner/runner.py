@@ -119,6 +119,7 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     if config.train.engine == "deepspeed":
         _check_deepspeed_run(config)
     run_dir = Path(config.run_dir)
+    Warehouse(run_dir / "warehouse").check_writable()  # a file at --run-dir is one error line
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(run_dir / RUN_LOCK, f"{run_dir}: another process is running this run (it holds "
                                        f"{RUN_LOCK}); wait for it to end, or choose another --run-dir"):

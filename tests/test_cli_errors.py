@@ -7,7 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
+from cleaner.engine.config import DEFAULT_POLICY
 from cleaner.warehouse import Warehouse
+from tests.warehouse.factories import make_rollout, make_segments
 
 runner = CliRunner()
 
@@ -194,3 +196,24 @@ def test_errors_name_the_flag_the_user_typed(tmp_path, command, expected, not_ex
     where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]
     output = _fails_cleanly([*command, *where], expected)
     assert not_expected not in output
+
+
+def test_a_file_given_as_the_warehouse_is_one_line(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    model = ["--model", str(DEFAULT_POLICY)]
+    for command in (["collect", "-w", str(taken), *SMALL], ["purify", "-w", str(taken)],
+                    ["eval", "-w", str(taken), *model, "--dataset", f"toy={tmp_path / 'none.parquet'}"]):
+        _fails_cleanly(command, f"{taken}: is a file, not a warehouse directory")
+    _fails_cleanly(["collect", "-w", str(taken / "sub"), *SMALL], f"{taken / 'sub'}: {taken} is a file")
+    _fails_cleanly(["run", "--run-dir", str(taken), *SMALL], f"{taken / 'warehouse'}: {taken} is a file")
+    assert taken.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_sql_output_that_cannot_be_written_is_one_line(tmp_path):
+    warehouse = Warehouse(tmp_path / "wh")
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    for output_format in ("table", "csv"):
+        _fails_cleanly(["sql", "SELECT 1", "-w", str(warehouse.root), "-f", output_format,
+                        "--output", str(tmp_path / "missing" / "out.csv")],
+                       f"--output {tmp_path / 'missing' / 'out.csv'}: cannot write the result (No such file")

@@ -131,16 +131,27 @@ def sql(
     if output_format is OutputFormat.table:
         if output is None:
             console.print(result_table(table))
-        else:
-            with open(output, "w") as sink:
-                Console(file=sink, width=200).print(result_table(table))
-        return
-    frame = pl.from_arrow(table)
-    text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
-    if output:
-        output.write_text(text)
+            return
+        text = _rendered(result_table(table))
     else:
+        frame = pl.from_arrow(table)
+        text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
+    if output is None:
         typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text)
+    except OSError as exc:
+        raise fail(f"--output {output}: cannot write the result ({exc.strerror})") from exc
+
+
+def _rendered(renderable) -> str:
+    """What rich prints for `renderable` into a 200-column file."""
+    import io
+
+    sink = io.StringIO()
+    Console(file=sink, width=200).print(renderable)
+    return sink.getvalue()
 
 
 @app.command()

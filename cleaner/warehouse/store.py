@@ -60,6 +60,23 @@ class Warehouse:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        self._checked_writable = False
+
+    def check_writable(self) -> None:
+        """WarehouseError unless the root is a directory, or can be made one (nothing is created).
+
+        Jobs call it before any work; every write checks it once, so a file given as the warehouse
+        is one error line, never an OSError from deep inside a write."""
+        if self._checked_writable:
+            return
+        root = self.root.absolute()
+        existing = next(path for path in (root, *root.parents) if path.exists())
+        if not existing.is_dir():
+            where = "is a file, not a warehouse directory" if existing == root else f"{existing} is a file"
+            raise WarehouseError(f"{self.root}: {where}; a warehouse is a directory (created if missing)")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
+        self._checked_writable = True
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name
@@ -68,6 +85,7 @@ class Warehouse:
         return path
 
     def _write(self, dataset: Dataset, rows: Sequence, name: str | None = None, **partition) -> Path:
+        self.check_writable()
         table = schema.to_table(dataset, rows)
         return write_part(self._dir(dataset, **partition), table, name)
 
@@ -144,6 +162,7 @@ class Warehouse:
         for config, rows in todo:
             part = table.slice(offset, len(rows))
             offset += len(rows)
+            self.check_writable()
             write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part)
 
     def _write_config_rows(self, configs: Sequence[PurifyConfigRow]) -> None:
@@ -232,6 +251,7 @@ class Warehouse:
 
     def save_config(self, name: str, config_json: str) -> Path:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
+        self.check_writable()
         directory = self.root / "configs"
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"

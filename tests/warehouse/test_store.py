@@ -187,3 +187,19 @@ def test_wrong_row_type_is_rejected(tmp_path):
     with pytest.raises(TypeError, match="rollouts takes Rollout rows"):
         schema.to_table(schema.ROLLOUTS, make_segments("r0"))
     assert isinstance(schema.to_table(schema.ROLLOUTS, []), pa.Table)
+
+
+def test_a_file_is_not_a_warehouse_to_write(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    for root, expected in ((taken, "is a file, not a warehouse directory"), (taken / "sub", f"{taken} is a file")):
+        warehouse = Warehouse(root)
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.check_writable()
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.save_config("run", "{}")
+    assert taken.read_text() == "mine"
+    Warehouse(tmp_path / "new" / "wh").check_writable()  # a missing directory is fine, and not created
+    assert not (tmp_path / "new").exists()

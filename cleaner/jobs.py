@@ -407,6 +407,7 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     if model is None:
         check_model_path(policy)
     if rows is None:
+        config_id = warehouse.resolve_config_id(config_id)  # a unique prefix, as purify prints it
         try:
             rows = warehouse.read_purified(iteration, config_id)
         except WarehouseError as exc:

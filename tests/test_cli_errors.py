@@ -217,3 +217,13 @@ def test_sql_output_that_cannot_be_written_is_one_line(tmp_path):
         _fails_cleanly(["sql", "SELECT 1", "-w", str(warehouse.root), "-f", output_format,
                         "--output", str(tmp_path / "missing" / "out.csv")],
                        f"--output {tmp_path / 'missing' / 'out.csv'}: cannot write the result (No such file")
+
+
+def test_train_takes_the_config_id_as_purify_prints_it(small_run, tmp_path):
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    steps_before = len(warehouse.read_train_steps(0))  # the run's
+    result = runner.invoke(app, ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id",
+                                 config_id[:8], "--policy", str(small_run / "checkpoints" / "iteration-1"),
+                                 "--out", str(tmp_path / "out"), "--mini-batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    assert len(warehouse.read_train_steps(0)) == 2 * steps_before  # trained again on the same 16 rows

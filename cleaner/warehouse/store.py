@@ -54,6 +54,8 @@ from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
 
 __all__ = ["Warehouse", "WarehouseError"]
 
+MIN_ID_PREFIX = 4  # digits of a config id that name it, as git's shortest abbreviation
+
 
 class Warehouse:
     """A warehouse directory. Cheap to construct; nothing is read until asked."""
@@ -178,6 +180,21 @@ class Warehouse:
 
     def purify_config_ids(self) -> set[str]:
         return set(read_column(self._visible(schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS, "config_id").to_pylist())
+
+    def resolve_config_id(self, prefix: str) -> str:
+        """The stored purify config id that `prefix` begins, as git resolves a short commit id (the
+        tables print 8 of its 12 digits). WarehouseError if several do, or if it is shorter than
+        MIN_ID_PREFIX; `prefix` itself if none does (the caller says what is missing)."""
+        if len(prefix) < MIN_ID_PREFIX:
+            raise WarehouseError(f"config id {prefix!r}: give at least {MIN_ID_PREFIX} of its digits")
+        ids = self.purify_config_ids()
+        if prefix in ids:
+            return prefix
+        matches = sorted(config_id for config_id in ids if config_id.startswith(prefix))
+        if len(matches) > 1:
+            raise WarehouseError(f"{self.root}: config id {prefix!r} is ambiguous, it begins "
+                                 f"{', '.join(matches)}; give more digits")
+        return matches[0] if matches else prefix
 
     def read_purified(self, iteration: int, config_id: str,
                       rollout_ids: Collection[str] | None = None) -> list[PurifiedRow]:

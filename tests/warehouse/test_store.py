@@ -18,7 +18,7 @@ from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, write_part
 
-from .factories import make_rollout, make_segments
+from .factories import make_purified, make_purify_config, make_rollout, make_segments
 
 
 def _fill(tmp_path: Path) -> Warehouse:
@@ -203,3 +203,17 @@ def test_a_file_is_not_a_warehouse_to_write(tmp_path):
     assert taken.read_text() == "mine"
     Warehouse(tmp_path / "new" / "wh").check_writable()  # a missing directory is fine, and not created
     assert not (tmp_path / "new").exists()
+
+
+def test_a_config_id_is_found_by_a_unique_prefix(tmp_path):
+    wh = _fill(tmp_path)
+    ids = ("abcd12340000", "abcd56780000", "ef0123456789")
+    wh.write_purified_many(0, [(make_purify_config(c), [make_purified(c)]) for c in ids])
+    assert wh.resolve_config_id("ef012345") == "ef0123456789"  # the 8 digits purify prints
+    assert wh.resolve_config_id("abcd1") == "abcd12340000"
+    assert wh.resolve_config_id("abcd56780000") == "abcd56780000"
+    assert wh.resolve_config_id("9999") == "9999"  # unknown: the caller says nothing is stored
+    with pytest.raises(WarehouseError, match="config id 'abcd' is ambiguous, it begins abcd12340000, abcd56780000"):
+        wh.resolve_config_id("abcd")
+    with pytest.raises(WarehouseError, match="give at least 4 of its digits"):
+        wh.resolve_config_id("ef0")

@@ -117,7 +117,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     if backend is None:  # fail on a bad backend, model or device before anything is written
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
-        check_model_path(config.model)
+        check_model_path(config.model, tokenizer=True)
     iteration = config.iteration
     tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
     planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
@@ -131,7 +131,6 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
             "pass --resume to finish it, or collect another --iteration"
         )
     _check_saved_config(warehouse, config, resume or bool(stored_anywhere))
-    warehouse.save_collect_config(iteration, config.to_json())
     n_written = 0
     if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
@@ -140,6 +139,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
             if serving.tokenizer is None:
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
+            warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
             chat = ChatFormat(serving.tokenizer)
             grading = _grader(tasks, config.sandbox, config.test_timeout_s)
             with make_sandbox(config.sandbox) as sandbox, grading as grader:
@@ -209,7 +209,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     check_device(config.device)
     for model in config.models:
         if model not in backends:
-            check_model_path(model)
+            check_model_path(model, tokenizer=True)
     datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
     for _, loaded in datasets:
         if not loaded.tasks:

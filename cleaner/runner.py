@@ -115,15 +115,33 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     # a bad backend, device or model fails before anything is written
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(config.collect.device)
-    check_model_path(config.collect.model)
+    check_model_path(config.collect.model, tokenizer=True)
     if config.train.engine == "deepspeed":
         _check_deepspeed_run(config)
     run_dir = Path(config.run_dir)
     Warehouse(run_dir / "warehouse").check_writable()  # a file at --run-dir is one error line
+    created = [path for path in (run_dir, *run_dir.parents) if not path.exists()]
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(run_dir / RUN_LOCK, f"{run_dir}: another process is running this run (it holds "
                                        f"{RUN_LOCK}); wait for it to end, or choose another --run-dir"):
-        return _run_iterations(config, run_dir, resume, progress, on_iteration, metrics)
+        try:
+            return _run_iterations(config, run_dir, resume, progress, on_iteration, metrics)
+        except BaseException:
+            _remove_if_unused(run_dir, created)
+            raise
+
+
+def _remove_if_unused(run_dir: Path, created: list[Path]) -> None:
+    """Remove the directories this call created for a run that failed before writing anything
+    (the run directory holds only its lock), so an early failure leaves nothing behind."""
+    if not created or [entry.name for entry in run_dir.iterdir()] != [RUN_LOCK]:
+        return
+    (run_dir / RUN_LOCK).unlink()
+    for directory in created:  # innermost first; rmdir only removes what is empty
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bool,
@@ -138,8 +156,6 @@ def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bo
     for iteration in range(config.iterations):  # before any work: each checkpoint's place is free
         if iteration not in done:
             check_replaceable(checkpoint_dir(run_dir, iteration), CHECKPOINT)
-    warehouse.root.mkdir(parents=True, exist_ok=True)
-    warehouse.save_config("run", config.to_json())
     policy, backend = config.collect.model, None
     kept, optimization = None, None  # the model training updates and its optimiser, across iterations
     try:
@@ -147,7 +163,9 @@ def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bo
             if iteration in done:
                 policy = done[iteration].policy_out or policy
                 continue
-            backend = backend or _load_backend(config, policy)
+            if backend is None:  # the first write follows the load: a model that cannot load leaves nothing
+                backend = _load_backend(config, policy)
+                warehouse.save_config("run", config.to_json())
             row, trained = _one_iteration(config, warehouse, iteration, policy, backend, kept, optimization,
                                           progress)
             backend.adopt(row.policy_out)

@@ -227,3 +227,30 @@ def test_train_takes_the_config_id_as_purify_prints_it(small_run, tmp_path):
                                  "--out", str(tmp_path / "out"), "--mini-batch-size", "8"])
     assert result.exit_code == 0, result.output
     assert len(warehouse.read_train_steps(0)) == 2 * steps_before  # trained again on the same 16 rows
+
+
+def _broken_policy(tmp_path, broken: str):
+    """A copy of the tiny policy without its weights or tokenizer, or with a damaged weight file."""
+    import shutil
+
+    model = shutil.copytree(DEFAULT_POLICY, tmp_path / f"policy-{broken}")
+    if broken == "no-weights":
+        (model / "model.safetensors").unlink()
+    elif broken == "no-tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model / name).unlink()
+    else:
+        (model / "model.safetensors").write_bytes(b"not safetensors")
+    return model
+
+
+@pytest.mark.parametrize(("broken", "expected"), [
+    ("no-weights", "the directory has no weight files (*.safetensors, *.bin, *.pt)"),
+    ("no-tokenizer", "the directory has no tokenizer files"),
+    ("damaged-weights", "cannot load a causal LM"),
+])
+def test_a_model_that_cannot_load_leaves_nothing_behind(tmp_path, broken, expected):
+    model = _broken_policy(tmp_path, broken)
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", str(model), *SMALL], expected)
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "runs" / "r"), "--model", str(model), *SMALL], expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]  # no warehouse, configs, run dir or lock

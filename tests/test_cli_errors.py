@@ -254,3 +254,19 @@ def test_a_model_that_cannot_load_leaves_nothing_behind(tmp_path, broken, expect
     _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", str(model), *SMALL], expected)
     _fails_cleanly(["run", "--run-dir", str(tmp_path / "runs" / "r"), "--model", str(model), *SMALL], expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]  # no warehouse, configs, run dir or lock
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("--gamma", "", "--gamma takes one or more comma-separated numbers, got ''"),
+    ("--rollback-prob", " , ", "--rollback-prob takes one or more comma-separated numbers, got ' , '"),
+    ("--similarity-on", "", "--similarity-on takes one or more comma-separated values, got ''"),
+])
+def test_ablate_with_an_empty_grid_axis_is_an_error(tmp_path, option, value, expected):
+    _fails_cleanly(["ablate", "-w", str(tmp_path / "w"), option, value], expected)
+
+
+@pytest.mark.parametrize("query", ["", "   ", "/* a comment only */", ";"])
+def test_sql_without_a_statement_is_an_error(tmp_path, query):
+    warehouse = Warehouse(tmp_path / "wh")
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    _fails_cleanly(["sql", query, "-w", str(warehouse.root)], "holds no SQL statement")

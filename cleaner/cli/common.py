@@ -72,14 +72,22 @@ def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
 
 
 def floats(text: str, name: str) -> list[float]:
+    """The comma-separated numbers of option `name`: at least one (a grid axis with none would run nothing)."""
     try:
-        return [float(v) for v in text.split(",") if v.strip()]
+        values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
         raise fail(f"{name} takes comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise fail(f"{name} takes one or more comma-separated numbers, got {text!r}")
+    return values
 
 
-def words(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
+def words(text: str, name: str) -> list[str]:
+    """The comma-separated words of option `name`: at least one."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise fail(f"{name} takes one or more comma-separated values, got {text!r}")
+    return values
 
 
 def run_job(job, *args, **kwargs):

@@ -276,7 +276,7 @@ def ablate(
 
     share = parse_shard(shard)
     configs = _purify_configs(floats(gamma, "--gamma"), floats(rollback_prob, "--rollback-prob"),
-                              words(similarity_on), words(purify_when),
+                              words(similarity_on, "--similarity-on"), words(purify_when, "--purify-when"),
                               floats(rollback_is_threshold, "--rollback-is-threshold"),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)

@@ -120,6 +120,8 @@ def sql(
 
     try:
         connection = Warehouse(warehouse).connect()
+        if not connection.extract_statements(query):  # empty, blank or comments only
+            raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
         relation = connection.sql(query)  # None for statements that return nothing
         table = relation.to_arrow_table() if relation is not None else None
     except WarehouseError as exc:

@@ -257,3 +257,27 @@ def _resolved(toml_text: str) -> dict:
     from cleaner.engine.run_config import resolve_run_config
 
     return resolve_run_config(tomllib.loads(toml_text)).to_dict()
+
+
+def _warehouse_of_hostile_text(tmp_path) -> Warehouse:
+    """One rollout whose model text holds terminal controls and rich markup."""
+    import dataclasses
+
+    texts = {1: "\x1b[2J\x1b]0;pwned\x07<tool_call>", 3: "ok\rOVERWRITTEN\x9b31m[/bold] [red]x<tool_call>",
+             5: "\x08\x7fdone"}
+    segments = [dataclasses.replace(s, text=texts.get(s.seq, s.text)) for s in make_segments("r0")]
+    wh = Warehouse(tmp_path / "wh")
+    wh.write_rollouts(0, [make_rollout("r0")], segments)
+    return wh
+
+
+def test_show_and_sql_print_control_characters_escaped(tmp_path):
+    wh = _warehouse_of_hostile_text(tmp_path)
+    shown = runner.invoke(app, ["show", "r0", "-w", str(wh.root)], env={"COLUMNS": "200"})
+    queried = runner.invoke(app, ["sql", "SELECT seq, text FROM segments ORDER BY seq", "-w", str(wh.root)],
+                            env={"COLUMNS": "200"})
+    for result in (shown, queried):
+        assert result.exit_code == 0, result.output
+        assert not any(c in result.output for c in "\x1b\x07\r\x9b\x08\x7f"), repr(result.output)
+        for escaped in ("\\x1b[2J\\x1b]0;pwned\\x07", "ok\\rOVERWRITTEN\\x9b31m[/bold] [red]x", "\\x08\\x7fdone"):
+            assert escaped in result.output, (escaped, result.output)

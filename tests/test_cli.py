@@ -281,3 +281,35 @@ def test_show_and_sql_print_control_characters_escaped(tmp_path):
         assert not any(c in result.output for c in "\x1b\x07\r\x9b\x08\x7f"), repr(result.output)
         for escaped in ("\\x1b[2J\\x1b]0;pwned\\x07", "ok\\rOVERWRITTEN\\x9b31m[/bold] [red]x", "\\x08\\x7fdone"):
             assert escaped in result.output, (escaped, result.output)
+
+
+def _commands(command, path=()):
+    """(path, command) of every leaf command under a click group."""
+    if hasattr(command, "commands"):
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield path, command
+
+
+def test_every_help_is_readable_at_80_columns():
+    """Every option name appears whole (rich's table cut them: --rollback-is-thre…), no line is
+    wider than the terminal, and run's panels are sections."""
+    import re
+
+    import typer
+
+    leaves = list(_commands(typer.main.get_command(app)))
+    assert len(leaves) == 13
+    for path, command in [((), typer.main.get_command(app)), *leaves]:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        assert max(len(line) for line in result.output.splitlines()) <= 80, (path, result.output)
+        assert "…" not in result.output, (path, result.output)
+        for param in command.params:
+            for name in [*param.opts, *param.secondary_opts]:
+                if name.startswith("-"):
+                    assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), (path, name)
+        if path == ("run",):
+            assert [line for line in result.output.splitlines() if line.endswith(":") and not line.startswith(" ")] \
+                == ["Options:", "Collect:", "Purify:", "Train:", "Logging:"]

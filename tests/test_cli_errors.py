@@ -110,7 +110,7 @@ def test_the_sglang_backend_without_sglang_names_the_extra(tmp_path, command):
 
 def test_a_server_url_needs_the_sglang_backend(tmp_path):
     _fails_cleanly(["collect", "-w", str(tmp_path / "w"), *SMALL, "--sglang-url", "http://127.0.0.1:9"],
-                   "sglang_url is for backend sglang")
+                   "invalid option: --sglang-url is for --backend sglang, got --backend 'torch'")
     _fails_cleanly(["purify", "-w", str(tmp_path / "w"), "--sglang-url", "http://127.0.0.1:9"],
                    "--sglang-url http://127.0.0.1:9 needs --backend sglang")
 

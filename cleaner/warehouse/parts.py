@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cleaner.errors import CleanerError
-from cleaner.warehouse.schema import COMMITTED_BY, Dataset
+from cleaner.warehouse.schema import COMMITTED_BY, Dataset, upgrade, upgraded
 
 PART_GLOB = "part-*.parquet"  # the glob of every part; hidden temporaries start with a dot
 MERGED_PREFIX = "part-merged-"
@@ -155,7 +155,7 @@ def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
         if field.name not in schema.names:
             raise WarehouseError(f"{path}: missing column {field.name!r} ({dataset.name} expects {field.type})")
         found = schema.field(field.name).type
-        if not found.equals(field.type):
+        if not dataset.accepts(field.name, found):
             raise WarehouseError(f"{path}: column {field.name!r} has type {found}, expected {field.type}")
     return _replaces(path, schema)
 
@@ -216,7 +216,7 @@ def read_part(path: Path, dataset: Dataset) -> pa.Table:
         table = pq.read_table(path, columns=list(dataset.columns), partitioning=None)
     except (pa.ArrowException, OSError) as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
-    return table.cast(dataset.schema).replace_schema_metadata(None)
+    return upgraded(dataset, table).cast(dataset.schema).replace_schema_metadata(None)
 
 
 def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedArray:
@@ -225,7 +225,9 @@ def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedA
     for path in paths:
         validate_part(path, dataset)
         try:
-            chunks.extend(pq.read_table(path, columns=[column], partitioning=None).column(column).chunks)
+            values = pq.read_table(path, columns=[column], partitioning=None).column(column)
+            type_ = dataset.schema.field(column).type
+            chunks.extend((values if values.type.equals(type_) else upgrade(values, type_)).chunks)
         except (pa.ArrowException, OSError) as exc:
             raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return pa.chunked_array(chunks, dataset.schema.field(column).type)

@@ -29,6 +29,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from cleaner.engine.records import (
     EvalRunRow,
@@ -371,15 +372,31 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
         connection.register(f"_empty_{dataset.name}", empty)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
-    # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
-    # paths costs DuckDB more than the rest of connect() together.
-    variable = f"_cleaner_parts_{dataset.name}"
-    connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in parts]])
-    columns = ", ".join(dataset.columns)
-    connection.execute(
-        f"CREATE VIEW {dataset.name} AS SELECT {columns} "
-        f"FROM read_parquet(getvariable('{variable}'), hive_partitioning = false)"
-    )
+    # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
+    # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow.
+    selects = []
+    for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items()):
+        # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
+        # paths costs DuckDB more than the rest of connect() together.
+        variable = f"_cleaner_parts_{dataset.name}_{index}"
+        connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in group]])
+        columns = ", ".join(f"CAST(CAST({name} AS VARCHAR) AS DOUBLE) AS {name}" if name in legacy else name
+                            for name in dataset.columns)
+        selects.append(f"SELECT {columns} FROM read_parquet(getvariable('{variable}'), hive_partitioning = false)")
+    connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
+
+
+def _by_legacy_types(dataset: Dataset, parts: list[Path]) -> dict[frozenset[str], list[Path]]:
+    """The parts grouped by the set of their columns in a legacy type (float32 where float64 is
+    expected, the only upgrade there is); one group, and no footer read, for other datasets."""
+    if not dataset.legacy_types:
+        return {frozenset(): parts}
+    groups: dict[frozenset[str], list[Path]] = {}
+    for part in parts:
+        footer = pq.read_schema(part)
+        legacy = frozenset(name for name, type_ in dataset.legacy_types if footer.field(name).type.equals(type_))
+        groups.setdefault(legacy, []).append(part)
+    return groups
 
 
 # Convenience views over the base views.

@@ -217,3 +217,35 @@ def test_a_config_id_is_found_by_a_unique_prefix(tmp_path):
         wh.resolve_config_id("abcd")
     with pytest.raises(WarehouseError, match="give at least 4 of its digits"):
         wh.resolve_config_id("ef0")
+
+
+def test_purify_configs_store_gamma_and_p_as_typed(tmp_path):
+    wh = _fill(tmp_path)
+    wh.write_purified(0, make_purify_config("c1", gamma=0.3), [make_purified("c1")])
+    assert wh.connect().sql("SELECT gamma, rollback_prob FROM purify_configs").fetchall() == [(0.3, 1.0)]
+    (part,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
+    assert pq.read_table(part)["gamma"].to_pylist() == [0.3]
+
+
+def test_purify_configs_written_with_float32_still_read_as_typed(tmp_path):
+    """A part from before gamma and p were float64 reads, in Arrow and in SQL, beside new parts,
+    its float32 values as the decimals they were typed as; compaction rewrites it as float64."""
+    from cleaner.warehouse.compact import compact
+
+    wh = _fill(tmp_path)
+    old_schema = pa.schema([f.with_type(pa.float32()) if f.name in ("gamma", "rollback_prob") else f
+                            for f in schema.PURIFY_CONFIGS.schema])
+    old = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("old", gamma=0.3)]).cast(old_schema)
+    old = old.set_column(2, "rollback_prob", pa.array([0.7], pa.float32()))
+    write_part(tmp_path / "wh" / "purify_configs", old, "part-0-old.parquet")
+    wh.write_purified(0, make_purify_config("new", gamma=0.7), [make_purified("new")])
+    assert wh.purify_config_ids() == {"old", "new"}
+    expected = [("new", 0.7, 1.0), ("old", 0.3, 0.7)]
+    query = "SELECT config_id, gamma, rollback_prob FROM purify_configs ORDER BY 1"
+    assert wh.connect().sql(query).fetchall() == expected
+    configs = [config for _, config in wh.read_purified_of("r0", 0)]
+    assert [(c.config_id, c.gamma) for c in configs] == [("new", 0.7)]
+    assert compact(wh.root, "purify_configs", None, 2**20).merges
+    (merged,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
+    assert pq.read_schema(merged).field("gamma").type == pa.float64()
+    assert wh.connect().sql(query).fetchall() == expected

@@ -87,8 +87,10 @@ def _check_deepspeed_run(config: RunConfig) -> None:
 
 
 RUN_LOCK = ".run.lock"  # in the run directory: one process drives a run
-# What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report, the logs.
-RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "tensorboard", "wandb"})
+# What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
+# default one of `cleaner report -w <run>/warehouse`, the logs.
+RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "warehouse-report", "tensorboard",
+                         "wandb"})
 
 
 def remove_run(run_dir: Path) -> None:

@@ -48,6 +48,7 @@ from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_s
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
 from cleaner.engine.models import check_device, check_model_path
+from cleaner.engine.outputs import CHECKPOINT, check_replaceable
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
@@ -114,10 +115,11 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
     finish a partly collected one."""
     started = time.monotonic()
+    warehouse.check_writable()
     if backend is None:  # fail on a bad backend, model or device before anything is written
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
-        check_model_path(config.model)
+        check_model_path(config.model, tokenizer=True)
     iteration = config.iteration
     tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
     planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
@@ -131,7 +133,6 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
             "pass --resume to finish it, or collect another --iteration"
         )
     _check_saved_config(warehouse, config, resume or bool(stored_anywhere))
-    warehouse.save_collect_config(iteration, config.to_json())
     n_written = 0
     if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
@@ -140,6 +141,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
             if serving.tokenizer is None:
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
+            warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
             chat = ChatFormat(serving.tokenizer)
             grading = _grader(tasks, config.sandbox, config.test_timeout_s)
             with make_sandbox(config.sandbox) as sandbox, grading as grader:
@@ -203,12 +205,13 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     loaded backend to use instead of loading it.
     """
     started, backends = time.monotonic(), dict(backends or {})
+    warehouse.check_writable()
     if any(model not in backends for model in config.models):  # fail before anything is written
         require_backend(config.backend, config.sglang_url)
     check_device(config.device)
     for model in config.models:
         if model not in backends:
-            check_model_path(model)
+            check_model_path(model, tokenizer=True)
     datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
     for _, loaded in datasets:
         if not loaded.tasks:
@@ -306,6 +309,7 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
     while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
+    warehouse.check_writable()
     if backend is None:
         require_backend(backend_kind, sglang_url)
         check_device(device)
@@ -399,12 +403,15 @@ def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str 
     is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
     started = time.monotonic()
+    check_replaceable(out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
+    warehouse.check_writable()
     check_device(config.device)
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)
     if model is None:
         check_model_path(policy)
     if rows is None:
+        config_id = warehouse.resolve_config_id(config_id)  # a unique prefix, as purify prints it
         try:
             rows = warehouse.read_purified(iteration, config_id)
         except WarehouseError as exc:

@@ -6,29 +6,38 @@ the warehouse's SQL views (cleaner.warehouse.queries), polars and matplotlib onl
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import duckdb
 
+from cleaner.engine.outputs import REPORT, atomic_directory, check_replaceable
 from cleaner.engine.report_page import Report, ReportData, write_report
-from cleaner.errors import CleanerError
 from cleaner.warehouse import Warehouse, queries
 
 
-class ReportError(CleanerError):
-    """The report cannot be written where asked."""
+def default_report_dir(warehouse: Path) -> Path:
+    """`<name>-report/` beside the warehouse `<name>`: each warehouse its own report, so two
+    warehouses in one directory never overwrite each other's."""
+    resolved = Path(warehouse).resolve()  # `-w .` names the directory it is in
+    return resolved.parent / f"{resolved.name}-report"
 
 
 def report_job(warehouse: Warehouse, out: Path) -> Report:
-    """Plot a warehouse: PNGs and `out/report.md` embedding them (cleaner.engine.report_page)."""
-    if out.exists() and not out.is_dir():
-        raise ReportError(f"{out}: exists and is not a directory; give --out a directory")
+    """Plot a warehouse: PNGs and `out/report.md` embedding them (cleaner.engine.report_page).
+
+    The report is written aside and swapped in whole (cleaner.engine.outputs): `out` ends holding
+    this report's files only, and is refused, untouched, unless it is absent, empty or a report
+    cleaner wrote."""
+    check_replaceable(out, REPORT)  # before reading anything
     connection = warehouse.connect()
     try:
         data = report_data(connection)
     finally:
         connection.close()
-    return write_report(data, out, str(warehouse.root))
+    with atomic_directory(out, REPORT) as temp_dir:
+        written = write_report(data, temp_dir, str(warehouse.root))
+    return dataclasses.replace(written, page=Path(out) / written.page.name)
 
 
 def report_data(connection: duckdb.DuckDBPyConnection) -> ReportData:

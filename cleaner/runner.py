@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from cleaner.engine.backends import load_backend, require_backend
 from cleaner.engine.backends.torch_backend import TorchBackend
 from cleaner.engine.config import RunConfig
 from cleaner.engine.models import check_device, check_model_path
+from cleaner.engine.outputs import CHECKPOINT, check_replaceable
 from cleaner.engine.records import IterationRow
 from cleaner.engine.tracking import MetricsLogger, NullLogger
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
@@ -85,6 +87,24 @@ def _check_deepspeed_run(config: RunConfig) -> None:
 
 
 RUN_LOCK = ".run.lock"  # in the run directory: one process drives a run
+# What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
+# default one of `cleaner report -w <run>/warehouse`, the logs.
+RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "warehouse-report", "tensorboard",
+                         "wandb"})
+
+
+def remove_run(run_dir: Path) -> None:
+    """Delete a run directory `cleaner run` wrote (it holds the run's lock file and nothing but
+    what a run writes); JobError, and nothing deleted, for any other path."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    entries = sorted(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else None
+    if entries is None or (entries and RUN_LOCK not in entries) or set(entries) - RUN_ENTRIES:
+        what = "a file" if entries is None else f"holds {', '.join(entries[:4])}"
+        raise JobError(f"{run_dir}: not a run directory cleaner wrote ({what}); the demo starts by "
+                       "deleting its --run-dir, so give it a new path or a previous demo's")
+    shutil.rmtree(run_dir)
 
 
 def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
@@ -97,14 +117,33 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     # a bad backend, device or model fails before anything is written
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(config.collect.device)
-    check_model_path(config.collect.model)
+    check_model_path(config.collect.model, tokenizer=True)
     if config.train.engine == "deepspeed":
         _check_deepspeed_run(config)
     run_dir = Path(config.run_dir)
+    Warehouse(run_dir / "warehouse").check_writable()  # a file at --run-dir is one error line
+    created = [path for path in (run_dir, *run_dir.parents) if not path.exists()]
     run_dir.mkdir(parents=True, exist_ok=True)
     with exclusive(run_dir / RUN_LOCK, f"{run_dir}: another process is running this run (it holds "
                                        f"{RUN_LOCK}); wait for it to end, or choose another --run-dir"):
-        return _run_iterations(config, run_dir, resume, progress, on_iteration, metrics)
+        try:
+            return _run_iterations(config, run_dir, resume, progress, on_iteration, metrics)
+        except BaseException:
+            _remove_if_unused(run_dir, created)
+            raise
+
+
+def _remove_if_unused(run_dir: Path, created: list[Path]) -> None:
+    """Remove the directories this call created for a run that failed before writing anything
+    (the run directory holds only its lock), so an early failure leaves nothing behind."""
+    if not created or [entry.name for entry in run_dir.iterdir()] != [RUN_LOCK]:
+        return
+    (run_dir / RUN_LOCK).unlink()
+    for directory in created:  # innermost first; rmdir only removes what is empty
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bool,
@@ -116,8 +155,9 @@ def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bo
     done = {row.iteration: row for row in warehouse.read_iterations()} if exists else {}
     if exists and not resume and (done or warehouse.iterations_collected()):
         raise JobError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
-    warehouse.root.mkdir(parents=True, exist_ok=True)
-    warehouse.save_config("run", config.to_json())
+    for iteration in range(config.iterations):  # before any work: each checkpoint's place is free
+        if iteration not in done:
+            check_replaceable(checkpoint_dir(run_dir, iteration), CHECKPOINT)
     policy, backend = config.collect.model, None
     kept, optimization = None, None  # the model training updates and its optimiser, across iterations
     try:
@@ -125,7 +165,9 @@ def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bo
             if iteration in done:
                 policy = done[iteration].policy_out or policy
                 continue
-            backend = backend or _load_backend(config, policy)
+            if backend is None:  # the first write follows the load: a model that cannot load leaves nothing
+                backend = _load_backend(config, policy)
+                warehouse.save_config("run", config.to_json())
             row, trained = _one_iteration(config, warehouse, iteration, policy, backend, kept, optimization,
                                           progress)
             backend.adopt(row.policy_out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 import sys
 import time
@@ -38,3 +40,26 @@ def wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
             pytest.fail(f"process ended (rc {process.returncode}) before the kill point")
         time.sleep(0.05)
     pytest.fail("kill point not reached in time")
+
+
+def tree_digest(root) -> str:
+    """A hash of everything under `root`, itself included: every entry's relative path and kind,
+    every file's bytes and modification time, every link's target. Equal digests: left untouched."""
+    digest = hashlib.sha256()
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(directory, name)
+            digest.update(os.path.relpath(path, root).encode() + b"\0")
+            if os.path.islink(path):
+                digest.update(b"link:" + os.readlink(path).encode())
+            elif os.path.isfile(path):
+                digest.update(b"file:%d:" % os.stat(path).st_mtime_ns)
+                with open(path, "rb") as handle:
+                    digest.update(hashlib.sha256(handle.read()).digest())
+            else:
+                digest.update(b"dir")
+    if os.path.isfile(root):
+        with open(root, "rb") as handle:
+            digest.update(b"file:%d:" % os.stat(root).st_mtime_ns + handle.read())
+    return digest.hexdigest()

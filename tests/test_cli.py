@@ -249,7 +249,7 @@ def test_run_config_errors_name_the_file_and_key(tmp_path):
     result = runner.invoke(app, ["run", "--config", str(path), "--print-config"])
     assert result.exit_code == 1 and "not valid TOML" in result.output
     result = runner.invoke(app, ["run", "--collect-view", "sideways", "--print-config"])
-    assert result.exit_code == 1 and "collect_view must be one of" in result.output
+    assert result.exit_code == 1 and "invalid option: --collect-view must be one of" in result.output
 
 
 def test_run_resume_keeps_the_saved_config(tmp_path):
@@ -272,7 +272,7 @@ def test_run_edit_mask_collects_raw_unless_told_otherwise():
     assert told["collect"]["collect_view"] == "purified"
     assert _resolved(runner.invoke(app, ["run", "--print-config"]).output)["collect"]["collect_view"] == "purified"
     refused = runner.invoke(app, ["run", "--edit", "mask", "--negative-samples", "--print-config"])
-    assert refused.exit_code == 1 and "does not combine with negative_samples" in refused.output
+    assert refused.exit_code == 1 and "does not combine with --negative-samples" in refused.output
 
 
 def test_a_run_saved_before_a_field_existed_resumes(tmp_path):
@@ -293,3 +293,59 @@ def _resolved(toml_text: str) -> dict:
     from cleaner.engine.run_config import resolve_run_config
 
     return resolve_run_config(tomllib.loads(toml_text)).to_dict()
+
+
+def _warehouse_of_hostile_text(tmp_path) -> Warehouse:
+    """One rollout whose model text holds terminal controls and rich markup."""
+    import dataclasses
+
+    texts = {1: "\x1b[2J\x1b]0;pwned\x07<tool_call>", 3: "ok\rOVERWRITTEN\x9b31m[/bold] [red]x<tool_call>",
+             5: "\x08\x7fdone"}
+    segments = [dataclasses.replace(s, text=texts.get(s.seq, s.text)) for s in make_segments("r0")]
+    wh = Warehouse(tmp_path / "wh")
+    wh.write_rollouts(0, [make_rollout("r0")], segments)
+    return wh
+
+
+def test_show_and_sql_print_control_characters_escaped(tmp_path):
+    wh = _warehouse_of_hostile_text(tmp_path)
+    shown = runner.invoke(app, ["show", "r0", "-w", str(wh.root)], env={"COLUMNS": "200"})
+    queried = runner.invoke(app, ["sql", "SELECT seq, text FROM segments ORDER BY seq", "-w", str(wh.root)],
+                            env={"COLUMNS": "200"})
+    for result in (shown, queried):
+        assert result.exit_code == 0, result.output
+        assert not any(c in result.output for c in "\x1b\x07\r\x9b\x08\x7f"), repr(result.output)
+        for escaped in ("\\x1b[2J\\x1b]0;pwned\\x07", "ok\\rOVERWRITTEN\\x9b31m[/bold] [red]x", "\\x08\\x7fdone"):
+            assert escaped in result.output, (escaped, result.output)
+
+
+def _commands(command, path=()):
+    """(path, command) of every leaf command under a click group."""
+    if hasattr(command, "commands"):
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield path, command
+
+
+def test_every_help_is_readable_at_80_columns():
+    """Every option name appears whole (rich's table cut them: --rollback-is-thre…), no line is
+    wider than the terminal, and run's panels are sections."""
+    import re
+
+    import typer
+
+    leaves = list(_commands(typer.main.get_command(app)))
+    assert len(leaves) == 14  # the 13 phase, loop and read commands, and ui
+    for path, command in [((), typer.main.get_command(app)), *leaves]:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        assert max(len(line) for line in result.output.splitlines()) <= 80, (path, result.output)
+        assert "…" not in result.output, (path, result.output)
+        for param in command.params:
+            for name in [*param.opts, *param.secondary_opts]:
+                if name.startswith("-"):
+                    assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), (path, name)
+        if path == ("run",):
+            assert [line for line in result.output.splitlines() if line.endswith(":") and not line.startswith(" ")] \
+                == ["Options:", "Collect:", "Purify:", "Train:", "Logging:"]

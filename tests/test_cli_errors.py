@@ -7,7 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
+from cleaner.engine.config import DEFAULT_POLICY
 from cleaner.warehouse import Warehouse
+from tests.warehouse.factories import make_rollout, make_segments
 
 runner = CliRunner()
 
@@ -108,6 +110,163 @@ def test_the_sglang_backend_without_sglang_names_the_extra(tmp_path, command):
 
 def test_a_server_url_needs_the_sglang_backend(tmp_path):
     _fails_cleanly(["collect", "-w", str(tmp_path / "w"), *SMALL, "--sglang-url", "http://127.0.0.1:9"],
-                   "sglang_url is for backend sglang")
+                   "invalid option: --sglang-url is for --backend sglang, got --backend 'torch'")
     _fails_cleanly(["purify", "-w", str(tmp_path / "w"), "--sglang-url", "http://127.0.0.1:9"],
                    "--sglang-url http://127.0.0.1:9 needs --backend sglang")
+
+
+
+def _run_warehouse_copy(small_run, tmp_path) -> tuple[Warehouse, str]:
+    """A copy of the small run's warehouse (purified rows of iteration 0), and their config id."""
+    import shutil
+
+    warehouse = Warehouse(shutil.copytree(small_run / "warehouse", tmp_path / "warehouse"))
+    [(config_id,)] = warehouse.connect().sql("SELECT DISTINCT config_id FROM purified WHERE iteration = 0").fetchall()
+    return warehouse, config_id
+
+
+def test_train_out_never_replaces_a_warehouse_or_a_users_directory(small_run, tmp_path):
+    """`train --out` at the warehouse itself, a directory holding a user's file, or a file: one
+    error line, before any training (no train_steps written), each left byte for byte as it was."""
+    from tests.helpers import tree_digest
+
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    mine, notes = tmp_path / "mine", tmp_path / "notes.txt"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    notes.write_text("my notes")
+    policy = small_run / "checkpoints" / "iteration-1"
+    for out, why in ((warehouse.root, "cleaner did not write it (no .cleaner-output.json; it holds "),
+                     (mine, "cleaner did not write it (no .cleaner-output.json; it holds notes.txt)"),
+                     (notes, "it exists and is a file, not a directory")):
+        before, steps_before = tree_digest(out), tree_digest(warehouse.root / "train_steps")
+        _fails_cleanly(["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id,
+                        "--policy", str(policy), "--out", str(out), "--mini-batch-size", "8"],
+                       f"{out}: will not replace it with a checkpoint: {why}")
+        assert tree_digest(out) == before
+        assert tree_digest(warehouse.root / "train_steps") == steps_before  # nothing trained
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt", "warehouse"]  # no temp left
+
+
+def test_train_out_replaces_the_checkpoint_it_wrote(small_run, tmp_path):
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    command = ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id, "--policy",
+               str(small_run / "checkpoints" / "iteration-1"), "--out", str(tmp_path / "out"),
+               "--mini-batch-size", "8"]
+    for _ in range(2):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / ".cleaner-output.json").is_file()
+
+
+def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path):
+    from tests.helpers import tree_digest
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    before = tree_digest(mine)
+    _fails_cleanly(["demo", "--run-dir", str(mine), "--iterations", "1", "--prompts", "1"],
+                   f"{mine}: not a run directory cleaner wrote (holds notes.txt)")
+    assert tree_digest(mine) == before
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ('[collect]\ngroup_size = "four"\n', "bad.toml.collect.group_size: expected int, got 'four'"),
+    ('[train]\nmini_batch_size = "2"\n', "bad.toml.train.mini_batch_size: expected int, got '2'"),
+    ("collect = 5\n", "bad.toml.collect: expected a table, got 5"),
+    ("[collect.sandbox]\nworkers = 1.5\n", "bad.toml.collect.sandbox.workers: expected int, got 1.5"),
+])
+def test_run_config_of_the_wrong_type_is_one_line(tmp_path, toml, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--config", str(path)], expected)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("command", "expected", "not_expected"), [
+    (["collect", "--prompts", "0"], "invalid option: --prompts must be >= 1, got 0", "n_prompts"),
+    (["collect", "--sandbox-workers", "0"], "invalid option: --sandbox-workers must be >= 1, got 0", "option: workers"),
+    (["run", "--mini-batch-size", "0"], "invalid option: --mini-batch-size must be >= 1, got 0", "micro_batch_size"),
+    (["run", "--prompts", "0"], "invalid option: --prompts must be >= 1, got 0", "n_prompts"),
+    (["train", "--config-id", "c", "--policy", ".", "--out", "o", "--mini-batch-size", "4"],
+     "invalid option: --mini-batch-size (4) must be >= --micro-batch-size (8)", "micro_batch_size"),
+])
+def test_errors_name_the_flag_the_user_typed(tmp_path, command, expected, not_expected):
+    where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]
+    output = _fails_cleanly([*command, *where], expected)
+    assert not_expected not in output
+
+
+def test_a_file_given_as_the_warehouse_is_one_line(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    model = ["--model", str(DEFAULT_POLICY)]
+    for command in (["collect", "-w", str(taken), *SMALL], ["purify", "-w", str(taken)],
+                    ["eval", "-w", str(taken), *model, "--dataset", f"toy={tmp_path / 'none.parquet'}"]):
+        _fails_cleanly(command, f"{taken}: is a file, not a warehouse directory")
+    _fails_cleanly(["collect", "-w", str(taken / "sub"), *SMALL], f"{taken / 'sub'}: {taken} is a file")
+    _fails_cleanly(["run", "--run-dir", str(taken), *SMALL], f"{taken / 'warehouse'}: {taken} is a file")
+    assert taken.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_sql_output_that_cannot_be_written_is_one_line(tmp_path):
+    warehouse = Warehouse(tmp_path / "wh")
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    for output_format in ("table", "csv"):
+        _fails_cleanly(["sql", "SELECT 1", "-w", str(warehouse.root), "-f", output_format,
+                        "--output", str(tmp_path / "missing" / "out.csv")],
+                       f"--output {tmp_path / 'missing' / 'out.csv'}: cannot write the result (No such file")
+
+
+def test_train_takes_the_config_id_as_purify_prints_it(small_run, tmp_path):
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    steps_before = len(warehouse.read_train_steps(0))  # the run's
+    result = runner.invoke(app, ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id",
+                                 config_id[:8], "--policy", str(small_run / "checkpoints" / "iteration-1"),
+                                 "--out", str(tmp_path / "out"), "--mini-batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    assert len(warehouse.read_train_steps(0)) == 2 * steps_before  # trained again on the same 16 rows
+
+
+def _broken_policy(tmp_path, broken: str):
+    """A copy of the tiny policy without its weights or tokenizer, or with a damaged weight file."""
+    import shutil
+
+    model = shutil.copytree(DEFAULT_POLICY, tmp_path / f"policy-{broken}")
+    if broken == "no-weights":
+        (model / "model.safetensors").unlink()
+    elif broken == "no-tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (model / name).unlink()
+    else:
+        (model / "model.safetensors").write_bytes(b"not safetensors")
+    return model
+
+
+@pytest.mark.parametrize(("broken", "expected"), [
+    ("no-weights", "the directory has no weight files (*.safetensors, *.bin, *.pt)"),
+    ("no-tokenizer", "the directory has no tokenizer files"),
+    ("damaged-weights", "cannot load a causal LM"),
+])
+def test_a_model_that_cannot_load_leaves_nothing_behind(tmp_path, broken, expected):
+    model = _broken_policy(tmp_path, broken)
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", str(model), *SMALL], expected)
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "runs" / "r"), "--model", str(model), *SMALL], expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]  # no warehouse, configs, run dir or lock
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("--gamma", "", "--gamma takes one or more comma-separated numbers, got ''"),
+    ("--rollback-prob", " , ", "--rollback-prob takes one or more comma-separated numbers, got ' , '"),
+    ("--similarity-on", "", "--similarity-on takes one or more comma-separated values, got ''"),
+])
+def test_ablate_with_an_empty_grid_axis_is_an_error(tmp_path, option, value, expected):
+    _fails_cleanly(["ablate", "-w", str(tmp_path / "w"), option, value], expected)
+
+
+@pytest.mark.parametrize("query", ["", "   ", "/* a comment only */", ";"])
+def test_sql_without_a_statement_is_an_error(tmp_path, query):
+    warehouse = Warehouse(tmp_path / "wh")
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    _fails_cleanly(["sql", query, "-w", str(warehouse.root)], "holds no SQL statement")

@@ -37,6 +37,9 @@ def test_purify_job_runs_with_the_collector_paused():
     class EmptyWarehouse:
         root = "empty"
 
+        def check_writable(self):
+            pass
+
         def read_rollouts(self, iteration):
             seen.append(gc.isenabled())
             return []

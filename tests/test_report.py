@@ -14,6 +14,7 @@ from cleaner.cli import app
 from cleaner.engine.report_figures import HEIGHT_PX, WIDTH_PX, eval_series
 from cleaner.report import report_job
 from cleaner.warehouse import Warehouse, queries
+from tests.helpers import tree_digest
 from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
 
 runner = CliRunner()
@@ -61,7 +62,7 @@ def test_report_says_what_a_collect_only_warehouse_lacks(tmp_path):
                       make_segments("r0") + make_segments("r1"))
     result = runner.invoke(app, ["report", "-w", str(wh.root)])
     assert result.exit_code == 0, result.output
-    out = tmp_path / "report"  # the default: beside the warehouse
+    out = tmp_path / "wh-report"  # the default: beside the warehouse, named after it
     assert embedded(out / "report.md") == ["error_types.png"]
     assert_drawn(out / "error_types.png")
     page = (out / "report.md").read_text()
@@ -73,7 +74,7 @@ def test_report_says_what_a_collect_only_warehouse_lacks(tmp_path):
         ("Ablation grid", "no ablation: no iteration is purified under two or more configs "
                           "(`cleaner ablate` makes one)"),
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["error_types.png", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [".cleaner-output.json", "error_types.png", "report.md"]
 
 
 def test_report_plots_the_eval_runs_of_the_warehouse(tmp_path):
@@ -107,3 +108,43 @@ def test_report_of_a_missing_warehouse_is_one_error_line(tmp_path):
     result = runner.invoke(app, ["report", "-w", str(tmp_path / "nowhere")])
     assert result.exit_code == 1
     assert "error:" in result.output and "nowhere" in result.output and "Traceback" not in result.output
+
+
+def _collected(root: Path) -> Warehouse:
+    warehouse = Warehouse(root)
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    return warehouse
+
+
+def test_sibling_warehouses_get_their_own_default_report(tmp_path):
+    first, second = _collected(tmp_path / "first"), _collected(tmp_path / "second")
+    second.write_eval_run(make_eval_run("e1", False))
+    for warehouse in (first, second):
+        assert runner.invoke(app, ["report", "-w", str(warehouse.root)]).exit_code == 0
+    assert "Eval results" not in (tmp_path / "first-report" / "report.md").read_text()
+    assert "Eval results" in (tmp_path / "second-report" / "report.md").read_text()
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_report_replaces_the_previous_report_whole(tmp_path):
+    warehouse = _collected(tmp_path / "wh")
+    warehouse.write_eval_run(make_eval_run("e1", False))
+    report_job(warehouse, tmp_path / "out")
+    assert (tmp_path / "out" / "eval.png").exists()
+    report_job(_collected(tmp_path / "other"), tmp_path / "out")  # no evals: no eval.png
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".cleaner-output.json", "error_types.png",
+                                                                     "report.md"]
+
+
+def test_report_out_at_a_warehouse_or_a_users_directory_is_refused_untouched(tmp_path):
+    warehouse = _collected(tmp_path / "wh")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    for out in (warehouse.root, mine):
+        before = tree_digest(out)
+        result = runner.invoke(app, ["report", "-w", str(warehouse.root), "--out", str(out)])
+        output = " ".join(result.output.split())
+        assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+        assert f"{out}: will not replace it with a report: cleaner did not write it" in output
+        assert tree_digest(out) == before

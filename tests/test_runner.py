@@ -16,10 +16,10 @@ import torch
 from cleaner.engine.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.models import policy_version_of
 from cleaner.jobs import JobError
-from cleaner.runner import RUN_LOCK, checkpoint_dir, run_loop
+from cleaner.runner import RUN_LOCK, checkpoint_dir, remove_run, run_loop
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, WarehouseError
-from tests.helpers import cli, wait_for
+from tests.helpers import cli, tree_digest, wait_for
 
 
 def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
@@ -220,3 +220,23 @@ def test_run_logs_to_tensorboard_and_a_resumed_run_logs_only_its_new_iterations(
     assert [step for step, _ in logged["iteration/accuracy"]] == [0, 1]  # iteration 0 logged once
     # 4 rollouts per iteration in mini batches of 2: two optimiser steps per iteration, numbered run-wide
     assert logged["train/iteration"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0)]
+
+
+def test_remove_run_deletes_only_a_run_directory(tmp_path):
+    run_dir = tmp_path / "demo"
+    for name in ("warehouse/rollouts", "checkpoints/iteration-1", "report", "warehouse-report"):
+        (run_dir / name).mkdir(parents=True)
+    (run_dir / RUN_LOCK).touch()
+    remove_run(run_dir)
+    assert not run_dir.exists()
+    remove_run(run_dir)  # nothing to remove
+    mine = tmp_path / "mine"
+    (mine / "warehouse").mkdir(parents=True)
+    (mine / RUN_LOCK).touch()
+    (mine / "notes.txt").write_text("my notes")
+    (tmp_path / "file").write_text("x")
+    for path, why in ((mine, "holds .run.lock, notes.txt, warehouse"), (tmp_path / "file", "a file")):
+        before = tree_digest(path)
+        with pytest.raises(JobError, match=f"not a run directory cleaner wrote \\({why}\\)"):
+            remove_run(path)
+        assert tree_digest(path) == before

@@ -14,15 +14,52 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
 
-app = typer.Typer(
+
+class HelpCommand(TyperCommand):
+    """A command whose --help is click's plain layout, one section per `rich_help_panel`.
+
+    typer's rich help is a table whose columns rich shrinks to the terminal: at 80 columns it cut
+    long option names (--rollback-is-threshold, --no-negative-samples) to "--rollback-is-thre…".
+    click's layout never cuts a name (a long one gets its own line) and wraps help text to the
+    terminal; the panels of `cleaner run` (Collect, Purify, Train, Logging) stay as sections."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            title = "Arguments" if param.param_type_name == "argument" else (
+                getattr(param, "rich_help_panel", None) or "Options")
+            sections.setdefault(title, []).append(record)
+        for title, records in sorted(sections.items(), key=lambda item: item[0] != "Arguments"):
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
+class CleanerTyper(typer.Typer):
+    """typer.Typer whose commands are HelpCommands."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or HelpCommand, **kwargs)
+
+
+# Help is plain text (rich_markup_mode=None: HelpCommand), as wide as the terminal up to 120 columns.
+HELP_SETTINGS = {"max_content_width": 120}
+
+app = CleanerTyper(
     name="cleaner",
     help="CLEANER: collect tool-using rollouts, purify them with SAAR, train with GRPO/DAPO.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=HELP_SETTINGS,
 )
-sandbox_app = typer.Typer(help="Run code through the Python tool's sandbox.", no_args_is_help=True)
+sandbox_app = CleanerTyper(help="Run code through the Python tool's sandbox.", no_args_is_help=True,
+                           rich_markup_mode=None)
 app.add_typer(sandbox_app, name="sandbox")
 
 console = Console()
@@ -57,23 +94,37 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
 # Building configs and calling jobs
 
 
-def build_config(factory, **kwargs):
-    """Build a config; an invalid value becomes a clear CLI error."""
+def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
+    """Build a config; an invalid value becomes a clear CLI error naming the flag it came from.
+
+    A field passed in `kwargs` is named `--field-name` in the error, or `flags[field]` where the
+    command's flag is spelled otherwise (n_prompts is `--prompts`)."""
     try:
         return factory(**kwargs)
     except ValueError as exc:
-        raise fail(f"invalid option: {exc}") from exc
+        from cleaner.engine.run_config import name_fields  # engine imports cost CLI start-up time
+
+        names = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for name in kwargs}
+        raise fail(f"invalid option: {name_fields(str(exc), names)[0]}") from exc
 
 
 def floats(text: str, name: str) -> list[float]:
+    """The comma-separated numbers of option `name`: at least one (a grid axis with none would run nothing)."""
     try:
-        return [float(v) for v in text.split(",") if v.strip()]
+        values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
         raise fail(f"{name} takes comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise fail(f"{name} takes one or more comma-separated numbers, got {text!r}")
+    return values
 
 
-def words(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
+def words(text: str, name: str) -> list[str]:
+    """The comma-separated words of option `name`: at least one."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise fail(f"{name} takes one or more comma-separated values, got {text!r}")
+    return values
 
 
 def run_job(job, *args, **kwargs):
@@ -104,7 +155,7 @@ ShardOpt = Annotated[str, typer.Option(
 def parse_shard(text: str):
     from cleaner.engine.config import Shard
 
-    return build_config(Shard.parse, text=text)
+    return build_config(Shard.parse, {"text": "--shard"}, text=text)
 
 
 IsThresholdOpt = Annotated[float, typer.Option(

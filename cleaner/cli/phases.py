@@ -41,6 +41,8 @@ from cleaner.cli.common import (
 )
 from cleaner.engine.config import DEFAULT_POLICY
 
+SANDBOX_FLAGS = {"timeout_s": "--sandbox-timeout-s", "workers": "--sandbox-workers"}  # SandboxConfig's
+
 
 @app.command()
 def collect(
@@ -84,9 +86,9 @@ def collect(
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
-    sandbox = build_config(SandboxConfig, timeout_s=sandbox_timeout_s, workers=sandbox_workers)
+    sandbox = build_config(SandboxConfig, SANDBOX_FLAGS, timeout_s=sandbox_timeout_s, workers=sandbox_workers)
     config = build_config(
-        CollectConfig, model=model, data=str(data) if data else None, prompt_style=prompt_style, iteration=iteration,
+        CollectConfig, {"n_prompts": "--prompts"}, model=model, data=str(data) if data else None, prompt_style=prompt_style, iteration=iteration,
         n_prompts=prompts, group_size=group_size, max_turns=max_turns, max_retries=max_retries,
         max_new_tokens=max_new_tokens, max_response_tokens=max_response_tokens, truncate_prompts=truncate_prompts,
         temperature=temperature, collect_view=collect_view, gamma=gamma, rollback_prob=rollback_prob,
@@ -160,12 +162,12 @@ def evaluate(
 
     settings = tuple(setting for setting, given in ((True, saar), (False, no_saar)) if given) or (True,)
     config = build_config(
-        EvalConfig, models=tuple(model), datasets=_named_datasets(dataset), saar=settings, n=n,
+        EvalConfig, {"models": "--model", "datasets": "--dataset", "saar": "--saar/--no-saar"}, models=tuple(model), datasets=_named_datasets(dataset), saar=settings, n=n,
         prompt_style=prompt_style, limit=limit, temperature=temperature, top_p=top_p, max_turns=max_turns,
         max_new_tokens=max_new_tokens or max_response_tokens, max_response_tokens=max_response_tokens,
         seed=seed, batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         test_timeout_s=test_timeout_s,
-        sandbox=build_config(SandboxConfig, workers=sandbox_workers),
+        sandbox=build_config(SandboxConfig, SANDBOX_FLAGS, workers=sandbox_workers),
     )
     log_dir = log_dir or warehouse.resolve().parent
     metrics = run_job(open_loggers, [target.value for target in log_to or []], log_dir, name=log_dir.name,
@@ -277,8 +279,8 @@ def ablate(
 
     share = parse_shard(shard)
     configs = _purify_configs(floats(gamma, "--gamma"), floats(rollback_prob, "--rollback-prob"),
-                              words(similarity_on), words(purify_when),
-                              floats(rollback_is_threshold, "--rollback-is-threshold"), words(edit),
+                              words(similarity_on, "--similarity-on"), words(purify_when, "--purify-when"),
+                              floats(rollback_is_threshold, "--rollback-is-threshold"), words(edit, "--edit"),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
     outcome = run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,

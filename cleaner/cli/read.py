@@ -27,17 +27,17 @@ from cleaner.engine.show import Panels
 @app.command()
 def report(
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
-    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: report/ beside the warehouse).", show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Directory for the PNGs and report.md (default: <warehouse>-report/ beside the warehouse).", show_default=False)] = None,
 ) -> None:
     """Plot a warehouse: accuracy, tool failures, merges, the premise diagnostic, train metrics,
     error types, ablation grids and eval results as PNGs, and report.md embedding them.
 
     Figures whose data the warehouse lacks are skipped, and report.md says why.
     """
-    from cleaner.report import report_job
+    from cleaner.report import default_report_dir, report_job
     from cleaner.warehouse import Warehouse
 
-    out = out or warehouse.parent / "report"
+    out = out or default_report_dir(warehouse)
     written = run_job(report_job, Warehouse(warehouse), out)
     for section in written.sections:
         status = section.file or f"skipped: {section.skipped}"
@@ -120,6 +120,8 @@ def sql(
 
     try:
         connection = Warehouse(warehouse).connect()
+        if not connection.extract_statements(query):  # empty, blank or comments only
+            raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
         relation = connection.sql(query)  # None for statements that return nothing
         table = relation.to_arrow_table() if relation is not None else None
     except WarehouseError as exc:
@@ -131,16 +133,27 @@ def sql(
     if output_format is OutputFormat.table:
         if output is None:
             console.print(result_table(table))
-        else:
-            with open(output, "w") as sink:
-                Console(file=sink, width=200).print(result_table(table))
-        return
-    frame = pl.from_arrow(table)
-    text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
-    if output:
-        output.write_text(text)
+            return
+        text = _rendered(result_table(table))
     else:
+        frame = pl.from_arrow(table)
+        text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
+    if output is None:
         typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text)
+    except OSError as exc:
+        raise fail(f"--output {output}: cannot write the result ({exc.strerror})") from exc
+
+
+def _rendered(renderable) -> str:
+    """What rich prints for `renderable` into a 200-column file."""
+    import io
+
+    sink = io.StringIO()
+    Console(file=sink, width=200).print(renderable)
+    return sink.getvalue()
 
 
 @app.command()

@@ -16,6 +16,7 @@ from cleaner.cli.common import (
     WandbOfflineOpt,
     WandbProjectOpt,
     app,
+    build_config,
     console,
     fail,
     run_job,
@@ -25,20 +26,22 @@ from cleaner.engine.config import DEFAULT_POLICY
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
 
 
-def _flag_layer(ctx: typer.Context, values: dict) -> dict:
-    """The config layer of the `run` flags given on the command line (not their defaults)."""
-    from cleaner.engine.run_config import RUN_FLAGS, flag_layer
+def _flag_layer(ctx: typer.Context, values: dict) -> tuple[dict, dict]:
+    """The config layer of the `run` flags given on the command line (not their defaults), and
+    the flag of each field they set (errors name the flag the user typed)."""
+    from cleaner.engine.run_config import RUN_FLAGS, flag_layer, flag_names
 
     def given(name: str) -> bool:  # by name: typer may vendor its own copy of click's enum
         source = ctx.get_parameter_source(name)
         return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
-    return flag_layer({name: values[name] for name in RUN_FLAGS if given(name)})
+    flags = {name: values[name] for name in RUN_FLAGS if given(name)}
+    return flag_layer(flags), flag_names(flags)
 
 
-def _resolve_run(layers: list[dict], where: str, resume: bool):
+def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | None = None):
     """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
-    and nothing but `iterations` may differ from it."""
+    and nothing but `iterations` may differ from it. `names`: the flag of each field a flag set."""
     from cleaner.engine.run_config import (
         RUN_BASE_LAYER,
         ConfigError,
@@ -48,14 +51,14 @@ def _resolve_run(layers: list[dict], where: str, resume: bool):
     from cleaner.warehouse import Warehouse
 
     try:
-        config = resolve_run_config(RUN_BASE_LAYER, *layers, where=where)
+        config = resolve_run_config(RUN_BASE_LAYER, *layers, where=where, names=names)
         saved = Warehouse(Path(config.run_dir) / "warehouse").load_config("run") if resume else None
         if saved is None:
             return config
         saved_layer = json.loads(saved)
-        config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where)
+        config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where, names=names)
         # the saved run resolved alone: a field added since it was saved takes its default there
-        saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where)
+        saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
     except ConfigError as error:
         raise fail(str(error)) from error
     changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=("iterations",))
@@ -150,12 +153,12 @@ def run(
     """
     from cleaner.engine.run_config import ConfigError, read_toml
 
-    flags = _flag_layer(ctx, locals())
+    flags, names = _flag_layer(ctx, locals())
     try:
         file_layer = read_toml(config_file) if config_file else {}
     except ConfigError as error:
         raise fail(str(error)) from error
-    config = _resolve_run([file_layer, flags], str(config_file or "flags"), resume)
+    config = _resolve_run([file_layer, flags], str(config_file or "flags"), resume, names)
     if print_config:
         from cleaner.engine.run_config import to_toml
 
@@ -188,10 +191,10 @@ def demo(
     from cleaner.report import report_job
     from cleaner.warehouse import Warehouse
 
-    if run_dir.exists() and not resume:
-        import shutil
+    if not resume:  # the demo always starts clean unless asked to resume
+        from cleaner.runner import remove_run
 
-        shutil.rmtree(run_dir)  # the demo always starts clean unless asked to resume
+        run_job(remove_run, run_dir)
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
                             "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
     _run_and_report(config, resume)
@@ -227,15 +230,13 @@ def bootstrap(
     from cleaner.engine.bootstrap.corpus import CorpusConfig
     from cleaner.engine.bootstrap.sft import BootstrapConfig, bootstrap_policy
 
-    try:
-        corpus = CorpusConfig(size=corpus_size, seed=seed, fail_share=fail_share, failures=failures,
-                              slip_share=slip_share, no_tool_share=no_tool_share)
-        config = BootstrapConfig(corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
-                                 checkpoint_every=checkpoint_every, threads=threads,
-                                 init_from=None if init_from is None else str(init_from))
-    except ValueError as error:
-        raise fail(str(error)) from error
-    result = bootstrap_policy(config, out)
+    corpus = build_config(CorpusConfig, {"size": "--corpus-size"}, size=corpus_size, seed=seed,
+                          fail_share=fail_share, failures=failures, slip_share=slip_share,
+                          no_tool_share=no_tool_share)
+    config = build_config(BootstrapConfig, corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
+                          checkpoint_every=checkpoint_every, threads=threads,
+                          init_from=None if init_from is None else str(init_from))
+    result = run_job(bootstrap_policy, config, out)
     console.print(f"wrote {result.out_dir} (final loss {result.final_loss:.4f}, "
                   f"{result.tokens_seen} tokens, {result.wall_s:.0f} s)")
 

@@ -230,9 +230,10 @@ class TrainConfig(_Config):
         _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
         _check(self.overlong_buffer <= self.max_response_tokens,
                "overlong_buffer must be <= max_response_tokens")
+        _check(self.mini_batch_size >= 1, f"mini_batch_size must be >= 1, got {self.mini_batch_size}")
         _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _check(self.mini_batch_size >= self.micro_batch_size,
-               "mini_batch_size must be >= micro_batch_size")
+               f"mini_batch_size ({self.mini_batch_size}) must be >= micro_batch_size ({self.micro_batch_size})")
         _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
         _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check_choice("engine", self.engine, ("torch", "deepspeed"))

@@ -71,8 +71,10 @@ def _is_local(path: str | Path) -> bool:
     return Path(text).exists() or text.startswith((os.sep, "./", "../", "~"))
 
 
-def check_model_path(path: str | Path) -> None:
-    """ModelError unless `path` is a model directory (config.json) or a hub id."""
+def check_model_path(path: str | Path, tokenizer: bool = False) -> None:
+    """ModelError unless `path` is a hub id or a model directory: config.json, weight files, and
+    (with `tokenizer`, for the commands that build prompts) tokenizer files. Checked before a
+    command writes anything, so a directory that is not a whole model leaves nothing behind."""
     if not _is_local(path):
         return  # a hub id: transformers resolves it and reports what it cannot find
     local = Path(path).expanduser()
@@ -82,16 +84,23 @@ def check_model_path(path: str | Path) -> None:
     if not (local / "config.json").is_file():
         raise ModelError(f"model {str(path)!r}: the directory has no config.json; expected a Hugging "
                          "Face model directory (save_pretrained) with config.json and weights")
+    if not any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in local.iterdir()):
+        raise ModelError(f"model {str(path)!r}: the directory has no weight files "
+                         f"({', '.join('*' + suffix for suffix in WEIGHT_SUFFIXES)}) beside its config.json")
+    if tokenizer and not any((local / name).exists() for name in TOKENIZER_MARKERS):
+        raise ModelError(f"model {str(path)!r}: the directory has no tokenizer files "
+                         f"({', '.join(TOKENIZER_MARKERS)}); prompts need the model's tokenizer")
 
 
 def load_policy(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
     """A causal LM from a Hugging Face directory or hub id, on `device`."""
+    from safetensors import SafetensorError  # with transformers: CLI start-up time
     from transformers import AutoModelForCausalLM  # transformers' import costs CLI start-up time
 
     check_model_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:  # a damaged weight file is bad input too
         raise ModelError(f"model {str(path)!r}: cannot load a causal LM ({error})") from error
     return model.to(check_device(device))
 

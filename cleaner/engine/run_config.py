@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import tomllib
 import types
 import typing
@@ -74,26 +75,64 @@ def _coerce(value: object, hint: object, where: str) -> object:
     raise ConfigError(f"{where}: expected {names}, got {value!r}")
 
 
-def from_dict(cls: type, data: Mapping, where: str = "config") -> object:
-    """An instance of the (nested) config dataclass `cls` from a dict; unknown keys are errors."""
+def typed_layer(cls: type, data: object, where: str = "config") -> dict:
+    """`data` checked against the (nested) config dataclass `cls`, before any value is used: a
+    table whose keys are fields, nested configs as tables, every value of its field's type (ints
+    become floats where a float is expected). ConfigError naming the table and key otherwise."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
-    values = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{where}.{name}: expected a table, got {value!r}")
-            values[name] = from_dict(hint, value, f"{where}.{name}")
-        else:
-            values[name] = _coerce(value, hint, f"{where}.{name}")
+    return {name: typed_layer(hints[name], value, f"{where}.{name}") if dataclasses.is_dataclass(hints[name])
+            else _coerce(value, hints[name], f"{where}.{name}") for name, value in data.items()}
+
+
+def from_dict(cls: type, data: Mapping, where: str = "config",
+              names: Mapping[tuple[str, ...], str] | None = None) -> object:
+    """An instance of the (nested) config dataclass `cls` from a dict; unknown keys are errors.
+
+    `names` maps a field's path (("train", "lr")) to the name its value was given under (the
+    flag `--lr`): an invalid value is then reported under that name."""
+    return _build(cls, typed_layer(cls, data, where), where, (), names or {})
+
+
+def _build(cls: type, values: Mapping, where: str, path: tuple[str, ...],
+           names: Mapping[tuple[str, ...], str]) -> object:
+    hints = typing.get_type_hints(cls)
+    built = {name: _build(hints[name], value, f"{where}.{name}", (*path, name), names)
+             if dataclasses.is_dataclass(hints[name]) else value for name, value in values.items()}
     try:
-        return cls(**values)
+        return cls(**built)
     except ValueError as error:
-        raise ConfigError(f"{where}: {error}") from error
+        given = {field.name: names[(*path, field.name)] for field in dataclasses.fields(cls)
+                 if (*path, field.name) in names}
+        message, renamed, others = name_fields(str(error), given, [f.name for f in dataclasses.fields(cls)])
+        if renamed and not others:  # every field it names was given as a flag
+            raise ConfigError(f"invalid option: {message}") from error
+        raise ConfigError(f"{where}: {message}") from error
+
+
+def name_fields(message: str, names: Mapping[str, str], fields: typing.Iterable[str] = ()) -> tuple[str, bool, bool]:
+    """`message` (a config's ValueError, which names fields) with each field of `names` written as
+    its name there (n_prompts -> --prompts); quoted values are left alone. Also whether a field was
+    renamed, and whether it names one of `fields` that is not in `names`."""
+    words = sorted(set(names) | set(fields), key=len, reverse=True)
+    if not words:
+        return message, False, False
+    found: set[str] = set()
+
+    def rename(match: re.Match) -> str:
+        if match.group(1) is None:
+            return match.group(0)  # a quoted value
+        found.add(match.group(1))
+        return names.get(match.group(1), match.group(1))
+
+    pattern = r"'[^']*'|\b(" + "|".join(re.escape(word) for word in words) + r")\b"
+    renamed = re.sub(pattern, rename, message)
+    return renamed, bool(found & set(names)), bool(found - set(names))
 
 
 def to_toml(config: object) -> str:
@@ -222,10 +261,18 @@ def _derived(layer: Mapping) -> dict:
     }
 
 
-def resolve_run_config(*layers: Mapping, where: str = "config") -> RunConfig:
-    """The RunConfig of the merged layers, derived values filled in where no layer set them."""
-    merged = merge(*layers)
-    return from_dict(RunConfig, merge(_derived(merged), merged), where)
+def resolve_run_config(*layers: Mapping, where: str = "config",
+                       names: Mapping[tuple[str, ...], str] | None = None) -> RunConfig:
+    """The RunConfig of the merged layers, derived values filled in where no layer set them.
+
+    The layers are type-checked before anything is derived from them; `names` as in `from_dict`."""
+    merged = typed_layer(RunConfig, merge(*layers), where)
+    return from_dict(RunConfig, merge(_derived(merged), merged), where, names)
+
+
+def flag_names(flags: typing.Iterable[str]) -> dict[tuple[str, ...], str]:
+    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
+    return {path: "--" + name.replace("_", "-") for name in flags for path in RUN_FLAGS[name]}
 
 
 def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:

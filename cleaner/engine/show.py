@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -52,14 +53,26 @@ STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus
 KIND_STYLE = {SegmentKind.PROMPT: "dim", SegmentKind.ASSISTANT: "cyan", SegmentKind.TOOL: "white"}
 
 
-def _cell(value: object) -> str:
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI): a model's text may
+# hold any of them, and a terminal would obey them.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with each control character written as its escape (ESC -> \\x1b, CR -> \\r), so
+    printing a model's output shows it instead of moving the cursor or recolouring the terminal."""
+    return _CONTROL.sub(lambda match: match.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
+def _cell(value: object) -> Text:
+    """A table cell: plain text (brackets are not rich markup), newlines and controls escaped."""
     if isinstance(value, list | tuple):
         inner = ", ".join(str(v) for v in value[:8])
         text = f"[{inner}{', ...' if len(value) > 8 else ''}] ({len(value)})"
     else:
         text = "" if value is None else str(value)
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…"
+    text = visible(text.replace("\n", "\\n"))
+    return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
 
 
 def result_table(table: pa.Table, title: str | None = None) -> Table:
@@ -99,7 +112,8 @@ def _header(rollout: Rollout) -> Text:
 
 
 def _clip(text: str, max_chars: int) -> str:
-    return text if len(text) <= max_chars else text[:max_chars] + " …"
+    """Model text as printed: at most `max_chars` of it, its control characters escaped."""
+    return visible(text if len(text) <= max_chars else text[:max_chars] + " …")
 
 
 def raw_panel(

@@ -29,6 +29,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from cleaner.engine.records import (
     EvalRunRow,
@@ -54,6 +55,8 @@ from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
 
 __all__ = ["Warehouse", "WarehouseError"]
 
+MIN_ID_PREFIX = 4  # digits of a config id that name it, as git's shortest abbreviation
+
 
 class Warehouse:
     """A warehouse directory. Cheap to construct; nothing is read until asked.
@@ -67,10 +70,26 @@ class Warehouse:
         self.root = Path(root)
         self.read_only = read_only
         self._checked: dict[str, dict] = {}  # read-only: each dataset's validated parts, in memory
+        self._checked_writable = False
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """WarehouseError if opened read-only, or unless the root is a directory, or can be made
+        one (nothing is created).
+
+        Jobs call it before any work; every write checks it once, so a file given as the warehouse
+        is one error line, never an OSError from deep inside a write."""
         if self.read_only:
             raise WarehouseError(f"{self.root}: opened read-only; nothing may be written")
+        if self._checked_writable:
+            return
+        root = self.root.absolute()
+        existing = next(path for path in (root, *root.parents) if path.exists())
+        if not existing.is_dir():
+            where = "is a file, not a warehouse directory" if existing == root else f"{existing} is a file"
+            raise WarehouseError(f"{self.root}: {where}; a warehouse is a directory (created if missing)")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
+        self._checked_writable = True
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name
@@ -79,7 +98,7 @@ class Warehouse:
         return path
 
     def _write(self, dataset: Dataset, rows: Sequence, name: str | None = None, **partition) -> Path:
-        self._writable()
+        self.check_writable()
         table = schema.to_table(dataset, rows)
         return write_part(self._dir(dataset, **partition), table, name)
 
@@ -138,14 +157,14 @@ class Warehouse:
 
     def write_purified(self, iteration: int, config: PurifyConfigRow, rows: Sequence[PurifiedRow]) -> None:
         """Write one config's rows of an iteration, and its config row if new. Idempotent per rollout."""
-        self._writable()
+        self.check_writable()
         self.write_purified_many(iteration, [(config, rows)])
 
     def write_purified_many(
         self, iteration: int, results: Sequence[tuple[PurifyConfigRow, Sequence[PurifiedRow]]]
     ) -> None:
         """`write_purified` for several configs: their new config rows go in one part, first."""
-        self._writable()
+        self.check_writable()
         todo = []
         for config, rows in results:
             stored = self.purified_rollout_ids(iteration, config.config_id)
@@ -158,6 +177,7 @@ class Warehouse:
         for config, rows in todo:
             part = table.slice(offset, len(rows))
             offset += len(rows)
+            self.check_writable()
             write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part)
 
     def _write_config_rows(self, configs: Sequence[PurifyConfigRow]) -> None:
@@ -173,6 +193,21 @@ class Warehouse:
 
     def purify_config_ids(self) -> set[str]:
         return set(read_column(self._visible(schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS, "config_id").to_pylist())
+
+    def resolve_config_id(self, prefix: str) -> str:
+        """The stored purify config id that `prefix` begins, as git resolves a short commit id (the
+        tables print 8 of its 12 digits). WarehouseError if several do, or if it is shorter than
+        MIN_ID_PREFIX; `prefix` itself if none does (the caller says what is missing)."""
+        if len(prefix) < MIN_ID_PREFIX:
+            raise WarehouseError(f"config id {prefix!r}: give at least {MIN_ID_PREFIX} of its digits")
+        ids = self.purify_config_ids()
+        if prefix in ids:
+            return prefix
+        matches = sorted(config_id for config_id in ids if config_id.startswith(prefix))
+        if len(matches) > 1:
+            raise WarehouseError(f"{self.root}: config id {prefix!r} is ambiguous, it begins "
+                                 f"{', '.join(matches)}; give more digits")
+        return matches[0] if matches else prefix
 
     def read_purified(self, iteration: int, config_id: str,
                       rollout_ids: Collection[str] | None = None) -> list[PurifiedRow]:
@@ -246,7 +281,7 @@ class Warehouse:
 
     def save_config(self, name: str, config_json: str) -> Path:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
-        self._writable()
+        self.check_writable()
         directory = self.root / "configs"
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
@@ -361,19 +396,34 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
         connection.register(f"_empty_{dataset.name}", empty)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
+    # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
+    # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow; parts written before
+    # a column was added lack it: matched by name against the empty table, then defaulted.
+    if dataset.added:
+        connection.register(f"_empty_{dataset.name}", dataset.schema.empty_table())
+    selects = [_group_select(connection, dataset, index, legacy, group)
+               for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items())]
+    connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
+
+
+def _group_select(connection: duckdb.DuckDBPyConnection, dataset: Dataset, index: int,
+                  legacy: frozenset[str], group: list[Path]) -> str:
+    """The SELECT of one group of parts (same legacy columns) in the dataset's columns."""
     # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
     # paths costs DuckDB more than the rest of connect() together.
-    variable = parts_variable(dataset)
-    connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in parts]])
-    source = f"read_parquet(getvariable('{variable}'), hive_partitioning = false)"
+    variable = parts_variable(dataset) + (f"_{index}" if index else "")
+    connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in group]])
+    by_name = ", union_by_name = true" if dataset.added else ""
+    source = f"read_parquet(getvariable('{variable}'), hive_partitioning = false{by_name})"
+    if legacy:
+        upgrades = ", ".join(f"CAST(CAST({name} AS VARCHAR) AS DOUBLE) AS {name}" for name in sorted(legacy))
+        source = f"(SELECT * REPLACE ({upgrades}) FROM {source})"
     columns = ", ".join(dataset.columns)
-    if dataset.added:  # parts written before a column was added lack it: matched by name, then defaulted
-        connection.register(f"_empty_{dataset.name}", dataset.schema.empty_table())
-        source = (f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME "
-                  f"SELECT * FROM {source[:-1]}, union_by_name = true))")
+    if dataset.added:
+        source = f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME SELECT * FROM {source})"
         defaults = {name: _literal(value) for name, value in dataset.added if value is not None}
         columns = ", ".join(f"coalesce({c}, {defaults[c]}) AS {c}" if c in defaults else c for c in dataset.columns)
-    connection.execute(f"CREATE VIEW {dataset.name} AS SELECT {columns} FROM {source}")
+    return f"SELECT {columns} FROM {source}"
 
 
 def _literal(value: object) -> str:
@@ -383,6 +433,19 @@ def _literal(value: object) -> str:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return repr(value)
     raise TypeError(f"no SQL literal for the column default {value!r}")
+
+
+def _by_legacy_types(dataset: Dataset, parts: list[Path]) -> dict[frozenset[str], list[Path]]:
+    """The parts grouped by the set of their columns in a legacy type (float32 where float64 is
+    expected, the only upgrade there is); one group, and no footer read, for other datasets."""
+    if not dataset.legacy_types:
+        return {frozenset(): parts}
+    groups: dict[frozenset[str], list[Path]] = {}
+    for part in parts:
+        footer = pq.read_schema(part)
+        legacy = frozenset(name for name, type_ in dataset.legacy_types if footer.field(name).type.equals(type_))
+        groups.setdefault(legacy, []).append(part)
+    return groups
 
 
 # Convenience views over the base views.

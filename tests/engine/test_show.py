@@ -22,6 +22,7 @@ from cleaner.engine.show import (
     purified_texts,
     raw_panel,
     show_rollout,
+    visible,
 )
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
@@ -175,3 +176,7 @@ def test_show_rollout_puts_raw_purified_and_configs_in_order(tmp_path):
     assert "purified view" not in raw_only and "removed" not in raw_only
     with pytest.raises(ValueError, match="view must be one of"):
         show_rollout(inspection, SHALLOW_VIEW, Decoder(None, ""), "sideways")
+
+
+def test_visible_escapes_every_control_character_but_newline_and_tab():
+    assert visible("a\x1b[31mb\tc\nd\re\x00\x7f\x9b\u00a0é") == "a\\x1b[31mb\tc\nd\\re\\x00\\x7f\\x9b\u00a0é"

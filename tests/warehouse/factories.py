@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from cleaner.engine.records import EvalRunRow, Rollout, Segment
+from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
 
 
 def make_rollout(rollout_id: str, iteration: int = 0, reward: float = 1.0, n_failed: int = 1) -> Rollout:
@@ -46,3 +46,18 @@ def make_eval_run(eval_id: str, saar: bool, **changes) -> EvalRunRow:
         rollouts_generated=8, seed=0, temperature=1.0, top_p=0.6, max_turns=16, config_json="{}",
     )
     return dataclasses.replace(row, **changes)
+
+
+def make_purify_config(config_id: str, gamma: float = 0.5) -> PurifyConfigRow:
+    """A `purify_configs` row."""
+    return PurifyConfigRow(config_id=config_id, gamma=gamma, rollback_prob=1.0, similarity_on="code",
+                           purify_when="always", params_json="{}")
+
+
+def make_purified(config_id: str, rollout_id: str = "r0", iteration: int = 0) -> PurifiedRow:
+    """A two-token `purified` row of one rollout under one config."""
+    return PurifiedRow(
+        config_id=config_id, iteration=iteration, rollout_id=rollout_id, group_id="g", token_ids=(1, 2),
+        prompt_len=1, loss_mask=(0, 1), behavior_logprobs=(0.0, -0.5), old_logprobs=(0.0, -0.25), reward=1.0,
+        advantage=0.5, rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0,
+        scorer_version="t")

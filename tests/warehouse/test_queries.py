@@ -73,8 +73,8 @@ def test_ablation_grid_holds_only_iterations_with_several_configs(tmp_path):
     columns = ["iteration", "config_id", "gamma", "is_threshold", "negative_samples", "rollouts", "rolled_back",
                "shallow", "deep", "tokens_removed", "negatives"]
     assert grid.select(columns).rows() == [
-        (0, "cfg-a", 0.30000001192092896, None, False, 2, 2, 2, 0, 10, 1),  # the negative row counted apart
-        (0, "cfg-b", 0.8999999761581421, 0.5, False, 2, 1, 0, 1, 5, 0),
+        (0, "cfg-a", 0.3, None, False, 2, 2, 2, 0, 10, 1),  # the negative row counted apart
+        (0, "cfg-b", 0.9, 0.5, False, 2, 1, 0, 1, 5, 0),
     ]
 
 

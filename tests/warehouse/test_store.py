@@ -18,7 +18,7 @@ from cleaner.engine.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, write_part
 
-from .factories import make_rollout, make_segments
+from .factories import make_purified, make_purify_config, make_rollout, make_segments
 
 
 def _fill(tmp_path: Path) -> Warehouse:
@@ -219,3 +219,65 @@ def test_parts_written_before_a_column_was_added_still_read(tmp_path):
     path = write_part(wh.root / "purify_configs", missing.drop_columns(["similarity_on"]))
     with pytest.raises(WarehouseError, match=rf"{path}.*missing column 'similarity_on'"):  # others stay required
         wh.connect()
+
+
+def test_a_file_is_not_a_warehouse_to_write(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    for root, expected in ((taken, "is a file, not a warehouse directory"), (taken / "sub", f"{taken} is a file")):
+        warehouse = Warehouse(root)
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.check_writable()
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+        with pytest.raises(WarehouseError, match=expected):
+            warehouse.save_config("run", "{}")
+    assert taken.read_text() == "mine"
+    Warehouse(tmp_path / "new" / "wh").check_writable()  # a missing directory is fine, and not created
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_config_id_is_found_by_a_unique_prefix(tmp_path):
+    wh = _fill(tmp_path)
+    ids = ("abcd12340000", "abcd56780000", "ef0123456789")
+    wh.write_purified_many(0, [(make_purify_config(c), [make_purified(c)]) for c in ids])
+    assert wh.resolve_config_id("ef012345") == "ef0123456789"  # the 8 digits purify prints
+    assert wh.resolve_config_id("abcd1") == "abcd12340000"
+    assert wh.resolve_config_id("abcd56780000") == "abcd56780000"
+    assert wh.resolve_config_id("9999") == "9999"  # unknown: the caller says nothing is stored
+    with pytest.raises(WarehouseError, match="config id 'abcd' is ambiguous, it begins abcd12340000, abcd56780000"):
+        wh.resolve_config_id("abcd")
+    with pytest.raises(WarehouseError, match="give at least 4 of its digits"):
+        wh.resolve_config_id("ef0")
+
+
+def test_purify_configs_store_gamma_and_p_as_typed(tmp_path):
+    wh = _fill(tmp_path)
+    wh.write_purified(0, make_purify_config("c1", gamma=0.3), [make_purified("c1")])
+    assert wh.connect().sql("SELECT gamma, rollback_prob FROM purify_configs").fetchall() == [(0.3, 1.0)]
+    (part,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
+    assert pq.read_table(part)["gamma"].to_pylist() == [0.3]
+
+
+def test_purify_configs_written_with_float32_still_read_as_typed(tmp_path):
+    """A part from before gamma and p were float64 reads, in Arrow and in SQL, beside new parts,
+    its float32 values as the decimals they were typed as; compaction rewrites it as float64."""
+    from cleaner.warehouse.compact import compact
+
+    wh = _fill(tmp_path)
+    old_schema = pa.schema([f.with_type(pa.float32()) if f.name in ("gamma", "rollback_prob") else f
+                            for f in schema.PURIFY_CONFIGS.schema])
+    old = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("old", gamma=0.3)]).cast(old_schema)
+    old = old.set_column(2, "rollback_prob", pa.array([0.7], pa.float32()))
+    write_part(tmp_path / "wh" / "purify_configs", old, "part-0-old.parquet")
+    wh.write_purified(0, make_purify_config("new", gamma=0.7), [make_purified("new")])
+    assert wh.purify_config_ids() == {"old", "new"}
+    expected = [("new", 0.7, 1.0), ("old", 0.3, 0.7)]
+    query = "SELECT config_id, gamma, rollback_prob FROM purify_configs ORDER BY 1"
+    assert wh.connect().sql(query).fetchall() == expected
+    configs = [config for _, config in wh.read_purified_of("r0", 0)]
+    assert [(c.config_id, c.gamma) for c in configs] == [("new", 0.7)]
+    assert compact(wh.root, "purify_configs", None, 2**20).merges
+    (merged,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
+    assert pq.read_schema(merged).field("gamma").type == pa.float64()
+    assert wh.connect().sql(query).fetchall() == expected

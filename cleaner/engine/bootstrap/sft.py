@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from cleaner.engine.bootstrap.corpus import CorpusConfig, CorpusExample, build_corpus
 from cleaner.engine.bootstrap.tokenizer import build_tokenizer
 from cleaner.engine.chat import ChatFormat
+from cleaner.engine.outputs import CHECKPOINT, check_replaceable
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,8 @@ def _prepare(config: BootstrapConfig):
 def bootstrap_policy(config: BootstrapConfig, out_dir: Path, progress: bool = True) -> BootstrapResult:
     """Build the corpus and tokenizer, train the tiny policy, save it to `out_dir` atomically."""
     started = time.perf_counter()
+    for path in [out_dir, *_checkpoint_dirs(config, out_dir)]:  # before training: every output's place
+        check_replaceable(path, CHECKPOINT)
     torch.set_num_threads(config.threads)
     tokenizer, encoded = _prepare(config)
     if config.init_from is not None:
@@ -223,11 +226,21 @@ def bootstrap_policy(config: BootstrapConfig, out_dir: Path, progress: bool = Tr
                         tokens_seen / (time.perf_counter() - started))
             window_loss, window_tokens = 0.0, 0
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
-            checkpoint = Path(f"{out_dir}-checkpoints") / f"step-{step + 1}"
+            checkpoint = _checkpoint_dir(out_dir, step + 1)
             save_checkpoint_atomic(model, tokenizer, checkpoint, {"bootstrap_config.json": _config_json(config)})
     model.eval()
     save_checkpoint_atomic(model, tokenizer, out_dir, {"bootstrap_config.json": _config_json(config)})
     return BootstrapResult(Path(out_dir), last_loss, tokens_seen, time.perf_counter() - started)
+
+
+def _checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return Path(f"{out_dir}-checkpoints") / f"step-{step}"
+
+
+def _checkpoint_dirs(config: BootstrapConfig, out_dir: Path) -> list[Path]:
+    """The intermediate checkpoints `--checkpoint-every` will write (not the final step's)."""
+    every = config.checkpoint_every
+    return [_checkpoint_dir(out_dir, step) for step in range(every, config.steps, every)] if every else []
 
 
 def _config_json(config: BootstrapConfig) -> str:

@@ -48,8 +48,8 @@ from tqdm.auto import tqdm
 
 from cleaner.engine.config import TrainConfig
 from cleaner.engine.models import load_policy, load_tokenizer_if_present
+from cleaner.engine.outputs import CHECKPOINT, atomic_directory
 from cleaner.engine.records import PurifiedRow, TrainStepRow
-from cleaner.engine.train.checkpoint import atomic_directory
 from cleaner.engine.train.deepspeed_config import (
     check_deepspeed_setup,
     deepspeed_config_for,
@@ -237,7 +237,7 @@ def _write_checkpoint(engine, optimization: Optimization, ds_config: dict, polic
         comm.barrier()  # and swaps it in
         return out_path
     tokenizer = load_tokenizer_if_present(policy_path)
-    with atomic_directory(out_path) as temp_dir:
+    with atomic_directory(out_path, CHECKPOINT) as temp_dir:
         comm.broadcast_object_list([str(temp_dir)], src=0)
         state_dict = _write_partitions(engine, temp_dir, ds_config)
         comm.barrier()

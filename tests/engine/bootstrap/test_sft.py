@@ -78,7 +78,7 @@ def test_bootstrap_cli_writes_a_loadable_policy(tmp_path):
 
 def test_bootstrap_cli_rejects_a_bad_fail_share(tmp_path):
     result = CliRunner().invoke(app, ["bootstrap", "--out", str(tmp_path / "p"), "--fail-share", "2"])
-    assert result.exit_code == 1 and "fail_share" in result.output
+    assert result.exit_code == 1 and "invalid option: --fail-share must be in [0, 1], got 2.0" in result.output
 
 
 def test_calibration_stage_continues_from_a_policy_with_its_tokenizer(tmp_path):

@@ -1,13 +1,19 @@
-"""Atomic checkpoints (cleaner/engine/train/checkpoint.py)."""
+"""Atomic checkpoints (cleaner/engine/train/checkpoint.py, cleaner/engine/outputs.py)."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
 
+from cleaner.engine.config import DEFAULT_POLICY
 from cleaner.engine.models import load_policy, load_tokenizer_if_present
-from cleaner.engine.train.checkpoint import atomic_directory, save_checkpoint_atomic
-from tests.helpers import tiny_qwen3
+from cleaner.engine.outputs import MARKER, OutputError, atomic_directory, check_replaceable
+from cleaner.engine.train.checkpoint import save_checkpoint_atomic
+from tests.helpers import tiny_qwen3, tree_digest
+from tests.warehouse.factories import make_rollout, make_segments
 
 
 def _tiny_model(seed: int):
@@ -24,8 +30,7 @@ def _siblings(out_path):
 
 def test_existing_checkpoint_is_replaced_whole(tmp_path):
     out_path = tmp_path / "policy"
-    save_checkpoint_atomic(_tiny_model(0), None, out_path)
-    (out_path / "stale.txt").write_text("from the old checkpoint")
+    save_checkpoint_atomic(_tiny_model(0), None, out_path, extra_files={"stale.txt": "from the old checkpoint"})
     new_model = _tiny_model(1)
     save_checkpoint_atomic(new_model, None, out_path, extra_files={"note.txt": "new"})
     assert not (out_path / "stale.txt").exists()
@@ -57,7 +62,7 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 def test_failure_on_a_fresh_path_leaves_nothing(tmp_path):
     out_path = tmp_path / "nested" / "policy"
     with pytest.raises(RuntimeError):
-        with atomic_directory(out_path) as temp_dir:
+        with atomic_directory(out_path, "checkpoint") as temp_dir:
             (temp_dir / "weights").write_text("x")
             raise RuntimeError("crash")
     assert not out_path.exists()
@@ -82,3 +87,92 @@ def test_tokenizer_travels_with_the_checkpoint(tmp_path):
     tokenizer = load_tokenizer_if_present(source)
     out_path = save_checkpoint_atomic(_tiny_model(0), tokenizer, tmp_path / "policy")
     assert load_tokenizer_if_present(out_path).encode("world hello") == [2, 1]
+
+
+# ---------------------------------------------------------------------------
+# Replacing only what cleaner wrote
+
+
+def test_a_checkpoint_lists_what_it_holds_in_its_marker(tmp_path):
+    out_path = save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "policy", extra_files={"note.txt": "n"})
+    marker = json.loads((out_path / MARKER).read_text())
+    assert marker == {"written_by": "cleaner", "kind": "checkpoint",
+                      "entries": ["config.json", "generation_config.json", "model.safetensors", "note.txt"]}
+
+
+def _refused_untouched(out_path, match: str, kind: str = "checkpoint") -> None:
+    """Saving at out_path raises OutputError before the model is asked to save, and leaves
+    out_path and its parent exactly as they were."""
+    before, parent_before = tree_digest(out_path), sorted(p.name for p in out_path.parent.iterdir())
+    model = _tiny_model(0)
+    with pytest.raises(OutputError, match=match):
+        if kind == "checkpoint":
+            save_checkpoint_atomic(model, None, out_path)
+        else:
+            with atomic_directory(out_path, kind):
+                pytest.fail("the block ran although the output is refused")
+    assert tree_digest(out_path) == before
+    assert sorted(p.name for p in out_path.parent.iterdir()) == parent_before  # no temp or aside left
+
+
+def test_a_warehouse_is_never_replaced(tmp_path):
+    from cleaner.warehouse import Warehouse
+
+    warehouse = Warehouse(tmp_path / "warehouse")
+    warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
+    _refused_untouched(warehouse.root, "cleaner did not write it .no .cleaner-output.json; it holds rollouts, segments")
+
+
+def test_a_directory_with_a_user_file_is_never_replaced(tmp_path):
+    out_path = tmp_path / "mine"
+    out_path.mkdir()
+    (out_path / "notes.txt").write_text("my notes")
+    _refused_untouched(out_path, "no .cleaner-output.json; it holds notes.txt")
+
+
+def test_a_file_is_never_replaced(tmp_path):
+    out_path = tmp_path / "model.txt"
+    out_path.write_text("not a directory")
+    _refused_untouched(out_path, "it exists and is a file")
+
+
+def test_a_file_added_to_a_checkpoint_keeps_it(tmp_path):
+    out_path = save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "policy")
+    (out_path / "notes.txt").write_text("added by the user")
+    _refused_untouched(out_path, "it holds what cleaner did not write there: notes.txt")
+
+
+def test_a_checkpoint_is_not_replaced_by_a_report(tmp_path):
+    out_path = save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "policy")
+    _refused_untouched(out_path, "it is a checkpoint cleaner wrote, not a report", kind="report")
+
+
+def test_an_empty_directory_is_taken(tmp_path):
+    (tmp_path / "policy").mkdir()
+    model = _tiny_model(0)
+    assert _same_weights(load_policy(save_checkpoint_atomic(model, None, tmp_path / "policy")), model)
+
+
+def test_a_checkpoint_written_before_the_marker_is_replaced(tmp_path):
+    """The shipped policies have no marker; their files say they are cleaner's checkpoints."""
+    old = tmp_path / "tiny-policy"
+    shutil.copytree(DEFAULT_POLICY, old)
+    assert not (old / MARKER).exists()
+    check_replaceable(old, "checkpoint")
+    model = _tiny_model(1)
+    save_checkpoint_atomic(model, None, old)
+    assert _same_weights(load_policy(old), model) and not (old / "tokenizer.json").exists()
+
+
+def test_a_model_that_cleaner_did_not_train_is_not_taken_for_a_checkpoint(tmp_path):
+    """config.json and weights alone (any save_pretrained) are not enough: an earlier cleaner
+    always saved its train or bootstrap config beside them."""
+    other = tmp_path / "downloaded"
+    _tiny_model(0).save_pretrained(other)
+    _refused_untouched(other, "no .cleaner-output.json")
+
+
+def test_a_parent_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file, not a directory"):
+        save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "file" / "policy")

@@ -48,10 +48,10 @@ def make_eval_run(eval_id: str, saar: bool, **changes) -> EvalRunRow:
     return dataclasses.replace(row, **changes)
 
 
-def make_purify_config(config_id: str, gamma: float = 0.5) -> PurifyConfigRow:
+def make_purify_config(config_id: str, gamma: float = 0.5, edit: str = "replace") -> PurifyConfigRow:
     """A `purify_configs` row."""
     return PurifyConfigRow(config_id=config_id, gamma=gamma, rollback_prob=1.0, similarity_on="code",
-                           purify_when="always", params_json="{}")
+                           purify_when="always", params_json="{}", edit=edit)
 
 
 def make_purified(config_id: str, rollout_id: str = "r0", iteration: int = 0) -> PurifiedRow:

@@ -2,8 +2,8 @@
 
 The engine stages are pure (records in, records out); a job loads its inputs from the warehouse,
 calls the stage, and writes the outputs back, together with the resolved config as JSON. The CLI
-calls exactly one job per command, and `run_loop` chains them in one process so the model is loaded
-once per device and handed from phase to phase.
+calls exactly one job per command, and `run_loop` chains them in each process of a run so the model
+is loaded once per device and handed from phase to phase.
 
 Idempotence and resume, phase by phase:
 - collect: batches of complete rollouts are committed atomically; `resume` skips committed ids.

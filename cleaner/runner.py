@@ -122,16 +122,14 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
 
 def _check_launch(config: RunConfig, ranks: Ranks) -> None:
     """What the command line and the installed packages decide, the same on every rank."""
-    if config.train.engine == "deepspeed":
-        check_deepspeed_setup(config.train)
-    if not ranks.several:
-        return
-    if config.train.engine != "deepspeed":
+    if ranks.several and config.train.engine != "deepspeed":
         raise JobError(f"cleaner run was launched on {ranks.world_size} ranks, which train together with "
                        "DeepSpeed: pass --engine deepspeed --deepspeed-config FILE, or start one process")
-    if config.collect.device.startswith("cuda:"):
+    if ranks.several and config.collect.device.startswith("cuda:"):
         raise JobError(f"--device {config.collect.device}: on several ranks each rank takes the GPU of its "
                        "LOCAL_RANK; pass --device cuda")
+    if config.train.engine == "deepspeed":
+        check_deepspeed_setup(config.train)
 
 
 def _check_inputs(config: RunConfig, ranks: Ranks) -> None:

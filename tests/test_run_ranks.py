@@ -167,8 +167,8 @@ app()
 @pytest.mark.slow
 def test_a_second_job_or_a_rank_failing_alone_ends_every_rank_with_one_error_line(tmp_path):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
     args = ("run", "--run-dir", str(run_dir), *ARGS, *DEEPSPEED)
+    run_dir.mkdir()
     with open(run_dir / RUN_LOCK, "a") as other:  # another job's rank 0 holds the run directory
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         refused = subprocess.run(torchrun(*args, "--resume"), capture_output=True, text=True, env=ENV,

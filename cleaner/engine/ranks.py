@@ -6,14 +6,17 @@ Design decisions:
   every error keeps its own type, so the single-process run is unchanged.
 - The process group is DeepSpeed's (`deepspeed.init_distributed`): the backend its accelerator
   names (gloo on CPU, NCCL on CUDA) and its timeout (DEEPSPEED_TIMEOUT minutes, 30 by default), so
-  the DeepSpeed engine trains in the group the loop already joined. A rank that reaches a barrier
-  waits for the others at most that long: raise it when one rank's share of an iteration may take
-  that much longer than another's.
+  the DeepSpeed engine trains in the group the loop already joined. The small Python objects the
+  ranks exchange go through gloo (the job's group on CPU, a gloo group beside NCCL), so a rank
+  waiting for the others holds no GPU collective. A rank that reaches a barrier waits for the
+  others at most DEEPSPEED_TIMEOUT: raise it when one rank's share of an iteration may take that
+  much longer than another's.
 - Expected failures are agreed: each rank runs a step catching its CleanerError, then the ranks
   exchange their outcomes, which is also the step's barrier. If any rank failed, every rank raises
   the same RanksError, which rank 0 alone prints, so a job ends with one error line and no rank
-  waits at a barrier for one that gave up. A step whose errors are the same on every rank by
-  construction (it reads only what every rank reads) need not exchange anything
+  waits at a barrier for one that gave up. A step only rank 0 takes (the run directory's lock)
+  hands its result or its error to every rank (`from_main`). A step whose errors are the same on
+  every rank by construction (it reads only what every rank reads) need not exchange anything
   (`same_everywhere`). Anything else that escapes ends its rank with a traceback, and torchrun
   stops the others.
 - A collective inside an agreed step would pair with another rank's exchange: steps that hold
@@ -22,6 +25,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -89,12 +93,21 @@ def join(ranks: Ranks) -> None:
     get_accelerator().set_device(ranks.local_rank)
 
 
+@functools.cache
+def _objects_group():
+    """The group the ranks exchange Python objects in: gloo (module docstring). Created on first
+    use, which every rank reaches at the same point of the loop, as `new_group` needs."""
+    if torch.distributed.get_backend() == "gloo":
+        return None  # the job's own group
+    return torch.distributed.new_group(backend="gloo")
+
+
 def gather(ranks: Ranks, value: T) -> list[T]:
     """Every rank's `value` (picklable, small), in rank order; a barrier."""
     if not ranks.several:
         return [value]
     gathered: list = [None] * ranks.world_size
-    torch.distributed.all_gather_object(gathered, value)
+    torch.distributed.all_gather_object(gathered, value, group=_objects_group())
     return gathered
 
 

@@ -2,21 +2,23 @@
 the torch backend, gloo on CPU; docs/architecture.md §9) against one process with the same seed.
 
 The run: the tiny policy, 4 prompts of 2 samples per iteration, 2 iterations of 2 optimiser steps.
-With seed 0 the shares are 1 and 3 prompts in iteration 0, and 4 and none in iteration 1, so
-rank 1 also sits an iteration out and trains on rows it did not purify. A forward's float
-rounding depends on the thread count, so every process runs with one thread.
+With seed 4 the ranks' shares are none and 4 prompts in iteration 0 (rank 0 collects nothing, yet
+writes the iteration's row from rank 1's rows) and 3 and 1 in iteration 1 (so both ranks collect
+with the checkpoint they adopted). A forward's float rounding depends on the thread count, so
+every process runs with one thread.
 
 The reference is the plain single-process run (the torch engine). What differs is float32
-rounding only: the two ranks' scorers pack other rows into their forwards than one process does,
-which moves old log-probs by up to ~1e-5, and Adam turns such noise in a near-zero gradient into a
-weight change of a few percent of the learning rate (measured: 3.9e-6 at lr 5e-5, 7.9e-6 at
-1e-4, 7.9e-5 at 1e-3; DeepSpeed on one rank against the torch engine: 6e-8 at 1e-3). So the
-learning rate is 5e-5, and the weights must move by more than the tolerance for the comparison
-to mean something.
+rounding only: a rank's scorer packs other rows into its forwards than one process does, which
+moves old log-probs by up to ~1e-5, and Adam turns such noise in a near-zero gradient into a
+weight change of a few percent of the learning rate. Measured with seed 0 (iteration 0 split 1/3):
+7.9e-5 at lr 1e-3, 7.9e-6 at 1e-4, 3.9e-6 at 5e-5; with seed 4 at 5e-5, 6e-7; DeepSpeed on one
+rank against the torch engine, 6e-8 at 1e-3. So the learning rate is 5e-5, and the weights must
+move by more than the tolerance for the comparison to mean something.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import os
@@ -28,7 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleaner.engine.config import DEFAULT_POLICY
+from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, Shard
+from cleaner.engine.models import policy_version_of
+from cleaner.jobs import load_tasks
 from cleaner.runner import RUN_LOCK, checkpoint_dir
 from cleaner.warehouse import Warehouse
 from tests.helpers import cli, wait_for
@@ -39,7 +43,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 ZERO2 = Path(__file__).resolve().parents[1] / "examples" / "deepspeed" / "zero2.json"
 ARGS = ("--iterations", "2", "--prompts", "4", "--group-size", "2", "--max-turns", "3", "--max-new-tokens",
         "64", "--lr", "5e-5", "--mini-batch-size", "4", "--micro-batch-size", "1", "--batch-rollouts", "2",
-        "--sandbox-workers", "1", "--seed", "0")
+        "--sandbox-workers", "1", "--seed", "4")
 DEEPSPEED = ("--engine", "deepspeed", "--deepspeed-config", str(ZERO2))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 TOLERANCE = 1e-5
@@ -110,6 +114,10 @@ def _max_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 def test_two_ranks_killed_and_resumed_end_as_one_process_does(tmp_path):
+    collect = CollectConfig(n_prompts=4, seed=4)
+    shares = [[sum(Shard(rank, 2).owns(task.prompt_id) for task in load_tasks(dataclasses.replace(collect, iteration=i)))
+               for rank in range(2)] for i in range(2)]
+    assert shares == [[0, 4], [3, 1]]  # the layout the module docstring describes
     reference, ranks = tmp_path / "one-process", tmp_path / "two-ranks"
     alone = subprocess.run(cli("run", "--run-dir", str(reference), *ARGS), capture_output=True, text=True,
                            env=ENV, timeout=600)
@@ -140,6 +148,10 @@ def test_two_ranks_killed_and_resumed_end_as_one_process_does(tmp_path):
     print("behaviour log-probs", _close(found["logprobs"], expected["logprobs"], 1e-4),
           "old log-probs", _close(found["old_logprobs"], expected["old_logprobs"], 1e-4),
           "losses", _close(found["losses"], expected["losses"], 1e-4))
+    # every rank served the checkpoint of iteration 0 before collecting iteration 1
+    second = Warehouse(ranks / "warehouse").read_rollouts(1)
+    assert {Shard(1, 2).owns(rollout.prompt_id) for rollout in second} == {False, True}  # both collected
+    assert {rollout.policy_version for rollout in second} == {policy_version_of(checkpoint_dir(ranks, 0))}
     final, initial = _weights(checkpoint_dir(ranks, 1)), _weights(DEFAULT_POLICY)
     difference = _max_difference(final, _weights(checkpoint_dir(reference, 1)))
     moved = _max_difference(final, initial)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -88,6 +89,8 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
     ranks = Ranks.from_env()
+    if not ranks.main:  # rank 0 logs what the job does; the others only what goes wrong
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
         rows = run_loop(config, resume=resume, on_iteration=one_line, metrics=metrics, ranks=ranks)
     except RanksError as error:

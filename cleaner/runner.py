@@ -51,7 +51,11 @@ from cleaner.engine.models import check_device, check_model_path
 from cleaner.engine.ranks import Ranks, agree, barrier, from_main, gather, join, same_everywhere
 from cleaner.engine.records import IterationRow
 from cleaner.engine.tracking import MetricsLogger, NullLogger
-from cleaner.engine.train.deepspeed_config import check_deepspeed_setup, deepspeed_config_for
+from cleaner.engine.train.deepspeed_config import (
+    check_deepspeed_setup,
+    deepspeed_config_for,
+    require_deepspeed,
+)
 from cleaner.engine.train.deepspeed_engine import saved_optimizer_step
 from cleaner.jobs import (
     CollectOutcome,
@@ -121,18 +125,23 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
 
 
 def _check_launch(config: RunConfig, ranks: Ranks) -> None:
-    """What the command line and the installed packages decide, the same on every rank."""
-    if ranks.several and config.train.engine != "deepspeed":
+    """What the command line and the installed packages decide, the same on every rank (a job runs
+    one environment), checked before the ranks can agree on anything."""
+    if not ranks.several:
+        return
+    if config.train.engine != "deepspeed":
         raise JobError(f"cleaner run was launched on {ranks.world_size} ranks, which train together with "
                        "DeepSpeed: pass --engine deepspeed --deepspeed-config FILE, or start one process")
-    if ranks.several and config.collect.device.startswith("cuda:"):
+    if config.collect.device.startswith("cuda:"):
         raise JobError(f"--device {config.collect.device}: on several ranks each rank takes the GPU of its "
                        "LOCAL_RANK; pass --device cuda")
-    if config.train.engine == "deepspeed":
-        check_deepspeed_setup(config.train)
+    require_deepspeed()  # the ranks join DeepSpeed's process group
 
 
 def _check_inputs(config: RunConfig, ranks: Ranks) -> None:
+    """The files and devices each rank needs (each node has its own view of them)."""
+    if config.train.engine == "deepspeed":
+        check_deepspeed_setup(config.train)
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(ranks.device(config.collect.device))
     check_model_path(config.collect.model)
@@ -265,16 +274,12 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     shares = gather(ranks, (collected.seconds, purified.seconds if purified else 0.0,
                             ranks.main and not (warehouse.has_train_steps(iteration) and out.exists())))
     needs_training = shares[0][2]
-    whole = None
-    if ranks.main or needs_training:  # the whole iteration, as one process would have collected it
-        whole = StoredIteration(collected.summary, purified.results[0]) if not ranks.several else \
-            same_everywhere(ranks, lambda: stored_iteration(warehouse, iteration, config.purify))
+    whole = _whole_iteration(warehouse, config, iteration, (collected, purified), needs_training, ranks)
     trained, train_s = None, 0.0
     if needs_training:
-        outcome = same_everywhere(ranks, lambda: train_job(
-            warehouse, iteration, config.purify.config_id, policy, out, config.train,
-            model=_policy_to_train(backend, kept, config.train.engine), rows=whole.result.rows,
-            optimization=optimization, progress=progress))
+        outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
+                            model=_policy_to_train(backend, kept, config.train.engine), rows=whole.result.rows,
+                            optimization=optimization, progress=progress)
         trained, train_s = outcome.result, outcome.seconds
     if not ranks.main:
         return None, trained
@@ -294,6 +299,19 @@ def _collect_and_purify(warehouse: Warehouse, collect_config: CollectConfig, con
     purified = purify_job(warehouse, collect_config.iteration, [config.purify], shard=ranks.shard,
                           backend=backend, device=config.collect.device, progress=progress)
     return collected, purified
+
+
+def _whole_iteration(warehouse: Warehouse, config: RunConfig, iteration: int,
+                     share: tuple[CollectOutcome, PurifyOutcome | None], needs_training: bool,
+                     ranks: Ranks) -> StoredIteration | None:
+    """The whole iteration, as one process would have collected and purified it, where it is
+    needed: on rank 0 for its row and, to train, on every rank (None elsewhere). One process holds
+    it already; on several ranks each reads every shard back from the warehouse."""
+    collected, purified = share
+    if not ranks.several:
+        return StoredIteration(collected.summary, purified.results[0])
+    wanted = ranks.main or needs_training
+    return agree(ranks, lambda: stored_iteration(warehouse, iteration, config.purify) if wanted else None)
 
 
 def _iteration_row(config: RunConfig, collect_config: CollectConfig, out: Path, whole: StoredIteration,

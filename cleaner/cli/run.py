@@ -69,8 +69,8 @@ def _resolve_run(layers: list[dict], where: str, resume: bool):
         raise _fail_job(str(error)) from error
     changed = differences(saved_layer, config.to_dict(), ignore=("iterations",))
     if changed:
-        raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it was "
-                   f"(only --iterations may change). Differs: {'; '.join(changed)}")
+        raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it "
+                        f"was (only --iterations may change). Differs: {'; '.join(changed)}")
     return config
 
 

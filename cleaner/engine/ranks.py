@@ -15,12 +15,13 @@ Design decisions:
   exchange their outcomes, which is also the step's barrier. If any rank failed, every rank raises
   the same RanksError, which rank 0 alone prints, so a job ends with one error line and no rank
   waits at a barrier for one that gave up. A step only rank 0 takes (the run directory's lock)
-  hands its result or its error to every rank (`from_main`). A step whose errors are the same on
-  every rank by construction (it reads only what every rank reads) need not exchange anything
-  (`same_everywhere`). Anything else that escapes ends its rank with a traceback, and torchrun
-  stops the others.
+  hands its result or its error to every rank (`from_main`). Before the ranks have joined, only
+  what is the same on every rank by construction (the command line, the installed packages) is
+  checked, and its error is taken as the job's (`same_everywhere`). An error a rank meets alone
+  in a step holding collectives (training) is its own: it prints it and exits 1, and torchrun
+  stops the others; so does anything unexpected, with a traceback.
 - A collective inside an agreed step would pair with another rank's exchange: steps that hold
-  collectives are never agreed, only wrapped by `same_everywhere`.
+  collectives are never agreed.
 """
 
 from __future__ import annotations

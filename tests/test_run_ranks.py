@@ -123,7 +123,7 @@ def test_two_ranks_killed_and_resumed_end_as_one_process_does(tmp_path):
                            env=ENV, timeout=600)
     assert alone.returncode == 0, alone.stderr[-5000:]
 
-    job = [*torchrun("run", "--run-dir", str(ranks), *ARGS, *DEEPSPEED)]
+    job = torchrun("run", "--run-dir", str(ranks), *ARGS, *DEEPSPEED)
     process = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     wait_for(lambda: _parts(ranks, "rollouts", "iteration=0"), 300, process)
     _kill_job(process)  # in the middle of iteration 0's collection
@@ -165,7 +165,6 @@ def _error_lines(result: subprocess.CompletedProcess) -> list[str]:
 
 FAULTY_RANK = """
 import os
-import sys
 import cleaner.runner
 from cleaner.jobs import JobError
 if os.environ["RANK"] == "1":  # a fault on this rank alone, in its collection

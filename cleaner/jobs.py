@@ -2,8 +2,8 @@
 
 The engine stages are pure (records in, records out); a job loads its inputs from the warehouse,
 calls the stage, and writes the outputs back, together with the resolved config as JSON. The CLI
-calls exactly one job per command, and `run_loop` chains them in one process so the model is loaded
-once per device and handed from phase to phase.
+calls exactly one job per command, and `run_loop` chains them in each process of a run so the model
+is loaded once per device and handed from phase to phase.
 
 Idempotence and resume, phase by phase:
 - collect: batches of complete rollouts are committed atomically; `resume` skips committed ids.
@@ -329,17 +329,37 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
                                               [s for s in segments if s.rollout_id in work_ids], todo, progress)
         _store_purified(warehouse, iteration, purified)
         computed = {result.config.config_id: result for result in purified if len(work) == len(rollouts)}
-    errors = errors_by_type(segments)
-    results = []
-    for config in configs:
-        if config.config_id in computed:
-            results.append(computed[config.config_id])
-            continue
-        rows = warehouse.read_purified(iteration, config.config_id, ids)
-        premise = iteration_premise(rollouts, segments, rows)
-        masked = masked_tokens(rows, segments) if config.edit == Edit.MASK else 0
-        results.append(PurifyResult(config, rows, stats_from_rows(config.config_id, rows, errors, premise, masked)))
+    results = [computed[config.config_id] if config.config_id in computed
+               else _stored_result(warehouse, iteration, config, rollouts, segments) for config in configs]
     return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
+
+
+def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, rollouts: list[Rollout],
+                   segments: list[Segment]) -> PurifyResult:
+    """A config's result over these rollouts, rebuilt from its stored rows."""
+    rows = warehouse.read_purified(iteration, config.config_id, {rollout.rollout_id for rollout in rollouts})
+    premise = iteration_premise(rollouts, segments, rows)
+    masked = masked_tokens(rows, segments) if config.edit == Edit.MASK else 0
+    stats = stats_from_rows(config.config_id, rows, errors_by_type(segments), premise, masked)
+    return PurifyResult(config, rows, stats)
+
+
+@dataclass(frozen=True)
+class StoredIteration:
+    summary: CollectSummary  # over every rollout of the iteration, whichever shard wrote it
+    result: PurifyResult  # the config's rows and stats over every rollout
+
+
+def stored_iteration(warehouse: Warehouse, iteration: int, config: PurifyConfig) -> StoredIteration:
+    """An iteration whose shards have all been collected and purified under `config`, read back
+    whole: what one unsharded collect and purify would have reported."""
+    rollouts, segments = _share(warehouse, iteration, UNSHARDED)
+    unpurified = {r.rollout_id for r in rollouts} - warehouse.purified_rollout_ids(iteration, config.config_id)
+    if unpurified:
+        raise JobError(f"{warehouse.root}: {len(unpurified)} rollouts of iteration {iteration} have no rows "
+                       f"under purify config {config.config_id}; purify every shard first")
+    return StoredIteration(summarize(rollouts, segments),
+                           _stored_result(warehouse, iteration, config, rollouts, segments))
 
 
 def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, load: Callable[[], Backend],

@@ -15,6 +15,7 @@ import torch
 
 from cleaner.engine.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.models import policy_version_of
+from cleaner.engine.ranks import Ranks, RanksError
 from cleaner.jobs import JobError
 from cleaner.runner import RUN_LOCK, checkpoint_dir, remove_run, run_loop
 from cleaner.sandbox import SandboxConfig
@@ -70,6 +71,35 @@ def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(t
     # released (as when the holder dies): the run goes on
     rows = run_loop(dataclasses.replace(config, iterations=1), resume=True, progress=False)
     assert [row.iteration for row in rows] == [0]
+
+
+def test_several_ranks_train_with_deepspeed_each_on_its_own_gpu_and_rank_0_alone_reports(tmp_path, random_policy):
+    """Checked before the ranks join their group, so a misconfigured job ends at once; the error is
+    the same on every rank, so rank 0 prints it and the others exit 0 (a rank exiting non-zero first
+    would make torchrun stop rank 0 before it prints); the job fails with rank 0's code."""
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    config = _config(tmp_path / "run", random_policy)
+    with pytest.raises(RanksError, match="^cleaner run was launched on 2 ranks, which train together with "
+                                         "DeepSpeed: pass --engine deepspeed"):
+        run_loop(config, ranks=Ranks(1, 2, 1), progress=False)
+    deepspeed = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, engine="deepspeed", deepspeed_config=str(tmp_path / "ds.json")))
+    deepspeed = dataclasses.replace(deepspeed, collect=dataclasses.replace(deepspeed.collect, device="cuda:1"))
+    with pytest.raises(RanksError, match="^--device cuda:1: on several ranks each rank takes the GPU of its "
+                                         "LOCAL_RANK; pass --device cuda$"):
+        run_loop(deepspeed, ranks=Ranks(0, 2, 0), progress=False)
+    assert not (tmp_path / "run").exists()
+    args = ["run", "--run-dir", str(tmp_path / "run"), "--model", str(random_policy)]
+    for rank, code in ((0, 1), (1, 0)):
+        result = CliRunner().invoke(app, args, env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
+        assert result.exit_code == code, result.output
+        printed = " ".join(result.output.split())
+        assert printed == ("error: cleaner run was launched on 2 ranks, which train together with DeepSpeed: pass "
+                           "--engine deepspeed --deepspeed-config FILE, or start one process" if rank == 0 else "")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each_checkpoint(tmp_path, random_policy):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -39,6 +40,16 @@ def _flag_layer(ctx: typer.Context, values: dict) -> tuple[dict, dict]:
     return flag_layer(flags), flag_names(flags)
 
 
+def _fail_job(message: str) -> typer.Exit:
+    """An error every rank of the job meets alike (the command line, the saved run, or one the
+    ranks agreed on): rank 0 prints it and exits 1. The other ranks exit 0 without a word, since
+    one exiting non-zero first would make torchrun stop rank 0 before it prints; the job still
+    fails with rank 0's code. A process without a launcher is rank 0."""
+    from cleaner.engine.ranks import Ranks
+
+    return fail(message) if Ranks.from_env().main else typer.Exit(0)
+
+
 def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | None = None):
     """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
     and nothing but `iterations` may differ from it. `names`: the flag of each field a flag set."""
@@ -60,16 +71,19 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         # the saved run resolved alone: a field added since it was saved takes its default there
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
     except ConfigError as error:
-        raise fail(str(error)) from error
+        raise _fail_job(str(error)) from error
     changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=("iterations",))
     if changed:
-        raise fail(f"{config.run_dir} was started with another config; --resume continues it as it was "
-                   f"(only --iterations may change). Differs: {'; '.join(changed)}")
+        raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it "
+                        f"was (only --iterations may change). Differs: {'; '.join(changed)}")
     return config
 
 
 def _run_and_report(config, resume: bool, metrics=None) -> list:
+    """Run the loop and print each iteration and the table; on several ranks, rank 0 prints."""
+    from cleaner.engine.ranks import Ranks, RanksError
     from cleaner.engine.report import iteration_table
+    from cleaner.errors import CleanerError
     from cleaner.runner import run_loop
 
     def one_line(row):
@@ -80,8 +94,17 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
             f"merges {row.n_shallow} shallow / {row.n_deep} deep  failed-call credit {credit}  "
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
-    rows = run_job(run_loop, config, resume=resume, on_iteration=one_line, metrics=metrics)
-    console.print(iteration_table(rows))
+    ranks = Ranks.from_env()
+    if not ranks.main:  # rank 0 logs what the job does; the others only what goes wrong
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+    try:
+        rows = run_loop(config, resume=resume, on_iteration=one_line, metrics=metrics, ranks=ranks)
+    except RanksError as error:
+        raise _fail_job(str(error)) from error
+    except CleanerError as error:  # this rank's own
+        raise fail(str(error)) from error
+    if ranks.main:
+        console.print(iteration_table(rows))
     return rows
 
 
@@ -137,7 +160,7 @@ def run(
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per forward/backward (default: min(16, mini batch)).", show_default=False, rich_help_panel="Train")] = None,
     epochs: Annotated[int, typer.Option(help="Passes over each iteration's rows.", rich_help_panel="Train")] = 1,
     max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping.", rich_help_panel="Train")] = 1.0,
-    engine: Annotated[str, typer.Option(help="torch | deepspeed (one process; several ranks: `cleaner train` under torchrun).", rich_help_panel="Train")] = "torch",
+    engine: Annotated[str, typer.Option(help="torch | deepspeed (ZeRO over the ranks torchrun starts; each rank collects and purifies its share).", rich_help_panel="Train")] = "torch",
     deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON: ZeRO stage, offload, precision.", rich_help_panel="Train")] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
@@ -145,7 +168,10 @@ def run(
     wandb_project: WandbProjectOpt = "cleaner",
     wandb_offline: WandbOfflineOpt = False,
 ) -> None:
-    """Loop collect -> purify -> train for several iterations, in one process.
+    """Loop collect -> purify -> train for several iterations, in one process or on many ranks.
+
+    Under torchrun with --engine deepspeed, every rank collects and purifies its share of each
+    iteration and all ranks train together; rank 0 writes the checkpoint, the rows and the output.
 
     Every option can also come from `--config run.toml` (flags override the file); `--print-config`
     shows the resolved config in that format. The logging options are not part of the config: they
@@ -157,16 +183,18 @@ def run(
     try:
         file_layer = read_toml(config_file) if config_file else {}
     except ConfigError as error:
-        raise fail(str(error)) from error
+        raise _fail_job(str(error)) from error
     config = _resolve_run([file_layer, flags], str(config_file or "flags"), resume, names)
     if print_config:
         from cleaner.engine.run_config import to_toml
 
         typer.echo(to_toml(config), nl=False)
         return
+    from cleaner.engine.ranks import Ranks
     from cleaner.engine.tracking import open_loggers
 
-    metrics = run_job(open_loggers, [target.value for target in log_to or []], Path(config.run_dir),
+    targets = [target.value for target in log_to or []] if Ranks.from_env().main else []  # rank 0 logs
+    metrics = run_job(open_loggers, targets, Path(config.run_dir),
                        name=Path(config.run_dir).name, config=config.to_dict(), wandb_project=wandb_project,
                        wandb_offline=wandb_offline)
     with metrics:

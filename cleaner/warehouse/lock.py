@@ -1,8 +1,8 @@
 """One process at a time: an exclusive `flock` on a lock file, released by the kernel if the
 holder dies (so a SIGKILLed process never leaves a stale lock behind).
 
-Used by `cleaner compact` (one compaction of a warehouse at a time) and `cleaner run` (one process
-drives a run directory: two would collect the same iteration twice).
+Used by `cleaner compact` (one compaction of a warehouse at a time) and `cleaner run` (one job,
+through its rank 0, drives a run directory: two would collect the same iteration twice).
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ REPLACES_KEY = b"cleaner.replaces"  # footer metadata of a merged part: JSON lis
 _ROW_GROUP_BYTES = 64 * 2**20  # in-memory size a merged part's row group is gathered up to
 
 ReplacesOf = Callable[[Path], tuple[str, ...]]
+# What pyarrow raises on a damaged file: a footer's name that is no longer UTF-8 is a ValueError.
+_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
 
 
 class WarehouseError(CleanerError):
@@ -171,7 +173,7 @@ def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
     the footer only: `verify_content` reads the rest."""
     try:
         schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
     check_schema(path, schema, dataset)
     return _replaces(path, schema)
@@ -225,13 +227,13 @@ def verify_content(path: Path, content: bytes, dataset: Dataset) -> tuple[str, .
     try:
         parquet = pq.ParquetFile(pa.BufferReader(content), page_checksum_verification=True)
         schema = parquet.schema_arrow
-    except (pa.ArrowException, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
     check_schema(path, schema, dataset)
     try:
         for index in range(parquet.num_row_groups):  # one row group in memory at a time
             parquet.read_row_group(index)
-    except (pa.ArrowException, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return _replaces(path, schema)
 
@@ -291,7 +293,7 @@ def read_part(path: Path, dataset: Dataset) -> pa.Table:
     try:
         table = pq.read_table(path, columns=list(dataset.columns), partitioning=None,
                               page_checksum_verification=True)
-    except (pa.ArrowException, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return table.cast(dataset.schema).replace_schema_metadata(None)
 
@@ -303,6 +305,6 @@ def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedA
         try:
             table = pq.read_table(path, columns=[column], partitioning=None, page_checksum_verification=True)
             chunks.extend(table.column(column).chunks)
-        except (pa.ArrowException, OSError) as exc:
+        except _READ_ERRORS as exc:
             raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return pa.chunked_array(chunks, dataset.schema.field(column).type)

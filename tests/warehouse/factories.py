@@ -64,6 +64,15 @@ def column_chunk(path: Path, column: str) -> tuple[int, int]:
     raise KeyError(column)
 
 
+def pages_region(path: Path) -> tuple[int, int]:
+    """The byte range [start, end) of a part's pages (every column chunk of every row group): all of
+    the file but its leading magic and its footer."""
+    metadata = pq.ParquetFile(path).metadata
+    chunks = [metadata.row_group(g).column(c) for g in range(metadata.num_row_groups) for c in range(metadata.num_columns)]
+    starts = [c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in chunks]
+    return min(starts), max(start + c.total_compressed_size for start, c in zip(starts, chunks, strict=True))
+
+
 def flip_in_place(path: Path, offset: int, mask: int = 0xFF) -> None:
     """XOR one byte of `path` with `mask`, in place: same size, and its mtime put back."""
     stat = path.stat()

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
+import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.engine.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
+from cleaner.warehouse.compact import compact
 from cleaner.warehouse.manifest import MANIFEST_DIR
 from cleaner.warehouse.parts import list_parts
 from cleaner.warehouse.schema import DATASETS
@@ -94,6 +97,54 @@ def test_bytes_changed_beneath_the_file_system_are_named_by_verify_and_by_the_st
     assert "CRC checksum verification failed" in result.output
     with pytest.raises(WarehouseError, match=rf"{part}: cannot read data pages \(.*CRC checksum verification failed"):
         wh.read_segments(0)
+
+
+def _flip_only_duckdb_rejects(path: Path) -> int:
+    """An offset in a part's pages where a flipped bit passes pyarrow's checked read (a page header
+    field it skips) but stops DuckDB's stricter page header parser."""
+    content = path.read_bytes()
+    start, end = pages_region(path)
+    for offset in range(start, end):
+        flipped = bytearray(content)
+        flipped[offset] ^= 0x01
+        trial = path.with_name(".trial")
+        trial.write_bytes(bytes(flipped))
+        try:
+            pq.read_table(trial, page_checksum_verification=True)
+        except (pa.ArrowException, OSError, ValueError):
+            continue
+        try:
+            duckdb.sql(f"SELECT * FROM read_parquet('{trial}')").fetchall()
+        except duckdb.Error:
+            return offset
+        finally:
+            trial.unlink()
+    raise AssertionError(f"no flip in {path} that only DuckDB rejects")
+
+
+def test_a_part_duckdb_cannot_read_is_named_before_any_view_serves_it(tmp_path):
+    """Verification reads every page with DuckDB too: a flip pyarrow skips is named by the stages'
+    first read, not left for a query over the views to trip on without a file name."""
+    wh = _collected(tmp_path)
+    part = list_parts(wh.root, schema.ROLLOUTS)[0]
+    flip_in_place(part, _flip_only_duckdb_rejects(part), 0x01)
+    for read in (lambda: wh.read_rollouts(0), wh.connect):
+        with pytest.raises(WarehouseError, match=rf"{part}: DuckDB cannot read its pages"):
+            read()
+
+
+def test_compaction_never_rewrites_changed_bytes_of_a_part_without_page_checksums(tmp_path):
+    """A part written before page checksums decodes whatever its bytes are; its pinned CRC-32 is what
+    stops a compaction from giving a flipped byte fresh checksums in a merged part."""
+    wh = _collected(tmp_path)
+    wh.write_rollouts(0, [make_rollout("r9")], make_segments("r9"))
+    _without_page_checksums(wh.root)
+    assert len(wh.read_segments(0)) == 30  # pins every part
+    part = list_parts(wh.root, schema.SEGMENTS)[0]
+    flip_in_place(part, silent_flip(part, "logprobs"))
+    with pytest.raises(WarehouseError, match=rf"{part}: its bytes changed since cleaner verified them"):
+        compact(wh.root)
+    assert len(list_parts(wh.root, schema.SEGMENTS)) == 2  # nothing merged, nothing removed
 
 
 # ---------------------------------------------------------------------------------------------

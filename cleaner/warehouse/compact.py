@@ -5,6 +5,8 @@ One merge of parts P1..Pk of a partition into M:
    into place; its footer lists P1..Pk (`parts.REPLACES_KEY`). From that rename on, every reader
    hides P1..Pk (`parts.visible_parts`): the rows are seen once, in M.
 2. P1..Pk are removed.
+("Renamed" here is the atomic step that gives a part its name: a hard link refused if the name
+exists, parts.py.)
 A crash before the rename leaves a hidden temporary file and changes nothing readers see; a crash
 after it leaves replaced parts no reader sees, which the next compaction removes ("rolls forward")
 before it plans anything. No row is ever visible twice or not at all.

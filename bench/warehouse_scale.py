@@ -4,11 +4,16 @@ Builds a synthetic warehouse with the real schemas and the real part writer (`wr
 names, fsyncs): `--batches` collection batches spread over `--iterations`, each a segments part and
 its rollouts twin, segments shaped like a collected rollout (prompt, then assistant/tool turns).
 Then, in one run on the same files:
-- cold: the first `connect()`, which validates every part's footer and writes the manifest;
-- warm: `connect()` + the query, against a fresh `duckdb.connect()` + the same query over
+- cold: the first `connect()`, which verifies every part in full (footer, every page with its
+  checksum through pyarrow and through DuckDB, its CRC-32) and writes the manifest;
+- warm: `connect()` + the query, `connect(verify_content=True)` (`cleaner sql --verify`: every
+  part's CRC-32 compared) + the query, and a fresh `duckdb.connect()` + the same query over
   `read_parquet('<warehouse>/<dataset>/*/*.parquet')`, alternated `--repeats` times, medians;
-- a corrupt part: one segments part truncated, the error must name it (then it is restored);
-- after `compact`: the same comparison over the merged parts.
+- corrupt parts: one segments part truncated, then one with a byte flipped in its pages (same size,
+  mtime put back); the error must name it (then it is restored);
+- after `compact`: the same comparison over the merged parts;
+- what page checksums cost: a batch's parts encoded with and without them, and read with and
+  without checking them, alternated.
 
     .venv/bin/python bench/warehouse_scale.py --batches 2400 --iterations 8
 
@@ -31,6 +36,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.compact import compact
@@ -138,10 +144,15 @@ def _raw(root: Path, query: str) -> list:
     return duckdb.connect(":memory:").sql(query.format(**globs)).fetchall()
 
 
+def _ours_verified(root: Path, query: str) -> list:
+    return Warehouse(root).connect(verify_content=True).sql(query).fetchall()
+
+
 @dataclass(frozen=True)
 class Comparison:
     query: str
     ours_s: float  # median: Warehouse(root).connect() + the query
+    verified_s: float  # median: Warehouse(root).connect(verify_content=True) + the query
     raw_s: float  # median: duckdb.connect() + the query over read_parquet globs
 
 
@@ -149,11 +160,12 @@ def compare(root: Path, repeats: int) -> list[Comparison]:
     figures = []
     for name, (ours_query, raw_query) in QUERIES.items():
         assert _ours(root, ours_query) == _raw(root, raw_query), name  # warms both, checks equality
-        ours, raw = [], []
+        ours, verified, raw = [], [], []
         for _ in range(repeats):
             ours.append(_seconds(lambda q=ours_query: _ours(root, q))[0])
             raw.append(_seconds(lambda q=raw_query: _raw(root, q))[0])
-        figures.append(Comparison(name, statistics.median(ours), statistics.median(raw)))
+            verified.append(_seconds(lambda q=ours_query: _ours_verified(root, q))[0])
+        figures.append(Comparison(name, statistics.median(ours), statistics.median(verified), statistics.median(raw)))
     return figures
 
 
@@ -173,12 +185,69 @@ def corrupt_part_is_named(root: Path) -> str:
     raise AssertionError(f"a truncated {part} was not detected")
 
 
+def flipped_part_is_named(root: Path) -> str:
+    """Flip a byte in the pages of one committed segments part, its size and mtime kept; `connect()`
+    must name it. The part is restored."""
+    part = list_parts(root, schema.SEGMENTS)[len(list_parts(root, schema.SEGMENTS)) // 3]
+    content = part.read_bytes()
+    chunk = pq.ParquetFile(part).metadata.row_group(0).column(schema.SEGMENTS.columns.index("logprobs"))
+    offset = chunk.data_page_offset + chunk.total_compressed_size // 2
+    stat = part.stat()
+    try:
+        part.write_bytes(content[:offset] + bytes([content[offset] ^ 0xFF]) + content[offset + 1:])
+        os.utime(part, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        Warehouse(root).connect()
+    except WarehouseError as error:
+        if str(part) not in str(error):
+            raise AssertionError(f"the error does not name {part}: {error}") from error
+        return str(error)
+    finally:
+        part.write_bytes(content)
+    raise AssertionError(f"a byte flipped in {part} was not detected")
+
+
+@dataclass(frozen=True)
+class ChecksumCost:
+    write_s: float  # median: encode one batch's two parts with page checksums
+    write_without_s: float  # the same without
+    read_s: float  # median: read the two parts, checking the page checksums
+    read_without_s: float  # the same without checking
+
+
+def checksum_cost(shape: Shape, repeats: int) -> ChecksumCost:
+    """Page checksums on the write path (into memory: the fsync and rename are the same either way)
+    and on pyarrow's read path, alternated."""
+    segments, rollouts = _batch(np.random.default_rng(1), 0, 0, shape)
+
+    def write(checksums: bool) -> list[pa.Buffer]:
+        buffers = []
+        for table in (segments, rollouts):
+            sink = pa.BufferOutputStream()
+            strings = [f.name for f in table.schema if pa.types.is_string(f.type)]  # as write_part does
+            pq.write_table(table, sink, compression="zstd", use_dictionary=strings, write_page_checksum=checksums)
+            buffers.append(sink.getvalue())
+        return buffers
+
+    def read(buffers: list[pa.Buffer], checksums: bool) -> None:
+        for buffer in buffers:
+            pq.read_table(pa.BufferReader(buffer), page_checksum_verification=checksums)
+
+    written = write(True)
+    times: dict[str, list[float]] = {"write": [], "write_without": [], "read": [], "read_without": []}
+    for _ in range(repeats):
+        for key, call in (("write", lambda: write(True)), ("write_without", lambda: write(False)),
+                          ("read", lambda: read(written, True)), ("read_without", lambda: read(written, False))):
+            times[key].append(min(_seconds(call)[0] for _ in range(20)))
+    return ChecksumCost(*(statistics.median(times[key]) for key in ("write", "write_without", "read", "read_without")))
+
+
 def _report(title: str, figures: list[Comparison]) -> None:
     print(f"\n{title}")
-    print("| query | connect() + query, s | raw DuckDB, s | ratio |")
-    print("|---|---|---|---|")
+    print("| query | connect() + query, s | raw DuckDB, s | ratio | connect(verify_content=True) + query, s | ratio |")
+    print("|---|---|---|---|---|---|")
     for f in figures:
-        print(f"| {f.query} | {f.ours_s:.3f} | {f.raw_s:.3f} | {f.ours_s / f.raw_s:.2f}x |")
+        print(f"| {f.query} | {f.ours_s:.3f} | {f.raw_s:.3f} | {f.ours_s / f.raw_s:.2f}x "
+              f"| {f.verified_s:.3f} | {f.verified_s / f.raw_s:.2f}x |")
 
 
 def main() -> None:
@@ -202,15 +271,22 @@ def main() -> None:
         print(f"built {parts} parts, {stats[0]:,} segments, {stats[1]:,} tokens in {seconds:.1f} s")
         cold, _ = _seconds(lambda: Warehouse(root).connect())
         warm, _ = _seconds(lambda: Warehouse(root).connect())
-        print(f"connect(): cold (validates every part, writes the manifest) {cold:.3f} s; warm {warm:.3f} s")
+        print(f"connect(): cold (verifies every part in full, writes the manifest) {cold:.3f} s; warm {warm:.3f} s")
         _report(f"{parts} parts, warm manifest, medians of {args.repeats}", compare(root, args.repeats))
         print(f"\ncorrupt part: {corrupt_part_is_named(root)}")
+        print(f"flipped byte: {flipped_part_is_named(root)}")
+        Warehouse(root).connect()  # the restored parts: their CRC-32 matches, no decoding
         seconds, result = _seconds(lambda: compact(root))
         parts_after = sum(len(list_parts(root, d)) for d in schema.DATASETS.values())
         print(f"\ncompact: {sum(m.n_parts for m in result.merges)} parts into {len(result.merges)} "
               f"in {seconds:.1f} s; {parts_after} parts now")
         Warehouse(root).connect()  # validates the merged parts once
         _report(f"after compact, {parts_after} parts, medians of {args.repeats}", compare(root, args.repeats))
+        cost = checksum_cost(shape, args.repeats)
+        print(f"\npage checksums, one batch's two parts, medians of {args.repeats} (each the best of 20): "
+              f"encode {cost.write_s * 1e3:.2f} ms with, {cost.write_without_s * 1e3:.2f} ms without "
+              f"({cost.write_s / cost.write_without_s:.3f}x); read {cost.read_s * 1e3:.2f} ms checking, "
+              f"{cost.read_without_s * 1e3:.2f} ms not ({cost.read_s / cost.read_without_s:.3f}x)")
         print(f"\nload average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     finally:
         shutil.rmtree(base)

@@ -105,6 +105,9 @@ def sql(
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Re-read every part and compare its CRC-32 with the manifest's: sees bytes changed "
+                         "beneath the file system, at the cost of reading the whole warehouse.")] = False,
 ) -> None:
     """Run DuckDB SQL over the warehouse views.
 
@@ -119,7 +122,7 @@ def sql(
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:
-        connection = Warehouse(warehouse).connect()
+        connection = Warehouse(warehouse).connect(verify_content=verify)
         if not connection.extract_statements(query):  # empty, blank or comments only
             raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
         relation = connection.sql(query)  # None for statements that return nothing

@@ -5,6 +5,8 @@ One merge of parts P1..Pk of a partition into M:
    into place; its footer lists P1..Pk (`parts.REPLACES_KEY`). From that rename on, every reader
    hides P1..Pk (`parts.visible_parts`): the rows are seen once, in M.
 2. P1..Pk are removed.
+("Renamed" here is the atomic step that gives a part its name: a hard link refused if the name
+exists, parts.py.)
 A crash before the rename leaves a hidden temporary file and changes nothing readers see; a crash
 after it leaves replaced parts no reader sees, which the next compaction removes ("rolls forward")
 before it plans anything. No row is ever visible twice or not at all.
@@ -27,8 +29,11 @@ Design decisions:
   parts, and a compaction merges only the parts it listed. Readers need none for crash safety, but a
   reader that listed parts just before a compaction removed some may fail to open one and must read
   again.
-- Every input part is validated as it is read, so a corrupt part stops the compaction with the
-  usual error naming it, before anything it would replace is removed.
+- Every input part is verified before it is read (`Manifest.verify`, comparing every part's CRC-32
+  with the manifest's), so a corrupt part stops the compaction with the usual error naming it,
+  before anything it would replace is removed, and a flipped byte is never rewritten into a merged
+  part under fresh page checksums. Merged parts are written with page checksums, so compacting a
+  warehouse written before cleaner wrote them gives its small parts checksums too.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from cleaner.warehouse.lock import exclusive
+from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -211,6 +217,7 @@ def _write(root: Path, partition: _Partition, dataset: Dataset, names: list[str]
     present = [directory / name for name in names if (directory / name).exists()]
     if not present:
         return None
+    Manifest(root, dataset, rehash=True).verify(present)
     rows = 0
 
     def tables() -> Iterator[pa.Table]:

@@ -1,9 +1,13 @@
 """Parquet part files: atomic writes, validating reads, and which parts readers see.
 
 Writers only ever add part files. A part is written to a hidden temporary name in its final
-directory, fsynced, renamed into place (atomic on POSIX) and the directory fsynced, so a crash never
-leaves a half-written part where readers look (`part-*.parquet`). Readers check every part's footer
-against the dataset's schema and fail with a `WarehouseError` naming the file and the problem.
+directory, fsynced, linked into place (atomic on POSIX, and refused if the name exists, so no part is
+ever replaced, even by a racing writer) and the directory fsynced, so a crash never leaves a
+half-written part where readers look (`part-*.parquet`). Every page is written with its Parquet page
+checksum (a CRC-32 of the page's compressed bytes), and every pyarrow read here checks them: a
+flipped byte in a page is an error naming the file, never a value. Readers are handed parts the
+manifest has verified (`manifest.py`: footer against the schema, every byte read once, and the
+parts' bytes pinned), and fail with a `WarehouseError` naming the file and the problem.
 
 Visibility (docs/architecture.md §3) is decided from the file names and two footers' worth of facts:
 - a part of a segments dataset is visible only while its twin of the same file name is visible
@@ -16,10 +20,12 @@ Visibility (docs/architecture.md §3) is decided from the file names and two foo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -35,6 +41,8 @@ REPLACES_KEY = b"cleaner.replaces"  # footer metadata of a merged part: JSON lis
 _ROW_GROUP_BYTES = 64 * 2**20  # in-memory size a merged part's row group is gathered up to
 
 ReplacesOf = Callable[[Path], tuple[str, ...]]
+# What pyarrow raises on a damaged file: a footer's name that is no longer UTF-8 is a ValueError.
+_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
 
 
 class WarehouseError(CleanerError):
@@ -77,17 +85,32 @@ def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], No
             write(sink)
             sink.flush()
             os.fsync(sink.fileno())
-        os.rename(temporary, final)
+        _link_into_place(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
     fsync_dir(directory)
     return final
 
 
+def _link_into_place(temporary: Path, final: Path) -> None:
+    """Give `temporary` the name `final` atomically, never replacing a part already there: the
+    manifest pins each part's bytes, so two writers racing to one name (shards writing the same
+    `purify_configs` part) must not swap its content under a reader."""
+    try:
+        os.link(temporary, final)
+    except FileExistsError as exc:
+        raise PartExistsError(f"{final}: part already exists; parts are never overwritten") from exc
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+        os.rename(temporary, final)  # a file system without hard links: rename, as atomic
+
+
 def write_part(directory: Path, table: pa.Table, name: str | None = None) -> Path:
     """Write `table` as a new part file in `directory`, atomically. Returns the part's path."""
     def write(sink: BinaryIO) -> None:
-        pq.write_table(table, sink, compression="zstd", use_dictionary=_dictionary_columns(table.schema))
+        pq.write_table(table, sink, compression="zstd", use_dictionary=_dictionary_columns(table.schema),
+                       write_page_checksum=True)
 
     return _write_atomically(directory, name or new_part_name(), write)
 
@@ -102,8 +125,8 @@ def write_merged(directory: Path, name: str, tables: Iterable[pa.Table], dataset
     schema = dataset.schema.with_metadata({REPLACES_KEY: json.dumps(sorted(replaces)).encode()})
 
     def write(sink: BinaryIO) -> None:
-        with pq.ParquetWriter(sink, schema, compression="zstd",
-                              use_dictionary=_dictionary_columns(schema)) as writer:
+        with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=_dictionary_columns(schema),
+                              write_page_checksum=True) as writer:
             pending: list[pa.Table] = []
             for table in tables:
                 pending.append(table)
@@ -146,11 +169,19 @@ def _names(directory: Path, prefix: str, suffix: str) -> list[str]:
 
 def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
     """Raise WarehouseError naming `path` if its footer is unreadable or its schema is not the
-    dataset's; return the names of the parts it replaces (empty unless it is a merged part)."""
+    dataset's; return the names of the parts it replaces (empty unless it is a merged part). Reads
+    the footer only: `verify_content` reads the rest."""
     try:
         schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
+    check_schema(path, schema, dataset)
+    return _replaces(path, schema)
+
+
+def check_schema(path: Path, schema: pa.Schema, dataset: Dataset) -> None:
+    """Raise WarehouseError naming `path` and the column if `schema` lacks one of the dataset's (a
+    column added later may be missing) or holds it in a type it does not accept."""
     added = dict(dataset.added)
     for field in dataset.schema:
         if field.name not in schema.names:
@@ -160,6 +191,54 @@ def validate_part(path: Path, dataset: Dataset) -> tuple[str, ...]:
         found = schema.field(field.name).type
         if not dataset.accepts(field.name, found):
             raise WarehouseError(f"{path}: column {field.name!r} has type {found}, expected {field.type}")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the file system says of a part. Writing to a file, truncating it, `utime`, `chmod` or
+    replacing it all set its ctime to the present, which no unprivileged process can set back."""
+
+    size: int  # bytes
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, stat: os.stat_result) -> Identity:
+        return cls(stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+
+
+def identity(path: Path) -> Identity:
+    try:
+        return Identity.of(os.stat(path))
+    except OSError as exc:  # removed since it was listed, e.g. by a compaction
+        raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
+
+
+def read_whole(path: Path) -> tuple[bytes, Identity]:
+    """Every byte of a part, and the identity of the file they were read from."""
+    try:
+        with open(path, "rb") as source:
+            return source.read(), Identity.of(os.fstat(source.fileno()))
+    except OSError as exc:
+        raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
+
+
+def verify_content(path: Path, content: bytes, dataset: Dataset) -> tuple[str, ...]:
+    """Check a part's whole content: its footer against the dataset's schema, then every page of
+    every column decoded with its page checksum checked (a part written without them, before
+    cleaner wrote them, is only decoded). Returns the names of the parts it replaces."""
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(content), page_checksum_verification=True)
+        schema = parquet.schema_arrow
+    except _READ_ERRORS as exc:
+        raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
+    check_schema(path, schema, dataset)
+    try:
+        for index in range(parquet.num_row_groups):  # one row group in memory at a time
+            parquet.read_row_group(index)
+    except _READ_ERRORS as exc:
+        raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return _replaces(path, schema)
 
 
@@ -205,7 +284,8 @@ def relative_name(path: Path, base: Path) -> str:
 
 
 def read_parts(paths: list[Path], dataset: Dataset) -> pa.Table:
-    """Validate and concatenate part files into one table in the dataset's schema."""
+    """Concatenate verified part files (`manifest.Manifest.verify`) into one table in the dataset's
+    schema, checking every page's checksum on the way."""
     tables = [read_part(path, dataset) for path in paths]
     if not tables:
         return dataset.schema.empty_table()
@@ -213,12 +293,12 @@ def read_parts(paths: list[Path], dataset: Dataset) -> pa.Table:
 
 
 def read_part(path: Path, dataset: Dataset) -> pa.Table:
-    """One validated part in the dataset's schema (without a merged part's footer metadata)."""
-    validate_part(path, dataset)
+    """One verified part in the dataset's schema (without a merged part's footer metadata)."""
     try:
         names = set(pq.read_schema(path).names) if dataset.added else set(dataset.columns)
-        table = pq.read_table(path, columns=[c for c in dataset.columns if c in names], partitioning=None)
-    except (pa.ArrowException, OSError) as exc:
+        table = pq.read_table(path, columns=[c for c in dataset.columns if c in names], partitioning=None,
+                              page_checksum_verification=True)
+    except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     for name, value in dataset.added:
         if name not in names:  # a part written before the column existed reads as its default
@@ -232,18 +312,18 @@ def _filled(dataset: Dataset, column: str, value: object, length: int) -> pa.Arr
 
 
 def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedArray:
-    """One column of validated parts (reads only that column's pages)."""
+    """One column of verified parts (reads only that column's pages, checking their checksums)."""
     chunks = []
     added = dict(dataset.added)
     for path in paths:
-        validate_part(path, dataset)
         try:
             if column in added and column not in pq.read_schema(path).names:
                 chunks.append(_filled(dataset, column, added[column], pq.read_metadata(path).num_rows))
                 continue
-            values = pq.read_table(path, columns=[column], partitioning=None).column(column)
+            values = pq.read_table(path, columns=[column], partitioning=None,
+                                   page_checksum_verification=True).column(column)
             type_ = dataset.schema.field(column).type
             chunks.extend((values if values.type.equals(type_) else upgrade(values, type_)).chunks)
-        except (pa.ArrowException, OSError) as exc:
+        except _READ_ERRORS as exc:
             raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return pa.chunked_array(chunks, dataset.schema.field(column).type)

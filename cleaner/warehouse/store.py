@@ -14,7 +14,8 @@ parts (shards of one purify, docs/architecture.md §5), and a write skips the ro
 have rows under their config. Shares are whole GRPO groups, so a group's rows are always written
 together, in one part.
 
-`connect()` validates each part once: a `Manifest` remembers the footers it has already checked.
+Every read hands on only verified parts: a `Manifest` reads each part in full once (its footer,
+every page with its checksum, its CRC-32) and afterwards only stats it (docs/architecture.md §3).
 """
 
 from __future__ import annotations
@@ -120,7 +121,28 @@ class Warehouse:
         self._write(schema.COMMITTED_BY[segments_dataset.name], rollouts, name, **partition)
 
     def _visible(self, dataset: Dataset, **partition: object) -> list[Path]:
-        return visible_parts(self.root, dataset, partition)
+        """The visible parts of `dataset` in `partition`, each verified (`Manifest.verify`)."""
+        marker = COMMITTED_BY.get(dataset.name)
+        marker_parts = None
+        if marker is not None:  # only the commit markers' names (and merged ones' lists) are needed
+            marker_manifest = self._manifest(marker)
+            marker_parts = visible_parts(self.root, marker, partition, marker_manifest.check)
+            self._keep(marker_manifest)
+        manifest = self._manifest(dataset)
+        parts = visible_parts(self.root, dataset, partition, manifest.check, marker_parts=marker_parts)
+        manifest.verify(parts)
+        self._keep(manifest)
+        return parts
+
+    def _manifest(self, dataset: Dataset) -> Manifest:
+        return Manifest(self.root, dataset, self._checked.get(dataset.name))
+
+    def _keep(self, manifest: Manifest) -> None:
+        """Save a partial read's entries: merged into the file, or in memory when read-only."""
+        if self.read_only:
+            self._checked[manifest.dataset.name] = {**self._checked.get(manifest.dataset.name, {}), **manifest.checked}
+        else:
+            manifest.save()
 
     def read_rollouts(self, iteration: int) -> list[Rollout]:
         """An iteration's committed rollouts; an error if one is stored twice (two writers)."""
@@ -145,7 +167,8 @@ class Warehouse:
         return frozenset(read_column(parts, schema.ROLLOUTS, "rollout_id").to_pylist())
 
     def iterations_collected(self) -> list[int]:
-        return sorted({int(p.parent.name.split("=", 1)[1]) for p in self._visible(schema.ROLLOUTS)})
+        parts = visible_parts(self.root, schema.ROLLOUTS)  # names only: no part is read
+        return sorted({int(p.parent.name.split("=", 1)[1]) for p in parts})
 
     # -----------------------------------------------------------------------------------------
     # Purification
@@ -233,7 +256,7 @@ class Warehouse:
         return sorted(schema.from_table(schema.TRAIN_STEPS, table), key=lambda row: row.optimizer_step)
 
     def has_train_steps(self, iteration: int) -> bool:
-        return bool(self._visible(schema.TRAIN_STEPS, iteration=iteration))
+        return bool(visible_parts(self.root, schema.TRAIN_STEPS, {"iteration": iteration}))  # names only
 
     def write_iteration(self, row: IterationRow) -> None:
         self._write(schema.ITERATIONS, [row])
@@ -337,32 +360,35 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # SQL
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
+    def connect(self, verify_content: bool = False) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per dataset plus convenience views.
 
-        Every visible part is validated first, or found in the manifest as validated under its
-        current size and mtime: a bad file raises WarehouseError naming it, and nothing but the
-        manifest (a cache) is ever written, and only when every part passed; a read-only warehouse
-        keeps it in memory and writes nothing. Datasets with no parts yet get an empty view with
-        the right columns.
+        Every visible part is verified first (`Manifest.verify`): read in full if it is new or its
+        identity on the file system changed, else trusted from the manifest; `verify_content` also
+        compares the CRC-32 of every part's bytes with the manifest's, reading the whole warehouse.
+        DuckDB checks no page checksum, so this is where the SQL path's parts are checked (docs/
+        architecture.md §3, "Checksums"). A bad file raises WarehouseError naming it, and nothing but
+        the manifest (a cache) is ever written, and only when every part passed; a read-only
+        warehouse keeps it in memory and writes nothing. Datasets with no parts yet get an empty view
+        with the right columns.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
-        manifests = {name: Manifest(self.root, dataset, self._checked.get(name)) for name, dataset in DATASETS.items()}
+        manifests = {name: Manifest(self.root, dataset, self._checked.get(name), rehash=verify_content)
+                     for name, dataset in DATASETS.items()}
         visible: dict[str, list[Path]] = {}
         for dataset in sorted(DATASETS.values(), key=lambda d: d.name in COMMITTED_BY):  # markers first
             manifest = manifests[dataset.name]
             marker = COMMITTED_BY.get(dataset.name)
             parts = visible_parts(self.root, dataset, replaces_of=manifest.check,
                                   marker_parts=None if marker is None else visible[marker.name])
-            for part in parts:
-                manifest.check(part)
+            manifest.verify(parts)
             visible[dataset.name] = parts
         for name, manifest in manifests.items():
             if self.read_only:
                 self._checked[name] = manifest.checked
             else:
-                manifest.save()
+                manifest.save(complete=True)
         connection = duckdb.connect(":memory:")
         for dataset in DATASETS.values():
             _create_view(connection, dataset, visible[dataset.name])

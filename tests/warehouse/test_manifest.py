@@ -1,4 +1,5 @@
-"""The validation manifest: each part's footer is read once, and again only when the part changed."""
+"""The verification manifest: each part is read in full once, and again only when its identity on
+the file system changed; its bytes stay pinned."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ from .factories import make_rollout, make_segments
 
 @pytest.fixture
 def validated(monkeypatch) -> list[Path]:
-    """The paths whose footer the manifest reads, in order."""
+    """The paths the manifest decodes in full (footer and every page), in order."""
     seen: list[Path] = []
-    real = manifest_module.validate_part
+    real = manifest_module.verify_content
 
-    def spy(path, dataset):
+    def spy(path, content, dataset):
         seen.append(path)
-        return real(path, dataset)
+        return real(path, content, dataset)
 
-    monkeypatch.setattr(manifest_module, "validate_part", spy)
+    monkeypatch.setattr(manifest_module, "verify_content", spy)
     return seen
 
 
@@ -58,16 +59,35 @@ def test_each_part_is_validated_once_then_only_new_ones(tmp_path, validated):
         "iteration=1/" + p.name for p in list_parts(wh.root, schema.ROLLOUTS, {"iteration": 1})]
 
 
-def test_a_changed_part_is_validated_again(tmp_path, validated):
+def test_a_touched_or_copied_part_is_reread_not_decoded(tmp_path, validated):
+    wh = _warehouse(tmp_path)
+    wh.connect()
+    part = list_parts(wh.root, schema.ROLLOUTS)[0]
+    os.utime(part, ns=(0, 10**18))  # another mtime and ctime, the same bytes
+    copy = part.with_name(".copy")
+    copy.write_bytes(part.read_bytes())
+    os.replace(copy, part)  # another inode, the same bytes
+    validated.clear()
+    assert _count(wh, "rollouts") == 2
+    assert validated == []  # its CRC-32 matched the manifest's: nothing to decode
+    entry = json.loads((wh.root / MANIFEST_DIR / "rollouts.json").read_text())["parts"][f"iteration=0/{part.name}"]
+    assert entry[:4] == [part.stat().st_size, part.stat().st_mtime_ns, part.stat().st_ctime_ns, part.stat().st_ino]
+
+
+def test_a_part_replaced_under_its_name_is_named(tmp_path, validated):
+    """Parts are never rewritten: other bytes under a verified part's name are an error, even when
+    they are a valid part (the manifest pins what was verified)."""
     wh = _warehouse(tmp_path)
     wh.connect()
     part = list_parts(wh.root, schema.ROLLOUTS)[0]
     replacement = write_part(tmp_path / "elsewhere", schema.to_table(
         schema.ROLLOUTS, [make_rollout("x1"), make_rollout("x2")]))
-    os.replace(replacement, part)  # another size and mtime under the same name
+    os.replace(replacement, part)
     validated.clear()
-    assert _count(wh, "rollouts") == 3
-    assert validated == [part]
+    for read in (wh.connect, lambda: wh.read_rollouts(0)):
+        with pytest.raises(WarehouseError, match=rf"{part}: its bytes changed since cleaner verified them"):
+            read()
+    assert validated == [part, part]  # decoded to tell a corrupt part from a changed one
 
 
 def test_a_corrupt_part_is_named_although_the_manifest_listed_it_valid(tmp_path):

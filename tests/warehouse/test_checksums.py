@@ -1,0 +1,273 @@
+"""Flipped bytes inside a part are named, never served (docs/architecture.md §3, "Checksums")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from cleaner.cli import app
+from cleaner.engine.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
+from cleaner.warehouse import Warehouse, WarehouseError, schema
+from cleaner.warehouse.compact import compact
+from cleaner.warehouse.manifest import MANIFEST_DIR
+from cleaner.warehouse.parts import list_parts
+from cleaner.warehouse.schema import DATASETS
+
+from .factories import (
+    flip_in_place,
+    make_eval_run,
+    make_rollout,
+    make_segments,
+    pages_region,
+    silent_flip,
+)
+
+runner = CliRunner()
+
+
+def _collected(tmp_path: Path) -> Warehouse:
+    wh = Warehouse(tmp_path / "wh")
+    wh.write_rollouts(0, [make_rollout(f"r{i}") for i in range(4)],
+                      [s for i in range(4) for s in make_segments(f"r{i}")])
+    return wh
+
+
+def _assert_named_by_sql_and_purify(wh: Warehouse, part: Path) -> None:
+    result = runner.invoke(app, ["sql", "SELECT min(list_min(logprobs)), max(list_max(logprobs)) FROM segments",
+                                 "-w", str(wh.root)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(part) in lines[0], result.output
+    with pytest.raises(WarehouseError, match=str(part)):
+        wh.read_segments(0)  # what `cleaner purify` reads
+
+
+@pytest.mark.parametrize("read_before", [True, False], ids=["after-a-read", "before-any-read"])
+def test_a_flipped_logprob_byte_is_named_by_sql_and_purify(tmp_path, read_before):
+    """The issue's defect: a byte flipped inside a segments part (same size, mtime put back) was
+    served as log-probs of 5911.2 and -4.2e19 by `cleaner sql` and `cleaner purify`."""
+    wh = _collected(tmp_path)
+    if read_before:  # the manifest then lists the part as validated under its size and mtime
+        assert wh.connect().sql("SELECT count(*) FROM segments").fetchall() == [(24,)]
+        assert len(wh.read_segments(0)) == 24
+    part = list_parts(wh.root, schema.SEGMENTS)[0]
+    size, mtime_ns = part.stat().st_size, part.stat().st_mtime_ns
+    flip_in_place(part, silent_flip(part, "logprobs"))
+    assert (part.stat().st_size, part.stat().st_mtime_ns) == (size, mtime_ns)
+    _assert_named_by_sql_and_purify(wh, part)
+
+
+def _pretend_unchanged(root: Path, part: Path) -> None:
+    """Enter the part's present size, times and inode in the manifest, as if its bytes had changed
+    beneath the file system (a failing disk), which leaves them as they were."""
+    manifest = root / MANIFEST_DIR / "segments.json"
+    document = json.loads(manifest.read_text())
+    stat = part.stat()
+    entry = document["parts"][str(part.relative_to(root / "segments"))]
+    entry[:4] = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+    manifest.write_text(json.dumps(document))
+
+
+def test_bytes_changed_beneath_the_file_system_are_named_by_verify_and_by_the_stages(tmp_path):
+    """An unchanged identity is trusted by a plain connect() (docs/architecture.md §3); `--verify`
+    compares every part's CRC-32, and the stages' reads check every page checksum anyway."""
+    wh = _collected(tmp_path)
+    wh.connect()
+    part = list_parts(wh.root, schema.SEGMENTS)[0]
+    flip_in_place(part, silent_flip(part, "logprobs"))
+    _pretend_unchanged(wh.root, part)
+    query = ["sql", "SELECT count(*) FROM segments", "-w", str(wh.root)]
+    assert runner.invoke(app, query).exit_code == 0  # the identity is what a plain connect() checks
+    result = runner.invoke(app, [*query, "--verify"])
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith(f"error: {part}: cannot read data pages"), result.output
+    assert "CRC checksum verification failed" in result.output
+    with pytest.raises(WarehouseError, match=rf"{part}: cannot read data pages \(.*CRC checksum verification failed"):
+        wh.read_segments(0)
+
+
+def _flip_only_duckdb_rejects(path: Path) -> int:
+    """An offset in a part's pages where a flipped bit passes pyarrow's checked read (a page header
+    field it skips) but stops DuckDB's stricter page header parser."""
+    content = path.read_bytes()
+    start, end = pages_region(path)
+    for offset in range(start, end):
+        flipped = bytearray(content)
+        flipped[offset] ^= 0x01
+        trial = path.with_name(".trial")
+        trial.write_bytes(bytes(flipped))
+        try:
+            pq.read_table(trial, page_checksum_verification=True)
+        except (pa.ArrowException, OSError, ValueError):
+            continue
+        try:
+            duckdb.sql(f"SELECT * FROM read_parquet('{trial}')").fetchall()
+        except duckdb.Error:
+            return offset
+        finally:
+            trial.unlink()
+    raise AssertionError(f"no flip in {path} that only DuckDB rejects")
+
+
+def test_a_part_duckdb_cannot_read_is_named_before_any_view_serves_it(tmp_path):
+    """Verification reads every page with DuckDB too: a flip pyarrow skips is named by the stages'
+    first read, not left for a query over the views to trip on without a file name."""
+    wh = _collected(tmp_path)
+    part = list_parts(wh.root, schema.ROLLOUTS)[0]
+    flip_in_place(part, _flip_only_duckdb_rejects(part), 0x01)
+    for read in (lambda: wh.read_rollouts(0), wh.connect):
+        with pytest.raises(WarehouseError, match=rf"{part}: DuckDB cannot read its pages"):
+            read()
+
+
+def test_compaction_never_rewrites_changed_bytes_of_a_part_without_page_checksums(tmp_path):
+    """A part written before page checksums decodes whatever its bytes are; its pinned CRC-32 is what
+    stops a compaction from giving a flipped byte fresh checksums in a merged part."""
+    wh = _collected(tmp_path)
+    wh.write_rollouts(0, [make_rollout("r9")], make_segments("r9"))
+    _without_page_checksums(wh.root)
+    assert len(wh.read_segments(0)) == 30  # pins every part
+    part = list_parts(wh.root, schema.SEGMENTS)[0]
+    flip_in_place(part, silent_flip(part, "logprobs"))
+    with pytest.raises(WarehouseError, match=rf"{part}: its bytes changed since cleaner verified them"):
+        compact(wh.root)
+    assert len(list_parts(wh.root, schema.SEGMENTS)) == 2  # nothing merged, nothing removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: random flips in random parts of every dataset are named or provably harmless
+
+
+CONFIG = PurifyConfigRow("cfg", 0.5, 1.0, "code", "always", "{}")
+READERS = {  # dataset: what a stage reads of it, through pyarrow
+    "rollouts": lambda wh: (wh.read_rollouts(0), sorted(wh.rollout_ids(0))),
+    "segments": lambda wh: wh.read_segments(0),
+    "purified": lambda wh: (wh.read_purified(0, "cfg"), sorted(wh.purified_rollout_ids(0, "cfg"))),
+    "purify_configs": lambda wh: sorted(wh.purify_config_ids()),
+    "iterations": lambda wh: wh.read_iterations(),
+    "train_steps": lambda wh: wh.read_train_steps(0),
+    "eval_rollouts": lambda wh: wh.read_eval_rollouts("e1"),
+    "eval_segments": lambda wh: wh.read_eval_segments("e1"),
+    "eval_runs": lambda wh: wh.read_eval_run("e1"),
+}
+
+
+def _purified_row(rollout_id: str) -> PurifiedRow:
+    return PurifiedRow("cfg", 0, rollout_id, "it0-p0", (1, 2, 3, 4), 1, (0, 1, 1, 1), (0.0, -0.5, -0.25, -2.0),
+                       (0.0, -0.75, -0.125, -1.5), 1.0, 0.5, True, 1, 0, 0, 4, "test")
+
+
+def _every_dataset(root: Path) -> Warehouse:
+    """A warehouse with parts of every dataset (two collection batches), none read yet."""
+    wh = Warehouse(root)
+    for batch in range(2):
+        ids = [f"b{batch}r{i}" for i in range(3)]
+        wh.write_rollouts(0, [make_rollout(i, reward=float(n % 2)) for n, i in enumerate(ids)],
+                          [s for i in ids for s in make_segments(i)])
+    wh.write_purified(0, CONFIG, [_purified_row(f"b0r{i}") for i in range(3)])
+    wh.write_iteration(IterationRow(0, "p0", "p1", "{}", "{}", "{}", 1.0, 2.0, 3.0, 0.5, 0.25, 1.5, 2, 1,
+                                    datetime(2026, 1, 1)))
+    wh.write_train_steps(0, [TrainStepRow(0, s, s, 0.5 / (s + 1), 0.1, 0.01, 1.0, 2.0, 1e-4, 10,
+                                          datetime(2026, 1, 1)) for s in range(3)])
+    wh.write_eval_batch("e1", [make_rollout("e1r0"), make_rollout("e1r1", reward=0.0)],
+                        make_segments("e1r0") + make_segments("e1r1"))
+    wh.write_eval_run(make_eval_run("e1", saar=True))
+    return wh
+
+
+def _without_page_checksums(root: Path) -> None:
+    """Rewrite every part as cleaner wrote them before it wrote page checksums."""
+    for part in root.rglob("part-*.parquet"):
+        table = pq.read_table(part, partitioning=None)
+        pq.write_table(table, part, compression="zstd", write_page_checksum=False)
+
+
+def _reads(root: Path, dataset: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """How the SQL path and the stages read `dataset` (as a repr, so that a NaN equals itself)."""
+    wh = Warehouse(root)
+    return (lambda: repr(wh.connect().sql(f"SELECT * FROM {dataset}").to_arrow_table().to_pylist()),
+            lambda: repr(READERS[dataset](wh)))
+
+
+class _Built(dict):
+    def __repr__(self) -> str:  # hypothesis prints the fixture with a failing example
+        return f"warehouses({', '.join(self)})"
+
+
+@pytest.fixture(scope="module")
+def warehouses(tmp_path_factory) -> dict[str, tuple[Path, dict[str, tuple[str, str]]]]:
+    """name: (a warehouse to copy, what each dataset reads as) for: parts never read ("fresh"),
+    parts read once ("pinned"), and parts without page checksums read once ("legacy")."""
+    built = _Built()
+    for name in ("fresh", "pinned", "legacy"):
+        root = tmp_path_factory.mktemp(name) / "wh"
+        _every_dataset(root)
+        if name == "legacy":
+            _without_page_checksums(root)
+        expected = {dataset: tuple(read() for read in _reads(root, dataset)) for dataset in READERS}  # pins all
+        if name == "fresh":
+            shutil.rmtree(root / MANIFEST_DIR)
+        built[name] = (root, expected)
+    return built
+
+
+def _outcome(read, part: Path, expected: str) -> str:
+    try:
+        found = read()
+    except WarehouseError as error:
+        assert str(part) in str(error), f"the error does not name {part}: {error}"
+        return "named"
+    assert found == expected, f"a flipped byte in {part} was served"
+    return "harmless"
+
+
+def _flip_and_read(root: Path, expected: tuple[str, str], dataset: str, choose, anywhere: bool) -> list[str]:
+    """Flip bytes of one part of `dataset` in a copy of `root`, then read it through SQL and through
+    pyarrow, each in a copy of its own so that neither verifies the part for the other."""
+    parts = list_parts(root, DATASETS[dataset])
+    index = choose(st.integers(0, len(parts) - 1))
+    start, end = (0, parts[index].stat().st_size) if anywhere else pages_region(parts[index])
+    flips = choose(st.lists(st.tuples(st.integers(start, end - 1), st.integers(1, 255)), min_size=1, max_size=3,
+                            unique_by=lambda flip: flip[0]))
+    outcomes = []
+    for reader in (0, 1):
+        with tempfile.TemporaryDirectory() as scratch:
+            copy = Path(scratch) / "wh"
+            shutil.copytree(root, copy)
+            part = copy / parts[index].relative_to(root)
+            for offset, mask in flips:
+                flip_in_place(part, offset, mask)
+            outcomes.append(_outcome(_reads(copy, dataset)[reader], part, expected[reader]))
+    return outcomes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), dataset=st.sampled_from(sorted(READERS)), kind=st.sampled_from(["pinned", "legacy"]))
+def test_a_flip_anywhere_in_a_part_read_before_is_named_by_every_reader(warehouses, data, dataset, kind):
+    """Once a part was read, any byte of it flipped (its pages, their headers, its footer; with or
+    without page checksums in it) is named by `cleaner sql` and by the stages."""
+    root, expected = warehouses[kind]
+    assert _flip_and_read(root, expected[dataset], dataset, data.draw, anywhere=True) == ["named", "named"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), dataset=st.sampled_from(sorted(READERS)))
+def test_a_flip_in_the_pages_of_a_part_never_read_is_named_or_harmless(warehouses, data, dataset):
+    """A byte flipped in a part's pages before anything read it: the page checksums name it, or the
+    flip was in a page header field no reader uses, and both readers read back the original rows."""
+    root, expected = warehouses["fresh"]
+    outcomes = _flip_and_read(root, expected[dataset], dataset, data.draw, anywhere=False)
+    assert set(outcomes) <= {"named", "harmless"}

@@ -1,6 +1,9 @@
-"""Shared fixtures. GPU tests are skipped, never faked, where CUDA is absent."""
+"""Shared fixtures. GPU tests are skipped, never faked, where CUDA is absent. The real SGLang
+runtime on CPU (an engine, servers, a router) is for the `sglang` tests, in .venv-sglang."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -85,3 +88,33 @@ def small_run(tmp_path_factory):
     purify_job(Warehouse(run_dir / "warehouse"), 1, [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.9)],
                progress=False)
     return run_dir
+
+
+# ---------------------------------------------------------------------------- SGLang on CPU
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(tiny_qwen3_dir):
+    """The real in-process SGLang engine on CPU serving `tiny_qwen3_dir`, one per session (a start
+    costs 20-70 s); tests that move it to other weights move it back."""
+    if importlib.util.find_spec("sglang") is None:  # not imported here: cleaner imports it for its device
+        pytest.skip("the sglang tests run in .venv-sglang (make sglang-cpu)")
+    from cleaner.engine.backends.sglang_backend import SGLangBackend
+
+    backend = SGLangBackend(tiny_qwen3_dir, device="cpu", seed=0)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_cluster(tmp_path_factory):
+    """Two real SGLang servers on CPU serving the committed tiny policy and sglang-router in front
+    of them, on 127.0.0.1, started once per session and stopped at its end."""
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("the sglang tests run in .venv-sglang (make sglang-cpu)")
+    from cleaner.engine.config import DEFAULT_POLICY
+    from tests.sglang_cpu import Cluster
+
+    cluster = Cluster.start(DEFAULT_POLICY, 2, tmp_path_factory.mktemp("sglang-logs"))
+    yield cluster
+    cluster.stop()

@@ -10,8 +10,8 @@ Design decisions:
   the request and response shapes); the tokenizer for the chat format is loaded here with
   transformers from the same checkpoint.
 - `device` is `cpu`, `cuda` or `cuda:N` (`base_gpu_id=N`). On `cpu`, cleaner sets what SGLang's
-  CPU path needs itself: `SGLANG_USE_CPU_ENGINE=1` before sglang is imported (SGLang reads it at
-  import time; without it the model build looks for CUDA kernels), and the engine options that
+  CPU path needs itself: `SGLANG_USE_CPU_ENGINE=1` before sglang is imported (SGLang chooses its
+  platform from it on import; without it the model build looks for GPU kernels), and the options that
   work there (`CPU_ENGINE_OPTIONS`: PyTorch-native attention and sampling, no CUDA graphs, no
   overlap schedule, a fixed KV budget because the automatic memory fraction resolves to a negative
   number on a small machine, float32). Options passed as keyword arguments win.
@@ -26,6 +26,10 @@ Design decisions:
   engine says it computed (prompt tokens minus `cached_tokens`).
 - New weights: `update_weights_from_disk(path)`, which waits for running requests and flushes the
   radix cache, so no KV computed with the old weights is reused.
+- Closing: SGLang's `Engine.shutdown` SIGKILLs every child process of this process (the resource
+  tracker of multiprocessing included) and is registered to run again at exit. `close` removes
+  that registration and restarts the tracker; close the engine after anything else this process
+  started (the jobs close it after the sandbox).
 """
 
 from __future__ import annotations

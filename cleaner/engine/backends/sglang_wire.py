@@ -3,8 +3,9 @@
 Both SGLang backends use them: the in-process engine (`sglang_backend.py`) passes a batch body to
 `Engine.generate`, the server client (`sglang_server.py`) POSTs single bodies to `/generate`.
 Written against SGLang's source (managers/io_struct.py GenerateReqInput, the tokenizer manager's
-meta_info, schedule_batch.py's finish reasons, the router's typed request), v0.5.4 and later;
-never run against a live SGLang here (docs/architecture.md §6).
+meta_info, schedule_batch.py's finish reasons, the router's typed request), v0.5.4 and later, and
+run against SGLang 0.5.23 (its engine and HTTP server on CPU) and sglang-router 0.3.2 by
+`make test-sglang` (docs/architecture.md §6).
 
 Design decisions:
 - Token ids only: requests carry `input_ids`, and generated ids are read from

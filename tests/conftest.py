@@ -104,17 +104,3 @@ def sglang_engine(tiny_qwen3_dir):
     backend = SGLangBackend(tiny_qwen3_dir, device="cpu", seed=0)
     yield backend
     backend.close()
-
-
-@pytest.fixture(scope="session")
-def sglang_cluster(tmp_path_factory):
-    """Two real SGLang servers on CPU serving the committed tiny policy and sglang-router in front
-    of them, on 127.0.0.1, started once per session and stopped at its end."""
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("the sglang tests run in .venv-sglang (make sglang-cpu)")
-    from cleaner.engine.config import DEFAULT_POLICY
-    from tests.sglang_cpu import Cluster
-
-    cluster = Cluster.start(DEFAULT_POLICY, 2, tmp_path_factory.mktemp("sglang-logs"))
-    yield cluster
-    cluster.stop()

@@ -7,8 +7,15 @@ TORCH_SPEC ?= torch==2.13.0
 # The DeepSpeed the slow tests were verified with (an sdist; its ops build just in time, not here).
 DEEPSPEED_SPEC ?= deepspeed==0.19.0
 PYTEST_ARGS ?=
+# The real SGLang runtime on CPU for `make test-sglang` (tools/sglang-cpu/README.md): sglang goes in
+# without its declared dependencies (they pin a CUDA torch and CUDA kernels), the router is the Rust
+# gateway that fits it.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_ROUTER_SPEC ?= sglang-router==0.3.2
+SGLANG_CPU := tools/sglang-cpu
 
-.PHONY: setup demo test test-slow test-gpu test-ui lint bench clean
+.PHONY: setup demo test test-slow test-gpu test-sglang sglang-cpu test-ui lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +32,19 @@ $(VENV)/.deepspeed-installed: $(VENV)/.installed
 	DS_BUILD_OPS=0 $(PIP) install -q "$(TORCH_SPEC)" "$(DEEPSPEED_SPEC)" -e '.[dev,deepspeed]'
 	touch $@
 
+# A second venv, so the default one stays free of SGLang's 2 GB. The CPU test shims (a placeholder
+# sgl_kernel and a torchvision import hook) are copied into its site-packages.
+$(SGLANG_VENV)/.installed: pyproject.toml $(wildcard $(SGLANG_CPU)/*.txt $(SGLANG_CPU)/site/*.py $(SGLANG_CPU)/site/*/*.py)
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_CPU)/constraints.txt "$(TORCH_SPEC)" \
+		-r $(SGLANG_CPU)/requirements.txt "$(SGLANG_ROUTER_SPEC)" -e '.[dev]'
+	$(SGLANG_VENV)/bin/pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(SGLANG_VENV)/bin/python $(SGLANG_CPU)/install_shims.py
+	touch $@
+
+sglang-cpu: $(SGLANG_VENV)/.installed
+
 demo: setup
 	$(VENV)/bin/cleaner demo
 
@@ -33,6 +53,10 @@ test: setup
 
 test-slow: setup $(VENV)/.deepspeed-installed
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# The real SGLang engine, servers and router on CPU (the `sglang` marker): one engine per session.
+test-sglang: sglang-cpu
+	OMP_NUM_THREADS=1 $(SGLANG_VENV)/bin/python -m pytest -q -m sglang $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
@@ -53,7 +77,7 @@ test-ui: setup $(VENV)/.ui-test-installed
 	$(PY) -m pytest -q -m ui $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check cleaner tests bench
+	$(VENV)/bin/ruff check cleaner tests bench tools
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis

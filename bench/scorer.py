@@ -4,10 +4,17 @@ Rows are either synthetic (groups of G rows sharing a P-token prompt; a share of
 random-length prefix of an earlier row's response before diverging, as renderings of one rollout
 do) or the purified rows of one iteration and config of a warehouse. Both scorers see the same rows
 on the same model; we report tokens forwarded, wall time (best of --repeats, the two scorers
-alternating within each round) and the largest absolute difference between the two.
+alternating within each round) and the largest absolute difference between the two. Without
+--config-id, a warehouse gives every config's rows of the iteration, as one purify pass scores them.
+
+With --sglang (in .venv-sglang, `make sglang-cpu`), the same rows are also scored once through a
+real in-process SGLang engine on CPU (purify's BackendScorer: one request per radix-tree edge):
+the tokens the engine says it computed (prompt tokens minus `cached_tokens`, summed over the
+requests) beside the trie's, and the largest difference from the naive forward.
 
     .venv/bin/python bench/scorer.py --prompts 8 --group-size 8 --prompt-len 256 --response-len 256
     .venv/bin/python bench/scorer.py --warehouse runs/w --iteration 0 --config-id abc123 --model assets/tiny-policy
+    .venv-sglang/bin/python bench/scorer.py --warehouse runs/w --model assets/tiny-policy --sglang
 """
 
 from __future__ import annotations
@@ -56,7 +63,11 @@ def synthetic_rows(args: argparse.Namespace, vocab_size: int) -> Rows:
 def warehouse_rows(args: argparse.Namespace) -> Rows:
     from cleaner.warehouse.store import Warehouse
 
-    purified = Warehouse(args.warehouse).read_purified(args.iteration, args.config_id)
+    warehouse = Warehouse(args.warehouse)
+    config_ids = [args.config_id] if args.config_id else [
+        config_id for (config_id,) in warehouse.connect().sql(
+            f"SELECT DISTINCT config_id FROM purified WHERE iteration = {int(args.iteration)} ORDER BY 1").fetchall()]
+    purified = [row for config_id in config_ids for row in warehouse.read_purified(args.iteration, config_id)]
     if not purified:
         raise SystemExit(f"{args.warehouse}: no purified rows for iteration {args.iteration}, config {args.config_id}")
     return Rows([list(r.token_ids) for r in purified], [max(1, r.prompt_len) for r in purified])
@@ -113,6 +124,37 @@ def run(args: argparse.Namespace, model_path: Path) -> None:
     print(f"ratio naive/trie: tokens {tokens_naive / tokens_trie:.2f}x  time {naive_s / trie_s:.2f}x")
     print(f"prefix groups {scorer.stats.n_prefix_groups // args.repeats}  "
           f"forwards {scorer.stats.n_forwards // args.repeats}  max |naive - trie| {diff:.2e}")
+    if args.sglang:
+        sglang_pass(args, model_path, rows, naive, tokens_naive, tokens_trie)
+
+
+def sglang_pass(args: argparse.Namespace, model_path: Path, rows: Rows, naive: list[list[float]],
+                tokens_naive: int, tokens_trie: int) -> None:
+    """The same rows once through purify's scorer on a real SGLang engine on CPU."""
+    from cleaner.engine.backends.sglang_backend import SGLangBackend
+
+    options = {"max_total_tokens": args.sglang_max_total_tokens} if args.sglang_max_total_tokens else {}
+    engine = SGLangBackend(model_path, device="cpu", **options)
+    try:
+        scorer = engine.scorer()
+        began = time.perf_counter()
+        scored = scorer.score_rows(rows.sequences, rows.starts)
+        seconds = time.perf_counter() - began
+    finally:
+        engine.close()
+    diff = max((abs(a - b) for row_a, row_b in zip(naive, scored, strict=True)
+                for a, b in zip(row_a, row_b, strict=True)), default=0.0)
+    stats = scorer.stats
+    print(f"sglang  engine computed {stats.tokens_computed} tokens (plan {stats.tokens_forwarded}, "
+          f"{stats.n_forwards} requests) in {seconds:.2f} s; KV budget {engine_budget(options)} tokens")
+    print(f"tokens / naive: trie {tokens_trie / tokens_naive:.3f}  sglang {stats.tokens_computed / tokens_naive:.3f}"
+          f"  (plan {stats.tokens_forwarded / tokens_naive:.3f})  max |naive - sglang| {diff:.2e}")
+
+
+def engine_budget(options: dict) -> int:
+    from cleaner.engine.backends.sglang_backend import CPU_ENGINE_OPTIONS
+
+    return options.get("max_total_tokens", CPU_ENGINE_OPTIONS["max_total_tokens"])
 
 
 def main() -> None:
@@ -120,7 +162,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="checkpoint dir (default: a random tiny Qwen3)")
     parser.add_argument("--warehouse", type=Path, help="score this warehouse's purified rows")
     parser.add_argument("--iteration", type=int, default=0)
-    parser.add_argument("--config-id", default=None)
+    parser.add_argument("--config-id", default=None, help="default: every config of the iteration")
     parser.add_argument("--prompts", type=int, default=8, help="synthetic: GRPO groups")
     parser.add_argument("--group-size", type=int, default=8, help="synthetic: rows per prompt")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -131,9 +173,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sglang", action="store_true", help="also score through an SGLang engine on CPU")
+    parser.add_argument("--sglang-max-total-tokens", type=int, default=None,
+                        help="the engine's KV budget in tokens (default: cleaner's CPU default)")
     args = parser.parse_args()
-    if args.warehouse and not args.config_id:
-        parser.error("--warehouse needs --config-id")
     torch.set_num_threads(args.threads)
     if args.model:
         run(args, args.model)

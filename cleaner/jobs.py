@@ -98,11 +98,15 @@ class CollectOutcome:
     seconds: float
 
 
+def iteration_seed(config: CollectConfig) -> int:
+    """A 32-bit seed of (seed, iteration): the toy tasks' and an SGLang engine's random seed."""
+    return int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
+
+
 def load_tasks(config: CollectConfig) -> list[Task]:
     """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
     if config.data is None:
-        seed = int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
-        return toy_tasks(config.n_prompts, seed=seed)
+        return toy_tasks(config.n_prompts, seed=iteration_seed(config))
     tasks = load_dataset(config.data, config.prompt_style).tasks  # DatasetError names file and row
     if not tasks:
         raise JobError(f"{config.data}: the dataset has no rows")
@@ -136,7 +140,7 @@ def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = F
     n_written = 0
     if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
-                                 sglang_url=config.sglang_url)
+                                 sglang_url=config.sglang_url, seed=iteration_seed(config))
         with _serving(backend, load) as serving:
             if serving.tokenizer is None:
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "

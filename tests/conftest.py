@@ -1,6 +1,9 @@
-"""Shared fixtures. GPU tests are skipped, never faked, where CUDA is absent."""
+"""Shared fixtures. GPU tests are skipped, never faked, where CUDA is absent. The real SGLang
+runtime on CPU (an engine, servers, a router) is for the `sglang` tests, in .venv-sglang."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -85,3 +88,19 @@ def small_run(tmp_path_factory):
     purify_job(Warehouse(run_dir / "warehouse"), 1, [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.9)],
                progress=False)
     return run_dir
+
+
+# ---------------------------------------------------------------------------- SGLang on CPU
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(tiny_qwen3_dir):
+    """The real in-process SGLang engine on CPU serving `tiny_qwen3_dir`, one per session (a start
+    costs 20-70 s); tests that move it to other weights move it back."""
+    if importlib.util.find_spec("sglang") is None:  # not imported here: cleaner imports it for its device
+        pytest.skip("the sglang tests run in .venv-sglang (make sglang-cpu)")
+    from cleaner.engine.backends.sglang_backend import SGLangBackend
+
+    backend = SGLangBackend(tiny_qwen3_dir, device="cpu", seed=0)
+    yield backend
+    backend.close()

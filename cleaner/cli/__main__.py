@@ -2,4 +2,5 @@
 
 from cleaner.cli import app
 
-app()
+if __name__ == "__main__":  # an SGLang engine spawns processes that import this module again
+    app()

@@ -250,6 +250,9 @@ def _print_purify(outcome) -> None:
         s = outcome.scorer_stats
         console.print(f"scorer: forwarded {s.tokens_forwarded} of {s.tokens_naive} tokens "
                       f"({s.tokens_forwarded / max(s.tokens_naive, 1):.2f} of a naive pass) in {s.seconds:.1f} s")
+        if s.tokens_computed is not None:  # an engine with its own prefix cache says what it computed
+            console.print(f"the engine computed {s.tokens_computed} of {s.tokens_naive} tokens "
+                          f"({s.tokens_computed / max(s.tokens_naive, 1):.2f} of a naive pass)")
     console.print(f"{len(outcome.results)} config(s) in {outcome.seconds:.1f} s")
 
 

@@ -19,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -145,6 +146,17 @@ def context_length_of(path: str | Path) -> int | None:
         return context_length(AutoConfig.from_pretrained(str(path)))
     except (OSError, ValueError) as error:
         raise ModelError(f"model {str(path)!r}: cannot read its config ({error})") from error
+
+
+def vocab_size_of(path: str | Path) -> int | None:
+    """The vocabulary size in a local checkpoint's config.json (a multimodal model's text config);
+    None for a hub id or a config without one."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(size) if size is not None else None
 
 
 # ---------------------------------------------------------------------------- policy version

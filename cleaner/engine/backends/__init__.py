@@ -3,8 +3,8 @@
 - `torch`: transformers in this process, on CPU or one GPU (torch_backend.py).
 - `sglang` with a URL: running SGLang servers or a router, over HTTP (sglang_server.py); needs
   nothing installed here beyond cleaner.
-- `sglang` without a URL: an in-process `sglang.Engine` on this node's GPUs (sglang_backend.py);
-  needs the `sglang` extra.
+- `sglang` without a URL: an in-process `sglang.Engine` on this node's GPUs or its CPU
+  (sglang_backend.py); needs the `sglang` extra (on CPU, `make sglang-cpu`).
 
 Imports are lazy so that importing the package never loads torch weights or sglang.
 """
@@ -31,12 +31,14 @@ def require_backend(kind: str, sglang_url: str | None = None) -> None:
 
 
 def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: str | None = None,
-                 sglang_url: str | None = None) -> Backend:
+                 sglang_url: str | None = None, seed: int = 0) -> Backend:
     """A ready backend serving `model_path`.
 
-    dtype is a torch dtype name (float32, bfloat16, float16); None means float32 for torch and the
-    checkpoint's own dtype for an SGLang engine. `device` is the torch backend's device or the
-    SGLang engine's first GPU; a server ignores it.
+    dtype is a torch dtype name (float32, bfloat16, float16); None means float32 for torch and for
+    an SGLang engine on CPU, and the checkpoint's own dtype for one on a GPU. `device` is the torch
+    backend's device or the SGLang engine's (cpu, or its first GPU); a server ignores it. `seed` is
+    an SGLang engine's random seed (what makes its sampling reproducible where per-request seeds
+    are not honoured); the other backends take one seed per request instead.
     """
     require_backend(kind, sglang_url)
     if kind == "torch":
@@ -50,6 +52,6 @@ def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: 
         from cleaner.engine.backends.sglang_server import SGLangServerBackend  # (start-up time)
 
         return SGLangServerBackend(sglang_url, model_path)
-    from cleaner.engine.backends.sglang_backend import SGLangBackend  # optional, GPU-only extra
+    from cleaner.engine.backends.sglang_backend import SGLangBackend  # (start-up time)
 
-    return SGLangBackend(model_path, device=device, dtype=dtype or "auto")
+    return SGLangBackend(model_path, device=device, dtype=dtype, seed=seed)

@@ -22,7 +22,9 @@ Design decisions:
 - Positions before every start below a node are not asked for (NaN internally, never returned).
 - `stats.tokens_forwarded` counts, per request, the tokens past the part of it the engine may
   serve from its cache (the parent's path, capped at the request's logprob_start_len): what it
-  computes when its cache holds every path sent before. It may evict and recompute more.
+  computes when its cache holds every path sent before. It may evict and recompute more, so a
+  backend that can read what the engine did passes `computed` (its running count of tokens the
+  engine computed: SGLang's prompt tokens minus `cached_tokens`), which fills `stats.tokens_computed`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from cleaner.engine.backends.radix import (
 
 SCORER_VERSION = "backend-radix-1"
 ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[float]]]
+Counter = Callable[[], int]
 
 
 @dataclass
@@ -53,12 +56,14 @@ class BackendScorer:
 
     score: ScoreFn
     progress: bool = False  # a tqdm bar over the requests
+    computed: Counter | None = None  # the engine's running count of tokens it computed, if known
     version: str = SCORER_VERSION
     stats: ScorerStats = field(default_factory=ScorerStats)
 
     def score_rows(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         check_score_inputs(sequences, starts)
         began = time.perf_counter()
+        computed_before = self.computed() if self.computed is not None else 0
         root = build_radix_tree(sequences, max_edge_tokens=max((len(s) for s in sequences), default=1))
         mark_first_scored(root, starts)
         level = [(child, tuple(child.edge)) for child in root.children]
@@ -73,6 +78,8 @@ class BackendScorer:
             for index in node.ending_rows:
                 results[index] = path[starts[index]:]
         self.stats.tokens_naive += sum(len(s) for s in sequences)
+        if self.computed is not None:
+            self.stats.tokens_computed = (self.stats.tokens_computed or 0) + self.computed() - computed_before
         self.stats.seconds += time.perf_counter() - began
         return results
 

@@ -63,16 +63,21 @@ class Generation:
 class ScorerStats:
     """Work counters, cumulative over calls (mutable on purpose: the scorer updates them)."""
 
-    tokens_forwarded: int = 0  # real (unpadded) tokens sent through the model
+    tokens_forwarded: int = 0  # real (unpadded) tokens sent through the model; an engine's: see below
     tokens_naive: int = 0  # sum of row lengths: what one full forward per row would cost
     n_prefix_groups: int = 0  # internal tree nodes whose cache was reused by >= 1 child forward
     n_forwards: int = 0  # model calls (or engine requests)
     seconds: float = 0.0
+    # what a serving engine reports it computed (SGLang: prompt tokens minus its `cached_tokens`);
+    # None for a scorer that forwards itself. An engine scorer's tokens_forwarded is its plan: what
+    # the engine computes if its prefix cache still holds every path sent before
+    tokens_computed: int | None = None
 
     @property
     def reuse_ratio(self) -> float:
-        """tokens_naive / tokens_forwarded (1.0 = no sharing)."""
-        return self.tokens_naive / max(self.tokens_forwarded, 1)
+        """tokens_naive / the tokens computed (1.0 = no sharing)."""
+        computed = self.tokens_forwarded if self.tokens_computed is None else self.tokens_computed
+        return self.tokens_naive / max(computed, 1)
 
 
 class RowScorer(Protocol):

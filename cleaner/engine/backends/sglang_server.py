@@ -1,8 +1,7 @@
 """The Backend protocol over HTTP: running SGLang servers, or a router in front of many, on any nodes.
 
-UNVERIFIED against a live SGLang (no GPU here): the shapes come from SGLang's source
-(sglang_wire.py), and the HTTP plumbing is tested against a local stand-in server that answers
-with those shapes.
+Run against real SGLang 0.5.23 servers on CPU and sglang-router 0.3.2 in front of two of them, on
+127.0.0.1 (`make test-sglang`: the contract suite on a server, `cleaner run` through the router).
 
 Design decisions:
 - Standard library only (urllib, json, a thread pool): a client machine needs nothing installed
@@ -12,13 +11,18 @@ Design decisions:
   spreads single requests over its workers; a plain server batches concurrent requests itself.
 - Weights: `POST /update_weights_from_disk` with the checkpoint path, which every server must see
   at the same path (a shared filesystem). A router has no such endpoint, so the workers are found
-  once, at start: `GET /workers` (the model gateway) or `GET /list_workers` (the older router);
-  if neither answers, the URL is a server itself. Each worker is updated in turn; the update
-  waits for its running requests and flushes its radix cache.
-- At start every worker is asked which checkpoint it serves (`GET /get_model_info`) and is moved
-  to ours if it differs, so collect, purify and run always sample the policy they record.
+  once, at start: `GET /workers` (the model gateway, sglang-router >= 0.2) or `GET /list_workers`
+  (the older router); if neither answers with a worker list, the URL is a server itself. A router
+  that lists no worker is an error: it registers the workers it was started with a moment after it
+  answers its health check. Each worker is updated in turn; the update waits for its running
+  requests and flushes its radix cache.
+- At start every worker is asked which checkpoint it serves (`GET /model_info`, `/get_model_info`
+  before SGLang 0.5.10) and is moved to ours if it differs, so collect, purify and run always
+  sample the policy they record.
 - The tokenizer (for the chat format) and the policy version (a hash of the weight files) come
   from the checkpoint on this machine.
+- `tokens_computed` counts what the servers say they computed for scoring requests (prompt
+  tokens minus `cached_tokens`), for the scorer's stats.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from cleaner.engine.backends.base import (
 )
 from cleaner.engine.backends.sglang_wire import (
     EngineError,
+    computed_tokens,
     error_message,
     generate_body,
     generation_from_response,
@@ -52,7 +57,12 @@ from cleaner.engine.backends.sglang_wire import (
     update_weights_body,
     worker_urls,
 )
-from cleaner.engine.models import context_length_of, load_tokenizer_if_present, policy_version_of
+from cleaner.engine.models import (
+    context_length_of,
+    load_tokenizer_if_present,
+    policy_version_of,
+    vocab_size_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +101,22 @@ def discover_workers(url: str, timeout_s: float) -> list[str]:
     """The servers behind `url`: a router's workers, or [url] when `url` is a server itself."""
     for route in ("/workers", "/list_workers"):
         status, payload = http_json(url + route, None, timeout_s)
-        found = worker_urls(payload) if status == 200 else []
+        found = worker_urls(payload) if status == 200 else None
+        if found == []:
+            raise EngineError(f"the router at {url} lists no workers (GET {route}); start its servers, "
+                              "or wait until it has registered them")
         if found:
             return found
     return [url]
+
+
+def served_checkpoint(worker: str, timeout_s: float) -> str | None:
+    """The checkpoint a server says it serves, or None if it does not say."""
+    for route in ("/model_info", "/get_model_info"):
+        status, info = http_json(worker + route, None, timeout_s)
+        if status == 200:
+            return served_model(info)
+    return None
 
 
 # ---------------------------------------------------------------------------- backend
@@ -112,13 +134,14 @@ class SGLangServerBackend:
         self.timeout_s = timeout_s
         self.tokenizer = load_tokenizer_if_present(model_path)
         self._context_length = context_length_of(model_path)  # adopt keeps the architecture
+        self.vocab_size = vocab_size_of(model_path)  # for the id check of input log-probs
         self.workers = discover_workers(self.url, timeout_s)
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
         self._model_path = Path(model_path)
         self._policy_version = policy_version_of(model_path)
+        self.tokens_computed = 0  # over every `score` request: prompt tokens minus cached ones
         for worker in self.workers:
-            status, info = http_json(worker + "/get_model_info", None, timeout_s)
-            if status != 200 or served_model(info) != os.path.normpath(str(model_path)):
+            if served_checkpoint(worker, timeout_s) != os.path.normpath(str(model_path)):
                 self._update(worker, model_path)
 
     @property
@@ -149,7 +172,7 @@ class SGLangServerBackend:
         log.info("%s now serves %s", worker, model_path)
 
     def scorer(self, progress: bool = False) -> BackendScorer:
-        return BackendScorer(self.score, progress=progress)
+        return BackendScorer(self.score, progress=progress, computed=lambda: self.tokens_computed)
 
     def close(self) -> None:
         """Nothing to release: the servers keep running."""
@@ -180,5 +203,6 @@ class SGLangServerBackend:
         responses = self._generate_all([score_body(sequences[i], starts[i]) for i in asked])
         results: list[list[float]] = [[] for _ in sequences]
         for i, response in zip(asked, responses, strict=True):
-            results[i] = input_logprobs_from_response(response, sequences[i], starts[i])
+            results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)
+        self.tokens_computed += sum(computed_tokens(response) for response in responses)
         return results

@@ -3,8 +3,9 @@
 Both SGLang backends use them: the in-process engine (`sglang_backend.py`) passes a batch body to
 `Engine.generate`, the server client (`sglang_server.py`) POSTs single bodies to `/generate`.
 Written against SGLang's source (managers/io_struct.py GenerateReqInput, the tokenizer manager's
-meta_info, schedule_batch.py's finish reasons, the router's typed request), v0.5.4 and later;
-never run against a live SGLang here (docs/architecture.md §6).
+meta_info, schedule_batch.py's finish reasons, the router's typed request), v0.5.4 and later, and
+run against SGLang 0.5.23 (its engine and HTTP server on CPU) and sglang-router 0.3.2 by
+`make test-sglang` (docs/architecture.md §6).
 
 Design decisions:
 - Token ids only: requests carry `input_ids`, and generated ids are read from
@@ -25,7 +26,13 @@ Design decisions:
   the entries cover positions P - 1 .. L - 1, entry 0 is a None placeholder (nothing scores the
   token at logprob_start_len). We read the LAST L - P entries and check their token ids against
   s[P:], so an off-by-one in any version is an error, never a silent shift. Input log-probs are
-  never temperature-scaled.
+  never temperature-scaled. SGLang (0.5.23, scheduler_components/logprob_result_processor.py)
+  reports the vocabulary's last id as 0 in `input_token_logprobs` (it clips image-hash pads with
+  `x < vocab_size - 1`); the log-prob itself is that of the real token (checked against a
+  transformers forward), so the check takes a 0 there when it is given the model's vocab size.
+  Real checkpoints rarely use that id (their vocabularies are padded); the tiny policies do.
+- The request's prefix-cache match is capped at its `logprob_start_len`; `cached_tokens` in
+  meta_info says how many input tokens came from the cache (`computed_tokens`).
 - Generation asks for `logprob_start_len = len(prompt) - 1`: valid in every version (older ones
   refuse >= len), and no cap on prefix reuse beyond the one SGLang always keeps (len - 1).
 - One request per body, every field a scalar or a flat list: the router re-serialises requests
@@ -130,18 +137,30 @@ def generation_from_response(response: dict[str, Any]) -> Generation:
     )
 
 
-def input_logprobs_from_response(response: dict[str, Any], sequence: Sequence[int], start: int) -> list[float]:
-    """The log-probs of sequence[start:] from `input_token_logprobs` (checked against the ids)."""
+def input_logprobs_from_response(response: dict[str, Any], sequence: Sequence[int], start: int,
+                                 vocab_size: int | None = None) -> list[float]:
+    """The log-probs of sequence[start:] from `input_token_logprobs` (checked against the ids;
+    `vocab_size`, the model's, lets its last id come back as 0: see the module's notes)."""
     wanted = len(sequence) - start
     if wanted == 0:
         return []
     entries = (response["meta_info"].get("input_token_logprobs") or [])[-wanted:]
     ids = [int(entry[1]) for entry in entries]
-    if ids != [int(t) for t in sequence[start:]] or any(entry[0] is None for entry in entries):
+    expected = [int(t) for t in sequence[start:]]
+    if vocab_size is not None:
+        expected = [0 if t == vocab_size - 1 else t for t in expected]
+    if ids != expected or any(entry[0] is None for entry in entries):
         raise EngineError(
             f"sglang input_token_logprobs do not line up with the sequence from position {start}"
         )
     return [float(entry[0]) for entry in entries]
+
+
+def computed_tokens(response: dict[str, Any]) -> int:
+    """The input tokens the engine computed for one request: its prompt minus the prefix it served
+    from its radix cache (`cached_tokens`)."""
+    meta = response["meta_info"]
+    return int(meta["prompt_tokens"]) - int(meta.get("cached_tokens") or 0)
 
 
 def error_message(payload: Any) -> str:
@@ -155,15 +174,16 @@ def error_message(payload: Any) -> str:
     return str(payload)[:500]
 
 
-def worker_urls(payload: Any) -> list[str]:
+def worker_urls(payload: Any) -> list[str] | None:
     """Worker URLs from a router's worker list: the gateway's `GET /workers`
-    ({"workers": [{"url": ...}, ...]}) or the older router's `GET /list_workers` ({"urls": [...]})."""
+    ({"workers": [{"url": ...}, ...], "total": N}) or the older router's `GET /list_workers`
+    ({"urls": [...]}); None when `payload` is no worker list (the URL is not a router)."""
     if isinstance(payload, dict) and isinstance(payload.get("workers"), list):
         return [str(worker["url"]).rstrip("/") for worker in payload["workers"]
                 if isinstance(worker, dict) and "url" in worker]
     if isinstance(payload, dict) and isinstance(payload.get("urls"), list):
         return [str(url).rstrip("/") for url in payload["urls"]]
-    return []
+    return None
 
 
 def served_model(payload: Any) -> str | None:

@@ -66,6 +66,17 @@ def test_one_request_per_edge_level_by_level(backend):
     assert scorer.stats.tokens_naive == 10 + 11 + 9
 
 
+def test_an_engine_count_of_computed_tokens_fills_the_stats(backend):
+    engine_count = iter([100, 117, 117, 130])  # what the engine said it had computed, before and after
+    scorer = BackendScorer(backend.score, computed=lambda: next(engine_count))
+    assert scorer.stats.tokens_computed is None
+    scorer.score_rows([PROMPT + [9, 9]], [8])
+    assert scorer.stats.tokens_computed == 17
+    scorer.score_rows([PROMPT + [1]], [8])
+    assert scorer.stats.tokens_computed == 17 + 13
+    assert scorer.stats.reuse_ratio == pytest.approx((10 + 9) / 30)  # naive / computed, not the plan
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=8),

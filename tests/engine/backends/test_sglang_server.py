@@ -141,7 +141,11 @@ def test_score_reads_input_logprobs_and_sends_nothing_for_empty_rows(server, mod
     scored = backend.score([[5, 6, 7, 8], [3, 4], [9]], [2, 2, 1])
     assert scored == [[-0.7, -0.8], [], []]
     assert [body["logprob_start_len"] for body in server.paths("/generate")] == [1]
-    assert backend.scorer().score_rows([[5, 6, 7, 8], [5, 6, 9]], [2, 2]) == [[-0.7, -0.8], [-0.9]]
+    assert backend.tokens_computed == 4  # the stand-in caches nothing: its whole prompt
+    scorer = backend.scorer()
+    assert scorer.score_rows([[5, 6, 7, 8], [5, 6, 9]], [2, 2]) == [[-0.7, -0.8], [-0.9]]
+    # requests [5, 6] (the shared prefix, for its last token), then [5, 6, 7, 8] and [5, 6, 9]
+    assert scorer.stats.tokens_computed == 2 + 4 + 3
 
 
 def test_concurrency_is_bounded(model_dir):
@@ -177,6 +181,15 @@ def test_a_router_spreads_requests_and_each_worker_gets_the_weights(model_dir, t
     finally:
         for stand_in in (router, *workers):
             stand_in.close()
+
+
+def test_a_router_that_lists_no_workers_yet_is_an_engine_error(model_dir):
+    router = StandIn(str(model_dir), workers=[])
+    try:
+        with pytest.raises(EngineError, match=f"the router at {router.url} lists no workers"):
+            SGLangServerBackend(router.url, model_dir)
+    finally:
+        router.close()
 
 
 def test_refusals_are_engine_errors_with_the_servers_message(server, model_dir, tmp_path):

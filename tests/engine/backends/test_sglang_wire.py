@@ -10,6 +10,7 @@ from cleaner.engine.backends.base import LENGTH, STOP, SamplingParams
 from cleaner.engine.backends.sglang_wire import (
     EngineError,
     batch_body,
+    computed_tokens,
     error_message,
     generate_body,
     generation_from_response,
@@ -116,6 +117,19 @@ def test_input_logprobs_take_the_tail_and_check_ids():
         input_logprobs_from_response(output, sequence, start=1)  # would need the None entry
 
 
+def test_the_last_vocabulary_id_may_come_back_as_zero():
+    # SGLang 0.5.23 answered [1, 2, 3, 511, 5] (vocab 512), logprob_start_len 0, with these ids;
+    # the log-prob at 511's place was 511's (transformers: -13.0979)
+    output = {"meta_info": {"input_token_logprobs": [(None, 1, None), (-7.8232, 2, None), (-11.6111, 3, None),
+                                                     (-13.0979, 0, None), (-11.0352, 5, None)]}}
+    assert input_logprobs_from_response(output, [1, 2, 3, 511, 5], 1, vocab_size=512) == [
+        -7.8232, -11.6111, -13.0979, -11.0352]
+    with pytest.raises(EngineError, match="do not line up"):
+        input_logprobs_from_response(output, [1, 2, 3, 511, 5], 1)  # without the vocab size: strict
+    with pytest.raises(EngineError, match="do not line up"):
+        input_logprobs_from_response(output, [1, 2, 3, 510, 5], 1, vocab_size=512)  # only the last id
+
+
 def test_the_wire_cheat_sheet_response():
     # prompt [1, 2, 3], logprob_start_len 1: [null, 2], [-3.1, 3]; then two generated tokens
     response = _response([[-0.2, 17, None], [-0.01, 2, None]], {"type": "stop", "matched": 2},
@@ -134,6 +148,14 @@ def test_responses_of_takes_one_object_or_a_batch_list():
         responses_of({"error": {"message": "bad"}}, 1)
 
 
+def test_computed_tokens_are_the_prompt_past_the_cached_prefix():
+    # SGLang 0.5.23's meta_info of a scoring request whose first 4 tokens were in its radix cache
+    scored = {"meta_info": {"prompt_tokens": 7, "completion_tokens": 0, "cached_tokens": 4,
+                            "cached_tokens_details": {"device": 4, "host": 0}}}
+    assert computed_tokens(scored) == 3
+    assert computed_tokens({"meta_info": {"prompt_tokens": 5}}) == 5  # a version without the field
+
+
 def test_error_messages_of_the_servers_bodies():
     assert error_message({"error": {"message": "logprob_start_len too large"}}) == "logprob_start_len too large"
     assert error_message({"error": "unknown field `seed`"}) == "unknown field `seed`"
@@ -146,7 +168,9 @@ def test_worker_urls_of_both_routers():
                "total": 2, "stats": {}}
     assert worker_urls(gateway) == ["http://w1:31000", "http://w2:31250"]
     assert worker_urls({"urls": ["http://w1:31000"]}) == ["http://w1:31000"]
-    assert worker_urls({"detail": "Not Found"}) == []
+    # sglang-router 0.3.2 answers its health check before it has registered its workers
+    assert worker_urls({"workers": [], "total": 0, "stats": {}}) == []
+    assert worker_urls({"detail": "Not Found"}) is None  # not a router
 
 
 def test_served_model_is_normalised():

@@ -66,7 +66,7 @@ def test_stored_segments_reproduce_every_context(backend):
 
 
 def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backend):
-    """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: see the README): the
+    """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: docs/experiments.md): the
     agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
     give every context again."""
     from cleaner.engine.saar import ScoreCache

@@ -26,7 +26,7 @@ from tests.engine.test_tracking import scalars
 
 runner = CliRunner()
 
-# The tiny policy's sampling as trained and measured in the README (temperature 1, top-p 1), and
+# The tiny policy's sampling as trained and measured in docs/experiments.md (temperature 1, top-p 1), and
 # its token budgets; the paper's top-p 0.6 makes it almost never fail a call.
 TINY = ["--prompt-style", "bare", "--top-p", "1.0", "--max-new-tokens", "160", "--max-response-tokens", "768",
         "--sandbox-workers", "1"]
@@ -68,7 +68,7 @@ def test_eval_prints_both_settings_stores_them_and_reprints_as_json(tmp_path, to
     assert [(r["dataset"], r["saar"], r["n"], r["problems"], r["rollouts"]) for r in records] == [
         ("toy", True, 4, 16, 64), ("toy", False, 4, 16, 64)]
     for record in records:
-        # The policy answers ~70% of toy problems at temperature 1 (README: 70.3% over 256 rollouts,
+        # The policy answers ~70% of toy problems at temperature 1 (docs/experiments.md: 70.3% over 256 rollouts,
         # 71.5% over 512); 64 rollouts have a standard error near 0.06, so 0.4-0.95 only fails if
         # the prompts, the sampling or the reward are broken.
         assert 0.4 <= record["avg_at_n"] <= 0.95

@@ -28,14 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleaner.engine.backends import Backend, load_backend, require_backend
-from cleaner.engine.backends.base import SamplingParams, ScorerStats
-from cleaner.engine.chat import ChatFormat
-from cleaner.engine.collect.datasets import load_dataset
-from cleaner.engine.collect.loop import collect, rollout_key
-from cleaner.engine.collect.summary import CollectSummary, summarize
-from cleaner.engine.collect.tasks import Task, toy_tasks
-from cleaner.engine.config import (
+from cleaner.config import (
     UNSHARDED,
     CollectConfig,
     Edit,
@@ -44,11 +37,17 @@ from cleaner.engine.config import (
     Shard,
     TrainConfig,
 )
-from cleaner.engine.eval.grader import Grader, grading_sandbox_config, is_code_source
+from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.loop import collect, rollout_key
+from cleaner.engine.collect.summary import CollectSummary, summarize
+from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
-from cleaner.engine.models import check_device, check_model_path
-from cleaner.engine.outputs import CHECKPOINT, check_replaceable
+from cleaner.engine.grading.programs import Grader, grading_sandbox_config, is_code_source
+from cleaner.engine.model import Backend, load_backend, require_backend
+from cleaner.engine.model.base import SamplingParams, ScorerStats
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.loading import check_device, check_model_path
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
@@ -57,11 +56,12 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import CleanerError
+from cleaner.outputs import CHECKPOINT, check_replaceable
+from cleaner.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse, WarehouseError
 

@@ -118,7 +118,7 @@ def test_show_marks_outcomes_and_removed_spans(tmp_path):
 
 
 def test_show_lists_purified_configs_and_advantage(tmp_path):
-    from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+    from cleaner.records import PurifiedRow, PurifyConfigRow
 
     wh = _warehouse(tmp_path)
 
@@ -290,7 +290,7 @@ def test_a_run_saved_before_a_field_existed_resumes(tmp_path):
 def _resolved(toml_text: str) -> dict:
     import tomllib
 
-    from cleaner.engine.run_config import resolve_run_config
+    from cleaner.config.layers import resolve_run_config
 
     return resolve_run_config(tomllib.loads(toml_text)).to_dict()
 

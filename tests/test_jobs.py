@@ -77,7 +77,7 @@ def _copy(collected, tmp_path):
 
 
 def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tmp_path):
-    from cleaner.engine.config import PurifyConfig
+    from cleaner.config import PurifyConfig
     from cleaner.jobs import purify_job
 
     warehouse = _copy(collected, tmp_path)
@@ -99,7 +99,7 @@ def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tm
 
 
 def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(collected, tmp_path):
-    from cleaner.engine.config import PurifyConfig
+    from cleaner.config import PurifyConfig
     from cleaner.jobs import purify_job
 
     replace, mask, raw = PurifyConfig(), PurifyConfig(edit="mask"), PurifyConfig(rollback_prob=0.0)
@@ -120,7 +120,7 @@ def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(col
 
 
 def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
-    from cleaner.engine.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
     from cleaner.jobs import JobError, purify_job, train_job
 
     warehouse = _copy(collected, tmp_path)
@@ -142,7 +142,7 @@ def test_purify_ablate_and_train_commands(collected, tmp_path):
     from typer.testing import CliRunner
 
     from cleaner.cli import app
-    from cleaner.engine.config import DEFAULT_POLICY, PurifyConfig
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig
 
     warehouse = _copy(collected, tmp_path)
     cli = CliRunner()

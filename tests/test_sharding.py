@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.backends import load_backend
-from cleaner.engine.config import CollectConfig, PurifyConfig, Shard
+from cleaner.config import CollectConfig, PurifyConfig, Shard
+from cleaner.engine.model import load_backend
 from cleaner.jobs import JobError, collect_job, load_tasks, purify_job
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse

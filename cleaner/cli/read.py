@@ -21,7 +21,7 @@ from cleaner.cli.common import (
     run_job,
     sandbox_app,
 )
-from cleaner.engine.show import Panels
+from cleaner.report.show import Panels
 
 
 @app.command()
@@ -34,7 +34,7 @@ def report(
 
     Figures whose data the warehouse lacks are skipped, and report.md says why.
     """
-    from cleaner.report import default_report_dir, report_job
+    from cleaner.report.job import default_report_dir, report_job
     from cleaner.warehouse import Warehouse
 
     out = out or default_report_dir(warehouse)
@@ -61,7 +61,7 @@ def sandbox_run(
 
     from rich.table import Table
 
-    from cleaner.engine.chat import format_tool_response
+    from cleaner.engine.model.chat import format_tool_response
     from cleaner.sandbox import ExecStatus, SandboxConfig, SandboxError, make_sandbox
 
     for path in (file, stdin):
@@ -118,7 +118,7 @@ def sql(
     import duckdb
     import polars as pl
 
-    from cleaner.engine.show import result_table
+    from cleaner.report.show import result_table
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:
@@ -211,8 +211,8 @@ def show(
     The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
     """
-    from cleaner.engine.render import View
-    from cleaner.engine.show import Decoder, load_decoder, load_inspection, show_rollout
+    from cleaner.engine.saar.walk import View
+    from cleaner.report.show import Decoder, load_decoder, load_inspection, show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
 
     saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)

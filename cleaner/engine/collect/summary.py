@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import polars as pl
 from rich.table import Table
 
-from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
+from cleaner.records import Rollout, Segment, SegmentKind, ToolStatus
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from cleaner.engine.records import EvalRunRow
+from cleaner.records import EvalRunRow
 
 
 def _per_rollout(row: EvalRunRow) -> float | None:

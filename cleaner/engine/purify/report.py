@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import polars as pl
 from rich.table import Table
 
-from cleaner.engine.premise import PremiseStats
+from cleaner.engine.saar.premise import PremiseStats
 
 REWRITTEN_TOLERANCE = 1e-3
 
@@ -86,7 +86,7 @@ def _rate(value: float | None) -> str:
 def premise_table(premise: PremiseStats, title: str = "premise") -> Table:
     """Clean, recovered and unrecovered rollouts: how many, how accurate, their mean advantage.
 
-    Read first when deciding whether CLEANER can help on a dataset (cleaner.engine.premise)."""
+    Read first when deciding whether CLEANER can help on a dataset (cleaner.engine.saar.premise)."""
     table = Table(title=title, header_style="bold")
     for name in ("rollouts", "count", "accuracy", "mean advantage"):
         table.add_column(name, justify="left" if name == "rollouts" else "right")

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from cleaner.engine.collect.summary import summarize, summary_table
-from cleaner.engine.records import Rollout, Segment
+from cleaner.records import Rollout, Segment
 
 
 def rollout(rollout_id: str, correct: bool, finish_reason: str) -> Rollout:

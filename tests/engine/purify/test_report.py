@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cleaner.engine.config import PurifyConfig
+from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import PurifyResult, PurifyStats
 from cleaner.engine.purify.report import stats_frame, stats_table
-from cleaner.engine.records import PurifiedRow
+from cleaner.records import PurifiedRow
 
 
 def _row(config_id: str, loss_mask, old, behaviour) -> PurifiedRow:

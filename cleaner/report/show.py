@@ -1,0 +1,457 @@
+"""What `cleaner sql` and `cleaner show` print: query results, and one rollout raw and purified.
+
+`cleaner show` is built here; the CLI only parses options. A *view* is a rendering of a trajectory
+(raw or purified, docs/architecture.md §4); the raw panel and the purified panel show one each.
+Design decisions:
+- The purified panel is whatever `render.explain` says the renderer does: the kept token ranges,
+  each step's outcome and each merge's similarity come from the renderer's own walk, never from a
+  re-implementation. The raw panel marks what that rendering drops (struck through and dim), so
+  the two panels are two readings of one decision.
+- Text of the purified sequence is decoded from the spliced token ids with the tokenizer of the
+  policy that collected the iteration or ran the evaluation (its config's "model"), loaded with
+  `local_files_only=True`: showing a rollout never downloads anything. Without a tokenizer the
+  segment texts stand in, split at `<tool_call>` where a shallow merge cut a turn; the view says so.
+- Loading is read-only and the warehouse's own (`Warehouse.read_rollout`, `read_purified_of`,
+  `collect_config`, `eval_config`); `load_inspection` only assembles what they return. A rollout
+  of an evaluation (docs/architecture.md §12) is found the same way; it has no purified rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from itertools import pairwise
+
+import pyarrow as pa
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from cleaner.engine.model.chat import TOOL_CALL_OPEN
+from cleaner.engine.saar.walk import Decode, Edit, Outcome, StepOutcome, View, explain, render
+from cleaner.records import (
+    PurifiedRow,
+    PurifyConfigRow,
+    Rollout,
+    Segment,
+    SegmentKind,
+    ToolStatus,
+    enum_value,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_CELL_CHARS = 80
+
+STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus.TIMEOUT: "bold magenta",
+                ToolStatus.FORMAT_ERROR: "bold yellow", ToolStatus.INFRA_ERROR: "bold blue"}
+KIND_STYLE = {SegmentKind.PROMPT: "dim", SegmentKind.ASSISTANT: "cyan", SegmentKind.TOOL: "white"}
+
+
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI): a model's text may
+# hold any of them, and a terminal would obey them.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with each control character written as its escape (ESC -> \\x1b, CR -> \\r), so
+    printing a model's output shows it instead of moving the cursor or recolouring the terminal."""
+    return _CONTROL.sub(lambda match: match.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
+def _cell(value: object) -> Text:
+    """A table cell: plain text (brackets are not rich markup), newlines and controls escaped."""
+    if isinstance(value, list | tuple):
+        inner = ", ".join(str(v) for v in value[:8])
+        text = f"[{inner}{', ...' if len(value) > 8 else ''}] ({len(value)})"
+    else:
+        text = "" if value is None else str(value)
+    text = visible(text.replace("\n", "\\n"))
+    return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
+
+
+def result_table(table: pa.Table, title: str | None = None) -> Table:
+    """A rich table of a query result; long cells and token lists are abbreviated."""
+    out = Table(title=title, show_lines=False, header_style="bold")
+    for name in table.column_names:
+        out.add_column(name, overflow="fold")
+    for row in table.to_pylist():
+        out.add_row(*(_cell(row[name]) for name in table.column_names))
+    out.caption = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
+    return out
+
+
+def _segment_label(segment: Segment) -> Text:
+    if segment.kind == SegmentKind.PROMPT:
+        return Text("prompt", style=KIND_STYLE[SegmentKind.PROMPT])
+    label = Text(f"{segment.kind:<9} step {segment.step} attempt {segment.attempt}",
+                 style=KIND_STYLE[segment.kind])
+    if segment.kind == SegmentKind.TOOL:
+        status = segment.tool_status or "?"
+        label.append(f"  {status}", style=STATUS_STYLE.get(status, "bold"))
+        if segment.error_type:
+            label.append(f" {segment.error_type}", style=STATUS_STYLE.get(status, "bold"))
+    elif segment.attempt:
+        label.append("  retry", style="bold yellow")
+    return label
+
+
+def _header(rollout: Rollout) -> Text:
+    verdict = Text("correct" if rollout.correct else "wrong", style="green" if rollout.correct else "red")
+    return Text.assemble(
+        (f"{rollout.rollout_id}", "bold"), f"  group {rollout.group_id}  reward {rollout.reward:g}  ",
+        verdict, f"  finish {rollout.finish_reason}  answer {rollout.answer!r}  "
+        f"calls {rollout.n_tool_calls} failed {rollout.n_failed_calls}  view {rollout.collect_view}  "
+        f"rollback_draw {rollout.rollback_draw:.3f}",
+    )
+
+
+def _clip(text: str, max_chars: int) -> str:
+    """Model text as printed: at most `max_chars` of it, its control characters escaped."""
+    return visible(text if len(text) <= max_chars else text[:max_chars] + " …")
+
+
+def raw_panel(
+    rollout: Rollout | None,
+    segments: Sequence[Segment],
+    max_chars: int = 400,
+    steps: Sequence[StepOutcome] = (),
+    decode: Decode | None = None,
+) -> Group:
+    """Segments in order, each a panel coloured by kind and tool outcome.
+
+    With `steps` (from `render.explain`), what that rendering drops is struck through and dimmed:
+    whole segments are titled `removed`; in segments it cuts (shallow merges), titled `partly
+    removed`, the dropped text is also bracketed [-like this-]. Under edit mask nothing is dropped;
+    what is kept but not trained is titled `masked` and bracketed [~like this~].
+    """
+    panels: list = [] if rollout is None else [_header(rollout)]
+    kept_by_seq: dict[int, list[tuple[int, int]]] = {}
+    masked_by_seq: dict[int, list[tuple[int, int]]] = {}
+    for step in steps:
+        for seq in step.seqs:
+            kept_by_seq.setdefault(seq, [])
+        for piece in step.kept:
+            kept_by_seq[piece.seq].append((piece.start, piece.end))
+        for piece in step.masked:
+            masked_by_seq.setdefault(piece.seq, []).append((piece.start, piece.end))
+    for segment in sorted(segments, key=lambda s: s.seq):
+        border = KIND_STYLE[segment.kind]
+        if segment.kind == SegmentKind.TOOL:
+            border = STATUS_STYLE.get(segment.tool_status or "", "white")
+        title = _segment_label(segment)
+        title.append(f"  #{segment.seq} ({len(segment.token_ids)} tok)", style="dim")
+        kept = kept_by_seq.get(segment.seq)
+        body = Text(_clip(segment.text, max_chars))
+        if kept == []:
+            title.append("  removed", style="bold red")
+            body.stylize("strike dim")
+            border = "dim"
+        elif kept is not None and kept != [(0, len(segment.token_ids))]:
+            ranges = ", ".join(f"{start}:{end}" for start, end in kept)
+            title.append(f"  partly removed (keeps tokens {ranges})", style="bold yellow")
+            body = Text.assemble(*(  # [- -] marks the drop where the terminal shows no style
+                (_clip(text, max_chars), "") if inside else (f"[-{_clip(text, max_chars)}-]", "strike dim")
+                for text, inside in kept_pieces(segment, kept, decode)
+            ))
+        if segment.seq in masked_by_seq:
+            title, body = _masked_segment(segment, masked_by_seq[segment.seq], title, decode, max_chars)
+        panels.append(Panel(body, title=title, title_align="left", border_style=border))
+    return Group(*panels)
+
+
+def _masked_segment(segment: Segment, masked: Sequence[tuple[int, int]], title: Text, decode: Decode | None,
+                    max_chars: int) -> tuple[Text, Text]:
+    """Title and body of a segment edit mask keeps but does not (wholly) train."""
+    if masked == [(0, len(segment.token_ids))]:
+        title.append("  masked (not trained)", style="bold magenta")
+    else:
+        ranges = ", ".join(f"{start}:{end}" for start, end in masked)
+        title.append(f"  partly masked (tokens {ranges} not trained)", style="bold magenta")
+    return title, _marked(segment, masked, decode, max_chars)
+
+
+def _marked(segment: Segment, masked: Sequence[tuple[int, int]], decode: Decode | None, max_chars: int) -> Text:
+    """The segment's text with the masked ranges bracketed [~like this~] and dimmed."""
+    return Text.assemble(*(
+        (f"[~{_clip(text, max_chars)}~]", "dim italic") if inside else (_clip(text, max_chars), "")
+        for text, inside in kept_pieces(segment, masked, decode)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ranges as text
+
+
+def token_text(segment: Segment, start: int, end: int, decode: Decode | None) -> str:
+    """Text of tokens [start, end): decoded, or else cut from the segment text at `<tool_call>`
+    (a range that is neither the whole segment nor one side of the call is named, not shown)."""
+    if decode is not None:
+        return decode(segment.token_ids[start:end])
+    if (start, end) == (0, len(segment.token_ids)):
+        return segment.text
+    marker = segment.text.find(TOOL_CALL_OPEN)
+    if segment.call_start is not None and marker >= 0:
+        if (start, end) == (0, segment.call_start):
+            return segment.text[:marker]
+        if (start, end) == (segment.call_start, len(segment.token_ids)):
+            return segment.text[marker:]
+    return f"<tokens {start}:{end} of #{segment.seq}>"
+
+
+def kept_pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | None) -> list[tuple[str, bool]]:
+    """The segment cut at the kept ranges' edges: (text, kept?) in token order."""
+    bounds = sorted({0, len(segment.token_ids), *(edge for span in kept for edge in span)})
+    return [
+        (token_text(segment, low, high, decode), any(a <= low and high <= b for a, b in kept))
+        for low, high in pairwise(bounds)
+    ]
+
+
+@dataclass(frozen=True)
+class StepText:
+    """The text one step contributes to the purified sequence (step None: the prompt)."""
+
+    step: StepOutcome | None
+    text: str
+
+
+def purified_texts(segments: Sequence[Segment], steps: Sequence[StepOutcome], decode: Decode | None) -> list[StepText]:
+    """The purified sequence as text, step by step: each step's spliced token ids decoded at once."""
+    by_seq = {segment.seq: segment for segment in segments}
+    prompt = [segment for segment in sorted(segments, key=lambda s: s.seq) if segment.kind == SegmentKind.PROMPT]
+    texts = [StepText(None, "".join(token_text(s, 0, len(s.token_ids), decode) for s in prompt))]
+    for step in steps:
+        if decode is not None:
+            ids = [i for piece in step.kept for i in by_seq[piece.seq].token_ids[piece.start:piece.end]]
+            texts.append(StepText(step, decode(ids)))
+        else:
+            texts.append(StepText(step, "".join(
+                token_text(by_seq[piece.seq], piece.start, piece.end, None) for piece in step.kept)))
+    return texts
+
+
+# ----------------------------------------------------------------------------------------------
+# The purified view
+
+
+OUTCOME_STYLE = {Outcome.CLEAN: "green", Outcome.SHALLOW: "bold cyan", Outcome.DEEP: "bold magenta",
+                 Outcome.MIXED: "bold blue", Outcome.UNRECOVERED: "bold red",
+                 Outcome.ANSWERED: "bold yellow", Outcome.RAW: "dim"}
+
+
+def step_label(step: StepOutcome) -> str:
+    """One line: step, outcome, each merge with its similarity, what was removed."""
+    parts = [f"step {step.step}", step.outcome + (" (after an unrecovered step)" if step.outcome == Outcome.RAW else ""),
+             f"{step.attempts} attempt{'s' if step.attempts != 1 else ''}"]
+    for merge in step.merges:
+        similarity = "no call" if merge.similarity is None else f"sim {merge.similarity:.2f}"
+        parts.append(f"a{merge.attempt} {merge.kind} ({similarity})")
+    if step.tokens_removed:
+        removed = " ".join(f"#{seq}" for seq in step.removed_seqs) or "none whole"
+        parts.append(f"removed {removed}, {step.tokens_removed} tok")
+    if step.masked:
+        parts.append(f"masked {sum(piece.end - piece.start for piece in step.masked)} tok")
+    return " · ".join(parts)
+
+
+def purified_panel(
+    segments: Sequence[Segment], view: View, decode: Decode | None, note: str, max_chars: int = 2000
+) -> Panel:
+    """The purified token sequence as text, each step headed by its outcome, then the row's stats."""
+    try:
+        steps = explain(segments, view, decode)
+        stats = render(segments, view, decode).stats
+    except ValueError as exc:  # e.g. similarity on call tokens without a tokenizer
+        return Panel(Text(f"cannot render the purified view: {exc}\n{note}", style="red"),
+                     title="purified view", title_align="left", border_style="red")
+    body = Text()
+    by_seq = {segment.seq: segment for segment in segments}
+    for piece in purified_texts(segments, steps, decode):
+        if piece.step is None:
+            body.append(_clip(piece.text, max_chars), style="dim")
+            continue
+        body.append(f"\n── {step_label(piece.step)} ──\n", style=OUTCOME_STYLE[piece.step.outcome])
+        if piece.step.masked:  # edit mask: the raw tokens, the untrained ones bracketed
+            for seq in piece.step.seqs:
+                ranges = [(m.start, m.end) for m in piece.step.masked if m.seq == seq]
+                body.append(_marked(by_seq[seq], ranges, decode, max_chars) if ranges
+                            else Text(_clip(token_text(by_seq[seq], 0, len(by_seq[seq].token_ids), decode), max_chars)))
+        else:
+            body.append(_clip(piece.text, max_chars))
+    removed = f"tokens masked {stats.tokens_masked}" if view.edit == Edit.MASK else f"tokens removed {stats.tokens_removed}"
+    body.append(f"\n\n{removed} · shallow {stats.n_shallow} · deep {stats.n_deep}"
+                f" · unrecovered {stats.n_unrecovered}\n", style="bold")
+    body.append(note, style="dim italic")
+    name = "masked view" if view.edit == Edit.MASK else "purified view"
+    title = f"{name} (gamma {view.gamma:g}, similarity on {view.similarity_on})"
+    return Panel(body, title=title, title_align="left", border_style="cyan")
+
+
+# ----------------------------------------------------------------------------------------------
+# Purified rows of this rollout in the warehouse
+
+
+@dataclass(frozen=True)
+class ConfigOutcome:
+    """This rollout's purified row under one stored purify config."""
+
+    config_id: str
+    gamma: float | None  # None if the config row is missing
+    rollback_prob: float | None
+    similarity_on: str | None
+    purify_when: str | None
+    rolled_back: bool
+    n_shallow: int
+    n_deep: int
+    n_unrecovered: int
+    tokens_removed: int
+    reward: float
+    advantage: float
+    edit: str | None = None  # replace | mask; None if the config row is missing
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"  # float32 columns: 0.699999988 -> 0.7
+
+
+def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Text:
+    """The stored purify configs of the iteration and this rollout's advantage under each."""
+    if not configs:
+        return Text(f"no purified rows for this rollout in iteration {iteration} (run `cleaner purify`)",
+                    style="dim")
+    table = Table(title=f"purified rows of this rollout (iteration {iteration})", header_style="bold")
+    for name in ("config_id", "gamma", "p", "similarity_on", "purify_when", "edit", "rolled_back", "shallow",
+                 "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
+        table.add_column(name, justify="left" if name in ("config_id", "similarity_on", "purify_when", "edit") else "right")
+    for c in configs:
+        table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), _cell(c.similarity_on),
+                      _cell(c.purify_when), _cell(c.edit), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
+                      str(c.n_unrecovered), str(c.tokens_removed), f"{c.reward:g}", f"{c.advantage:+.4f}")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading (read-only) and the whole `cleaner show` output
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """Everything `cleaner show` prints about one rollout."""
+
+    rollout: Rollout | None  # None if only its segments are committed (should not happen)
+    segments: tuple[Segment, ...]  # in seq order
+    configs: tuple[ConfigOutcome, ...]  # its purified rows, one per stored config
+    model: str | None  # the policy that collected the iteration (or ran the evaluation), from its config
+    eval_id: str | None = None  # the evaluation the rollout belongs to; None for a collected one
+
+    @property
+    def iteration(self) -> int:
+        return self.rollout.iteration if self.rollout is not None else self.segments[0].iteration
+
+
+def load_inspection(warehouse, rollout_id: str, connection=None) -> Inspection | None:
+    """Read one rollout, its segments and purified rows (None if it has no segments).
+
+    `warehouse` is a `cleaner.warehouse.Warehouse` (passed in: the reads are the warehouse's), and
+    `connection` one of its `connect()` connections to read over (default: a new one per read);
+    WarehouseError propagates.
+    """
+    rollout, segments = warehouse.read_rollout(rollout_id, connection)
+    if not segments:
+        return None
+    iteration = rollout.iteration if rollout is not None else segments[0].iteration
+    eval_config = warehouse.eval_config(rollout.collect_config_id) if rollout is not None else None
+    if eval_config is not None:  # an evaluation's rollout: never purified for training
+        return Inspection(rollout, tuple(segments), (), _collect_model(eval_config, iteration),
+                          rollout.collect_config_id)
+    configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration, connection))
+    return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
+
+
+def _outcome(row: PurifiedRow, config: PurifyConfigRow | None) -> ConfigOutcome:
+    return ConfigOutcome(
+        config_id=row.config_id, gamma=None if config is None else config.gamma,
+        rollback_prob=None if config is None else config.rollback_prob,
+        similarity_on=None if config is None else config.similarity_on,
+        purify_when=None if config is None else config.purify_when,
+        edit=None if config is None else config.edit, rolled_back=row.rolled_back,
+        n_shallow=row.n_shallow, n_deep=row.n_deep, n_unrecovered=row.n_unrecovered,
+        tokens_removed=row.tokens_removed, reward=row.reward, advantage=row.advantage,
+    )
+
+
+def _collect_model(config_json: str | None, iteration: int) -> str | None:
+    """The `model` of an iteration's saved collect config, if any."""
+    if config_json is None:
+        return None
+    try:
+        model = json.loads(config_json).get("model")
+    except (json.JSONDecodeError, AttributeError):
+        logger.warning("collect config of iteration %d is not a JSON object; ignoring it", iteration)
+        return None
+    return model if isinstance(model, str) else None
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """How token ids become text in `cleaner show`."""
+
+    decode: Decode | None  # None: fall back to the stored segment texts
+    note: str  # said under the purified view: where its text comes from
+
+
+def load_decoder(model: str | None) -> Decoder:
+    """The collecting policy's tokenizer (local files only), or the segment-text fallback."""
+    if model is None:
+        return Decoder(None, "no collect config for this iteration: text below is the stored segment "
+                             "text, not decoded tokens")
+    try:
+        # transformers costs start-up time: imported only when decoding is asked for
+        from transformers import AutoTokenizer  # (start-up time)
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return Decoder(None, f"tokenizer of {model} could not be loaded ({reason}): text below is the "
+                             "stored segment text, not decoded tokens")
+
+    def decode(token_ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    return Decoder(decode, f"text decoded from the purified token ids with the tokenizer of {model}")
+
+
+class Panels(StrEnum):
+    """Which views `cleaner show` prints."""
+
+    RAW = "raw"
+    PURIFIED = "purified"
+    BOTH = "both"
+
+
+def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: Panels = Panels.BOTH) -> Group:
+    """The whole `cleaner show` output: raw segments (drops marked), purified view, stored configs."""
+    which = enum_value(Panels, which, "view")
+    segments = inspection.segments
+    parts: list = []
+    if which in (Panels.RAW, Panels.BOTH):
+        try:
+            steps = explain(segments, view, decoder.decode) if which == Panels.BOTH else ()
+        except ValueError:
+            steps = ()  # the purified panel below says why
+        parts.append(raw_panel(inspection.rollout, segments, steps=steps, decode=decoder.decode))
+    elif inspection.rollout is not None:
+        parts.append(_header(inspection.rollout))
+    if which in (Panels.PURIFIED, Panels.BOTH):
+        parts.append(purified_panel(segments, view, decoder.decode, decoder.note))
+        if inspection.eval_id is None:
+            parts.append(config_table(inspection.configs, inspection.iteration))
+        else:
+            parts.append(Text(f"a rollout of evaluation {inspection.eval_id} (`cleaner sql \"FROM eval_runs "
+                              f"WHERE eval_id = '{inspection.eval_id}'\"`)", style="dim"))
+    return Group(*parts)

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
+from cleaner.engine.collect.job import collect_job
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
+from cleaner.engine.purify.job import purify_job
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import clear_similarity_cache
-from cleaner.jobs import collect_job, purify_job
 from cleaner.warehouse import Warehouse
 
 

@@ -70,7 +70,7 @@ def small_run(tmp_path_factory):
         RunConfig,
         TrainConfig,
     )
-    from cleaner.jobs import purify_job
+    from cleaner.engine.purify.job import purify_job
     from cleaner.loop.iterations import run_loop
     from cleaner.report.tracking import TensorBoardLogger
     from cleaner.sandbox import SandboxConfig

@@ -13,12 +13,12 @@ from collections import Counter, defaultdict
 import pytest
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig
+from cleaner.engine.collect.job import collect_job
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.saar.walk import render, view_for
-from cleaner.jobs import collect_job
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
 

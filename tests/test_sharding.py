@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import CollectConfig, PurifyConfig, Shard
+from cleaner.engine.collect.job import collect_job, load_tasks
 from cleaner.engine.model import load_backend
-from cleaner.jobs import JobError, collect_job, load_tasks, purify_job
+from cleaner.engine.purify.job import purify_job
+from cleaner.errors import JobError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 from tests.helpers import cli, wait_for

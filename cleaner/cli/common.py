@@ -1,7 +1,8 @@
 """What every `cleaner` command shares: the typer app, consoles, option types, errors.
 
-Kept thin on purpose: every command's work lives in `cleaner.jobs`, `cleaner.engine` or
-`cleaner.warehouse`; a command parses options, builds a config and calls one job.
+Kept thin on purpose: every command's work lives in a stage's job (`cleaner.engine.<stage>.job`),
+`cleaner.loop`, `cleaner.report` or `cleaner.warehouse`; a command parses options, builds a config
+and calls one job.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def collect(
     shares of the iteration; together they write exactly the rollouts of an unsharded run.
     """
     from cleaner.config import CollectConfig, SandboxConfig
+    from cleaner.engine.collect.job import collect_job
     from cleaner.engine.collect.summary import summary_table
-    from cleaner.jobs import collect_job
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -155,8 +155,8 @@ def evaluate(
     same command again continues an interrupted evaluation and reprints completed ones.
     """
     from cleaner.config import EvalConfig, SandboxConfig
+    from cleaner.engine.eval.job import eval_job
     from cleaner.engine.eval.report import eval_records, eval_scalars, eval_table
-    from cleaner.jobs import eval_job
     from cleaner.report.tracking import open_loggers
     from cleaner.warehouse import Warehouse
 
@@ -224,7 +224,7 @@ def purify(
     With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
     their rows together equal an unsharded purify's.
     """
-    from cleaner.jobs import purify_job
+    from cleaner.engine.purify.job import purify_job
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -277,7 +277,7 @@ def ablate(
     shard: ShardOpt = "0/1",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
-    from cleaner.jobs import purify_job
+    from cleaner.engine.purify.job import purify_job
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -319,7 +319,7 @@ def train(
     so its moments and lr schedule continue; a plain Hugging Face model starts a fresh one.
     """
     from cleaner.config import TrainConfig
-    from cleaner.jobs import train_job
+    from cleaner.engine.train.job import train_job
     from cleaner.warehouse import Warehouse
 
     config = build_config(TrainConfig, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,

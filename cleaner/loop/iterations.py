@@ -9,7 +9,7 @@ loaded once from the checkpoint and trained from iteration to iteration, and the
 each saved checkpoint from disk. One optimiser lives for the whole run: each iteration's training
 continues the previous one's AdamW and lr schedule, and every checkpoint carries that state
 (cleaner.engine.train.optim).
-Every phase is idempotent (see `cleaner.jobs`), so `resume` after a crash, even a SIGKILL, redoes
+Every phase is idempotent (see each stage's `job.py`), so `resume` after a crash, even a SIGKILL, redoes
 only the unfinished part of the unfinished iteration, and continues from the saved optimiser. An
 iteration is complete once its `iterations` row is written; its trained policy is
 `<run_dir>/checkpoints/iteration-<i+1>`.
@@ -46,25 +46,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleaner.config import CollectConfig, RunConfig
+from cleaner.engine.collect.job import CollectOutcome, collect_job
 from cleaner.engine.model import load_backend, require_backend
 from cleaner.engine.model.loading import check_device, check_model_path
 from cleaner.engine.model.torch_backend import TorchBackend
+from cleaner.engine.purify.job import PurifyOutcome, StoredIteration, purify_job, stored_iteration
 from cleaner.engine.train.deepspeed_config import (
     check_deepspeed_setup,
     deepspeed_config_for,
     require_deepspeed,
 )
 from cleaner.engine.train.deepspeed_engine import saved_optimizer_step
-from cleaner.jobs import (
-    CollectOutcome,
-    JobError,
-    PurifyOutcome,
-    StoredIteration,
-    collect_job,
-    purify_job,
-    stored_iteration,
-    train_job,
-)
+from cleaner.engine.train.job import train_job
+from cleaner.errors import JobError
 from cleaner.loop.ranks import Ranks, agree, barrier, from_main, gather, join, same_everywhere
 from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import IterationRow

@@ -1,7 +1,7 @@
-"""`cleaner report`: a warehouse's figures, read-only; a job beside `cleaner.jobs`.
+"""`cleaner report`: a warehouse's figures, read-only; a job beside the stages' jobs.
 
-Kept out of `jobs.py` so that plotting a warehouse loads neither torch nor transformers: it needs
-the warehouse's SQL views (cleaner.warehouse.queries), polars and matplotlib only.
+It loads neither torch nor transformers (nothing under cleaner/report/ does): it needs the
+warehouse's SQL views (cleaner.warehouse.queries), polars and matplotlib only.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 
 from cleaner.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.model.loading import policy_version_of
-from cleaner.jobs import JobError
+from cleaner.errors import JobError
 from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, remove_run, run_loop
 from cleaner.loop.ranks import Ranks, RanksError
 from cleaner.sandbox import SandboxConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cleaner.config import Shard
-from cleaner.jobs import JobError
+from cleaner.errors import JobError
 from cleaner.loop.ranks import Ranks, RanksError, agree, from_main, gather, same_everywhere
 
 

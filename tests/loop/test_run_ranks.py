@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig, Shard
+from cleaner.engine.collect.job import load_tasks
 from cleaner.engine.model.loading import policy_version_of
-from cleaner.jobs import load_tasks
 from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir
 from cleaner.warehouse import Warehouse
 from tests.helpers import cli, wait_for
@@ -166,7 +166,7 @@ def _error_lines(result: subprocess.CompletedProcess) -> list[str]:
 FAULTY_RANK = """
 import os
 import cleaner.loop.iterations
-from cleaner.jobs import JobError
+from cleaner.errors import JobError
 if os.environ["RANK"] == "1":  # a fault on this rank alone, in its collection
     def collect_job(*args, **kwargs):
         raise {error}("injected fault: rank 1 cannot collect")

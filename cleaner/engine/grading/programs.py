@@ -20,18 +20,20 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
-from cleaner.engine.collect.tasks import Task
 from cleaner.engine.grading.answers import RewardResult, compute_reward, final_text
-from cleaner.sandbox import ExecStatus, SandboxConfig
+from cleaner.errors import JobError
+from cleaner.sandbox import ExecStatus, SandboxConfig, make_sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,16 @@ OUTPUT_MARGIN_CHARS = 1024  # stdout kept beyond the longest expected output
 class StdioTests:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+
+
+class Task(Protocol):
+    """What grading reads of a task (collect's `Task` has it): grading imports no stage."""
+
+    @property
+    def data_source(self) -> str: ...
+
+    @property
+    def ground_truth(self) -> str: ...
 
 
 def is_code_source(data_source: str) -> bool:
@@ -119,3 +131,17 @@ class Grader:
             raise ValueError(f"a {data_source} task needs a grading sandbox")
         correct = passes_tests(code, parse_tests(ground_truth), self.sandbox)
         return RewardResult(float(correct), correct, code)
+
+
+@contextlib.contextmanager
+def grader_for(tasks: Sequence[Task], tool: SandboxConfig, test_timeout_s: float) -> Iterator[Grader]:
+    """The reward function of these tasks; a grading sandbox runs only if a task is a program."""
+    if not any(is_code_source(task.data_source) for task in tasks):
+        yield Grader()
+        return
+    try:
+        grading = grading_sandbox_config(tool, test_timeout_s, tasks)
+    except ValueError as error:
+        raise JobError(f"a code task's ground truth is not stdin/stdout tests: {error}") from error
+    with make_sandbox(grading) as sandbox:
+        yield Grader(sandbox)

@@ -11,7 +11,9 @@ Imports are lazy so that importing the package never loads torch weights or sgla
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cleaner.engine.model.base import SGLANG_INSTALL_HINT, Backend, BackendError
@@ -55,3 +57,16 @@ def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: 
     from cleaner.engine.model.sglang_engine import SGLangBackend  # (start-up time)
 
     return SGLangBackend(model_path, device=device, dtype=dtype, seed=seed)
+
+
+@contextlib.contextmanager
+def serving_backend(backend: Backend | None, load: Callable[[], Backend]) -> Iterator[Backend]:
+    """The caller's backend, or one loaded for this job and closed when it ends."""
+    if backend is not None:
+        yield backend
+        return
+    loaded = load()
+    try:
+        yield loaded
+    finally:
+        loaded.close()

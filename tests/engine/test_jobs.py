@@ -1,4 +1,4 @@
-"""jobs.py helpers that need no model."""
+"""The stages' jobs (cleaner/engine/<stage>/job.py): what needs no model, or only the tiny one."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from cleaner.jobs import _cyclic_gc_paused
+from cleaner.engine.purify.job import _cyclic_gc_paused
 
 
 def test_cyclic_gc_is_paused_inside_and_restored_after_an_error():
@@ -30,7 +30,8 @@ def test_a_collector_disabled_by_the_caller_stays_disabled():
 
 
 def test_purify_job_runs_with_the_collector_paused():
-    from cleaner.jobs import JobError, purify_job
+    from cleaner.engine.purify.job import purify_job
+    from cleaner.errors import JobError
 
     seen = []
 
@@ -78,7 +79,7 @@ def _copy(collected, tmp_path):
 
 def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tmp_path):
     from cleaner.config import PurifyConfig
-    from cleaner.jobs import purify_job
+    from cleaner.engine.purify.job import purify_job
 
     warehouse = _copy(collected, tmp_path)
     configs = [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.7), PurifyConfig(gamma=0.7, rollback_prob=0.5)]
@@ -100,7 +101,7 @@ def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tm
 
 def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(collected, tmp_path):
     from cleaner.config import PurifyConfig
-    from cleaner.jobs import purify_job
+    from cleaner.engine.purify.job import purify_job
 
     replace, mask, raw = PurifyConfig(), PurifyConfig(edit="mask"), PurifyConfig(rollback_prob=0.0)
     warehouse = _copy(collected, tmp_path / "a")
@@ -121,7 +122,9 @@ def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(col
 
 def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
     from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
-    from cleaner.jobs import JobError, purify_job, train_job
+    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.train.job import train_job
+    from cleaner.errors import JobError
 
     warehouse = _copy(collected, tmp_path)
     config = PurifyConfig()

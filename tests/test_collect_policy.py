@@ -69,7 +69,7 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
     """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: see the README): the
     agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
     give every context again."""
-    from cleaner.engine.saar.merge import ScoreCache
+    from cleaner.engine.saar.gate import ScoreCache
 
     config = dataclasses.replace(CONFIG, rollback_is_threshold=0.5, rollback_is_mode="mean")
     chat = ChatFormat(backend.tokenizer)

@@ -71,7 +71,7 @@ from cleaner.engine.model.chat import (
     parse_tool_call,
     valid_text,
 )
-from cleaner.engine.saar.merge import ScoreCache
+from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import Rendered, View, render, view_for
 from cleaner.records import (
     CollectView,

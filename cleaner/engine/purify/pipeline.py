@@ -48,7 +48,7 @@ from typing import Protocol
 from cleaner.config import Edit, PurifyConfig, PurifyWhen
 from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
-from cleaner.engine.saar.merge import ScoreCache
+from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.premise import (
     PremiseStats,
     RolloutClass,

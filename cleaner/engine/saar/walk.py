@@ -42,12 +42,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from cleaner.config import Edit, IsMode, SimilarityOn
+from cleaner.engine.saar.gate import Gate, LogprobOracle
 from cleaner.engine.saar.merge import (
     ChainResult,
     Decode,
-    Gate,
     KeptTokens,
-    LogprobOracle,
     MergeDecision,
     Outcome,
     Span,

@@ -27,7 +27,7 @@ from cleaner.engine.model.chat import (
     tool_response_text,
 )
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.engine.saar.merge import ScoreCache
+from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, render, view_for
 from cleaner.sandbox import ExecResult, ExecStatus
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from cleaner.engine.saar.merge import ScoreCache
+from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, Outcome, View, explain, render
 from cleaner.records import ToolStatus
 from tests.engine.saar.test_walk import assistant, check, lp, prompt, tool

@@ -118,7 +118,7 @@ def sql(
     import duckdb
     import polars as pl
 
-    from cleaner.report.show import result_table
+    from cleaner.report.tables import result_table
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:

@@ -82,7 +82,7 @@ def collect(
     """
     from cleaner.config import CollectConfig, SandboxConfig
     from cleaner.engine.collect.job import collect_job
-    from cleaner.engine.collect.summary import summary_table
+    from cleaner.report.tables import summary_table
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -156,7 +156,7 @@ def evaluate(
     """
     from cleaner.config import EvalConfig, SandboxConfig
     from cleaner.engine.eval.job import eval_job
-    from cleaner.engine.eval.report import eval_records, eval_scalars, eval_table
+    from cleaner.report.tables import eval_records, eval_scalars, eval_table
     from cleaner.report.tracking import open_loggers
     from cleaner.warehouse import Warehouse
 
@@ -238,7 +238,7 @@ def purify(
 
 
 def _print_purify(outcome) -> None:
-    from cleaner.engine.purify.report import premise_table, stats_table
+    from cleaner.report.tables import premise_table, stats_table
 
     if outcome.results and outcome.results[0].stats.premise is not None:
         console.print(premise_table(outcome.results[0].stats.premise))

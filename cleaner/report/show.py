@@ -1,9 +1,9 @@
-"""What `cleaner sql` and `cleaner show` print: query results, and one rollout raw and purified.
+"""What `cleaner show` prints: one rollout raw and purified (query results: tables.py).
 
 `cleaner show` is built here; the CLI only parses options. A *view* is a rendering of a trajectory
 (raw or purified, docs/architecture.md §4); the raw panel and the purified panel show one each.
 Design decisions:
-- The purified panel is whatever `render.explain` says the renderer does: the kept token ranges,
+- The purified panel is whatever `walk.explain` says the renderer does: the kept token ranges,
   each step's outcome and each merge's similarity come from the renderer's own walk, never from a
   re-implementation. The raw panel marks what that rendering drops (struck through and dim), so
   the two panels are two readings of one decision.
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import pairwise
 
-import pyarrow as pa
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -43,47 +41,13 @@ from cleaner.records import (
     ToolStatus,
     enum_value,
 )
+from cleaner.report.tables import cell, visible
 
 logger = logging.getLogger(__name__)
-
-MAX_CELL_CHARS = 80
 
 STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus.TIMEOUT: "bold magenta",
                 ToolStatus.FORMAT_ERROR: "bold yellow", ToolStatus.INFRA_ERROR: "bold blue"}
 KIND_STYLE = {SegmentKind.PROMPT: "dim", SegmentKind.ASSISTANT: "cyan", SegmentKind.TOOL: "white"}
-
-
-# C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI): a model's text may
-# hold any of them, and a terminal would obey them.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def visible(text: str) -> str:
-    """`text` with each control character written as its escape (ESC -> \\x1b, CR -> \\r), so
-    printing a model's output shows it instead of moving the cursor or recolouring the terminal."""
-    return _CONTROL.sub(lambda match: match.group(0).encode("unicode_escape").decode("ascii"), text)
-
-
-def _cell(value: object) -> Text:
-    """A table cell: plain text (brackets are not rich markup), newlines and controls escaped."""
-    if isinstance(value, list | tuple):
-        inner = ", ".join(str(v) for v in value[:8])
-        text = f"[{inner}{', ...' if len(value) > 8 else ''}] ({len(value)})"
-    else:
-        text = "" if value is None else str(value)
-    text = visible(text.replace("\n", "\\n"))
-    return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
-
-
-def result_table(table: pa.Table, title: str | None = None) -> Table:
-    """A rich table of a query result; long cells and token lists are abbreviated."""
-    out = Table(title=title, show_lines=False, header_style="bold")
-    for name in table.column_names:
-        out.add_column(name, overflow="fold")
-    for row in table.to_pylist():
-        out.add_row(*(_cell(row[name]) for name in table.column_names))
-    out.caption = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
-    return out
 
 
 def _segment_label(segment: Segment) -> Text:
@@ -329,8 +293,8 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
                  "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
         table.add_column(name, justify="left" if name in ("config_id", "similarity_on", "purify_when", "edit") else "right")
     for c in configs:
-        table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), _cell(c.similarity_on),
-                      _cell(c.purify_when), _cell(c.edit), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
+        table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), cell(c.similarity_on),
+                      cell(c.purify_when), cell(c.edit), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
                       str(c.n_unrecovered), str(c.tokens_removed), f"{c.reward:g}", f"{c.advantage:+.4f}")
     return table
 

@@ -22,8 +22,8 @@ from cleaner.report.show import (
     purified_texts,
     raw_panel,
     show_rollout,
-    visible,
 )
+from cleaner.report.tables import visible
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
 

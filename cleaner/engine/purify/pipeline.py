@@ -28,7 +28,7 @@ Design decisions:
 - Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
 - errors_by_type counts the failed tool calls in the input rollouts by error_type (tool_status when
   the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
-- `cleaner.engine.purify.report.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
+- `cleaner.report.tables.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
   `cleaner ablate` print: one line per config.
 - A rollout that an infrastructure fault ended (`infra_fault`) gets advantage 0 and is left out of
   its group's statistics; its row is still rendered and stored (the trainer skips it), and the

@@ -6,8 +6,8 @@ from rich.console import Console
 
 from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import PurifyResult, PurifyStats
-from cleaner.engine.purify.report import stats_frame, stats_table
 from cleaner.records import PurifiedRow
+from cleaner.report.tables import stats_frame, stats_table
 
 
 def _row(config_id: str, loss_mask, old, behaviour) -> PurifiedRow:

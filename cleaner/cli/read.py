@@ -212,7 +212,8 @@ def show(
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
     """
     from cleaner.engine.saar.walk import View
-    from cleaner.report.show import Decoder, load_decoder, load_inspection, show_rollout
+    from cleaner.report.inspection import Decoder, load_decoder, load_inspection
+    from cleaner.report.show import show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
 
     saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)

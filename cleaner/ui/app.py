@@ -39,7 +39,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from cleaner.errors import CleanerError
-from cleaner.report.show import Decoder, load_decoder, load_inspection
+from cleaner.report.inspection import Decoder, load_decoder, load_inspection
 from cleaner.ui.overview import Overview
 from cleaner.ui.rollout_view import purified_pane, raw_segments
 from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter

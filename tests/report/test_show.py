@@ -14,15 +14,8 @@ from rich.console import Console
 from cleaner.engine.model.chat import format_call
 from cleaner.engine.saar.walk import View, explain, render
 from cleaner.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
-from cleaner.report.show import (
-    ConfigOutcome,
-    Decoder,
-    load_decoder,
-    load_inspection,
-    purified_texts,
-    raw_panel,
-    show_rollout,
-)
+from cleaner.report.inspection import ConfigOutcome, Decoder, load_decoder, load_inspection
+from cleaner.report.show import purified_texts, raw_panel, show_rollout
 from cleaner.report.tables import visible
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments

@@ -128,7 +128,7 @@ def words(text: str, name: str) -> list[str]:
     return values
 
 
-def run_job(job, *args, **kwargs):
+def call_job(job, *args, **kwargs):
     """Call a job; its expected failures become CLI errors with exit code 1."""
     from cleaner.errors import CleanerError
 

@@ -18,9 +18,9 @@ from cleaner.cli.common import (
     WandbProjectOpt,
     app,
     build_config,
+    call_job,
     console,
     fail,
-    run_job,
 )
 from cleaner.config import DEFAULT_POLICY
 
@@ -194,7 +194,7 @@ def run(
     from cleaner.report.tracking import open_loggers
 
     targets = [target.value for target in log_to or []] if Ranks.from_env().main else []  # rank 0 logs
-    metrics = run_job(open_loggers, targets, Path(config.run_dir),
+    metrics = call_job(open_loggers, targets, Path(config.run_dir),
                        name=Path(config.run_dir).name, config=config.to_dict(), wandb_project=wandb_project,
                        wandb_offline=wandb_offline)
     with metrics:
@@ -222,12 +222,12 @@ def demo(
     if not resume:  # the demo always starts clean unless asked to resume
         from cleaner.loop.iterations import remove_run
 
-        run_job(remove_run, run_dir)
+        call_job(remove_run, run_dir)
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
                             "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
     _run_and_report(config, resume)
     warehouse = run_dir / "warehouse"
-    written = run_job(report_job, Warehouse(warehouse), run_dir / "report")
+    written = call_job(report_job, Warehouse(warehouse), run_dir / "report")
     console.print(f"\nreport: {written.page} (every figure as a PNG beside it)\nwarehouse: {warehouse}\nTry:")
     for query in DEMO_SQL:
         console.print(f'  cleaner sql -w {warehouse} "{query}"', soft_wrap=True, highlight=False)
@@ -264,7 +264,7 @@ def bootstrap(
     config = build_config(BootstrapConfig, corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
                           checkpoint_every=checkpoint_every, threads=threads,
                           init_from=None if init_from is None else str(init_from))
-    result = run_job(bootstrap_policy, config, out)
+    result = call_job(bootstrap_policy, config, out)
     console.print(f"wrote {result.out_dir} (final loss {result.final_loss:.4f}, "
                   f"{result.tokens_seen} tokens, {result.wall_s:.0f} s)")
 

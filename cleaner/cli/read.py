@@ -16,9 +16,9 @@ from cleaner.cli.common import (
     WarehouseOpt,
     app,
     build_config,
+    call_job,
     console,
     fail,
-    run_job,
     sandbox_app,
 )
 from cleaner.report.show import Panels
@@ -38,7 +38,7 @@ def report(
     from cleaner.warehouse import Warehouse
 
     out = out or default_report_dir(warehouse)
-    written = run_job(report_job, Warehouse(warehouse), out)
+    written = call_job(report_job, Warehouse(warehouse), out)
     for section in written.sections:
         status = section.file or f"skipped: {section.skipped}"
         console.print(f"{section.title}: {status}", soft_wrap=True, highlight=False)
@@ -251,4 +251,4 @@ def ui(
     from cleaner.ui.server import UiConfig, serve
 
     config = build_config(UiConfig, warehouse=warehouse, host=host, port=port, token=token)
-    run_job(serve, config, started=lambda url: console.print(f"serving {warehouse} read-only at {url}", soft_wrap=True))
+    call_job(serve, config, started=lambda url: console.print(f"serving {warehouse} read-only at {url}", soft_wrap=True))

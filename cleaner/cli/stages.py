@@ -32,11 +32,11 @@ from cleaner.cli.common import (
     WarehouseOpt,
     app,
     build_config,
+    call_job,
     console,
     fail,
     floats,
     parse_shard,
-    run_job,
     words,
 )
 from cleaner.config import DEFAULT_POLICY
@@ -97,7 +97,7 @@ def collect(
         batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         sandbox=sandbox,
     )
-    outcome = run_job(collect_job, Warehouse(warehouse), config, resume=resume, shard=share)
+    outcome = call_job(collect_job, Warehouse(warehouse), config, resume=resume, shard=share)
     console.print(summary_table(outcome.summary))
     where = f"iteration {iteration}" + (f" shard {share}" if share.sharded else "")
     console.print(f"{where}: {outcome.n_written} rollouts written "
@@ -170,10 +170,10 @@ def evaluate(
         sandbox=build_config(SandboxConfig, SANDBOX_FLAGS, workers=sandbox_workers),
     )
     log_dir = log_dir or warehouse.resolve().parent
-    metrics = run_job(open_loggers, [target.value for target in log_to or []], log_dir, name=log_dir.name,
+    metrics = call_job(open_loggers, [target.value for target in log_to or []], log_dir, name=log_dir.name,
                       wandb_project=wandb_project, wandb_offline=wandb_offline)
     with metrics:
-        outcome = run_job(eval_job, Warehouse(warehouse), config, progress=output_format is EvalFormat.table)
+        outcome = call_job(eval_job, Warehouse(warehouse), config, progress=output_format is EvalFormat.table)
         for row in outcome.rows:  # every evaluation the command prints, stored ones too
             metrics.log_metrics(*eval_scalars(row), step=log_step)
     if output_format is EvalFormat.json:
@@ -232,7 +232,7 @@ def purify(
                               [edit], rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
                               dpo_beta=dpo_beta, dpo_max_adjustment_ratio=dpo_max_adjustment_ratio,
                               dpo_cap=dpo_cap)
-    outcome = run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
+    outcome = call_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
                        sglang_url=sglang_url, device=device, shard=share)
     _print_purify(outcome)
 
@@ -286,7 +286,7 @@ def ablate(
                               floats(rollback_is_threshold, "--rollback-is-threshold"), words(edit, "--edit"),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
-    outcome = run_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
+    outcome = call_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
                        sglang_url=sglang_url, device=device, shard=share)
     _print_purify(outcome)
 
@@ -327,7 +327,7 @@ def train(
                      epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
                      dynamic_sampling=dynamic_sampling, engine=engine,
                      deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
-    result = run_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result
+    result = call_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result
     if not result.main_process:  # another DeepSpeed rank: rank 0 reports
         return
     steps = result.steps

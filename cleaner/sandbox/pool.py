@@ -77,7 +77,7 @@ def make_sandbox(config: SandboxConfig) -> Sandbox:
     if config.backend == "docker":
         # Imported here: the docker backend (and through it the optional docker SDK) loads only
         # when asked for.
-        from cleaner.sandbox.docker_backend import DockerSandbox
+        from cleaner.sandbox.docker_backend import DockerSandbox  # (optional extra: docker)
 
         return DockerSandbox(config)
     return LocalSandbox(config)

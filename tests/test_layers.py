@@ -199,3 +199,32 @@ def test_closed_sets_are_not_spelled_by_hand():
     literal = re.compile(r'[=!]= "(max_turns|max_tokens|answer|infra_error|format_error|timeout)"')
     for path in _modules():
         assert not literal.search(path.read_text()), path
+
+
+def _documented_layout() -> set[str]:
+    """The files the layout tree of docs/architecture.md §2 names, as paths under cleaner/."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = text[text.index("## §2 Layout and layers"):text.index("## §3")]
+    tree = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n") + 4)]
+    named, folders = set(), []
+    for line in tree.splitlines():
+        if not line.strip() or line.startswith(" " * 20):  # a description's continuation line
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        folders = folders[:depth]
+        for name in line.strip().split("  ")[0].split(", "):
+            if name.endswith("/"):
+                folders.append(name)
+            else:
+                named.add("".join(folders) + name)
+    return named
+
+
+def test_the_architecture_names_every_module():
+    """docs/architecture.md §2 lists every module with one line, and no module that is gone; a
+    package's empty __init__.py may go unlisted."""
+    modules = {str(path.relative_to(PACKAGE)) for path in _modules()
+               if not (path.name == "__init__.py" and not path.read_text().strip())}
+    documented = {name for name in _documented_layout() if name.endswith(".py")}
+    assert sorted(modules - documented) == []
+    assert sorted(documented - modules) == []

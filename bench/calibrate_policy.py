@@ -12,7 +12,7 @@ step. Prints:
   recovery            share of rollouts with a failed call that later made a successful call
   accuracy            share of rollouts whose final \\boxed{} answer is right
 
-    .venv/bin/python bench/calibrate_policy.py --model assets/tiny-policy --n 256 --seed 0
+    .venv/bin/python bench/calibrate_policy.py --model cleaner/assets/tiny-policy --n 256 --seed 0
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cleaner.engine.chat import ChatFormat, format_tool_response, parse_tool_call
-from cleaner.engine.collect.rewards import compute_reward
 from cleaner.engine.collect.tasks import toy_tasks
+from cleaner.engine.grading.answers import compute_reward
+from cleaner.engine.model.chat import ChatFormat, format_tool_response, parse_tool_call
 
 TYPO_ERRORS = {"NameError", "SyntaxError", "IndentationError"}
 APPROACH_ERRORS = {"ModuleNotFoundError", "ImportError"}
@@ -70,7 +70,7 @@ def make_executor():
         return run_sandbox
     except (ImportError, AttributeError, RuntimeError, TypeError) as error:
         logging.info("real sandbox unavailable (%s); using local_exec", error)
-    from cleaner.engine.bootstrap.local_exec import run_snippets
+    from cleaner.toys.local_exec import run_snippets
 
     def run_local(codes):
         try:
@@ -168,7 +168,7 @@ def report(chat, rollouts) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="assets/tiny-policy")
+    parser.add_argument("--model", default="cleaner/assets/tiny-policy")
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0)

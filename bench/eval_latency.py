@@ -34,14 +34,14 @@ from benchmarks_md import write_section  # bench/, beside this script
 from rich.console import Console
 from rich.table import Table
 
-from cleaner.engine.backends import load_backend
-from cleaner.engine.chat import ChatFormat
+from cleaner.config import DEFAULT_POLICY, EvalConfig
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.tasks import toy_tasks
-from cleaner.engine.config import DEFAULT_POLICY, EvalConfig
-from cleaner.engine.eval.grader import Grader
-from cleaner.engine.records import SegmentKind
+from cleaner.engine.grading.programs import Grader
+from cleaner.engine.model import load_backend
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.records import SegmentKind
 from cleaner.sandbox import SandboxConfig, make_sandbox
 
 HEADING = "## Evaluation: test-time SAAR latency"

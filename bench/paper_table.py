@@ -9,8 +9,8 @@ iterations from the same policy with the same seeds as the baseline. The six arm
   mask            --edit mask                                 SAAR's decisions, failed calls masked, not replaced
   mask-positive   --edit mask --purify-when positive          masked only in above-mean rollouts
 (`--arms` also takes the earlier table's cleaner-code, cleaner-deep, positive, is-gated-sum and
-negatives.) The toys: mixed (assets/tiny-policy: a failed call predicts a wrong answer), env
-(assets/tiny-policy-env: it does not) and recover (assets/tiny-policy-recover: failed calls get
+negatives.) The toys: mixed (cleaner/assets/tiny-policy: a failed call predicts a wrong answer), env
+(cleaner/assets/tiny-policy-env: it does not) and recover (cleaner/assets/tiny-policy-recover: failed calls get
 positive credit, since the rollouts that answer without the tool are the ones that lose).
 
 Per toy it writes bench/results/paper_table_<toy>.md and .png: per arm, paired by seed against the
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import polars as pl
 
-from cleaner.engine.config import DEFAULT_POLICY, ENV_POLICY, RECOVER_POLICY, RunConfig
-from cleaner.engine.run_config import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
-from cleaner.runner import run_loop
+from cleaner.config import DEFAULT_POLICY, ENV_POLICY, RECOVER_POLICY, RunConfig
+from cleaner.config.layers import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
+from cleaner.loop.iterations import run_loop
 from cleaner.warehouse import Warehouse
 
 TOYS = {"mixed": DEFAULT_POLICY, "env": ENV_POLICY, "recover": RECOVER_POLICY}

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
-from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
-from cleaner.engine.chat import ChatFormat
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
+from cleaner.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
+from cleaner.engine.collect.job import collect_job
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.torch_backend import TorchBackend
+from cleaner.engine.model.trie_scorer import PrefixTrieScorer
+from cleaner.engine.purify.job import purify_job
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.engine.render import clear_similarity_cache
-from cleaner.jobs import collect_job, purify_job
+from cleaner.engine.saar.walk import clear_similarity_cache
 from cleaner.warehouse import Warehouse
 
 

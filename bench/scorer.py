@@ -13,8 +13,8 @@ the tokens the engine says it computed (prompt tokens minus `cached_tokens`, sum
 requests) beside the trie's, and the largest difference from the naive forward.
 
     .venv/bin/python bench/scorer.py --prompts 8 --group-size 8 --prompt-len 256 --response-len 256
-    .venv/bin/python bench/scorer.py --warehouse runs/w --iteration 0 --config-id abc123 --model assets/tiny-policy
-    .venv-sglang/bin/python bench/scorer.py --warehouse runs/w --model assets/tiny-policy --sglang
+    .venv/bin/python bench/scorer.py --warehouse runs/w --iteration 0 --config-id abc123 --model cleaner/assets/tiny-policy
+    .venv-sglang/bin/python bench/scorer.py --warehouse runs/w --model cleaner/assets/tiny-policy --sglang
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.backends.trie_scorer import PrefixTrieScorer
+from cleaner.engine.model.torch_backend import TorchBackend
+from cleaner.engine.model.trie_scorer import PrefixTrieScorer
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace, model_path: Path) -> None:
 def sglang_pass(args: argparse.Namespace, model_path: Path, rows: Rows, naive: list[list[float]],
                 tokens_naive: int, tokens_trie: int) -> None:
     """The same rows once through purify's scorer on a real SGLang engine on CPU."""
-    from cleaner.engine.backends.sglang_backend import SGLangBackend
+    from cleaner.engine.model.sglang_engine import SGLangBackend
 
     options = {"max_total_tokens": args.sglang_max_total_tokens} if args.sglang_max_total_tokens else {}
     engine = SGLangBackend(model_path, device="cpu", **options)
@@ -152,7 +152,7 @@ def sglang_pass(args: argparse.Namespace, model_path: Path, rows: Rows, naive: l
 
 
 def engine_budget(options: dict) -> int:
-    from cleaner.engine.backends.sglang_backend import CPU_ENGINE_OPTIONS
+    from cleaner.engine.model.sglang_engine import CPU_ENGINE_OPTIONS
 
     return options.get("max_total_tokens", CPU_ENGINE_OPTIONS["max_total_tokens"])
 

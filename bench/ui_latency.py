@@ -31,9 +31,9 @@ from pathlib import Path
 from starlette.testclient import TestClient
 from warehouse_scale import Shape, build  # bench/, beside this script
 
-from cleaner.engine.config import PurifyConfig
+from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.engine.records import PurifyConfigRow
+from cleaner.records import PurifyConfigRow
 from cleaner.ui.app import create_app
 from cleaner.warehouse import Warehouse
 from cleaner.warehouse.browse import Browser, RolloutFilter

@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class CleanerError(Exception):
     """An expected failure; the message says which input and what was expected."""
+
+
+class JobError(CleanerError):
+    """A job cannot start or finish; the message says why and what to do."""

@@ -40,10 +40,10 @@ def random_policy(tmp_path_factory):
     Independent of the trained asset and fast to build; it rarely closes a tool call, so rollouts
     run to their token limits. Use it for plumbing (run loop, resume, crash safety).
     """
-    from cleaner.engine.bootstrap.sft import tiny_model
-    from cleaner.engine.bootstrap.tokenizer import build_tokenizer
-    from cleaner.engine.chat import format_call, format_tool_response, tool_response_text
     from cleaner.engine.collect.tasks import toy_tasks
+    from cleaner.engine.model.chat import format_call, format_tool_response, tool_response_text
+    from cleaner.toys.sft import tiny_model
+    from cleaner.toys.tokenizer import build_tokenizer
 
     texts = []
     for task in toy_tasks(64, seed=1):
@@ -63,16 +63,16 @@ def small_run(tmp_path_factory):
     steps per iteration) with its metrics logged to TensorBoard, then iteration 1 purified under two
     more configs: a warehouse with every dataset, failures and an ablation grid. Tests must not
     write into it. Returns the run directory."""
-    from cleaner.engine.config import (
+    from cleaner.config import (
         DEFAULT_POLICY,
         CollectConfig,
         PurifyConfig,
         RunConfig,
         TrainConfig,
     )
-    from cleaner.engine.tracking import TensorBoardLogger
-    from cleaner.jobs import purify_job
-    from cleaner.runner import run_loop
+    from cleaner.engine.purify.job import purify_job
+    from cleaner.loop.iterations import run_loop
+    from cleaner.report.tracking import TensorBoardLogger
     from cleaner.sandbox import SandboxConfig
     from cleaner.warehouse import Warehouse
 
@@ -99,7 +99,7 @@ def sglang_engine(tiny_qwen3_dir):
     costs 20-70 s); tests that move it to other weights move it back."""
     if importlib.util.find_spec("sglang") is None:  # not imported here: cleaner imports it for its device
         pytest.skip("the sglang tests run in .venv-sglang (make sglang-cpu)")
-    from cleaner.engine.backends.sglang_backend import SGLangBackend
+    from cleaner.engine.model.sglang_engine import SGLangBackend
 
     backend = SGLangBackend(tiny_qwen3_dir, device="cpu", seed=0)
     yield backend

@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleaner.engine.backends.sglang_backend import CPU_ENGINE_ENV, CPU_ENGINE_OPTIONS
+from cleaner.engine.model.sglang_engine import CPU_ENGINE_ENV, CPU_ENGINE_OPTIONS
 
 START_TIMEOUT_S = 600.0  # a server starts in 20-40 s alone; much longer on a busy 2-core machine
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
@@ -28,6 +32,16 @@ def test_help_lists_every_command():
     for command in ("collect", "purify", "train", "run", "ablate", "eval", "sql", "show", "demo", "sandbox",
                     "compact"):
         assert command in result.output
+
+
+@pytest.mark.parametrize("module", ["cleaner", "cleaner.cli"])
+def test_python_dash_m_runs_the_same_app(module):
+    """`python -m cleaner` and `python -m cleaner.cli`, in a fresh interpreter, are the console script."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Usage: python -m " + module in result.stdout
+    assert all(command in result.stdout for command in ("collect", "purify", "train", "run", "report", "ui"))
 
 
 def test_sql_table_csv_json(tmp_path):
@@ -118,7 +132,7 @@ def test_show_marks_outcomes_and_removed_spans(tmp_path):
 
 
 def test_show_lists_purified_configs_and_advantage(tmp_path):
-    from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+    from cleaner.records import PurifiedRow, PurifyConfigRow
 
     wh = _warehouse(tmp_path)
 
@@ -290,7 +304,7 @@ def test_a_run_saved_before_a_field_existed_resumes(tmp_path):
 def _resolved(toml_text: str) -> dict:
     import tomllib
 
-    from cleaner.engine.run_config import resolve_run_config
+    from cleaner.config.layers import resolve_run_config
 
     return resolve_run_config(tomllib.loads(toml_text)).to_dict()
 

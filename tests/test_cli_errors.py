@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.config import DEFAULT_POLICY
+from cleaner.config import DEFAULT_POLICY
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
 

@@ -12,13 +12,13 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.chat import ChatFormat
+from cleaner.config import DEFAULT_POLICY, CollectConfig
+from cleaner.engine.collect.job import collect_job
 from cleaner.engine.collect.loop import collect
 from cleaner.engine.collect.tasks import toy_tasks
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig
-from cleaner.engine.render import render, view_for
-from cleaner.jobs import collect_job
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.torch_backend import TorchBackend
+from cleaner.engine.saar.walk import render, view_for
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
 
@@ -69,7 +69,7 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
     """tau 0.5 on the per-token IS (the sum rejects every merge of this policy: docs/experiments.md): the
     agent loop scores each retry with the backend; purify's render with the prefix-trie scorer must
     give every context again."""
-    from cleaner.engine.saar import ScoreCache
+    from cleaner.engine.saar.gate import ScoreCache
 
     config = dataclasses.replace(CONFIG, rollback_is_threshold=0.5, rollback_is_mode="mean")
     chat = ChatFormat(backend.tokenizer)

@@ -16,13 +16,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.backends.torch_backend import TorchBackend
+from cleaner.config import DEFAULT_POLICY, EvalConfig
 from cleaner.engine.collect.tasks import toy_tasks
-from cleaner.engine.config import DEFAULT_POLICY, EvalConfig
-from cleaner.jobs import eval_job
+from cleaner.engine.eval.job import eval_job
+from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
-from tests.engine.test_tracking import scalars
+from tests.report.test_tracking import scalars
 
 runner = CliRunner()
 

@@ -1,11 +1,20 @@
-"""The architecture as tests (docs/architecture.md §2): imports point down the layers, comments
-point into the repository, and the closed sets are spelled once."""
+"""The architecture as tests (docs/architecture.md §2): imports point along the data's path, comments
+point into the repository, and the closed sets are spelled once.
+
+Imports are read from the source (`ast`), so one inside a function or under `if TYPE_CHECKING:`
+counts as much as one at the top of a module. Each rule names its layer by the modules' dotted
+names; a rule that fails lists every import that breaks it.
+"""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cleaner"
 
@@ -14,39 +23,170 @@ def _modules(under: str = "") -> list[Path]:
     return sorted((PACKAGE / under).rglob("*.py"))
 
 
+def _name(path: Path) -> str:
+    """The dotted module name of a file of the package (a package is its __init__.py)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(path): path for path in _modules()}
+
+
 def _imports(path: Path) -> list[tuple[ast.AST, str, bool]]:
-    """(node, imported module, inside a function) for every import of `path`."""
+    """(node, imported module, inside a function) for every import of `path`; `from a import b`
+    names the module a.b when b is one."""
     tree = ast.parse(path.read_text())
     inner = {id(node) for func in ast.walk(tree) if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef)
              for node in ast.walk(func) if isinstance(node, ast.Import | ast.ImportFrom)}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            found.append((node, node.module, id(node) in inner))
+            submodules = [f"{node.module}.{alias.name}" for alias in node.names
+                          if f"{node.module}.{alias.name}" in MODULES]
+            found += [(node, module, id(node) in inner) for module in submodules or [node.module]]
         elif isinstance(node, ast.Import):
             found += [(node, alias.name, id(node) in inner) for alias in node.names]
     return found
 
 
-def test_engine_imports_inside_functions_say_why():
-    """An import inside a function is for start-up time or an optional extra, with a comment."""
+def _cleaner_imports(module: str) -> set[str]:
+    return {imported for _, imported, _ in _imports(MODULES[module]) if imported.split(".")[0] == "cleaner"}
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _breaking(importers: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """`importer -> imported` for each import of cleaner's, by a module under `importers`, of a
+    module outside `allowed`."""
+    return sorted(f"{module} -> {imported}" for module in MODULES if _within(module, importers)
+                  for imported in _cleaner_imports(module) if not _within(imported, allowed))
+
+
+BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config")
+SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading")  # used by every stage
+STAGES = ("collect", "purify", "train", "eval")
+UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"), "eval": ("collect",)}
+
+
+def test_the_base_imports_only_the_base():
+    """errors, records, outputs and config: config nests the sandbox's own config, nothing else."""
+    assert _breaking(BASE, BASE + ("cleaner.sandbox.config",)) == []
+
+
+def test_the_warehouse_imports_only_records_errors_and_itself():
+    assert _breaking(("cleaner.warehouse",), ("cleaner.warehouse", "cleaner.records", "cleaner.errors")) == []
+
+
+def test_the_sandbox_is_a_leaf_without_an_import_circle():
+    assert _breaking(("cleaner.sandbox",), ("cleaner.sandbox",)) == []
+    graph = {module: {imported for imported in _cleaner_imports(module) if imported in MODULES}
+             for module in MODULES if _within(module, ("cleaner.sandbox",))}
+    assert _circles(graph) == []
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph` (module -> modules it imports), each from its first module."""
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return circles
+
+
+def test_model_saar_and_grading_import_no_stage():
+    """The pieces every stage shares import the base and each other; grading also runs programs in
+    the sandbox."""
+    assert _breaking(SHARED, BASE + SHARED + ("cleaner.sandbox",)) == []
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_imports_only_upstream_stages(stage):
+    """collect -> purify -> train, and eval after collect: a stage imports the base, the shared
+    pieces, the sandbox and the stages upstream of it."""
+    upstream = tuple(f"cleaner.engine.{name}" for name in UPSTREAM[stage])
+    allowed = BASE + SHARED + ("cleaner.sandbox", "cleaner.warehouse", f"cleaner.engine.{stage}") + upstream
+    assert _breaking((f"cleaner.engine.{stage}",), allowed) == []
+
+
+def test_only_a_stages_job_imports_the_warehouse():
+    """A stage's other modules are pure: records in, records out; its job.py reads and writes."""
+    importers = [f"{module} -> {imported}" for module in MODULES if _within(module, ("cleaner.engine",))
+                 and not module.endswith(".job")
+                 for imported in _cleaner_imports(module) if _within(imported, ("cleaner.warehouse",))]
+    assert importers == []
+
+
+def test_the_loop_imports_no_reader_and_nothing_but_the_cli_imports_it():
+    assert _breaking(("cleaner.loop",), BASE + ("cleaner.engine", "cleaner.sandbox", "cleaner.warehouse",
+                                                "cleaner.report.tracking", "cleaner.loop")) == []
+    users = [f"{module} -> {imported}" for module in MODULES if not _within(module, ("cleaner.loop", "cleaner.cli"))
+             for imported in _cleaner_imports(module) if _within(imported, ("cleaner.loop",))]
+    assert users == []
+
+
+def test_the_report_reads_the_warehouse_and_runs_no_stage():
+    """The report renders SAAR's walk (show) and decodes with the chat format; of the stages it
+    knows only the summary `cleaner collect` prints (summary.py: polars, no model)."""
+    allowed = BASE + ("cleaner.warehouse", "cleaner.report", "cleaner.engine.saar", "cleaner.engine.model.chat",
+                      "cleaner.engine.collect.summary")
+    assert _breaking(("cleaner.report",), allowed) == []
+
+
+def test_no_report_module_loads_torch():
+    """Importing every module under cleaner/report/ in a fresh interpreter leaves torch unloaded: a
+    report, `cleaner show` and `cleaner ui` read a warehouse on machines that never train."""
+    report = sorted(module for module in MODULES if _within(module, ("cleaner.report",)))
+    code = ("import importlib, sys\n"
+            f"for name in {report!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_ui_reads_through_the_report_and_the_warehouse():
+    allowed = BASE + ("cleaner.ui", "cleaner.report", "cleaner.warehouse", "cleaner.engine.saar")
+    assert _breaking(("cleaner.ui",), allowed) == []
+
+
+def test_the_toys_import_what_a_tiny_policy_is_made_of():
+    """`cleaner bootstrap`: the chat format, the toy tasks, the checkpoint writer."""
+    allowed = BASE + ("cleaner.toys", "cleaner.engine.model.chat", "cleaner.engine.collect.tasks",
+                      "cleaner.engine.train.checkpoint")
+    assert _breaking(("cleaner.toys",), allowed) == []
+
+
+def test_nothing_but_the_entry_points_imports_the_cli():
+    users = [f"{module} -> {imported}" for module in MODULES if not _within(module, ("cleaner.cli", "cleaner.__main__"))
+             for imported in _cleaner_imports(module) if _within(imported, ("cleaner.cli",))]
+    assert users == []
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function is for start-up time or an optional extra, with a comment (the
+    CLI's commands import lazily for start-up time throughout, and are exempt)."""
     silent = []
-    for path in _modules("engine"):
+    for module, path in MODULES.items():
+        if _within(module, ("cleaner.cli",)):
+            continue
         lines = path.read_text().splitlines()
-        for node, module, inner in _imports(path):
+        for node, imported, inner in _imports(path):
             if inner and "#" not in lines[node.lineno - 1]:
-                silent.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {module}")
+                silent.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {imported}")
     assert silent == []
-
-
-def test_lower_layers_do_not_import_upper_ones():
-    upper = ("cleaner.cli", "cleaner.runner", "cleaner.jobs")
-    for path in _modules("engine") + _modules("warehouse"):
-        assert not [m for _, m, _ in _imports(path) if m.startswith(upper)], path
-    for path in _modules("warehouse"):  # the warehouse knows records and errors, no stage
-        allowed = ("cleaner.warehouse", "cleaner.engine.records", "cleaner.engine", "cleaner.errors")
-        assert all(m in allowed or not m.startswith("cleaner") or m.startswith(allowed[0])
-                   for _, m, _ in _imports(path)), path
 
 
 def test_no_comment_points_outside_the_repository():
@@ -59,3 +199,32 @@ def test_closed_sets_are_not_spelled_by_hand():
     literal = re.compile(r'[=!]= "(max_turns|max_tokens|answer|infra_error|format_error|timeout)"')
     for path in _modules():
         assert not literal.search(path.read_text()), path
+
+
+def _documented_layout() -> set[str]:
+    """The files the layout tree of docs/architecture.md §2 names, as paths under cleaner/."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = text[text.index("## §2 Layout and layers"):text.index("## §3")]
+    tree = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n") + 4)]
+    named, folders = set(), []
+    for line in tree.splitlines():
+        if not line.strip() or line.startswith(" " * 20):  # a description's continuation line
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        folders = folders[:depth]
+        for name in line.strip().split("  ")[0].split(", "):
+            if name.endswith("/"):
+                folders.append(name)
+            else:
+                named.add("".join(folders) + name)
+    return named
+
+
+def test_the_architecture_names_every_module():
+    """docs/architecture.md §2 lists every module with one line, and no module that is gone; a
+    package's empty __init__.py may go unlisted."""
+    modules = {str(path.relative_to(PACKAGE)) for path in _modules()
+               if not (path.name == "__init__.py" and not path.read_text().strip())}
+    documented = {name for name in _documented_layout() if name.endswith(".py")}
+    assert sorted(modules - documented) == []
+    assert sorted(documented - modules) == []

@@ -18,7 +18,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse
 from tests.warehouse.factories import make_rollout, make_segments
 

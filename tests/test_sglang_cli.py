@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.backends.backend_scorer import SCORER_VERSION as BACKEND_SCORER
-from cleaner.engine.backends.sglang_backend import CPU_ENGINE_ENV
-from cleaner.engine.backends.trie_scorer import SCORER_VERSION as TRIE_SCORER
+from cleaner.engine.model.backend_scorer import SCORER_VERSION as BACKEND_SCORER
+from cleaner.engine.model.sglang_engine import CPU_ENGINE_ENV
+from cleaner.engine.model.trie_scorer import SCORER_VERSION as TRIE_SCORER
 from cleaner.warehouse import Warehouse
 
 pytestmark = pytest.mark.sglang

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, RunConfig, TrainConfig
-from cleaner.engine.models import load_policy
-from cleaner.runner import checkpoint_dir, run_loop
+from cleaner.config import DEFAULT_POLICY, CollectConfig, RunConfig, TrainConfig
+from cleaner.engine.model.loading import load_policy
+from cleaner.loop.iterations import checkpoint_dir, run_loop
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 from tests.helpers import cli, wait_for

@@ -14,9 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.backends import load_backend
-from cleaner.engine.config import CollectConfig, PurifyConfig, Shard
-from cleaner.jobs import JobError, collect_job, load_tasks, purify_job
+from cleaner.config import CollectConfig, PurifyConfig, Shard
+from cleaner.engine.collect.job import collect_job, load_tasks
+from cleaner.engine.model import load_backend
+from cleaner.engine.purify.job import purify_job
+from cleaner.errors import JobError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 from tests.helpers import cli, wait_for

@@ -1,7 +1,8 @@
 """What every `cleaner` command shares: the typer app, consoles, option types, errors.
 
-Kept thin on purpose: every command's work lives in `cleaner.jobs`, `cleaner.engine` or
-`cleaner.warehouse`; a command parses options, builds a config and calls one job.
+Kept thin on purpose: every command's work lives in a stage's job (`cleaner.engine.<stage>.job`),
+`cleaner.loop`, `cleaner.report` or `cleaner.warehouse`; a command parses options, builds a config
+and calls one job.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
     try:
         return factory(**kwargs)
     except ValueError as exc:
-        from cleaner.engine.run_config import name_fields  # engine imports cost CLI start-up time
+        from cleaner.config.layers import name_fields  # engine imports cost CLI start-up time
 
         names = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for name in kwargs}
         raise fail(f"invalid option: {name_fields(str(exc), names)[0]}") from exc
@@ -127,7 +128,7 @@ def words(text: str, name: str) -> list[str]:
     return values
 
 
-def run_job(job, *args, **kwargs):
+def call_job(job, *args, **kwargs):
     """Call a job; its expected failures become CLI errors with exit code 1."""
     from cleaner.errors import CleanerError
 
@@ -143,7 +144,7 @@ MaxTurnsOpt = Annotated[int, typer.Option(help="Assistant generations per rollou
 MaxNewTokensOpt = Annotated[int, typer.Option(help="Tokens per generation.")]
 SeedOpt = Annotated[int, typer.Option(help="Base seed.")]
 # Where the policy runs. Every command that generates or scores takes these two (collect, purify,
-# ablate, run; an eval command too) and hands them to cleaner.engine.backends.load_backend.
+# ablate, run; an eval command too) and hands them to cleaner.engine.model.load_backend.
 BackendOpt = Annotated[str, typer.Option(
     "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
 SglangUrlOpt = Annotated[str | None, typer.Option(
@@ -153,7 +154,7 @@ ShardOpt = Annotated[str, typer.Option(
 
 
 def parse_shard(text: str):
-    from cleaner.engine.config import Shard
+    from cleaner.config import Shard
 
     return build_config(Shard.parse, {"text": "--shard"}, text=text)
 
@@ -170,12 +171,12 @@ DpoCapOpt = Annotated[str, typer.Option(help="relative (x |advantage|) | absolut
 
 
 
-class LogTarget(StrEnum):  # cleaner.engine.tracking.TARGETS
+class LogTarget(StrEnum):  # cleaner.report.tracking.TARGETS
     tensorboard = "tensorboard"
     wandb = "wandb"
 
 
-# Where `run` and `eval` mirror their metrics besides the warehouse (cleaner.engine.tracking).
+# Where `run` and `eval` mirror their metrics besides the warehouse (cleaner.report.tracking).
 WandbProjectOpt = Annotated[str, typer.Option(help="W&B project.", rich_help_panel="Logging")]
 WandbOfflineOpt = Annotated[bool, typer.Option(
     "--wandb-offline", help="W&B offline even with an API key (it is offline anyway without one).",

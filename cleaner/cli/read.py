@@ -16,12 +16,12 @@ from cleaner.cli.common import (
     WarehouseOpt,
     app,
     build_config,
+    call_job,
     console,
     fail,
-    run_job,
     sandbox_app,
 )
-from cleaner.engine.show import Panels
+from cleaner.report.show import Panels
 
 
 @app.command()
@@ -34,11 +34,11 @@ def report(
 
     Figures whose data the warehouse lacks are skipped, and report.md says why.
     """
-    from cleaner.report import default_report_dir, report_job
+    from cleaner.report.job import default_report_dir, report_job
     from cleaner.warehouse import Warehouse
 
     out = out or default_report_dir(warehouse)
-    written = run_job(report_job, Warehouse(warehouse), out)
+    written = call_job(report_job, Warehouse(warehouse), out)
     for section in written.sections:
         status = section.file or f"skipped: {section.skipped}"
         console.print(f"{section.title}: {status}", soft_wrap=True, highlight=False)
@@ -61,7 +61,7 @@ def sandbox_run(
 
     from rich.table import Table
 
-    from cleaner.engine.chat import format_tool_response
+    from cleaner.engine.model.chat import format_tool_response
     from cleaner.sandbox import ExecStatus, SandboxConfig, SandboxError, make_sandbox
 
     for path in (file, stdin):
@@ -118,7 +118,7 @@ def sql(
     import duckdb
     import polars as pl
 
-    from cleaner.engine.show import result_table
+    from cleaner.report.tables import result_table
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:
@@ -211,8 +211,9 @@ def show(
     The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
     """
-    from cleaner.engine.render import View
-    from cleaner.engine.show import Decoder, load_decoder, load_inspection, show_rollout
+    from cleaner.engine.saar.walk import View
+    from cleaner.report.inspection import Decoder, load_decoder, load_inspection
+    from cleaner.report.show import show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
 
     saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
@@ -250,4 +251,4 @@ def ui(
     from cleaner.ui.server import UiConfig, serve
 
     config = build_config(UiConfig, warehouse=warehouse, host=host, port=port, token=token)
-    run_job(serve, config, started=lambda url: console.print(f"serving {warehouse} read-only at {url}", soft_wrap=True))
+    call_job(serve, config, started=lambda url: console.print(f"serving {warehouse} read-only at {url}", soft_wrap=True))

@@ -1,10 +1,11 @@
 """The Python tool's sandbox (docs/architecture.md §8): runs model-written code, confined.
 
-A leaf tool: nothing here imports the engine, the jobs, the CLI or the runner; they import it.
+A leaf tool: nothing here imports the rest of cleaner (the engine, the loop, the CLI); they import it.
 
 - config.py         SandboxConfig (nested in CollectConfig as `sandbox`)
 - outcome.py        ExecStatus, ExecResult: what an execution did (no model-facing wording)
-- pool.py           Sandbox, LocalSandbox (warm worker pool), make_sandbox, WorkerInfo, SandboxError
+- base.py           Sandbox (the interface both backends are), SandboxError
+- pool.py           LocalSandbox (warm worker pool), make_sandbox, WorkerInfo
 - protocol.py       length-prefixed JSON framing between pool, workers and children
 - worker.py         the warm worker process (`python -P -m cleaner.sandbox.worker`)
 - child.py          one execution: fork, confine, supervise and clean up a child
@@ -19,9 +20,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from cleaner.sandbox.base import Sandbox, SandboxError
     from cleaner.sandbox.config import SandboxConfig
     from cleaner.sandbox.outcome import ExecResult, ExecStatus
-    from cleaner.sandbox.pool import LocalSandbox, Sandbox, SandboxError, WorkerInfo, make_sandbox
+    from cleaner.sandbox.pool import LocalSandbox, WorkerInfo, make_sandbox
 
 # The public API, resolved on first use (PEP 562): a warm worker imports `cleaner.sandbox.worker`,
 # which runs this file first, and must not load the pool's threading and subprocess machinery,
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "SandboxConfig": "cleaner.sandbox.config", "ExecResult": "cleaner.sandbox.outcome",
     "ExecStatus": "cleaner.sandbox.outcome", "LocalSandbox": "cleaner.sandbox.pool",
-    "Sandbox": "cleaner.sandbox.pool", "SandboxError": "cleaner.sandbox.pool",
+    "Sandbox": "cleaner.sandbox.base", "SandboxError": "cleaner.sandbox.base",
     "WorkerInfo": "cleaner.sandbox.pool", "make_sandbox": "cleaner.sandbox.pool",
 }
 __all__ = ["ExecResult", "ExecStatus", "LocalSandbox", "Sandbox", "SandboxConfig", "SandboxError",

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from cleaner.sandbox import usercode
+from cleaner.sandbox.base import Sandbox, SandboxError
 from cleaner.sandbox.child import OutputCapture, truncate_text
 from cleaner.sandbox.config import SandboxConfig
 from cleaner.sandbox.outcome import ExecResult, ExecStatus, infra_error_result
-from cleaner.sandbox.pool import Sandbox, SandboxError
 
 logger = logging.getLogger(__name__)
 

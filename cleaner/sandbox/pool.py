@@ -50,10 +50,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cleaner.sandbox.base import Sandbox, SandboxError
 from cleaner.sandbox.config import SandboxConfig
 from cleaner.sandbox.outcome import ExecResult, ExecStatus, infra_error_result
 from cleaner.sandbox.protocol import PeerLost, receive_message_before, send_message
@@ -73,43 +72,12 @@ class WorkerInfo:
     filesystem_isolated: bool  # private /tmp (and unwritable /var/tmp, /dev/shm) in effect
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself cannot work (a worker does not start)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Interface
-
-
-class Sandbox:
-    """Runs Python snippets; a context manager. Subclasses implement `run` and `close`."""
-
-    config: SandboxConfig
-
-    def run(self, code: str, stdin: str | None = None) -> ExecResult:
-        raise NotImplementedError
-
-    def run_many(self, codes: Sequence[str]) -> list[ExecResult]:
-        """Run every snippet, concurrently across the pool; results in input order."""
-        with ThreadPoolExecutor(max_workers=self.config.workers) as executor:
-            return list(executor.map(self.run, codes))
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Sandbox:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
 def make_sandbox(config: SandboxConfig) -> Sandbox:
     """The local warm pool, or the docker backend when config.backend == "docker"."""
     if config.backend == "docker":
         # Imported here: the docker backend (and through it the optional docker SDK) loads only
         # when asked for.
-        from cleaner.sandbox.docker_backend import DockerSandbox
+        from cleaner.sandbox.docker_backend import DockerSandbox  # (optional extra: docker)
 
         return DockerSandbox(config)
     return LocalSandbox(config)

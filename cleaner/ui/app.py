@@ -38,8 +38,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from cleaner.engine.show import Decoder, load_decoder, load_inspection
 from cleaner.errors import CleanerError
+from cleaner.report.inspection import Decoder, load_decoder, load_inspection
 from cleaner.ui.overview import Overview
 from cleaner.ui.rollout_view import purified_pane, raw_segments
 from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter

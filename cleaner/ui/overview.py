@@ -1,7 +1,7 @@
 """The overview page: `cleaner report`'s figures as SVG, and its frames as tables.
 
-The frames come from `cleaner.report.report_data` (the report's own queries, cleaner.warehouse.
-queries) and the figures from the report's section plan (`report_page.planned_sections`), so the
+The frames come from `cleaner.report.job.report_data` (the report's own queries, cleaner.warehouse.
+queries) and the figures from the report's section plan (`cleaner.report.page.planned_sections`), so the
 page and `cleaner report` cannot disagree. A figure is drawn the first time it is asked for and
 kept until the next snapshot; SVG text needs no font or script from anywhere.
 """
@@ -16,8 +16,8 @@ from pathlib import PurePath
 
 import polars as pl
 
-from cleaner.engine.report_page import Planned, ReportData, planned_sections
-from cleaner.report import report_data
+from cleaner.report.job import report_data
+from cleaner.report.page import Planned, ReportData, planned_sections
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
-from cleaner.engine.render import (
+from cleaner.engine.saar.walk import (
     RAW,
     Decode,
     KeptTokens,
@@ -33,7 +32,8 @@ from cleaner.engine.render import (
     explain,
     render,
 )
-from cleaner.engine.show import kept_pieces, step_label, token_text
+from cleaner.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
+from cleaner.report.show import kept_pieces, step_label, token_text
 
 # ----------------------------------------------------------------------------------------------
 # The raw pane

@@ -14,10 +14,10 @@ Design decisions:
   segments part the name of the rollouts part that commits it, merged parts included), so showing
   it opens two files, not every segments part. Evaluation rollouts are not indexed; they are read
   through the views (`Warehouse.read_rollout`).
-- The premise class is the one of `cleaner.engine.premise.classify`, in SQL: clean without a failed
+- The premise class is the one of `cleaner.engine.saar.premise.classify`, in SQL: clean without a failed
   call; recovered when every step with a failure ended in a successful call; else unrecovered. An
   error type is the exception's name, else the call's status, as in the report.
-- The `Browser` reads what `cleaner.engine.show.load_inspection` asks of a warehouse (`read_rollout`,
+- The `Browser` reads what `cleaner.report.show.load_inspection` asks of a warehouse (`read_rollout`,
   `read_purified_of`, `collect_config`, `eval_config`), over its own connection.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import duckdb
 
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
+from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import readonly, schema
 from cleaner.warehouse.parts import WarehouseError
 from cleaner.warehouse.store import Warehouse, parts_variable

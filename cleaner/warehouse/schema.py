@@ -1,7 +1,7 @@
 """Arrow schemas of the warehouse (docs/architecture.md §3), written once, here and nowhere else.
 
 Each dataset pairs an Arrow schema with the frozen record type whose fields are its columns
-(`cleaner.engine.records`), and the Hive partition keys its part files live under. Conversion
+(`cleaner.records`), and the Hive partition keys its part files live under. Conversion
 between records and Arrow tables is generic over that pairing, so a column is named exactly once:
 as a record field, typed here.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cleaner.engine import records
+from cleaner import records
 
 _TOKENS = pa.list_(pa.int32())
 _FLOATS = pa.list_(pa.float32())

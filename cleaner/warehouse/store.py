@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cleaner.engine.records import (
+from cleaner.records import (
     EvalRunRow,
     IterationRow,
     PurifiedRow,

@@ -18,7 +18,7 @@ from cleaner.sandbox import LocalSandbox, SandboxConfig, pool, usercode
 
 PACKAGE_DIR = Path(cleaner.sandbox.__file__).parent
 MODULES = sorted(PACKAGE_DIR.glob("*.py"))
-UPPER_LAYERS = ("cleaner.engine", "cleaner.jobs", "cleaner.cli", "cleaner.runner")
+UPPER_LAYERS = ("cleaner.engine", "cleaner.config", "cleaner.cli", "cleaner.loop", "cleaner.report", "cleaner.toys")
 
 
 def imported_modules(path: Path) -> list[str]:

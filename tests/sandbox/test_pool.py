@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.chat import format_tool_response
+from cleaner.engine.model.chat import format_tool_response
 from cleaner.sandbox import ExecResult, ExecStatus, LocalSandbox, SandboxConfig, child, make_sandbox
 from cleaner.sandbox.isolation import Reaper
 

@@ -23,9 +23,9 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from cleaner.cli import app as cli_app
-from cleaner.engine.premise import classify
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow, Segment
-from cleaner.engine.render import RAW, View, render
+from cleaner.engine.saar.premise import classify
+from cleaner.engine.saar.walk import RAW, View, render
+from cleaner.records import PurifiedRow, PurifyConfigRow, Segment
 from cleaner.ui.app import create_app
 from cleaner.ui.rollout_view import StoredLogprobs, purified_pane
 from cleaner.ui.server import UiConfig, UiError, check_host, is_loopback

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cleaner.engine.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
+from cleaner.records import EvalRunRow, PurifiedRow, PurifyConfigRow, Rollout, Segment
 
 
 def make_rollout(rollout_id: str, iteration: int = 0, reward: float = 1.0, n_failed: int = 1) -> Rollout:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
+from cleaner.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.compact import compact
 from cleaner.warehouse.manifest import MANIFEST_DIR

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse import compact as compact_module
 from cleaner.warehouse.compact import LOCK_NAME, compact

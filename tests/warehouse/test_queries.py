@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from cleaner.engine.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
+from cleaner.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
 from cleaner.warehouse import Warehouse, queries
 from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cleaner.engine.records import PurifiedRow, PurifyConfigRow
+from cleaner.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, read_part, write_part
 
@@ -192,7 +192,7 @@ def test_wrong_row_type_is_rejected(tmp_path):
 def test_parts_written_before_a_column_was_added_still_read(tmp_path):
     """purify_configs.edit and the iterations' failed-call credit were added later: a part without
     them reads edit as replace and the credit as null, in records, SQL and after a compaction."""
-    from cleaner.engine.records import IterationRow
+    from cleaner.records import IterationRow
     from cleaner.warehouse.compact import compact
 
     wh = Warehouse(tmp_path)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from cleaner.config import CollectConfig
 from cleaner.engine.collect.tasks import Task
-from cleaner.engine.config import CollectConfig
 from cleaner.errors import CleanerError
 
 logger = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from cleaner.config import PromptStyle
 from cleaner.engine.collect.prompts import aime_prompt, gpqa_prompt, livecodebench_prompt
 from cleaner.engine.collect.tasks import (
     DatasetError,
@@ -39,7 +40,6 @@ from cleaner.engine.collect.tasks import (
     row_error,
     verl_tasks,
 )
-from cleaner.engine.config import PromptStyle
 
 
 class Layout(StrEnum):

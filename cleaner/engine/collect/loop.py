@@ -60,18 +60,20 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from cleaner.engine.backends.base import LENGTH, Generation, SamplingParams
-from cleaner.engine.chat import (
+from cleaner.config import CollectConfig
+from cleaner.engine.collect.context import fit_prompts
+from cleaner.engine.grading.answers import compute_reward
+from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
+from cleaner.engine.model.chat import (
     ChatFormat,
     ToolCall,
     format_tool_response,
     parse_tool_call,
     valid_text,
 )
-from cleaner.engine.collect.context import fit_prompts
-from cleaner.engine.collect.rewards import compute_reward
-from cleaner.engine.config import CollectConfig
-from cleaner.engine.records import (
+from cleaner.engine.saar.gate import ScoreCache
+from cleaner.engine.saar.walk import Rendered, View, render, view_for
+from cleaner.records import (
     CollectView,
     FinishReason,
     Rollout,
@@ -79,8 +81,6 @@ from cleaner.engine.records import (
     SegmentKind,
     ToolStatus,
 )
-from cleaner.engine.render import Rendered, View, render, view_for
-from cleaner.engine.saar import ScoreCache
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import polars as pl
-from rich.table import Table
 
-from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
+from cleaner.records import Rollout, Segment, SegmentKind, ToolStatus
 
 
 @dataclass(frozen=True)
@@ -125,39 +124,3 @@ def summarize(rollouts: Sequence[Rollout], segments: Sequence[Segment]) -> Colle
         recovery_rate=_ratio(recovered, chains.height),
         finish_reasons=_counts(runs, "finish_reason"),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Display
-
-
-def _rate(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.1%}"
-
-
-def summary_table(summary: CollectSummary) -> Table:
-    """Two-column rich table of a summary."""
-    table = Table(title="collect", show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    number = "-" if math.isnan(summary.mean_reward) else f"{summary.mean_reward:.3f}"
-    per_rollout = summary.failed_calls_per_rollout
-    rows = [
-        ("rollouts", str(summary.rollouts)),
-        ("accuracy", _rate(summary.accuracy)),
-        ("mean reward", number),
-        ("tool calls", str(summary.tool_calls)),
-        ("failed calls", str(summary.failed_calls)),
-        ("failed calls / rollout", "-" if math.isnan(per_rollout) else f"{per_rollout:.2f}"),
-        ("well-formed calls", _rate(summary.well_formed_call_rate)),
-        ("first-attempt error rate", _rate(summary.first_attempt_error_rate)),
-        ("retries", str(summary.retries)),
-        ("chains with a failure", str(summary.chains_with_failure)),
-        ("recovered chains", str(summary.recovered_chains)),
-        ("recovery rate", _rate(summary.recovery_rate)),
-    ]
-    rows += [(f"failures: {name}", str(n)) for name, n in summary.failures_by_error_type]
-    rows += [(f"finish: {name}", str(n)) for name, n in summary.finish_reasons]
-    for metric, value in rows:
-        table.add_row(metric, value)
-    return table

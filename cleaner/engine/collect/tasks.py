@@ -2,7 +2,7 @@
 
 Design decisions:
 - A `Task` is the unit the agent loop samples a GRPO group for: chat messages, the ground truth
-  and the `data_source` that selects the reward (rewards.py).
+  and the `data_source` that selects the reward (cleaner/engine/grading/).
 - The toy family asks for `(A * B + C) mod D` with 3-digit A, B, C: too long to do in the head of
   a 0.5M-parameter model, easy with the Python tool. It is deterministic in (n, seed), and the
   numbers of prompt i depend only on (seed, i), so `toy_tasks(10, s)[:5] == toy_tasks(5, s)`.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cleaner.config import PromptStyle
 from cleaner.engine.collect.prompts import reference_training_messages
-from cleaner.engine.config import PromptStyle
 from cleaner.errors import CleanerError
 
 TOY_SOURCE = "toy"

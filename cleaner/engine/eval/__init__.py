@@ -1,1 +1,1 @@
-"""Evaluation with test-time SAAR (docs/architecture.md §12): graders, metrics and the report."""
+"""Evaluation with test-time SAAR (docs/architecture.md §12): the eval job, its plans and metrics."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cleaner.engine.collect.summary import summarize
-from cleaner.engine.records import Rollout, Segment
+from cleaner.records import Rollout, Segment
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

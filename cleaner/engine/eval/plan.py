@@ -9,7 +9,7 @@ Design decisions:
 - Seeds derive from the prompt id and sample index, not from the evaluation, so the SAAR and raw
   settings sample the same first turn of every rollout: the two differ only after a failed call.
 - `seconds` is the wall time of the session that completed the evaluation and `rollouts_generated`
-  what it generated; the latency ratio (report.py) compares seconds per generated rollout, so a
+  what it generated; the latency ratio (cleaner/report/tables.py) compares seconds per generated rollout, so a
   resumed evaluation does not look faster than it was.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cleaner.config import CollectConfig, EvalConfig
 from cleaner.engine.collect.datasets import LoadedDataset
-from cleaner.engine.config import CollectConfig, EvalConfig
 from cleaner.engine.eval.metrics import EvalMetrics
-from cleaner.engine.records import CollectView, EvalRunRow
+from cleaner.records import CollectView, EvalRunRow
 
 
 @dataclass(frozen=True)

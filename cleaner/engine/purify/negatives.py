@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cleaner.engine.config import DpoCap
+from cleaner.config import DpoCap
 
 
 @dataclass(frozen=True)

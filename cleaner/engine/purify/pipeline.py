@@ -23,12 +23,12 @@ Design decisions:
   requests are keyed by their tokens: an ablation of replace and mask scores each raw row once).
   Its tokens are on-policy only where the agent loop saw the raw view: masking rollouts collected
   with the purified view logs a warning.
-- The premise diagnostic (`cleaner.engine.premise`) is computed once per call: clean, recovered and
+- The premise diagnostic (`cleaner.engine.saar.premise`) is computed once per call: clean, recovered and
   unrecovered rollouts with their accuracy and mean advantage.
 - Scoring starts at prompt_len: prompt tokens are never trained, so their logprobs are not needed.
 - errors_by_type counts the failed tool calls in the input rollouts by error_type (tool_status when
   the type is unknown), most frequent first: what SAAR had to deal with, per config for the report.
-- `cleaner.engine.purify.report.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
+- `cleaner.report.tables.stats_table` is the per-reason counter report (datatrove style) that `cleaner purify` and
   `cleaner ablate` print: one line per config.
 - A rollout that an infrastructure fault ended (`infra_fault`) gets advantage 0 and is left out of
   its group's statistics; its row is still rendered and stored (the trainer skips it), and the
@@ -45,17 +45,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleaner.engine.advantages import grpo_advantages
-from cleaner.engine.config import Edit, PurifyConfig, PurifyWhen
-from cleaner.engine.premise import (
+from cleaner.config import Edit, PurifyConfig, PurifyWhen
+from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.purify.negatives import dpo_push, with_pushes
+from cleaner.engine.saar.gate import ScoreCache
+from cleaner.engine.saar.premise import (
     PremiseStats,
     RolloutClass,
     classify,
     failed_call_tokens,
     premise_stats,
 )
-from cleaner.engine.purify.negatives import dpo_push, with_pushes
-from cleaner.engine.records import (
+from cleaner.engine.saar.walk import RAW, NegativeSample, Rendered, render, view_for
+from cleaner.records import (
     CollectView,
     FinishReason,
     PurifiedRow,
@@ -64,8 +66,6 @@ from cleaner.engine.records import (
     SegmentKind,
     ToolStatus,
 )
-from cleaner.engine.render import RAW, NegativeSample, Rendered, render, view_for
-from cleaner.engine.saar import ScoreCache
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class PurifyStats:
     n_infra_fault: int = 0  # rollouts an infrastructure fault ended: advantage 0, out of group stats
     n_gated: int = 0  # merges the IS gate rejected
     n_negatives: int = 0  # negative-sample rows
-    premise: PremiseStats | None = None  # clean / recovered / unrecovered rollouts (premise.py)
+    premise: PremiseStats | None = None  # clean / recovered / unrecovered rollouts (saar/premise.py)
     tokens_masked: int = 0  # edit mask: trained tokens of the raw view left untrained, summed over rollouts
 
 

@@ -2,7 +2,7 @@
 
 Design decisions:
 - Checkpoints are plain `save_pretrained` directories so every backend (torch, SGLang) loads them.
-- They are written with `cleaner.engine.outputs.atomic_directory`, as kind "checkpoint": the swap
+- They are written with `cleaner.outputs.atomic_directory`, as kind "checkpoint": the swap
   is atomic, and replaces only a checkpoint cleaner wrote (a warehouse, a directory holding a
   user's file or a file at `out_path` is refused and left untouched). The DeepSpeed engine, which
   writes its own weight files, uses the same function.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cleaner.engine.outputs import CHECKPOINT, atomic_directory
+from cleaner.outputs import CHECKPOINT, atomic_directory
 
 logger = logging.getLogger(__name__)
 

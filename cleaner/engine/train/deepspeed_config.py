@@ -32,7 +32,7 @@ import json
 import math
 from pathlib import Path
 
-from cleaner.engine.config import TrainConfig
+from cleaner.config import TrainConfig
 from cleaner.errors import CleanerError
 
 AUTO = "auto"

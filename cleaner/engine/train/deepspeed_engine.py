@@ -46,10 +46,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy, load_tokenizer_if_present
-from cleaner.engine.outputs import CHECKPOINT, atomic_directory
-from cleaner.engine.records import PurifiedRow, TrainStepRow
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.deepspeed_config import (
     check_deepspeed_setup,
     deepspeed_config_for,
@@ -73,6 +71,8 @@ from cleaner.engine.train.stages import (
     micro_batch_loss,
     prepare_rows,
 )
+from cleaner.outputs import CHECKPOINT, atomic_directory
+from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Design decisions:
 - Truncated importance sampling multiplies the per-token surrogate by min(pi_old / pi_behaviour,
   cap), detached; the paper's default is off (docs/architecture.md §6).
 - Overlong shaping changes rewards, so the trainer recomputes advantages with the same GRPO
-  normalisation purify uses (`cleaner.engine.advantages.grpo_advantages`).
+  normalisation purify uses (`cleaner.engine.purify.advantages.grpo_advantages`).
 
 Shapes: B sequences, T tokens, V vocabulary.
 """

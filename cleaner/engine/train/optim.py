@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import get_constant_schedule_with_warmup
 
-from cleaner.engine.config import TrainConfig
+from cleaner.config import TrainConfig
 from cleaner.errors import CleanerError
 
 logger = logging.getLogger(__name__)

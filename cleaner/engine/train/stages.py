@@ -36,10 +36,9 @@ from pathlib import Path
 
 import torch
 
-from cleaner.engine.advantages import grpo_advantages
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy
-from cleaner.engine.records import PurifiedRow, TrainStepRow
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy
+from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     entropy_from_logits,
@@ -50,6 +49,7 @@ from cleaner.engine.train.loss import (
     truncated_is_weights,
 )
 from cleaner.engine.train.optim import Optimization
+from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
 

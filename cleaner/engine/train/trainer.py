@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy, load_tokenizer_if_present
-from cleaner.engine.records import PurifiedRow, TrainStepRow
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
@@ -46,6 +45,7 @@ from cleaner.engine.train.stages import (
     micro_batch_loss,
     prepare_rows,
 )
+from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
 

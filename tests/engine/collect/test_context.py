@@ -17,13 +17,14 @@ from transformers import GPT2Config, Qwen3Config
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.backends.torch_backend import TorchBackend
-from cleaner.engine.chat import ChatFormat
+from cleaner.config import DEFAULT_POLICY, CollectConfig, EvalConfig
 from cleaner.engine.collect.context import ContextError, fit_prompts
+from cleaner.engine.collect.job import collect_job
 from cleaner.engine.collect.tasks import Task
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig, EvalConfig
-from cleaner.engine.models import context_length
-from cleaner.jobs import collect_job, eval_job
+from cleaner.engine.eval.job import eval_job
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.loading import context_length
+from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cleaner.config import PromptStyle
 from cleaner.engine.collect.datasets import Layout, detect_layout, load_dataset
 from cleaner.engine.collect.tasks import DatasetError
-from cleaner.engine.config import PromptStyle
 
 TESTS = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
 

@@ -24,11 +24,11 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.backends.base import LENGTH, STOP, Generation
-from cleaner.engine.chat import format_call
+from cleaner.config import DEFAULT_POLICY, CollectConfig
+from cleaner.engine.collect.job import collect_job
 from cleaner.engine.collect.loop import turn_seed
-from cleaner.engine.config import DEFAULT_POLICY, CollectConfig
-from cleaner.jobs import collect_job
+from cleaner.engine.model.base import LENGTH, STOP, Generation
+from cleaner.engine.model.chat import format_call
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
 

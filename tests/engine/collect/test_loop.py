@@ -16,14 +16,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from cleaner.engine.backends.base import LENGTH, STOP, Generation
-from cleaner.engine.chat import ChatFormat, format_call, format_tool_response, tool_response_text
+from cleaner.config import CollectConfig, PurifyConfig
 from cleaner.engine.collect.loop import CollectedBatch, collect, rollback_draw, turn_seed
 from cleaner.engine.collect.tasks import Task
-from cleaner.engine.config import CollectConfig, PurifyConfig
+from cleaner.engine.model.base import LENGTH, STOP, Generation
+from cleaner.engine.model.chat import (
+    ChatFormat,
+    format_call,
+    format_tool_response,
+    tool_response_text,
+)
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.engine.render import RAW, render, view_for
-from cleaner.engine.saar import ScoreCache
+from cleaner.engine.saar.gate import ScoreCache
+from cleaner.engine.saar.walk import RAW, render, view_for
 from cleaner.sandbox import ExecResult, ExecStatus
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",

@@ -11,9 +11,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cleaner.config import PromptStyle
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.tasks import load_rl_parquet
-from cleaner.engine.config import PromptStyle
 
 # ---- the reference's module-level strings, verbatim ------------------------------------------
 answer_format = "\nRemember once you make sure the current answer is your final answer, do not call the tools again and directly output the final answer in the following text format, the answer format must be: \\boxed{'The final answer goes here.'}."  # noqa: E501

@@ -7,8 +7,9 @@ import math
 import pytest
 from rich.console import Console
 
-from cleaner.engine.collect.summary import summarize, summary_table
-from cleaner.engine.records import Rollout, Segment
+from cleaner.engine.collect.summary import summarize
+from cleaner.records import Rollout, Segment
+from cleaner.report.tables import summary_table
 
 
 def rollout(rollout_id: str, correct: bool, finish_reason: str) -> Rollout:

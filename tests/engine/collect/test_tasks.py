@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cleaner.config import PromptStyle
 from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
-from cleaner.engine.config import PromptStyle
 
 # ---------------------------------------------------------------------------------------------
 # Toy family

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from cleaner.engine.config import DpoCap, PurifyConfig, TrainConfig
+from cleaner.config import DpoCap, PurifyConfig, TrainConfig
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.purify.pipeline import purify_iteration
 from cleaner.engine.train.stages import prepare_rows

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from cleaner.engine.config import PurifyConfig
+from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
-from cleaner.engine.records import Rollout, Segment, SegmentKind, ToolStatus
+from cleaner.records import Rollout, Segment, SegmentKind, ToolStatus
 
 # ----------------------------------------------------------------------------------------------
 # Four rollouts, each: prompt, a failed call, a similar successful retry, a final answer

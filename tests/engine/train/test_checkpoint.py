@@ -1,4 +1,4 @@
-"""Atomic checkpoints (cleaner/engine/train/checkpoint.py, cleaner/engine/outputs.py)."""
+"""Atomic checkpoints (cleaner/engine/train/checkpoint.py, cleaner/outputs.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from cleaner.engine.config import DEFAULT_POLICY
-from cleaner.engine.models import load_policy, load_tokenizer_if_present
-from cleaner.engine.outputs import MARKER, OutputError, atomic_directory, check_replaceable
+from cleaner.config import DEFAULT_POLICY
+from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
+from cleaner.outputs import MARKER, OutputError, atomic_directory, check_replaceable
 from tests.helpers import tiny_qwen3, tree_digest
 from tests.warehouse.factories import make_rollout, make_segments
 

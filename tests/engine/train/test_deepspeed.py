@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy
-from cleaner.engine.records import PurifyConfigRow
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.optim import DEEPSPEED_STATE_DIR, DEEPSPEED_STATE_META, new_optimization
 from cleaner.engine.train.trainer import train_iteration
+from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse
 from tests.engine.train.test_trainer import VOCAB, _row, _with_old_logprobs
 from tests.helpers import tiny_qwen3

@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.deepspeed_config import (
     DeepSpeedConfigError,
     deepspeed_config_for,

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.optim import (
     DEEPSPEED_STATE_META,
     STATE_PATH,

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from cleaner.engine.config import TrainConfig
-from cleaner.engine.models import load_policy
-from cleaner.engine.records import PurifiedRow
+from cleaner.config import TrainConfig
+from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.loss import token_log_probs
 from cleaner.engine.train.stages import (
     collate_rows,
@@ -19,6 +18,7 @@ from cleaner.engine.train.stages import (
     prepare_rows,
 )
 from cleaner.engine.train.trainer import train_iteration
+from cleaner.records import PurifiedRow
 from tests.helpers import tiny_qwen3  # noqa: E402
 
 VOCAB = 64

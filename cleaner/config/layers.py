@@ -1,0 +1,289 @@
+"""A run's config from layers: defaults < the saved run (on resume) < a TOML file < flags.
+
+`cleaner run --config run.toml` reads a file laid out like `RunConfig` itself: top-level `run_dir`
+and `iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys
+are the dataclass fields (stages.py). Flags override the file; `--print-config` prints the resolved
+config as such a file, so `cleaner run ... --print-config > run.toml` round-trips.
+
+Design decisions:
+- Layers are nested dicts merged key by key, so a layer says only what it changes.
+- Derived values, filled in only when no layer sets them, keep one run self-consistent:
+  purify's gamma, p, similarity and IS threshold follow collect's (purifying at the collect config is what keeps
+  the purified rows on-policy); with purify's edit `mask`, collection uses the raw view (a masked row
+  is the raw sequence, on-policy only if the agent loop saw it); train's response budget, seed and device follow collect's;
+  the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
+  reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
+  max(768, max_new_tokens).
+- A file's key that is not a field, or a value of the wrong type, is an error naming the file,
+  the table and the key. Integers are accepted where a float is expected (TOML writes `lr = 1`).
+- TOML has no null: a field whose value is None is left out of the printed file (every such field
+  defaults to None, so leaving it out means the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+
+from cleaner.config.stages import RunConfig
+from cleaner.errors import CleanerError
+
+
+class ConfigError(CleanerError, ValueError):
+    """A config file or layer that cannot be turned into a RunConfig; the message says where."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Dicts <-> configs
+
+
+def merge(*layers: Mapping) -> dict:
+    """Deep merge: later layers win key by key; nested tables merge."""
+    merged: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+                merged[key] = merge(merged[key], value)
+            else:
+                merged[key] = dict(value) if isinstance(value, Mapping) else value
+    return merged
+
+
+def _coerce(value: object, hint: object, where: str) -> object:
+    """`value` as the field type `hint` (int -> float allowed), else ConfigError."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if (option is str or isinstance(option, type) and issubclass(option, enum.Enum)) and isinstance(value, str):
+            return value  # an enum field's __post_init__ checks the value and names the choices
+    names = " or ".join("null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{where}: expected {names}, got {value!r}")
+
+
+def typed_layer(cls: type, data: object, where: str = "config") -> dict:
+    """`data` checked against the (nested) config dataclass `cls`, before any value is used: a
+    table whose keys are fields, nested configs as tables, every value of its field's type (ints
+    become floats where a float is expected). ConfigError naming the table and key otherwise."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+    return {name: typed_layer(hints[name], value, f"{where}.{name}") if dataclasses.is_dataclass(hints[name])
+            else _coerce(value, hints[name], f"{where}.{name}") for name, value in data.items()}
+
+
+def from_dict(cls: type, data: Mapping, where: str = "config",
+              names: Mapping[tuple[str, ...], str] | None = None) -> object:
+    """An instance of the (nested) config dataclass `cls` from a dict; unknown keys are errors.
+
+    `names` maps a field's path (("train", "lr")) to the name its value was given under (the
+    flag `--lr`): an invalid value is then reported under that name."""
+    return _build(cls, typed_layer(cls, data, where), where, (), names or {})
+
+
+def _build(cls: type, values: Mapping, where: str, path: tuple[str, ...],
+           names: Mapping[tuple[str, ...], str]) -> object:
+    hints = typing.get_type_hints(cls)
+    built = {name: _build(hints[name], value, f"{where}.{name}", (*path, name), names)
+             if dataclasses.is_dataclass(hints[name]) else value for name, value in values.items()}
+    try:
+        return cls(**built)
+    except ValueError as error:
+        given = {field.name: names[(*path, field.name)] for field in dataclasses.fields(cls)
+                 if (*path, field.name) in names}
+        message, renamed, others = name_fields(str(error), given, [f.name for f in dataclasses.fields(cls)])
+        if renamed and not others:  # every field it names was given as a flag
+            raise ConfigError(f"invalid option: {message}") from error
+        raise ConfigError(f"{where}: {message}") from error
+
+
+def name_fields(message: str, names: Mapping[str, str], fields: typing.Iterable[str] = ()) -> tuple[str, bool, bool]:
+    """`message` (a config's ValueError, which names fields) with each field of `names` written as
+    its name there (n_prompts -> --prompts); quoted values are left alone. Also whether a field was
+    renamed, and whether it names one of `fields` that is not in `names`."""
+    words = sorted(set(names) | set(fields), key=len, reverse=True)
+    if not words:
+        return message, False, False
+    found: set[str] = set()
+
+    def rename(match: re.Match) -> str:
+        if match.group(1) is None:
+            return match.group(0)  # a quoted value
+        found.add(match.group(1))
+        return names.get(match.group(1), match.group(1))
+
+    pattern = r"'[^']*'|\b(" + "|".join(re.escape(word) for word in words) + r")\b"
+    renamed = re.sub(pattern, rename, message)
+    return renamed, bool(found & set(names)), bool(found - set(names))
+
+
+def to_toml(config: object) -> str:
+    """The config as a TOML document: scalars first, then one table per nested config."""
+    lines: list[str] = []
+    _toml_table(config, [], lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _toml_table(config: object, path: list[str], lines: list[str]) -> None:
+    nested = []
+    if path:
+        lines += ["", f"[{'.'.join(path)}]"]
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((f.name, value))
+        elif value is not None:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    for name, value in nested:
+        _toml_table(value, [*path, name], lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a TOML basic string uses JSON's escapes
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's layers
+
+# `cleaner run`'s defaults beneath any config file: the tiny policy's learning rate.
+RUN_BASE_LAYER = {"train": {"lr": 1e-4}}
+
+# Each `cleaner run` flag (its Python name) -> the config fields it sets; a flag may set collect's
+# and purify's alike, so that one flag keeps the run purifying at its collect config.
+RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "run_dir": (("run_dir",),), "iterations": (("iterations",),),
+    "prompts": (("collect", "n_prompts"),), "group_size": (("collect", "group_size"),),
+    "model": (("collect", "model"),), "data": (("collect", "data"),),
+    "backend": (("collect", "backend"),), "sglang_url": (("collect", "sglang_url"),),
+    "prompt_style": (("collect", "prompt_style"),),
+    "max_turns": (("collect", "max_turns"),), "max_retries": (("collect", "max_retries"),),
+    "max_new_tokens": (("collect", "max_new_tokens"),),
+    "max_response_tokens": (("collect", "max_response_tokens"), ("train", "max_response_tokens")),
+    "truncate_prompts": (("collect", "truncate_prompts"),),
+    "temperature": (("collect", "temperature"),), "top_p": (("collect", "top_p"),),
+    "collect_view": (("collect", "collect_view"),),
+    "gamma": (("collect", "gamma"), ("purify", "gamma")),
+    "rollback_prob": (("collect", "rollback_prob"), ("purify", "rollback_prob")),
+    "similarity_on": (("collect", "similarity_on"), ("purify", "similarity_on")),
+    "purify_when": (("purify", "purify_when"),), "edit": (("purify", "edit"),),
+    "rollback_is_threshold": (("collect", "rollback_is_threshold"), ("purify", "rollback_is_threshold")),
+    "rollback_is_mode": (("collect", "rollback_is_mode"), ("purify", "rollback_is_mode")),
+    **{name: (("purify", name),) for name in (
+        "negative_samples", "dpo_beta", "dpo_max_adjustment_ratio", "dpo_cap")},
+    "seed": (("collect", "seed"), ("train", "seed")),
+    "device": (("collect", "device"), ("train", "device")),
+    "batch_rollouts": (("collect", "batch_rollouts"),),
+    "sandbox_timeout_s": (("collect", "sandbox", "timeout_s"),),
+    "sandbox_workers": (("collect", "sandbox", "workers"),),
+    **{name: (("train", name),) for name in (
+        "lr", "warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "clip_ratio_c",
+        "kl_coef", "truncated_is", "is_cap", "dynamic_sampling", "overlong_buffer",
+        "mini_batch_size", "micro_batch_size", "epochs", "max_grad_norm", "engine",
+        "deepspeed_config")},
+}
+
+
+def flag_layer(flags: Mapping[str, object]) -> dict:
+    """The config layer of some `cleaner run` flags ({python name: value})."""
+    layer: dict = {}
+    for name, value in flags.items():
+        for path in RUN_FLAGS[name]:
+            table = layer
+            for key in path[:-1]:
+                table = table.setdefault(key, {})
+            table[path[-1]] = str(value) if isinstance(value, Path) else value
+    return layer
+
+
+def command_line(flags: Mapping[str, object]) -> str:
+    """The `cleaner run` command that gives these flags."""
+    words = ["cleaner", "run"]
+    for name, value in flags.items():
+        option = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(option if value else "--no-" + option[2:])
+        else:
+            words += [option, str(value)]
+    return " ".join(words)
+
+
+def read_toml(path: Path) -> dict:
+    """A TOML file as a dict; an unreadable or invalid file is a ConfigError naming it."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file ({error.strerror})") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML ({error})") from error
+
+
+def _derived(layer: Mapping) -> dict:
+    """Values that follow from others, for the keys no layer set."""
+    collect, train = layer.get("collect", {}), layer.get("train", {})
+    defaults = RunConfig().collect
+    n_prompts = collect.get("n_prompts", defaults.n_prompts)
+    group_size = collect.get("group_size", defaults.group_size)
+    max_new_tokens = collect.get("max_new_tokens", defaults.max_new_tokens)
+    response = collect.get("max_response_tokens", max(768, max_new_tokens))
+    quarter = max(1, n_prompts * group_size // 4)
+    mini = train.get("mini_batch_size", max(quarter, train.get("micro_batch_size", 1)))
+    masking = layer.get("purify", {}).get("edit") == "mask"
+    return {
+        "collect": {"max_response_tokens": response, **({"collect_view": "raw"} if masking else {})},
+        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold",
+                                                 "rollback_is_mode") if key in collect},
+        "train": {"max_response_tokens": response, "mini_batch_size": mini,
+                  "micro_batch_size": min(16, mini),
+                  **{key: collect[key] for key in ("seed", "device") if key in collect}},
+    }
+
+
+def resolve_run_config(*layers: Mapping, where: str = "config",
+                       names: Mapping[tuple[str, ...], str] | None = None) -> RunConfig:
+    """The RunConfig of the merged layers, derived values filled in where no layer set them.
+
+    The layers are type-checked before anything is derived from them; `names` as in `from_dict`."""
+    merged = typed_layer(RunConfig, merge(*layers), where)
+    return from_dict(RunConfig, merge(_derived(merged), merged), where, names)
+
+
+def flag_names(flags: typing.Iterable[str]) -> dict[tuple[str, ...], str]:
+    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
+    return {path: "--" + name.replace("_", "-") for name in flags for path in RUN_FLAGS[name]}
+
+
+def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """`key: before -> after` for every leaf that differs (nested keys joined with dots)."""
+    changed = []
+    for key in sorted(set(before) | set(after)):
+        if key in ignore:
+            continue
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed += differences(old, new, prefix=f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changed

@@ -1,0 +1,351 @@
+"""Frozen configuration dataclasses shared by the CLI and the library.
+
+Every field has a one-line comment; invariants are checked in `__post_init__` so a bad value fails
+at construction time with a message naming the field. `to_json()` gives the resolved config that is
+saved next to every output; `config_id` is a stable hash of the parameters. `SandboxConfig` lives
+with the sandbox (`cleaner/sandbox/config.py`, which knows nothing of the engine); CollectConfig
+nests it as its `sandbox` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from cleaner.records import CollectView, enum_value
+from cleaner.sandbox.config import SandboxConfig
+
+# The committed tiny default policy (docs/architecture.md §11): package data (cleaner/assets/), so
+# an installed wheel has it too.
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_POLICY = ASSETS_DIR / "tiny-policy"
+# The second tiny policy, on which CLEANER's premise holds (docs/architecture.md §11).
+ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
+# The third, on which outcome-only GRPO gives failed calls positive credit (docs/architecture.md §11).
+RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+
+
+class _Config:
+    """Mixin: JSON round trip and a stable id."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+
+    @functools.cached_property  # works on frozen dataclasses: it writes __dict__ directly
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of every parameter."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+class SimilarityOn(StrEnum):
+    """What SAAR compares to choose a shallow or a deep merge (docs/architecture.md §4)."""
+
+    CODE = "code"  # the two calls' code arguments (ours; the default)
+    CALL = "call"  # the decoded call tokens, as the reference does
+
+
+class PurifyWhen(StrEnum):
+    """Which rollouts SAAR may purify."""
+
+    ALWAYS = "always"  # every rollout whose draw is below p (the paper)
+    POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
+
+
+class Edit(StrEnum):
+    """What a purify config does to the attempts SAAR takes out (docs/architecture.md §4)."""
+
+    REPLACE = "replace"  # CLEANER: the row is SAAR's rendering, the failed attempts spliced out
+    MASK = "mask"  # the row is the raw rendering; what replace drops is not trained (loss mask 0)
+
+
+class IsMode(StrEnum):
+    """How the IS gate aggregates a merge's per-token log-ratios (docs/architecture.md §4)."""
+
+    SUM = "sum"  # IS = exp(sum): the design document's definition and the reference's first code
+    MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
+
+
+class PromptStyle(StrEnum):
+    """How a dataset's problem becomes the user message (docs/architecture.md §12)."""
+
+    REFERENCE = "reference"  # the reference's per-source preambles and answer formats
+    BARE = "bare"  # the problem text alone, as the tiny policies were trained
+
+
+class DpoCap(StrEnum):
+    """How the negative-sample push is capped per token (docs/architecture.md §7)."""
+
+    RELATIVE = "relative"  # dpo_max_adjustment_ratio * |advantage of the purified row|
+    ABSOLUTE = "absolute"  # dpo_max_adjustment_ratio itself, as the reference's code
+
+
+def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
+    """Store field `name` of a frozen config as a member of `enum` (ValueError naming the choices)."""
+    object.__setattr__(config, name, enum_value(enum, getattr(config, name), name))
+
+
+
+@dataclass(frozen=True)
+class CollectConfig(_Config):
+    model: str = str(DEFAULT_POLICY)  # Hugging Face path or local checkpoint directory
+    data: str | None = None  # a dataset Parquet file (any layout of datasets.py); None = the toy task family
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of a --data file; the toy task ignores it
+    iteration: int = 0  # iteration number written to the warehouse
+    n_prompts: int = 64  # prompts per iteration
+    group_size: int = 8  # samples per prompt (one GRPO group)
+    max_turns: int = 8  # assistant generations per rollout
+    max_retries: int = 3  # K: retries per failed tool-call step
+    max_new_tokens: int = 160  # per assistant generation
+    max_response_tokens: int = 768  # budget for everything after the prompt
+    truncate_prompts: bool = False  # a prompt too long for context - budget keeps its end; off: an error
+    temperature: float = 1.0  # sampling temperature; greedy never shows errors
+    top_p: float = 1.0  # nucleus sampling
+    collect_view: CollectView = CollectView.PURIFIED  # context rendering for later turns
+    gamma: float = 0.5  # SAAR similarity threshold used for the purified context
+    rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    rollback_is_threshold: float = 0.0  # tau of the IS gate for the purified context; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # the gate's aggregate over R's tokens
+    seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
+    batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
+    backend: str = "torch"  # torch | sglang
+    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
+    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
+
+    def __post_init__(self) -> None:
+        _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
+        _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
+        _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
+        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
+        _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.max_response_tokens >= self.max_new_tokens,
+               "max_response_tokens must be >= max_new_tokens")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _enum_field(self, "collect_view", CollectView)
+        _enum_field(self, "prompt_style", PromptStyle)
+        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
+        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
+        _enum_field(self, "similarity_on", SimilarityOn)
+        _check(self.rollback_is_threshold >= 0,
+               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
+        _enum_field(self, "rollback_is_mode", IsMode)
+        _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
+        _check_choice("backend", self.backend, ("torch", "sglang"))
+        _check(self.sglang_url is None or self.backend == "sglang",
+               f"sglang_url is for backend sglang, got backend {self.backend!r}")
+        _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
+               f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
+        _check(self.test_timeout_s > 0, f"test_timeout_s must be > 0, got {self.test_timeout_s}")
+
+
+@dataclass(frozen=True)
+class PurifyConfig(_Config):
+    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
+    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its rollback_draw < p
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts may be purified
+    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau renders its chain raw; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # sum (the design) | mean (the reference's later, per-token IS)
+    negative_samples: bool = False  # pair each fixed failure with its fix (the reference's DPO term)
+    dpo_beta: float = 0.1  # beta of the negative-sample term
+    dpo_max_adjustment_ratio: float = 0.1  # cap of the push per token (see dpo_cap)
+    dpo_cap: DpoCap = DpoCap.RELATIVE  # relative to |advantage| (DESIGN) or absolute (the reference code)
+    advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
+    edit: Edit = Edit.REPLACE  # replace (SAAR's rendering) | mask (raw tokens, what replace drops untrained)
+
+    def __post_init__(self) -> None:
+        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
+        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
+        _enum_field(self, "similarity_on", SimilarityOn)
+        _enum_field(self, "purify_when", PurifyWhen)
+        _enum_field(self, "edit", Edit)
+        # A masked row keeps the failed call in the sequence, untrained; a negative sample trains it
+        # in a row of its own, paired with a fix spliced into a purified row that mask never builds.
+        _check(not (self.edit == Edit.MASK and self.negative_samples),
+               "edit 'mask' does not combine with negative_samples: masking keeps each failed call in "
+               "its row untrained, and a negative sample pairs it with a fix in a purified row")
+        _check(self.rollback_is_threshold >= 0,
+               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
+        _enum_field(self, "rollback_is_mode", IsMode)
+        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
+        _check(self.dpo_max_adjustment_ratio >= 0,
+               f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")
+        _enum_field(self, "dpo_cap", DpoCap)
+        _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    lr: float = 1e-6  # AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: 1e-4)
+    warmup_steps: int = 0  # linear warmup from 0 over this many optimiser steps; 0 = constant lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    clip_eps_low: float = 0.2  # DAPO lower clip
+    clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
+    clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
+    kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
+    truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (docs/architecture.md §6)
+    is_cap: float = 2.0  # cap of the truncated importance ratio
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
+    max_response_tokens: int = 768  # DAPO overlong: the response length the buffer counts back from
+    mini_batch_size: int = 64  # sequences per optimiser step
+    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    epochs: int = 1  # passes over the iteration's rows
+    max_grad_norm: float = 1.0  # gradient clipping
+    engine: str = "torch"  # torch | deepspeed
+    deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (engine = deepspeed)
+    device: str = "cpu"  # torch device
+    seed: int = 0  # shuffling and dropout seed
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.clip_eps_low < 1, f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+        _check(self.clip_eps_high >= 0, f"clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        _check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
+               f"clip_ratio_c must be > 1, or 0 for off, got {self.clip_ratio_c}")
+        _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        _check(self.is_cap >= 1, f"is_cap must be >= 1, got {self.is_cap}")
+        _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
+        _check(self.overlong_buffer <= self.max_response_tokens,
+               "overlong_buffer must be <= max_response_tokens")
+        _check(self.mini_batch_size >= 1, f"mini_batch_size must be >= 1, got {self.mini_batch_size}")
+        _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.mini_batch_size >= self.micro_batch_size,
+               f"mini_batch_size ({self.mini_batch_size}) must be >= micro_batch_size ({self.micro_batch_size})")
+        _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
+        _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        _check_choice("engine", self.engine, ("torch", "deepspeed"))
+        _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
+               "engine deepspeed needs deepspeed_config")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The `index`-th of `count` disjoint shares of an iteration's prompts (docs/architecture.md §5).
+
+    A prompt belongs to the share its id hashes to, so a share is a set of whole GRPO groups,
+    decided by the prompt alone: no shard needs to know the others, the task order, or how many
+    prompts there are, and collect and purify with the same i/N cover the same groups. Not part of
+    any config: every shard of an iteration runs the same config.
+    """
+
+    index: int = 0  # this shard, 0 <= index < count
+    count: int = 1  # shards of the iteration; 1 = unsharded
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 1 and 0 <= self.index < self.count,
+               f"--shard takes i/N with 0 <= i < N, got '{self}'")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """`i/N` -> Shard(i, N); ValueError naming the expected form."""
+        index, slash, count = text.strip().partition("/")
+        if not (slash and index.strip().isdigit() and count.strip().isdigit()):
+            raise ValueError(f"--shard takes i/N with 0 <= i < N, got {text!r}")
+        return cls(int(index), int(count))
+
+    def owns(self, prompt_id: str) -> bool:
+        digest = hashlib.sha256(prompt_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.count == self.index
+
+    @property
+    def sharded(self) -> bool:
+        return self.count > 1
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+UNSHARDED = Shard()
+
+
+@dataclass(frozen=True)
+class RunConfig(_Config):
+    run_dir: str = "runs/default"  # holds warehouse/ and checkpoints/
+    iterations: int = 3  # collect -> purify -> train iterations
+    collect: CollectConfig = field(default_factory=CollectConfig)  # iteration and model are set per iteration
+    purify: PurifyConfig = field(default_factory=PurifyConfig)  # the config trained on
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Config):
+    """`cleaner eval`: every model on every dataset under every SAAR setting (docs/architecture.md §12).
+
+    Defaults are the reference's evaluation settings (temperature 1, top-p 0.6, 16 turns, 16
+    samples, a 20480-token response). Each (model, dataset, setting) runs as one collect config
+    (`collect_config`), whose id is the evaluation's id.
+    """
+
+    models: tuple[str, ...] = (str(DEFAULT_POLICY),)  # Hugging Face paths or checkpoint directories
+    datasets: tuple[tuple[str, str], ...] = ()  # (name, Parquet path) in any layout of datasets.py
+    saar: tuple[bool, ...] = (True,)  # SAAR settings to run: True = purified context (the paper's test time)
+    n: int = 16  # samples per problem
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # the reference's prompts, or the problem alone
+    limit: int | None = None  # the first rows of each dataset; None = all
+    temperature: float = 1.0  # the reference's validation temperature
+    top_p: float = 0.6  # the reference's validation top-p
+    max_turns: int = 16  # steps per rollout (retries do not count)
+    max_retries: int = 3  # K: retries per failed tool-call step
+    max_new_tokens: int = 20480  # per assistant generation
+    max_response_tokens: int = 20480  # budget for everything after the prompt (the reference's)
+    gamma: float = 0.5  # SAAR similarity threshold of the purified context
+    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
+    seed: int = 0  # base seed; per-rollout seeds derive from (prompt_id, sample_index)
+    batch_rollouts: int = 64  # rollouts generated and committed per batch (the resume unit)
+    backend: str = "torch"  # torch | sglang
+    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
+    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
+
+    def __post_init__(self) -> None:
+        _check(len(self.models) >= 1, "give at least one model")
+        _check(len(self.datasets) >= 1, "give at least one dataset as NAME=PATH")
+        names = [name for name, _ in self.datasets]
+        _check(len(set(names)) == len(names), f"dataset names must differ, got {names}")
+        _check(len(self.saar) >= 1 and len(set(self.saar)) == len(self.saar),
+               f"saar must hold each setting once, got {self.saar}")
+        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(self.limit is None or self.limit >= 1, f"limit must be >= 1, got {self.limit}")
+        _enum_field(self, "prompt_style", PromptStyle)
+        self.collect_config(self.models[0], self.datasets[0][1], self.saar[0], 1)  # checks the rest
+
+    def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
+        """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0."""
+        return CollectConfig(
+            model=model, data=data, prompt_style=self.prompt_style, iteration=0, n_prompts=problems,
+            group_size=self.n, max_turns=self.max_turns, max_retries=self.max_retries,
+            max_new_tokens=self.max_new_tokens, max_response_tokens=self.max_response_tokens,
+            temperature=self.temperature, top_p=self.top_p,
+            collect_view=CollectView.PURIFIED if saar else CollectView.RAW, gamma=self.gamma,
+            rollback_prob=1.0, similarity_on=self.similarity_on, seed=self.seed,
+            batch_rollouts=self.batch_rollouts, backend=self.backend, sglang_url=self.sglang_url, device=self.device,
+            sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
+        )

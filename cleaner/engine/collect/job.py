@@ -1,0 +1,117 @@
+"""The collect job: one iteration's rollouts into the warehouse (docs/architecture.md §5).
+
+A job loads its inputs from the warehouse, calls the stage (the agent loop, loop.py), and writes the
+outputs back, together with the resolved config as JSON. The CLI calls exactly one job per command,
+and `cleaner run` (cleaner/loop/) chains the stages' jobs in each process of a run so the model is
+loaded once per device and handed from stage to stage.
+
+Idempotence and resume: batches of complete rollouts are committed atomically; `resume` skips
+committed ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+from cleaner.config import UNSHARDED, CollectConfig, Shard
+from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.loop import collect, rollout_key
+from cleaner.engine.collect.summary import CollectSummary, summarize
+from cleaner.engine.collect.tasks import Task, toy_tasks
+from cleaner.engine.grading.programs import grader_for
+from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.loading import check_device, check_model_path
+from cleaner.errors import JobError
+from cleaner.sandbox import make_sandbox
+from cleaner.warehouse import Warehouse
+
+
+@dataclass(frozen=True)
+class CollectOutcome:
+    iteration: int
+    n_planned: int  # rollouts the iteration (the shard's share of it) should hold
+    n_written: int  # rollouts written by this call (less than planned on resume)
+    summary: CollectSummary  # over the whole iteration (the shard's share of it)
+    seconds: float
+
+
+def iteration_seed(config: CollectConfig) -> int:
+    """A 32-bit seed of (seed, iteration): the toy tasks' and an SGLang engine's random seed."""
+    return int.from_bytes(hashlib.sha256(f"{config.seed}:{config.iteration}".encode()).digest()[:4], "big")
+
+
+def load_tasks(config: CollectConfig) -> list[Task]:
+    """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
+    if config.data is None:
+        return toy_tasks(config.n_prompts, seed=iteration_seed(config))
+    tasks = load_dataset(config.data, config.prompt_style).tasks  # DatasetError names file and row
+    if not tasks:
+        raise JobError(f"{config.data}: the dataset has no rows")
+    start = (config.iteration * config.n_prompts) % len(tasks)
+    return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
+
+
+def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False, shard: Shard = UNSHARDED,
+                backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
+    """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
+    finish a partly collected one."""
+    started = time.monotonic()
+    warehouse.check_writable()
+    if backend is None:  # fail on a bad backend, model or device before anything is written
+        require_backend(config.backend, config.sglang_url)
+        check_device(config.device)
+        check_model_path(config.model, tokenizer=True)
+    iteration = config.iteration
+    tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
+    planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
+                        for task in tasks for sample in range(config.group_size))
+    stored_anywhere = warehouse.rollout_ids(iteration)
+    stored = stored_anywhere & planned  # this share's; other shards' rollouts are theirs to resume
+    where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
+    if stored and not resume:
+        raise JobError(
+            f"{warehouse.root}: {where} already holds {len(stored)} rollouts; "
+            "pass --resume to finish it, or collect another --iteration"
+        )
+    _check_saved_config(warehouse, config, resume or bool(stored_anywhere))
+    n_written = 0
+    if len(stored) < len(planned):
+        load = functools.partial(load_backend, config.backend, config.model, device=config.device,
+                                 sglang_url=config.sglang_url, seed=iteration_seed(config))
+        with serving_backend(backend, load) as serving:
+            if serving.tokenizer is None:
+                raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
+                               "tokenizer for the chat format")
+            warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
+            chat = ChatFormat(serving.tokenizer)
+            grading = grader_for(tasks, config.sandbox, config.test_timeout_s)
+            with make_sandbox(config.sandbox) as sandbox, grading as grader:
+                for batch in collect(tasks, config, serving, sandbox, chat, reward_fn=grader,
+                                     skip_rollout_ids=stored, progress=progress):
+                    warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
+                    n_written += len(batch.rollouts)
+    rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]
+    summary = summarize(rollouts, warehouse.read_segments(iteration, planned))
+    return CollectOutcome(iteration, len(planned), n_written, summary, time.monotonic() - started)
+
+
+def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match: bool) -> None:
+    """An iteration holds the rollouts of one config: resuming it, or adding a shard to rollouts
+    that are already there, needs the config it was started with."""
+    saved = warehouse.collect_config(config.iteration)
+    if must_match and saved is not None and json.loads(saved) != json.loads(config.to_json()):
+        raise JobError(f"iteration {config.iteration} was collected with another config; "
+                       "resuming it or collecting another shard of it needs the same options")
+
+
+def collected_policy(warehouse: Warehouse, iteration: int) -> str:
+    """The policy that collected an iteration, from its saved collect config."""
+    saved = warehouse.collect_config(iteration)
+    if saved is None:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no collect config; was it collected?")
+    return json.loads(saved)["model"]

@@ -1,0 +1,164 @@
+"""The backend interface: what collect, purify and `cleaner run` use of a model, and nothing else.
+
+A backend serves one checkpoint. It samples continuations of token-id prompts (with the behaviour
+log-probabilities of the sampled tokens), scores fixed token sequences (log pi(x_t | x_<t)), hands
+out a `RowScorer` for purify, and adopts the next checkpoint after training. Implementations:
+`torch_backend.py` (transformers, CPU or one GPU, in this process), `sglang_engine.py` (an
+in-process `sglang.Engine`) and `sglang_server.py` (running SGLang servers or a router, over HTTP)
+(docs/architecture.md §6).
+
+Design decisions:
+- Token ids in, token ids out: the agent loop never re-tokenises text. The tokenizer is exposed
+  only for the chat format (special-token ids, decoding).
+- `model_path` is the checkpoint the backend serves, declared here, so a caller compares it
+  instead of guessing at attributes. The torch backend's in-memory model is not part of the
+  interface: `cleaner run` trains it in place only when the backend is a TorchBackend, and
+  otherwise trains a model of its own loaded from the checkpoint (cleaner/loop/iterations.py).
+- `scorer()` lets each backend choose how purify's many overlapping rows are scored: the torch
+  backend forwards each radix-tree edge once on its own model (trie_scorer.py); a remote engine
+  sends one request per edge and lets its own prefix cache hold the shared paths
+  (backend_scorer.py).
+- Expected failures (an optional extra not installed, a server that refuses a request) are
+  `BackendError`s, which the CLI prints as one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cleaner.errors import CleanerError
+
+# Why a generation stopped.
+STOP, LENGTH = "stop", "length"
+
+SGLANG_INSTALL_HINT = "pip install 'cleaner[sglang]'"
+
+
+class BackendError(CleanerError):
+    """A backend that cannot be used here, or a serving engine that refused a request."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int  # per request
+    stop_token_ids: tuple[int, ...]  # generation ends after emitting any of these (kept in the output)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: tuple[int, ...]  # sampled tokens, including the stop token if one was hit
+    logprobs: tuple[float, ...]  # log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # STOP | LENGTH
+
+
+# ---------------------------------------------------------------------------- row scorers
+
+
+@dataclass
+class ScorerStats:
+    """Work counters, cumulative over calls (mutable on purpose: the scorer updates them)."""
+
+    tokens_forwarded: int = 0  # real (unpadded) tokens sent through the model; an engine's: see below
+    tokens_naive: int = 0  # sum of row lengths: what one full forward per row would cost
+    n_prefix_groups: int = 0  # internal tree nodes whose cache was reused by >= 1 child forward
+    n_forwards: int = 0  # model calls (or engine requests)
+    seconds: float = 0.0
+    # what a serving engine reports it computed (SGLang: prompt tokens minus its `cached_tokens`);
+    # None for a scorer that forwards itself. An engine scorer's tokens_forwarded is its plan: what
+    # the engine computes if its prefix cache still holds every path sent before
+    tokens_computed: int | None = None
+
+    @property
+    def reuse_ratio(self) -> float:
+        """tokens_naive / the tokens computed (1.0 = no sharing)."""
+        computed = self.tokens_forwarded if self.tokens_computed is None else self.tokens_computed
+        return self.tokens_naive / max(computed, 1)
+
+
+class RowScorer(Protocol):
+    """Scores many token rows that share prefixes; purify's only view of a model."""
+
+    version: str  # names the algorithm in purified rows' scorer_version
+    stats: ScorerStats
+
+    def score_rows(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        """For each sequence s and start P: [log pi(s[t] | s[:t]) for t in range(P, len(s))]."""
+        ...
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+class Backend(Protocol):
+    """What the agent loop, purify and the run loop need from a model."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's Hugging Face tokenizer; None for a directory without tokenizer files."""
+        ...
+
+    @property
+    def model_path(self) -> Path:
+        """The checkpoint served (a directory, or a hub id as a Path)."""
+        ...
+
+    @property
+    def policy_version(self) -> str:
+        """Identifies the weights (checkpoint directory name + content hash)."""
+        ...
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model attends over (its config's `max_position_embeddings`); None if
+        unknown. Collection checks prompts and budgets against it (docs/architecture.md §5)."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        """Sample one continuation per prompt; request i uses its own RNG seeded with seeds[i]."""
+        ...
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        """For each sequence s and start P >= 1: [log pi(s[t] | s[:t]) for t in range(P, len(s))].
+
+        Not temperature-scaled. Results must equal a naive full forward of each sequence within
+        1e-4 (float32).
+        """
+        ...
+
+    def scorer(self, progress: bool = False) -> RowScorer:
+        """The scorer purify uses for this backend's weights (`progress`: a progress bar)."""
+        ...
+
+    def adopt(self, model_path: str | Path) -> None:
+        """Serve the checkpoint just saved at `model_path` from now on (a new policy version)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (an engine's processes and GPU memory)."""
+        ...
+
+
+def check_score_inputs(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(starts)} starts")
+    for index, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(f"row {index}: start {start} outside [1, {len(seq)}]")
+
+
+def check_generate_inputs(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")

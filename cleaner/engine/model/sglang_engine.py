@@ -1,0 +1,225 @@
+"""The Backend protocol on an in-process `sglang.Engine`: one node's GPUs, or this machine's CPU.
+
+Run on CPU with SGLang 0.5.23 (`make sglang-cpu`, `make test-sglang`: the contract suite, purify
+against the torch scorer, collect and purify from the CLI). The CUDA path (deterministic inference,
+`base_gpu_id`, the checkpoint's own dtype) is written against the same API and has not run here
+(docs/architecture.md §6).
+
+Design decisions:
+- The engine starts with `skip_tokenizer_init=True` (requests are token ids; sglang_wire.py has
+  the request and response shapes); the tokenizer for the chat format is loaded here with
+  transformers from the same checkpoint.
+- `device` is `cpu`, `cuda` or `cuda:N` (`base_gpu_id=N`). On `cpu`, cleaner sets what SGLang's
+  CPU path needs itself: `SGLANG_USE_CPU_ENGINE=1` before sglang is imported (SGLang chooses its
+  platform from it on import; without it the model build looks for GPU kernels), and the options that
+  work there (`CPU_ENGINE_OPTIONS`: PyTorch-native attention and sampling, no CUDA graphs, no
+  overlap schedule, a fixed KV budget because the automatic memory fraction resolves to a negative
+  number on a small machine, float32). Options passed as keyword arguments win.
+- Seeds. On a GPU, deterministic inference is on by default: SGLang honours per-request seeds only
+  with it, and the project's seeds and `--resume` rely on a seed giving the same rollout. It
+  refuses PyTorch-native attention, so on CPU it is off and per-request seeds are ignored; the
+  engine's `random_seed` (`seed`) then makes a whole run reproducible from one start, and greedy
+  decoding is deterministic.
+- One `Engine.generate` call per `generate` or `score`, with per-request lists: the engine batches
+  them itself. Purify's scorer is `BackendScorer` over `score`: one request per radix-tree edge,
+  so RadixAttention holds the shared paths (backend_scorer.py); `tokens_computed` counts what the
+  engine says it computed (prompt tokens minus `cached_tokens`).
+- New weights: `update_weights_from_disk(path)`, which waits for running requests and flushes the
+  radix cache, so no KV computed with the old weights is reused.
+- Closing: SGLang's `Engine.shutdown` SIGKILLs every child process of this process (the resource
+  tracker of multiprocessing included) and is registered to run again at exit. `close` removes
+  that registration and restarts the tracker; close the engine after anything else this process
+  started (the jobs close it after the sandbox).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import multiprocessing
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cleaner.engine.model.backend_scorer import BackendScorer
+from cleaner.engine.model.base import (
+    SGLANG_INSTALL_HINT,
+    BackendError,
+    Generation,
+    SamplingParams,
+    check_generate_inputs,
+    check_score_inputs,
+)
+from cleaner.engine.model.loading import (
+    context_length_of,
+    load_tokenizer_if_present,
+    policy_version_of,
+    vocab_size_of,
+)
+from cleaner.engine.model.sglang_wire import (
+    EngineError,
+    batch_body,
+    computed_tokens,
+    generate_body,
+    generation_from_response,
+    input_logprobs_from_response,
+    responses_of,
+    score_body,
+)
+
+log = logging.getLogger(__name__)
+
+# What SGLang's CPU path needs (measured with SGLang 0.5.23 on a 2-core x86 machine).
+CPU_ENGINE_OPTIONS: dict[str, Any] = {
+    "attention_backend": "torch_native",  # the CUDA backends' kernels do not exist on CPU
+    "sampling_backend": "pytorch",  # flashinfer's sampling kernels neither
+    "grammar_backend": "none",  # constrained decoding is never asked for
+    "disable_cuda_graph": True,
+    "disable_overlap_schedule": True,  # overlapping needs CUDA streams
+    "mem_fraction_static": 0.05,  # left automatic it resolves to a negative fraction on small hosts
+    "max_total_tokens": 8192,  # the KV budget, in tokens; requests beyond it wait their turn
+    "max_running_requests": 8,
+    "chunked_prefill_size": -1,  # one prefill per request: purify's rows are short
+    "sleep_on_idle": True,  # an idle scheduler otherwise polls at ~30% of a core
+    "log_level": "error",  # without CPU kernels SGLang warns about each model class it cannot import
+}
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"  # SGLang treats the host as its device only with this = 1
+
+
+def engine_device(device: str) -> tuple[str, int]:
+    """`cpu` -> ("cpu", 0), `cuda` -> ("cuda", 0), `cuda:N` -> ("cuda", N); else a BackendError."""
+    kind, _, index = str(device).partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", 0
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index or 0)
+    raise BackendError(f"device {device!r}: the sglang engine runs on cpu, cuda or cuda:N; "
+                       "pass --sglang-url for a running server")
+
+
+def engine_options(device: str, dtype: str | None, seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `sglang.Engine` (besides model_path) for `device`."""
+    kind, index = engine_device(device)
+    options: dict[str, Any] = {"skip_tokenizer_init": True, "random_seed": int(seed), "log_level": "warning"}
+    if kind == "cpu":
+        options.update(CPU_ENGINE_OPTIONS, device="cpu", dtype=dtype or "float32",
+                       enable_deterministic_inference=False)
+    else:
+        options.update(base_gpu_id=index, dtype=dtype or "auto", enable_deterministic_inference=True)
+    options.update(overrides)
+    return options
+
+
+def import_sglang(device: str = "cuda"):
+    """The sglang module, imported for `device`, or a BackendError saying how to install it."""
+    if engine_device(device)[0] == "cpu" and os.environ.get(CPU_ENGINE_ENV) != "1":
+        if _device_already_chosen():
+            raise BackendError(f"sglang was imported before {CPU_ENGINE_ENV}=1 was set, so it cannot "
+                               "run on cpu in this process; set it before importing sglang")
+        os.environ[CPU_ENGINE_ENV] = "1"  # read on first use; inherited by the engine's processes
+    try:
+        import sglang  # optional extra
+    except ImportError as error:
+        raise BackendError(f"the sglang backend needs SGLang, which is not installed here ({error}); "
+                           f"install it with: {SGLANG_INSTALL_HINT}") from error
+    return sglang
+
+
+def _device_already_chosen() -> bool:
+    """Has sglang, imported in this process already, chosen a device other than the CPU?
+    (`import sglang` resolves its platform once, from SGLANG_USE_CPU_ENGINE.)"""
+    platforms = sys.modules.get("sglang.srt.platforms")
+    platform = getattr(platforms, "_current_platform", None)
+    return platform is not None and getattr(platform, "device_name", None) != "cpu"
+
+
+def restore_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker again and register the live named semaphores and
+    shared memory with it, as the one SGLang's `Engine.shutdown` killed (with every other child of
+    this process) had them. Without this, each later release of one (tqdm's lock at exit) revives
+    a tracker that never saw it, which prints a KeyError traceback."""
+    from multiprocessing import resource_tracker, shared_memory, synchronize  # (only at close)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "resource_tracker: process died unexpectedly": we know why
+        resource_tracker.ensure_running()
+    for thing in gc.get_objects():  # type(), not isinstance(): no lazy attribute of any module runs
+        if issubclass(type(thing), synchronize.SemLock) and thing._semlock.name is not None:
+            resource_tracker.register(thing._semlock.name, "semaphore")
+        elif issubclass(type(thing), shared_memory.SharedMemory):
+            resource_tracker.register(thing._name, "shared_memory")
+
+
+class SGLangBackend:
+    """Generation and scoring on an in-process `sglang.Engine`."""
+
+    def __init__(self, model_path: str | Path, device: str = "cuda", dtype: str | None = None,
+                 seed: int = 0, **engine_kwargs: Any) -> None:
+        options = engine_options(device, dtype, seed, engine_kwargs)  # a bad device fails first
+        sglang = import_sglang(device)
+        self._model_path = Path(model_path)
+        self.tokenizer = load_tokenizer_if_present(model_path)
+        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
+        self.vocab_size = vocab_size_of(model_path)  # for the id check of input log-probs
+        logging.getLogger("sglang").setLevel(options["log_level"].upper())  # its loggers in this process
+        self.engine = sglang.Engine(model_path=str(model_path), **options)
+        self._policy_version = policy_version_of(model_path)
+        self.tokens_computed = 0  # over every `score` request: prompt tokens minus cached ones
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def policy_version(self) -> str:
+        return self._policy_version
+
+    @property
+    def context_length(self) -> int | None:
+        """The checkpoint's own limit, as the engine derives it by default (an engine started with
+        a smaller `--context-length` is not seen here)."""
+        return self._context_length
+
+    def adopt(self, model_path: str | Path) -> None:
+        """Load the weights saved at `model_path` (same architecture) into the running engine."""
+        success, message, *_ = self.engine.update_weights_from_disk(str(model_path))
+        if not success:
+            raise EngineError(f"sglang could not load weights from {model_path}: {message}")
+        self._model_path = Path(model_path)
+        self._policy_version = policy_version_of(model_path)
+        log.info("sglang engine now serves %s as %s", model_path, self._policy_version)
+
+    def scorer(self, progress: bool = False) -> BackendScorer:
+        return BackendScorer(self.score, progress=progress, computed=lambda: self.tokens_computed)
+
+    def close(self) -> None:
+        self.engine.shutdown()  # SIGKILLs every child process of this process (SGLang's way) ...
+        atexit.unregister(self.engine.shutdown)  # ... and would again at exit, registered at start
+        multiprocessing.active_children()  # reaps the engine's processes
+        restore_resource_tracker()
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        check_generate_inputs(prompts, seeds)
+        if not prompts:
+            return []
+        bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
+        responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
+        return [generation_from_response(r) for r in responses]
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        check_score_inputs(sequences, starts)
+        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
+        results: list[list[float]] = [[] for _ in sequences]
+        if asked:
+            bodies = [score_body(sequences[i], starts[i]) for i in asked]
+            responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
+            for i, response in zip(asked, responses, strict=True):
+                results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)
+            self.tokens_computed += sum(computed_tokens(response) for response in responses)
+        return results

@@ -1,0 +1,442 @@
+"""Old-logprob recompute with prefix reuse (docs/architecture.md §6).
+
+`score_rows(sequences, starts)` has the contract of `Backend.score`: for each row s and start P >= 1,
+`[log pi(s[t] | s[:t]) for t in range(P, len(s))]`, untempered, equal to a naive full forward of
+the row within 1e-4 in float32.
+
+Design decisions:
+- Rows share long prefixes (a group's prompt; all renderings of one rollout up to the first
+  rewritten span), so we build a radix tree over the batch: each node holds an edge of tokens that
+  every row below it shares. Each edge is forwarded exactly once, on top of the KV cache of its
+  parent path, so every distinct (prefix, token) position is computed once.
+- Edges are batched ACROSS nodes, not per parent: pending edges sit on a stack; a window of them
+  (window_batches attention batches' worth of tokens) is taken off the top, sorted by length, and
+  cut into attention batches of rows x (longest prefix + longest edge) <= max_batch_tokens.
+  Forwarding each node's children on their own would cost one small forward per internal node;
+  across nodes a whole ablation takes a few dozen forwards (BENCHMARKS.md, "Purify").
+- One forward per window, PACKED: all the window's edges go through the model as one unpadded row
+  with explicit positions, so the linear layers, norms and output head never see padding (on a
+  4-7B model the linear layers are nearly all of the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
+  itself: `_trie_attention` is registered with transformers' `AttentionInterface` and the model is
+  switched to it for the scorer's forwards only (restored in a `finally`; so no other thread may
+  run the same model object during a scoring call). Per attention batch it
+  gathers the rows' queries into a padded batch, writes their keys and values after their
+  prefix caches in the batch's buffer, and attends with a 4-D additive mask that lets each query
+  see its own prefix and its edge's real tokens up to itself: torch SDPA for a model loaded with
+  sdpa, the model's own eager function for one loaded with eager (soft-capping models); flash
+  kernels take no 4-D mask, so those are refused at construction. Sliding-window layers are
+  scored only while every row fits in the window (there they are plain causal attention); a
+  longer row raises NotImplementedError rather than scoring with the wrong mask.
+- Prefix caches are LEFT-padded to the batch's longest prefix, so each row's prefix and edge are
+  contiguous in the buffer after the forward and a child's cache is a view. The mask is float (not
+  transformers' boolean) and SDPA gets `enable_gqa` on CPU: both are faster there, same values.
+- Sizes: on CPU, pieces of max_edge_tokens = 64 (batches then mix pieces of similar length) and
+  attention batches of 2048 tokens (small batches pad less, and 4 of them per forward keep
+  activations in cache), the best of the sizes compared in BENCHMARKS.md. On CUDA the defaults
+  are 2048 and 8192, larger because a GPU wants bigger kernels; they have not been compared there.
+- The boundary: the log-prob of an edge's first token comes from the LAST position of its parent
+  edge; the rest come from the edge's own positions. The very first token of a row has no
+  log-prob (starts are >= 1). A leaf's last token is context for nothing and is not forwarded.
+- Only the positions someone needs go through the output head (transformers' `logits_to_keep`
+  with a tensor of positions, so heads that scale or cap logits stay the model's own): from the
+  smallest start among the rows below a node, never the prompt.
+- Memory: the stack is walked last-in first-out, so the pending caches are those of about one
+  window per tree level; a forward holds about window_batches x max_batch_tokens of cache plus the
+  activations of the window's tokens. A batch whose rows are mostly leaves hands its few parents a
+  copy of their rows, so the leaves' share of its buffer is freed.
+- It is the torch backend's `RowScorer` (base.py): purify gets it from `TorchBackend.scorer()`
+  and codes against the protocol; a remote engine's scorer is `backend_scorer.BackendScorer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
+
+from cleaner.engine.model.base import ScorerStats, check_score_inputs
+from cleaner.engine.model.kv import kv_geometry
+from cleaner.engine.model.radix import (
+    Node,
+    build_radix_tree,
+    mark_first_scored,
+    nodes_with_ending_rows,
+    path_logprobs,
+    tokens_to_forward,
+)
+
+SCORER_VERSION = "prefix-trie-1"
+CPU_EDGE_TOKENS = 64  # the best piece size on CPU among those compared in BENCHMARKS.md
+CPU_BATCH_TOKENS = 2048  # the best attention batch on CPU among those compared in BENCHMARKS.md
+
+
+# ---------------------------------------------------------------------------- scorer
+
+
+class PrefixTrieScorer:
+    """Scores rows by forwarding each radix-tree edge once on top of its parent's KV cache."""
+
+    version = SCORER_VERSION
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: str | torch.device = "cpu",
+        max_batch_tokens: int | None = None,  # rows x (longest prefix + longest edge) per attention
+        # batch; None: 2048 on CPU, else 8192
+        max_edge_tokens: int | None = None,  # longer edges go in pieces; None: 64 on CPU, else 2048
+        window_batches: int = 4,  # attention batches' worth of tokens per forward
+        progress: bool = False,  # a tqdm bar over the tokens to forward
+    ) -> None:
+        device = torch.device(device)
+        on_cpu = device.type == "cpu"  # CPU and CUDA want different sizes; see the module docstring
+        if max_batch_tokens is None:
+            max_batch_tokens = CPU_BATCH_TOKENS if on_cpu else 8192
+        if max_edge_tokens is None:
+            max_edge_tokens = CPU_EDGE_TOKENS if on_cpu else 2048
+        if max_edge_tokens > max_batch_tokens:
+            raise ValueError("max_edge_tokens must be <= max_batch_tokens")
+        if window_batches < 1:
+            raise ValueError("window_batches must be >= 1")
+        self.model = model
+        self.device = device
+        self.max_batch_tokens = max_batch_tokens
+        self.max_edge_tokens = max_edge_tokens
+        self.window_batches = window_batches
+        self.progress = progress
+        loaded = model.config._attn_implementation
+        if loaded not in ("sdpa", "eager"):
+            raise ValueError(f"PrefixTrieScorer needs a model loaded with attn_implementation 'sdpa' or "
+                             f"'eager' (it passes 4-D masks); this one uses {loaded!r}")
+        self.geometry = kv_geometry(model)  # (layers, kv heads, head dim) of the model's cache
+        self.grouped_query = on_cpu and _TORCH_GQA  # see _sdpa
+        self.dtype = next(model.parameters()).dtype
+        self.stats = ScorerStats()
+
+    @torch.inference_mode()
+    def score_rows(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """Same contract as Backend.score; see the module docstring."""
+        check_score_inputs(sequences, starts)
+        began = time.perf_counter()
+        root = build_radix_tree(sequences, self.max_edge_tokens)
+        mark_first_scored(root, starts)
+        stack = [_Pending(child, kv=None, first_logprob=float("nan")) for child in root.children]
+        with tqdm(total=tokens_to_forward(root), desc="score", unit="tok", disable=not self.progress,
+                  leave=False) as bar:
+            while stack:
+                window = _take_window(stack, self.window_batches * self.max_batch_tokens)
+                for item in window:
+                    if item.forward_length == 0:  # a one-token leaf: its log-prob came from the parent
+                        item.node.logprobs = [item.first_logprob]
+                window = [item for item in window if item.forward_length]
+                if window:
+                    stack.extend(self._forward(_batches(window, self.max_batch_tokens)))
+                    bar.update(sum(item.forward_length for item in window))
+        results: list[list[float]] = [[] for _ in sequences]
+        for node in nodes_with_ending_rows(root):
+            path = path_logprobs(node)
+            for index in node.ending_rows:
+                results[index] = path[starts[index] :]
+        self.stats.tokens_naive += sum(len(s) for s in sequences)
+        self.stats.seconds += time.perf_counter() - began
+        return results
+
+    def _forward(self, batches: list[list[_Pending]]) -> list[_Pending]:
+        """One packed forward of every edge of the window; fills their log-probs, returns their children.
+
+        The edges go through the model as ONE unpadded row; attention runs per batch, padded (see
+        the module docstring), in `_trie_attention`.
+        """
+        groups, first_packed = [], 0
+        for items in batches:
+            groups.append(_Group.of(items, first_packed, self.geometry, self.dtype, self.device))
+            first_packed += groups[-1].n_tokens
+        batch = [item for group in groups for item in group.items]  # packed order
+        lengths = [item.forward_length for item in batch]
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        input_ids = self._long(itertools.chain.from_iterable(
+            item.node.edge[:n] for item, n in zip(batch, lengths, strict=True)))[None]  # (1, N)
+        position_ids = self._long(itertools.chain.from_iterable(
+            range(item.node.depth, item.node.depth + n) for item, n in zip(batch, lengths, strict=True)))[None]
+        self.stats.tokens_forwarded += offsets[-1]
+        self.stats.n_forwards += 1
+        plan = _HeadPlan.of(batch)
+        positions = self._long(offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True))
+        entries, targets = self._long(plan.pick_entries), self._long(plan.pick_targets)
+        with _packed_attention(self.model, groups, self.grouped_query):
+            # a 4-D mask passes through transformers' mask preparation untouched (never an N x N
+            # causal mask); `_trie_attention` ignores it and uses each batch's own
+            logits = self.model(input_ids=input_ids, attention_mask=_PLACEHOLDER_MASK.to(self.device),
+                                position_ids=position_ids, use_cache=False,
+                                logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
+        values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
+        children: list[_Pending] = []
+        first_row = 0
+        for group in groups:
+            children.extend(self._children(group, plan, values, first_row))
+            first_row += len(group.items)
+        return children
+
+    def _long(self, values) -> torch.Tensor:
+        """An int64 tensor on the device from Python ints (numpy builds it ~8x faster than torch.tensor)."""
+        return torch.from_numpy(np.fromiter(values, dtype=np.int64)).to(self.device)
+
+    def _children(self, group: _Group, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:
+        """Fill the log-probs of a group's edges; the children, each with a view of its path's cache."""
+        parents = [row for row, item in enumerate(group.items) if item.node.children]
+        if 2 * len(parents) >= len(group.items):  # keep the buffer: every row's path is in it
+            stacked, slot = group.buffer, {row: row for row in parents}
+        else:  # copy the few parent rows out, so the leaves' share of the buffer can be freed
+            stacked = group.buffer[:, :, parents] if parents else None
+            slot = {row: index for index, row in enumerate(parents)}
+        children: list[_Pending] = []
+        for row, item in enumerate(group.items):
+            node, offset, n_inner = item.node, plan.value_offsets[first_row + row], plan.n_inner[first_row + row]
+            n_skipped = len(node.edge) - 1 - n_inner  # positions before anyone's start
+            node.logprobs = [item.first_logprob] + [_NAN] * n_skipped + values[offset : offset + n_inner]
+            if node.children:
+                self.stats.n_prefix_groups += 1
+                # a view: the row's prefix and edge are contiguous because prefixes are left-padded
+                at, end = slot[row], group.prefix + item.forward_length
+                kv = stacked[:, :, at : at + 1, :, group.prefix - node.depth : end]
+                firsts = values[offset + n_inner : offset + n_inner + len(node.children)]
+                children.extend(_Pending(c, kv, first) for c, first in zip(node.children, firsts, strict=True))
+        return children
+
+
+_NAN = float("nan")
+_TORCH_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+_PLACEHOLDER_MASK = torch.zeros((1, 1, 1, 1))
+
+
+@dataclass
+class _HeadPlan:
+    """Which output positions of a batch to project, and which token to read at each.
+
+    For each row: its inner positions from the first one a row below it wants, then (for a node
+    with children) its last position once per child. `values` come back in the same order.
+    """
+
+    rows: list[int] = field(default_factory=list)  # per projected position: batch row
+    cols: list[int] = field(default_factory=list)  # per projected position: column in the edge
+    pick_entries: list[int] = field(default_factory=list)  # per read value: projected position
+    pick_targets: list[int] = field(default_factory=list)  # per read value: token id
+    value_offsets: list[int] = field(default_factory=list)  # per row: its first read value
+    n_inner: list[int] = field(default_factory=list)  # per row: inner log-probs it reads
+
+    @classmethod
+    def of(cls, batch: list[_Pending]) -> _HeadPlan:
+        plan = cls()
+        for row, item in enumerate(batch):
+            node, length = item.node, len(item.node.edge)
+            first_col = min(max(0, node.first_scored - node.depth - 1), length - 1)
+            n_inner = length - 1 - first_col  # logits at col score the token at col + 1
+            plan.value_offsets.append(len(plan.pick_entries))
+            plan.n_inner.append(n_inner)
+            plan.pick_entries.extend(range(len(plan.rows), len(plan.rows) + n_inner))
+            plan.pick_targets.extend(node.edge[first_col + 1 : length])
+            plan.rows.extend([row] * n_inner)
+            plan.cols.extend(range(first_col, length - 1))
+            if node.children:  # the last position scores every child's first token
+                entry = len(plan.rows)
+                plan.rows.append(row)
+                plan.cols.append(length - 1)
+                for child in node.children:
+                    plan.pick_entries.append(entry)
+                    plan.pick_targets.append(child.edge[0])
+        return plan
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class _Pending:
+    """An edge waiting to be forwarded, with what its parent path left for it."""
+
+    node: Node
+    kv: torch.Tensor | None  # (layers, 2, 1, H, node.depth, D): the path's cache; None at depth 0
+    first_logprob: float  # log-prob of node.edge[0] after the path; NaN at absolute position 0
+
+    @property
+    def forward_length(self) -> int:
+        return self.node.forward_length
+
+
+def _cost(item: _Pending) -> int:
+    return item.node.depth + item.forward_length
+
+
+def _take_window(stack: list[_Pending], window_tokens: int) -> list[_Pending]:
+    """Pop edges off the top of the stack until their prefix + edge tokens reach the window."""
+    window = [stack.pop()]
+    total = _cost(window[0])
+    while stack and total + _cost(stack[-1]) <= window_tokens:
+        total += _cost(stack[-1])
+        window.append(stack.pop())
+    return window
+
+
+def _batches(window: list[_Pending], max_batch_tokens: int) -> list[list[_Pending]]:
+    """Edges grouped by similar shape so rows x (longest prefix + longest edge) <= budget."""
+    batches: list[list[_Pending]] = []
+    prefix = edge = 0
+    for item in sorted(window, key=lambda i: (-i.forward_length, -i.node.depth)):
+        grown_prefix, grown_edge = max(prefix, item.node.depth), max(edge, item.forward_length)
+        if batches and (len(batches[-1]) + 1) * (grown_prefix + grown_edge) <= max_batch_tokens:
+            batches[-1].append(item)
+            prefix, edge = grown_prefix, grown_edge
+        else:
+            batches.append([item])
+            prefix, edge = item.node.depth, item.forward_length
+    return batches
+
+
+def _attention_bias(depths: torch.Tensor, lengths: torch.Tensor, prefix_length: int, width: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The batch's 4-D additive mask (C, 1, W, P + W): 0 where a query may look, dtype-min elsewhere.
+
+    A query sees its row's own (left-padded) prefix and the real edge tokens up to itself. Built
+    here rather than by transformers because SDPA on CPU runs faster with an additive float mask
+    than with the boolean one transformers would build from a 2-D mask (same values).
+    """
+    columns = torch.arange(prefix_length + width)  # (P + W,)
+    queries = torch.arange(width)[:, None]  # (W, 1)
+    in_prefix = (columns >= prefix_length - depths[:, None]) & (columns < prefix_length)  # (C, P + W)
+    edge_column = columns - prefix_length  # (P + W,)
+    in_edge = (edge_column >= 0)[None, None, :] & (edge_column[None, None, :] <= queries[None]) \
+        & (edge_column[None, None, :] < lengths[:, None, None])  # (C, W, P + W)
+    allowed = in_prefix[:, None, :] | in_edge  # (C, W, P + W)
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[:, None]  # (C, 1, W, P + W)
+
+
+@dataclass
+class _Group:
+    """Edges of one forward that share an attention call: a padded batch of rows x (prefix + edge).
+
+    `buffer` (layers, 2, C, H_kv, prefix + width, D) holds each row's prefix cache LEFT-padded to
+    `prefix`; `_trie_attention` writes the edges' keys and values after it, layer by layer, so
+    after the forward it holds every row's whole path.
+    """
+
+    items: list[_Pending]
+    prefix: int  # longest prefix
+    width: int  # longest edge
+    buffer: torch.Tensor
+    mask: torch.Tensor  # (C, 1, W, P + W) additive
+    gather: torch.Tensor  # (C * W,) packed index of each (row, column) slot; padding repeats a row's last token
+    real_slots: torch.Tensor  # (n_tokens,) slots holding a real token, in packed order
+    n_tokens: int
+
+    @classmethod
+    def of(cls, items: list[_Pending], first_packed: int, geometry: tuple[int, int, int], dtype: torch.dtype,
+           device: torch.device) -> _Group:
+        """The group of `items`, whose tokens start at packed index `first_packed` of the forward."""
+        layers, kv_heads, head_dim = geometry
+        lengths = [item.forward_length for item in items]
+        depths = [item.node.depth for item in items]
+        prefix, width = max(depths), max(lengths)
+        # zeros: left padding must be finite (masked scores are added to it, and NaN would survive)
+        buffer = torch.zeros((layers, 2, len(items), kv_heads, prefix + width, head_dim), dtype=dtype, device=device)
+        for row, item in enumerate(items):
+            if item.kv is not None:  # plain slice copies: much cheaper than one index_put per parent
+                buffer[:, :, row, :, prefix - item.node.depth : prefix] = item.kv[:, :, 0]
+        length = torch.tensor(lengths)  # (C,)
+        mask = _attention_bias(torch.tensor(depths), length, prefix, width, dtype).to(device)
+        starts = first_packed + torch.cumsum(length, 0) - length  # (C,) packed offset of each row
+        columns = torch.arange(width)[None, :]  # (1, W)
+        gather = (starts[:, None] + torch.minimum(columns, length[:, None] - 1)).flatten()  # padding: last token
+        real_slots = (columns < length[:, None]).flatten().nonzero().squeeze(1)
+        return cls(items, prefix, width, buffer, mask, gather.to(device), real_slots.to(device), sum(lengths))
+
+
+@dataclass
+class _AttentionPlan:
+    groups: list[_Group]
+    eager: bool  # the model was loaded with eager attention: use its own eager function, else SDPA
+    grouped_query: bool  # SDPA with enable_gqa (CPU) rather than K/V repeated per query head
+    longest: int  # the longest path (prefix + edge) of the forward, for sliding-window layers
+
+
+_PLAN: contextvars.ContextVar[_AttentionPlan | None] = contextvars.ContextVar("cleaner_trie_plan", default=None)
+_ATTENTION = "cleaner_trie"
+
+
+def _trie_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one packed forward: per group, gather its rows into a padded batch on top of
+    their prefix caches, attend with the group's mask, scatter back.
+
+    query (1, H, N, D) and key/value (1, H_kv, N, D) hold the forward's N new tokens (no cache:
+    the prefixes live in the groups' buffers); `attention_mask` is the placeholder and is ignored.
+    Returns (1, N, H, D) like every transformers attention function.
+    """
+    plan = _PLAN.get()
+    if plan is None:
+        raise RuntimeError("cleaner_trie attention runs only inside PrefixTrieScorer's forwards")
+    window = kwargs.get("sliding_window")
+    if window is not None and plan.longest > window:  # inside the window it is plain causal attention
+        raise NotImplementedError(f"PrefixTrieScorer: a row reaches {plan.longest} tokens, past the model's "
+                                  f"sliding window of {window}; sliding-window attention is not supported")
+    eager = sys.modules[type(module).__module__].eager_attention_forward if plan.eager else None
+    layer = module.layer_idx
+    queries, keys, values = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (N, heads, D)
+    out, first = queries.new_empty(queries.shape), 0
+    for group in plan.groups:
+        rows, width, prefix, index = len(group.items), group.width, group.prefix, group.gather
+        q = queries.index_select(0, index).view(rows, width, *queries.shape[1:]).transpose(1, 2)
+        group.buffer[layer, 0, :, :, prefix:] = keys.index_select(0, index).view(
+            rows, width, *keys.shape[1:]).transpose(1, 2)
+        group.buffer[layer, 1, :, :, prefix:] = values.index_select(0, index).view(
+            rows, width, *values.shape[1:]).transpose(1, 2)
+        k, v = group.buffer[layer, 0], group.buffer[layer, 1]  # (C, H_kv, P + W, D)
+        if eager is not None:  # the model's own, e.g. for logit soft-capping
+            attended, _ = eager(module, q, k, v, group.mask, scaling=scaling, dropout=0.0, **kwargs)
+        else:
+            attended = _sdpa(q, k, v, group.mask, scaling, plan.grouped_query)
+        out[first : first + group.n_tokens] = attended.reshape(rows * width, *queries.shape[1:])[group.real_slots]
+        first += group.n_tokens
+    return out.unsqueeze(0), None
+
+
+def _sdpa(query, key, value, mask, scaling, grouped_query: bool) -> torch.Tensor:
+    """(C, H, W, D) queries over (C, H_kv, T, D) keys and values -> (C, W, H, D); no dropout (scoring).
+
+    With fewer K/V heads than query heads, `enable_gqa` is faster on CPU; on CUDA a mask with
+    enable_gqa falls back to the math kernel, so there K/V are repeated per query head.
+    """
+    repeat = query.shape[1] // key.shape[1]
+    if repeat > 1 and not grouped_query:
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    extra = {"enable_gqa": True} if repeat > 1 and grouped_query else {}
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **extra)
+    return out.transpose(1, 2)
+
+
+AttentionInterface.register(_ATTENTION, _trie_attention)
+
+
+@contextlib.contextmanager
+def _packed_attention(model: torch.nn.Module, groups: list[_Group], grouped_query: bool):
+    """Route the model's attention through `_trie_attention` for one forward."""
+    config = model.config
+    loaded = config._attn_implementation
+    longest = max(item.node.depth + item.forward_length for group in groups for item in group.items)
+    token = _PLAN.set(_AttentionPlan(groups, eager=loaded == "eager", grouped_query=grouped_query,
+                                     longest=longest))
+    config._attn_implementation = _ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = loaded
+        _PLAN.reset(token)

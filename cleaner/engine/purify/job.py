@@ -1,0 +1,173 @@
+"""The purify job: an iteration's rollouts rendered under purify configs, scored and stored
+(docs/architecture.md §4, §6, §7).
+
+Idempotence and resume: a rollout that already has rows under a config is skipped (whole groups are
+written together), so each shard of an iteration resumes on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cleaner.config import UNSHARDED, Edit, PurifyConfig, Shard
+from cleaner.engine.collect.job import collected_policy
+from cleaner.engine.collect.summary import CollectSummary, summarize
+from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
+from cleaner.engine.model.base import ScorerStats
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.engine.model.loading import check_device
+from cleaner.engine.purify.pipeline import (
+    PurifyResult,
+    errors_by_type,
+    iteration_premise,
+    masked_tokens,
+    purify_iteration,
+    stats_from_rows,
+)
+from cleaner.errors import JobError
+from cleaner.records import PurifyConfigRow, Rollout, Segment
+from cleaner.warehouse import Warehouse
+
+
+@dataclass(frozen=True)
+class PurifyOutcome:
+    results: list[PurifyResult]  # per requested config, in request order
+    computed: list[str]  # config ids purified by this call (the rest were already stored)
+    scorer_stats: ScorerStats | None  # the one scorer pass's; None if nothing was scored
+    seconds: float
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause Python's cyclic garbage collector; it runs again when the block ends.
+
+    A purify job allocates hundreds of thousands of small acyclic objects (token tuples, floats),
+    which reference counting frees anyway; their allocation only triggers collections that scan the
+    whole heap, a noticeable share of an ablation in a process that has just collected (measured
+    in BENCHMARKS.md, "Purify").
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@_cyclic_gc_paused()
+def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *, shard: Shard = UNSHARDED,
+               backend: Backend | None = None, backend_kind: str = "torch", sglang_url: str | None = None,
+               device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+    """Purify an iteration, or one shard's share of it, under every config in ONE scorer pass,
+    and store the rows.
+
+    The rows are scored by the scorer of `backend`, which must serve the policy that collected the
+    iteration; without one, a `backend_kind` backend (at `sglang_url`, if given) is loaded with that
+    policy. Rollouts that already have rows under a config are not recomputed (idempotent per
+    rollout, so each shard resumes on its own); results are rebuilt from the stored rows so a
+    comparison always covers every requested config. A share is whole GRPO groups, so its
+    advantages equal those of an unsharded purify. Python's cyclic garbage collector is paused
+    while it runs (`_cyclic_gc_paused`).
+    """
+    started = time.monotonic()
+    warehouse.check_writable()
+    if backend is None:
+        require_backend(backend_kind, sglang_url)
+        check_device(device)
+    rollouts, segments = _share(warehouse, iteration, shard)
+    ids = frozenset(rollout.rollout_id for rollout in rollouts)
+    missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
+    todo = [c for c in configs if missing[c.config_id]]
+    computed, scorer_stats = {}, None
+    if todo:
+        # whole groups, so a group's advantages see all of it; rows already stored are not rewritten
+        groups = {r.group_id for r in rollouts if any(r.rollout_id in missing[c.config_id] for c in todo)}
+        work = [r for r in rollouts if r.group_id in groups]
+        work_ids = {r.rollout_id for r in work}
+        load = functools.partial(load_backend, backend_kind, collected_policy(warehouse, iteration),
+                                 device=device, sglang_url=sglang_url)
+        purified, scorer_stats = _purify_with(warehouse, iteration, backend, load, work,
+                                              [s for s in segments if s.rollout_id in work_ids], todo, progress)
+        _store_purified(warehouse, iteration, purified)
+        computed = {result.config.config_id: result for result in purified if len(work) == len(rollouts)}
+    results = [computed[config.config_id] if config.config_id in computed
+               else _stored_result(warehouse, iteration, config, rollouts, segments) for config in configs]
+    return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
+
+
+def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, rollouts: list[Rollout],
+                   segments: list[Segment]) -> PurifyResult:
+    """A config's result over these rollouts, rebuilt from its stored rows."""
+    rows = warehouse.read_purified(iteration, config.config_id, {rollout.rollout_id for rollout in rollouts})
+    premise = iteration_premise(rollouts, segments, rows)
+    masked = masked_tokens(rows, segments) if config.edit == Edit.MASK else 0
+    stats = stats_from_rows(config.config_id, rows, errors_by_type(segments), premise, masked)
+    return PurifyResult(config, rows, stats)
+
+
+@dataclass(frozen=True)
+class StoredIteration:
+    summary: CollectSummary  # over every rollout of the iteration, whichever shard wrote it
+    result: PurifyResult  # the config's rows and stats over every rollout
+
+
+def stored_iteration(warehouse: Warehouse, iteration: int, config: PurifyConfig) -> StoredIteration:
+    """An iteration whose shards have all been collected and purified under `config`, read back
+    whole: what one unsharded collect and purify would have reported."""
+    rollouts, segments = _share(warehouse, iteration, UNSHARDED)
+    unpurified = {r.rollout_id for r in rollouts} - warehouse.purified_rollout_ids(iteration, config.config_id)
+    if unpurified:
+        raise JobError(f"{warehouse.root}: {len(unpurified)} rollouts of iteration {iteration} have no rows "
+                       f"under purify config {config.config_id}; purify every shard first")
+    return StoredIteration(summarize(rollouts, segments),
+                           _stored_result(warehouse, iteration, config, rollouts, segments))
+
+
+def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, load: Callable[[], Backend],
+                 rollouts: list[Rollout], segments: list[Segment], configs: list[PurifyConfig],
+                 progress: bool) -> tuple[list[PurifyResult], ScorerStats]:
+    """Render and score the rollouts under the configs with the collecting policy's scorer."""
+    policy = collected_policy(warehouse, iteration)
+    if backend is not None and Path(backend.model_path) != Path(policy):
+        raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
+                       f"{backend.model_path}; purify scores with the policy that collected")
+    with serving_backend(backend, load) as serving:
+        scorer = serving.scorer(progress=progress)
+        decode = ChatFormat(serving.tokenizer).decode
+        purified = purify_iteration(rollouts, segments, configs, scorer, decode,
+                                    scorer_version=f"{scorer.version}:{serving.policy_version}")
+    return purified, scorer.stats
+
+
+def _share(warehouse: Warehouse, iteration: int, shard: Shard) -> tuple[list[Rollout], list[Segment]]:
+    """The rollouts of an iteration in the shard's share, and their segments."""
+    rollouts = warehouse.read_rollouts(iteration)
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has no rollouts; run `cleaner collect` first")
+    rollouts = [rollout for rollout in rollouts if shard.owns(rollout.prompt_id)]
+    if not rollouts:
+        raise JobError(f"{warehouse.root}: shard {shard} of iteration {iteration} holds no rollouts "
+                       "(more shards than prompts?)")
+    return rollouts, warehouse.read_segments(iteration, {rollout.rollout_id for rollout in rollouts})
+
+
+def _store_purified(warehouse: Warehouse, iteration: int, results: Sequence[PurifyResult]) -> None:
+    """The rows of every config in one write, then each config's resolved parameters as JSON."""
+    configs = [(result.config, result.config.to_json()) for result in results]
+    warehouse.write_purified_many(iteration, [
+        (PurifyConfigRow(config_id=config.config_id, gamma=config.gamma, rollback_prob=config.rollback_prob,
+                         similarity_on=config.similarity_on, purify_when=config.purify_when, params_json=params,
+                         edit=config.edit),
+         result.rows)
+        for (config, params), result in zip(configs, results, strict=True)
+    ])
+    for config, params in configs:
+        warehouse.save_config(f"purify-iteration={iteration}-config={config.config_id}", params)

@@ -1,0 +1,374 @@
+"""`cleaner run`: collect -> purify -> train, iteration after iteration, in one process or SPMD on
+the ranks a launcher started.
+
+One backend serves the policy for the whole run: collect samples from it, purify scores with its
+scorer, and after training it adopts the new checkpoint. With the torch backend the trainer
+updates the backend's own in-memory model in place before saving it, so no phase reloads weights.
+Another backend (SGLang) serves from its own processes: the trainer then keeps a model of its own,
+loaded once from the checkpoint and trained from iteration to iteration, and the backend reloads
+each saved checkpoint from disk. One optimiser lives for the whole run: each iteration's training
+continues the previous one's AdamW and lr schedule, and every checkpoint carries that state
+(cleaner.engine.train.optim).
+Every phase is idempotent (see each stage's `job.py`), so `resume` after a crash, even a SIGKILL, redoes
+only the unfinished part of the unfinished iteration, and continues from the saved optimiser. An
+iteration is complete once its `iterations` row is written; its trained policy is
+`<run_dir>/checkpoints/iteration-<i+1>`.
+
+On several ranks (`torchrun --nproc-per-node N cleaner run --engine deepspeed ...`,
+docs/architecture.md §9) every rank runs this loop: it collects and purifies its share of each
+iteration (`Shard(rank, N)`: whole GRPO groups) with a backend of its own (on its GPU, or on the
+shared servers of --sglang-url), then all ranks train together with DeepSpeed on the whole
+iteration's rows, read back from the warehouse, and every rank serves the new checkpoint before
+the next collection. The DeepSpeed engine loads each checkpoint itself, so the torch backend is
+never trained in place there. Rank 0 alone writes the run's config, the checkpoint, the
+`iterations` row (collect summary, merges and premise over the whole iteration, read back from
+every shard's rows) and the metrics, and prints. Shared servers load each checkpoint once, from
+rank 0. Every step where one rank may fail alone is agreed (cleaner.loop.ranks), so an expected
+failure ends every rank, with one error line.
+
+A metrics logger (cleaner.report.tracking) gets each iteration this job completes, once its row is
+written: its optimiser steps as the warehouse holds them, then its row. Iterations a previous job
+completed were logged by that job, so a resumed run logs no step twice.
+
+One job at a time drives a run directory (an exclusive lock on `<run_dir>/.run.lock`, held by
+rank 0 and released by the kernel if it dies): a second `cleaner run` on it, resumed or not, fails
+at once on every rank instead of collecting the same iteration twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cleaner.config import CollectConfig, RunConfig
+from cleaner.engine.collect.job import CollectOutcome, collect_job
+from cleaner.engine.model import load_backend, require_backend
+from cleaner.engine.model.loading import check_device, check_model_path
+from cleaner.engine.model.torch_backend import TorchBackend
+from cleaner.engine.purify.job import PurifyOutcome, StoredIteration, purify_job, stored_iteration
+from cleaner.engine.train.deepspeed_config import (
+    check_deepspeed_setup,
+    deepspeed_config_for,
+    require_deepspeed,
+)
+from cleaner.engine.train.deepspeed_engine import saved_optimizer_step
+from cleaner.engine.train.job import train_job
+from cleaner.errors import JobError
+from cleaner.loop.ranks import Ranks, agree, barrier, from_main, gather, join, same_everywhere
+from cleaner.outputs import CHECKPOINT, check_replaceable
+from cleaner.records import IterationRow
+from cleaner.report.tracking import MetricsLogger, NullLogger
+from cleaner.warehouse import Warehouse
+from cleaner.warehouse.lock import exclusive
+
+if TYPE_CHECKING:
+    import torch
+
+    from cleaner.engine.model import Backend
+    from cleaner.engine.saar.premise import PremiseStats
+    from cleaner.engine.train.optim import Optimization
+    from cleaner.engine.train.trainer import TrainResult
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
+    """Where the policy trained on `iteration` goes (the policy of iteration + 1)."""
+    return run_dir / "checkpoints" / f"iteration-{iteration + 1}"
+
+
+def _load_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
+    collect = config.collect
+    return load_backend(collect.backend, policy, device=ranks.device(collect.device), sglang_url=collect.sglang_url,
+                        seed=collect.seed)
+
+
+def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str) -> torch.nn.Module | None:
+    """The in-memory model training updates: the torch backend's own (trained in place, so the
+    next collection needs no reload), else the model trained last iteration (None: the trainer
+    loads the checkpoint). DeepSpeed always loads it: ZeRO-3 would partition a model it is handed."""
+    if engine == "deepspeed":
+        return None
+    if isinstance(backend, TorchBackend):
+        return backend.train_in_place()
+    return kept
+
+
+RUN_LOCK = ".run.lock"  # in the run directory: one job drives a run
+# What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
+# default one of `cleaner report -w <run>/warehouse`, the logs.
+RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "warehouse-report", "tensorboard",
+                         "wandb"})
+
+
+def remove_run(run_dir: Path) -> None:
+    """Delete a run directory `cleaner run` wrote (it holds the run's lock file and nothing but
+    what a run writes); JobError, and nothing deleted, for any other path."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    entries = sorted(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else None
+    if entries is None or (entries and RUN_LOCK not in entries) or set(entries) - RUN_ENTRIES:
+        what = "a file" if entries is None else f"holds {', '.join(entries[:4])}"
+        raise JobError(f"{run_dir}: not a run directory cleaner wrote ({what}); the demo starts by "
+                       "deleting its --run-dir, so give it a new path or a previous demo's")
+    shutil.rmtree(run_dir)
+
+
+def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
+             on_iteration: Callable[[IterationRow], None] | None = None,
+             metrics: MetricsLogger | None = None, ranks: Ranks | None = None) -> list[IterationRow]:
+    """Run `config.iterations` iterations; returns the iteration rows of the whole run.
+
+    `ranks` is this process's place in its job (default: the launcher's environment, a world of
+    one without a launcher). `metrics` and `on_iteration` get every iteration completed here, on
+    rank 0 only (module docstring); the caller closes `metrics`."""
+    ranks = ranks or Ranks.from_env()
+    metrics = metrics or NullLogger()
+    same_everywhere(ranks, lambda: _check_launch(config, ranks))
+    join(ranks)
+    # a bad backend, device or model fails on every rank before anything is written
+    agree(ranks, lambda: _check_inputs(config, ranks))
+    run_dir = Path(config.run_dir)
+    with _run_lock(run_dir, ranks):
+        return _run_iterations(config, run_dir, resume, progress and ranks.main, on_iteration, metrics, ranks)
+
+
+def _check_launch(config: RunConfig, ranks: Ranks) -> None:
+    """What the command line and the installed packages decide, the same on every rank (a job runs
+    one environment), checked before the ranks can agree on anything."""
+    if not ranks.several:
+        return
+    if config.train.engine != "deepspeed":
+        raise JobError(f"cleaner run was launched on {ranks.world_size} ranks, which train together with "
+                       "DeepSpeed: pass --engine deepspeed --deepspeed-config FILE, or start one process")
+    if config.collect.device.startswith("cuda:"):
+        raise JobError(f"--device {config.collect.device}: on several ranks each rank takes the GPU of its "
+                       "LOCAL_RANK; pass --device cuda")
+    require_deepspeed()  # the ranks join DeepSpeed's process group
+
+
+def _check_inputs(config: RunConfig, ranks: Ranks) -> None:
+    """The files and devices each rank needs (each node has its own view of them)."""
+    if config.train.engine == "deepspeed":
+        check_deepspeed_setup(config.train)
+    require_backend(config.collect.backend, config.collect.sglang_url)
+    check_device(ranks.device(config.collect.device))
+    check_model_path(config.collect.model, tokenizer=True)
+    Warehouse(Path(config.run_dir) / "warehouse").check_writable()  # a file at --run-dir is one error line
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path, ranks: Ranks) -> Iterator[None]:
+    """Rank 0 holds the run directory's lock for the whole job; if another job holds it, every rank
+    fails at once. A job that fails before writing anything removes the directories it created."""
+    busy = (f"{run_dir}: another process is running this run (it holds {RUN_LOCK}); wait for it to end, "
+            "or choose another --run-dir")
+    created: list[Path] = []
+    with contextlib.ExitStack() as held:
+        def take() -> None:
+            created.extend(path for path in (run_dir, *run_dir.parents) if not path.exists())
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(exclusive(run_dir / RUN_LOCK, busy))
+
+        from_main(ranks, take)
+        try:
+            yield
+        except BaseException:
+            if ranks.main:
+                _remove_if_unused(run_dir, created)
+            raise
+
+
+def _remove_if_unused(run_dir: Path, created: list[Path]) -> None:
+    """Remove the directories this job created for a run that failed before writing anything
+    (the run directory holds only its lock), so an early failure leaves nothing behind."""
+    if not created or [entry.name for entry in run_dir.iterdir()] != [RUN_LOCK]:
+        return
+    (run_dir / RUN_LOCK).unlink()
+    for directory in created:  # innermost first; rmdir only removes what is empty
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+def _start(config: RunConfig, warehouse: Warehouse, resume: bool, ranks: Ranks) -> dict[int, str]:
+    """Rank 0: the output policy of every iteration already complete; each checkpoint still to
+    train must have a free place (nothing is written here: the run's config follows the first load)."""
+    exists = warehouse.root.exists()
+    done = {row.iteration: row.policy_out for row in warehouse.read_iterations()} if exists else {}
+    if exists and not resume and (done or warehouse.iterations_collected()):
+        raise JobError(f"{config.run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    if config.train.engine == "deepspeed":  # fail now rather than after collecting an iteration
+        policy = done[max(done)] if done else config.collect.model
+        saved_optimizer_step(policy, deepspeed_config_for(config.train, ranks.world_size), ranks.world_size)
+    for iteration in range(config.iterations):  # before any work: each checkpoint's place is free
+        if iteration not in done:
+            check_replaceable(checkpoint_dir(Path(config.run_dir), iteration), CHECKPOINT)
+    return done
+
+
+def _run_iterations(config: RunConfig, run_dir: Path, resume: bool, progress: bool,
+                    on_iteration: Callable[[IterationRow], None] | None,
+                    metrics: MetricsLogger, ranks: Ranks) -> list[IterationRow]:
+    """The body of `run_loop`, under the run directory's lock."""
+    warehouse = Warehouse(run_dir / "warehouse")
+    done = from_main(ranks, lambda: _start(config, warehouse, resume, ranks))
+    policy, backend = config.collect.model, None
+    kept, optimization = None, None  # the model training updates and its optimiser, across iterations
+    try:
+        for iteration in range(config.iterations):
+            if iteration in done:
+                policy = done[iteration] or policy
+                continue
+            if backend is None:  # the first write follows the load: a model that cannot load leaves nothing
+                backend = _open_backend(config, policy, ranks)
+                from_main(ranks, lambda: warehouse.save_config("run", config.to_json()))
+            row, trained = _one_iteration(config, warehouse, iteration, policy, backend, kept, optimization,
+                                          progress, ranks)
+            policy = str(checkpoint_dir(run_dir, iteration))
+            backend = _adopt(backend, policy, config, ranks)
+            if trained is not None:  # the trained model and its optimiser equal the saved checkpoint
+                kept, optimization = trained.model, trained.optimization
+            else:  # trained before a crash: the next training loads the checkpoint and its optimiser
+                kept, optimization = None, None
+            if row is not None:  # rank 0
+                _report(warehouse, row, trained, metrics, on_iteration)
+        barrier(ranks)  # no rank returns before rank 0 has written the last row
+    finally:
+        if backend is not None:
+            backend.close()
+    return warehouse.read_iterations()
+
+
+def _report(warehouse: Warehouse, row: IterationRow, trained: TrainResult | None, metrics: MetricsLogger,
+            on_iteration: Callable[[IterationRow], None] | None) -> None:
+    """An iteration completed here, to the metrics logger and the caller."""
+    # the steps as stored: in memory if trained here, else trained before a crash
+    for step in trained.steps if trained is not None else warehouse.read_train_steps(row.iteration):
+        metrics.log_step(step)
+    metrics.log_iteration(row)
+    if on_iteration is not None:
+        on_iteration(row)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving the policy on every rank
+
+
+def _shared_servers(config: RunConfig, ranks: Ranks) -> bool:
+    """Whether the ranks generate and score on the same SGLang servers (--sglang-url)."""
+    return ranks.several and config.collect.sglang_url is not None
+
+
+def _open_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
+    """This rank's backend serving `policy`. Shared servers are moved to it by rank 0 alone; the
+    other ranks connect once it is done and find them serving it."""
+    shared = _shared_servers(config, ranks)
+    opened = agree(ranks, lambda: _load_backend(config, policy, ranks) if ranks.main or not shared else None)
+    if shared:
+        first = opened
+        opened = agree(ranks, lambda: first if ranks.main else _load_backend(config, policy, ranks))
+    return opened
+
+
+def _adopt(backend: Backend, policy: str, config: RunConfig, ranks: Ranks) -> Backend:
+    """Every rank serves the new checkpoint before the next collection; shared servers load it once."""
+    shared = _shared_servers(config, ranks)
+    agree(ranks, lambda: backend.adopt(policy) if ranks.main or not shared else None)
+    if not shared:
+        return backend
+
+    def reconnect() -> Backend:
+        backend.close()
+        return _load_backend(config, policy, ranks)
+
+    return agree(ranks, lambda: backend if ranks.main else reconnect())
+
+
+def _premise_columns(premise: PremiseStats | None) -> dict[str, float]:
+    """The iterations row's premise columns (clean_rollouts, clean_accuracy, ..., the failed-call credit)."""
+    if premise is None:
+        return {}
+    credit = premise.credit
+    return {f"{name}_{field}": getattr(getattr(premise, name), key)
+            for name in ("clean", "recovered", "unrecovered")
+            for field, key in (("rollouts", "rollouts"), ("accuracy", "accuracy"), ("advantage", "mean_advantage"))} | {
+        "failed_call_tokens": credit.tokens, "failed_call_advantage": credit.mean_advantage,
+        "failed_call_positive_share": credit.positive_share}
+
+
+def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, policy: str, backend: Backend,
+                   kept: torch.nn.Module | None, optimization: Optimization | None, progress: bool,
+                   ranks: Ranks) -> tuple[IterationRow | None, TrainResult | None]:
+    """One iteration; returns its row (None but on rank 0, which writes it) and the training result
+    if a model was trained here (None if a previous job had already trained and saved it)."""
+    collect_config = dataclasses.replace(config.collect, iteration=iteration, model=str(policy))
+    out = checkpoint_dir(Path(config.run_dir), iteration)
+    collected, purified = agree(ranks, lambda: _collect_and_purify(warehouse, collect_config, config, backend,
+                                                                   progress, ranks))
+    # the barrier after every share; rank 0 decides whether the iteration still needs training
+    shares = gather(ranks, (collected.seconds, purified.seconds if purified else 0.0,
+                            ranks.main and not (warehouse.has_train_steps(iteration) and out.exists())))
+    needs_training = shares[0][2]
+    whole = _whole_iteration(warehouse, config, iteration, (collected, purified), needs_training, ranks)
+    trained, train_s = None, 0.0
+    if needs_training:
+        outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
+                            model=_policy_to_train(backend, kept, config.train.engine), rows=whole.result.rows,
+                            optimization=optimization, progress=progress)
+        trained, train_s = outcome.result, outcome.seconds
+    if not ranks.main:
+        return None, trained
+    row = _iteration_row(config, collect_config, out, whole, (max(s[0] for s in shares),
+                                                               max(s[1] for s in shares), train_s))
+    warehouse.write_iteration(row)
+    return row, trained
+
+
+def _collect_and_purify(warehouse: Warehouse, collect_config: CollectConfig, config: RunConfig, backend: Backend,
+                        progress: bool, ranks: Ranks) -> tuple[CollectOutcome, PurifyOutcome | None]:
+    """This rank's share of the iteration, collected and purified (None: the share holds no prompt)."""
+    collected = collect_job(warehouse, collect_config, resume=True, shard=ranks.shard, backend=backend,
+                            progress=progress)
+    if collected.n_planned == 0:
+        return collected, None
+    purified = purify_job(warehouse, collect_config.iteration, [config.purify], shard=ranks.shard,
+                          backend=backend, device=config.collect.device, progress=progress)
+    return collected, purified
+
+
+def _whole_iteration(warehouse: Warehouse, config: RunConfig, iteration: int,
+                     share: tuple[CollectOutcome, PurifyOutcome | None], needs_training: bool,
+                     ranks: Ranks) -> StoredIteration | None:
+    """The whole iteration, as one process would have collected and purified it, where it is
+    needed: on rank 0 for its row and, to train, on every rank (None elsewhere). One process holds
+    it already; on several ranks each reads every shard back from the warehouse."""
+    collected, purified = share
+    if not ranks.several:
+        return StoredIteration(collected.summary, purified.results[0])
+    wanted = ranks.main or needs_training
+    return agree(ranks, lambda: stored_iteration(warehouse, iteration, config.purify) if wanted else None)
+
+
+def _iteration_row(config: RunConfig, collect_config: CollectConfig, out: Path, whole: StoredIteration,
+                   seconds: tuple[float, float, float]) -> IterationRow:
+    """The iterations row: collect and purify over the whole iteration; each phase's seconds are
+    its slowest rank's."""
+    summary, stats = whole.summary, whole.result.stats
+    collect_s, purify_s, train_s = seconds
+    return IterationRow(
+        iteration=collect_config.iteration, policy_in=collect_config.model, policy_out=str(out),
+        collect_config_json=collect_config.to_json(), purify_config_json=config.purify.to_json(),
+        train_config_json=config.train.to_json(), collect_s=collect_s, purify_s=purify_s,
+        train_s=train_s, accuracy=summary.accuracy, first_attempt_error_rate=summary.first_attempt_error_rate,
+        failures_per_trajectory=summary.failed_calls_per_rollout,
+        n_shallow=stats.n_shallow, n_deep=stats.n_deep, n_gated=stats.n_gated,
+        **_premise_columns(stats.premise),
+    )

@@ -1,0 +1,198 @@
+"""Output directories swapped into place atomically, and the marker that says cleaner wrote them.
+
+Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine) and reports are written this way.
+
+Design decisions:
+- Atomic replace: everything is written into a temporary directory in the SAME parent (so the
+  final rename never crosses a file system), every file and the directory are fsynced, then the
+  temporary directory is renamed onto `out_path`. An existing `out_path` is first renamed aside,
+  the new one swapped in, and only then the old one deleted. At no moment does `out_path` name a
+  half-written output: it is the old complete one, absent (a crash between the two renames; the
+  old one is still in `.<name>.old-*` beside it), or the new complete one. On any failure while
+  writing, the temporary directory is removed and the exception re-raised.
+- Replacing deletes what was there, so cleaner replaces only a directory it wrote itself, of the
+  same kind: every directory it swaps in holds `MARKER`, a JSON file naming the kind (checkpoint,
+  report) and the top-level entries written. Anything else is refused with an `OutputError` and
+  left untouched: a file, a warehouse, a directory holding anything the marker does not list (a
+  user's notes.txt, even added to a checkpoint later), an output of another kind. Commands check
+  their outputs before any work (`check_replaceable`), and the swap checks again.
+- An empty directory holds nothing to lose: it is taken.
+- Outputs written before the marker existed are recognised by their files: a checkpoint has
+  config.json, a weight file, the config cleaner saved beside it (train_config.json or
+  bootstrap*_config.json) and nothing but what a Hugging Face checkpoint holds; a report has
+  report.md headed `# cleaner report` and PNGs only. The shipped policies in cleaner/assets/ are such
+  checkpoints, so `cleaner bootstrap` can still rewrite them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from fnmatch import fnmatch
+from pathlib import Path
+
+from cleaner.errors import CleanerError
+
+MARKER = ".cleaner-output.json"  # in every directory cleaner swaps into place
+CHECKPOINT, REPORT = "checkpoint", "report"  # the kinds of output
+KINDS = (CHECKPOINT, REPORT)
+REPORT_TITLE = "# cleaner report"  # the first line of every report.md
+
+# What a checkpoint written before the marker holds (top-level names; `optimizer` is a directory).
+_CHECKPOINT_FILES = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+    "*.bin.index.json", "*.pt", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "vocab.json", "merges.txt", "*_config.json", "optimizer",
+)
+_CLEANER_CONFIGS = ("train_config.json", "bootstrap*_config.json")
+_WEIGHTS = ("*.safetensors", "*.bin")
+
+
+class OutputError(CleanerError):
+    """An output path cleaner must not replace; the message says what is there."""
+
+
+# ---------------------------------------------------------------------------
+# What may be replaced
+
+
+def check_replaceable(out_path: str | Path, kind: str) -> None:
+    """OutputError unless `out_path` is absent, an empty directory, or a `kind` output cleaner wrote."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    path = Path(out_path)
+    _check_parent(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        _refuse(path, kind, "it exists and is a file, not a directory")
+    entries = sorted(entry.name for entry in path.iterdir())
+    if not entries:
+        return
+    marker = _read_marker(path)
+    if marker is None:
+        if _legacy_kind(path, entries) == kind:
+            return
+        _refuse(path, kind, f"cleaner did not write it (no {MARKER}; it holds {_some(entries)})")
+    if marker.get("kind") != kind:
+        _refuse(path, kind, f"it is a {marker.get('kind')} cleaner wrote, not a {kind}")
+    foreign = [name for name in entries if name != MARKER and name not in marker.get("entries", ())]
+    if foreign:
+        _refuse(path, kind, f"it holds what cleaner did not write there: {_some(foreign)}")
+
+
+def _refuse(path: Path, kind: str, why: str) -> None:
+    raise OutputError(f"{path}: will not replace it with a {kind}: {why}; cleaner replaces only a "
+                      f"{kind} it wrote. Choose another path, or move this one away yourself")
+
+
+def _check_parent(path: Path) -> None:
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"{path}: cannot be created: {parent} is a file, not a directory")
+            return
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("written_by") == "cleaner" else None
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch(name, pattern) for pattern in patterns)
+
+
+def _legacy_kind(path: Path, entries: list[str]) -> str | None:
+    """The kind of an output cleaner wrote before the marker existed, recognised by its files."""
+    if ("config.json" in entries and any(_matches(name, _WEIGHTS) for name in entries)
+            and any(_matches(name, _CLEANER_CONFIGS) for name in entries)
+            and all(_matches(name, _CHECKPOINT_FILES) for name in entries)):
+        return "checkpoint"
+    if "report.md" in entries and all(name == "report.md" or name.endswith(".png") for name in entries):
+        try:
+            with open(path / "report.md") as page:
+                if page.readline().rstrip("\n") == REPORT_TITLE:
+                    return "report"
+        except (OSError, UnicodeDecodeError):
+            return None
+    return None
+
+
+def write_marker(directory: Path, kind: str) -> None:
+    """Mark `directory` as a `kind` cleaner wrote, listing what it holds now."""
+    entries = sorted(entry.name for entry in directory.iterdir() if entry.name != MARKER)
+    marker = {"written_by": "cleaner", "kind": kind, "entries": entries}
+    (directory / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# Atomic directory
+
+
+def _fsync_path(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(directory) / name)
+        _fsync_path(Path(directory))
+
+
+def _swap_into_place(new_dir: Path, out_path: Path, kind: str) -> None:
+    """Rename new_dir onto out_path; an existing out_path (checked again: cleaner's own) is moved
+    aside first, then deleted."""
+    check_replaceable(out_path, kind)
+    aside = None
+    if out_path.exists():
+        aside = out_path.parent / f".{out_path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out_path, aside)
+    try:
+        os.rename(new_dir, out_path)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, out_path)  # put the previous output back
+        raise
+    _fsync_path(out_path.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+@contextmanager
+def atomic_directory(out_path: str | Path, kind: str) -> Iterator[Path]:
+    """Yield a temporary directory; on clean exit it is marked and atomically becomes `out_path`.
+
+    OutputError at once, before the block runs, if `out_path` is not replaceable (module docstring).
+    """
+    out_path = Path(out_path).resolve()
+    check_replaceable(out_path, kind)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    temp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+    try:
+        yield temp_dir
+        write_marker(temp_dir, kind)
+        _fsync_tree(temp_dir)
+        _swap_into_place(temp_dir, out_path, kind)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise

@@ -1,0 +1,66 @@
+"""The tiny policy's tokenizer: a 512-token byte-level BPE with the ChatML/tool special tokens.
+
+Design decisions:
+- Digits are split one per token by a pre-tokenizer, so every number is spelt digit by digit
+  (a 0.5M-parameter model copies digits far more reliably than it learns merged number pieces).
+- The special tokens are single ids (`ChatFormat` requires `</tool_call>` and `<|im_end|>` to be),
+  and the BPE never merges across them, so encoding a trajectory segment by segment gives the same
+  ids as encoding it whole.
+- The chat template renders a SHORT system line (unless the messages bring their own), each
+  message as `<|im_start|>role\\ncontent<|im_end|>\\n`, and the generation prompt
+  `<|im_start|>assistant\\n`. `tools` is accepted and ignored: the tiny model knows its one tool, and
+  a rendered JSON schema would cost ~100 tokens of every prompt. docs/architecture.md §11 speaks of a
+  character-level tokenizer; the BPE keeps sequences ~3x shorter at the same vocabulary budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from cleaner.engine.model.chat import (
+    IM_END,
+    IM_START,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+)
+
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE,
+                  TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
+DEFAULT_VOCAB_SIZE = 512
+SYSTEM_LINE = "You solve problems with a Python tool."
+
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + SYSTEM_LINE + "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train the BPE on `texts` and wrap it as a PreTrainedTokenizerFast with the chat template."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=IM_END, pad_token=ENDOFTEXT, bos_token=None,
+        unk_token=None, additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        model_max_length=1024,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,110 @@
+"""SGLangBackend (an in-process engine): without sglang installed, asking for it names the extra to
+install; the engine options for CPU and GPUs; and, on the real SGLang runtime on CPU (`-m sglang`,
+`make test-sglang`), greedy sampling equal to the torch backend's and the scorer's token counts
+read from the engine's `cached_tokens`, against hand-counted values."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from cleaner.engine.model import load_backend, require_backend
+from cleaner.engine.model.base import LENGTH, BackendError, SamplingParams
+from cleaner.engine.model.sglang_engine import (
+    CPU_ENGINE_ENV,
+    engine_device,
+    engine_options,
+    import_sglang,
+)
+from cleaner.errors import CleanerError
+from tests.engine.model.test_trie_scorer import assert_rows_close
+
+no_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+
+
+@no_sglang
+def test_load_backend_without_sglang_names_the_extra(tiny_qwen3_dir):
+    with pytest.raises(CleanerError, match=r"pip install 'cleaner\[sglang\]'"):
+        load_backend("sglang", tiny_qwen3_dir, device="cuda")
+
+
+@no_sglang
+def test_asking_for_the_engine_on_cpu_sets_what_sglang_reads_at_import(monkeypatch):
+    monkeypatch.delenv(CPU_ENGINE_ENV, raising=False)
+    with pytest.raises(BackendError, match="not installed"):
+        import_sglang("cpu")
+    assert os.environ[CPU_ENGINE_ENV] == "1"
+
+
+def test_a_server_url_needs_no_sglang_but_the_sglang_backend():
+    require_backend("sglang", "http://127.0.0.1:30000")  # the server client is plain HTTP
+    with pytest.raises(BackendError, match="--sglang-url http://h:1 needs --backend sglang"):
+        require_backend("torch", "http://h:1")
+    with pytest.raises(BackendError, match="backend must be one of"):
+        require_backend("vllm")
+
+
+def test_the_engine_runs_on_cpu_or_a_gpu():
+    assert engine_device("cpu") == ("cpu", 0)
+    assert engine_device("cuda") == ("cuda", 0) and engine_device("cuda:3") == ("cuda", 3)
+    for device in ("cpu:1", "cuda:x", "mps"):
+        with pytest.raises(BackendError, match="runs on cpu, cuda or cuda:N"):
+            engine_device(device)
+
+
+def test_engine_options_on_cpu_are_the_measured_recipe():
+    assert engine_options("cpu", None, 7, {}) == {
+        "skip_tokenizer_init": True, "random_seed": 7, "device": "cpu", "dtype": "float32",
+        "attention_backend": "torch_native", "sampling_backend": "pytorch", "grammar_backend": "none",
+        "disable_cuda_graph": True, "disable_overlap_schedule": True, "mem_fraction_static": 0.05,
+        "max_total_tokens": 8192, "max_running_requests": 8, "chunked_prefill_size": -1,
+        "sleep_on_idle": True, "log_level": "error", "enable_deterministic_inference": False,
+    }
+    assert engine_options("cpu", "bfloat16", 0, {"max_total_tokens": 4096})["max_total_tokens"] == 4096
+    assert engine_options("cpu", "bfloat16", 0, {})["dtype"] == "bfloat16"
+
+
+def test_engine_options_on_a_gpu_turn_deterministic_inference_on():
+    assert engine_options("cuda:2", None, 5, {"tp_size": 2}) == {
+        "skip_tokenizer_init": True, "random_seed": 5, "log_level": "warning", "base_gpu_id": 2,
+        "dtype": "auto", "enable_deterministic_inference": True, "tp_size": 2,
+    }
+
+
+# ---------------------------------------------------------------------------- the real engine
+
+
+@pytest.mark.sglang
+def test_sglang_greedy_matches_torch(sglang_engine):
+    from cleaner.engine.model.torch_backend import TorchBackend
+
+    prompts = [[1, 5, 9, 13, 2], [3, 4]]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(), temperature=0.0)
+    got = sglang_engine.generate(prompts, params, seeds=[0, 1])
+    expected = TorchBackend(sglang_engine.model_path).generate(prompts, params, seeds=[0, 1])
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert all(g.finish_reason == LENGTH for g in got)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert list(ours.logprobs) == pytest.approx(list(theirs.logprobs), abs=1e-4)
+
+
+@pytest.mark.sglang
+def test_the_scorer_reads_what_the_engine_computed_from_its_cached_tokens(sglang_engine):
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    sequences = [prompt + [9, 9], prompt + [9, 8, 1], prompt + [1]]
+    sglang_engine.engine.flush_cache()  # an empty radix cache, so every count below is exact
+    scorer = sglang_engine.scorer()
+    first = scorer.score_rows(sequences, [8, 8, 8])
+    # requests (tests/engine/model/test_backend_scorer.py): the prompt alone, asked for its last
+    # token (8 computed); prompt+[1] and prompt+[9] from position 8, their match capped at
+    # logprob_start_len 7 (2 + 2); prompt+[9,8,1] and prompt+[9,9] from 9, capped at 8 (3 + 2)
+    assert scorer.stats.tokens_computed == scorer.stats.tokens_forwarded == 8 + 2 + 2 + 3 + 2
+    assert scorer.stats.tokens_naive == 10 + 11 + 9
+    again = scorer.score_rows(sequences, [8, 8, 8])
+    # everything is cached now; each request still computes from its logprob_start_len on
+    assert scorer.stats.tokens_computed == 17 + (2 + 2 + 2 + 3 + 2)
+    assert scorer.stats.reuse_ratio == pytest.approx(60 / 28)
+    assert_rows_close(again, first, atol=1e-6)
+    assert_rows_close(first, sglang_engine.score(sequences, [8, 8, 8]), atol=1e-5)

@@ -1,0 +1,148 @@
+"""The IS gate on hand-built chains (docs/architecture.md §4, saar/merge.py), then against a real forward.
+
+Behaviour log-probs are -id / 1000 (test_walk's convention). The oracle of old-policy log-probs
+is a table keyed by the merge's tokens R, and records every context it was asked about, so each
+decision can be computed by hand: log IS = oracle(R) - sum(-id / 1000 for id in R).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cleaner.engine.saar.gate import ScoreCache
+from cleaner.engine.saar.walk import RAW, Outcome, View, explain, render
+from cleaner.records import ToolStatus
+from tests.engine.saar.test_walk import assistant, check, lp, prompt, tool
+
+
+def two_chains():
+    """Step 0: a shallow fix (R = the call 21 22); step 1: a deep fix (R = the turn 40 41 42)."""
+    return [
+        prompt(0, (1, 2)),
+        assistant(1, 0, 0, (10, 11), (12, 13), code="print(1+1)"),
+        tool(2, 0, 0, (14,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21, 22), code="print(1+2)"),  # ratio 0.9: shallow
+        tool(4, 0, 1, (23,), ToolStatus.OK),
+        assistant(5, 1, 0, (30,), (31, 32), code="import numpy"),
+        tool(6, 1, 0, (33,), ToolStatus.ERROR),
+        assistant(7, 1, 1, (40, 41), (42,), code="x=2; y=3"),  # unlike a_0: deep
+        tool(8, 1, 1, (43,), ToolStatus.OK),
+        assistant(9, 2, 0, (50, 51)),  # the answer
+    ]
+
+
+class TableOracle:
+    """log pi_old(R | context) from a table keyed by R; remembers the contexts it was asked for."""
+
+    def __init__(self, sums: dict[tuple[int, ...], float]) -> None:
+        self.sums, self.asked = sums, []
+
+    def logprob_sum(self, context, tokens):
+        self.asked.append((context, tokens))
+        return self.sums.get(tokens)
+
+
+SUMS = {(21, 22): -1.0, (40, 41, 42): -0.1}
+LOG_IS_0 = -1.0 - (lp(21) + lp(22))  # -0.957: IS 0.384
+LOG_IS_1 = -0.1 - (lp(40) + lp(41) + lp(42))  # +0.023: IS 1.023
+PURIFIED = View(purified=True, gamma=0.5)
+
+
+def gated(tau: float) -> View:
+    return View(purified=True, gamma=0.5, is_threshold=tau)
+
+
+def test_tau_zero_renders_exactly_the_purified_view():
+    plain = render(two_chains(), PURIFIED)
+    gate_off = render(two_chains(), gated(0.0), oracle=TableOracle({}))
+    assert gate_off == plain
+    check(plain, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((40, 41, 42), True),
+          ((43,), False), ((50, 51), True))
+
+
+def test_a_tau_above_every_is_renders_exactly_the_raw_view():
+    rendered = render(two_chains(), gated(1e9), oracle=TableOracle(SUMS))
+    raw = render(two_chains(), RAW)
+    assert (rendered.token_ids, rendered.loss_mask, rendered.behavior_logprobs) == (
+        raw.token_ids, raw.loss_mask, raw.behavior_logprobs)
+    assert (rendered.stats.n_gated, rendered.stats.n_shallow, rendered.stats.n_deep) == (2, 0, 0)
+    assert rendered.stats.tokens_removed == 0
+
+
+def test_a_middle_tau_keeps_the_first_chain_raw_and_purifies_the_next():
+    oracle = TableOracle(SUMS)
+    rendered = render(two_chains(), gated(0.5), oracle=oracle)  # IS 0.384 < 0.5 <= 1.023
+    check(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False), ((20, 21, 22), True),
+          ((23,), False), ((40, 41, 42), True), ((43,), False), ((50, 51), True))
+    assert (rendered.stats.n_gated, rendered.stats.n_shallow, rendered.stats.n_deep) == (1, 0, 1)
+    # The contexts: the shallow merge after the prompt and a_0's reasoning; the deep one after
+    # everything rendered before its chain, which is chain 0 raw.
+    assert oracle.asked == [((1, 2, 10, 11), (21, 22)),
+                            ((1, 2, 10, 11, 12, 13, 14, 20, 21, 22, 23), (40, 41, 42))]
+    steps = explain(two_chains(), gated(0.5), oracle=TableOracle(SUMS))
+    assert [step.outcome for step in steps] == [Outcome.GATED, Outcome.DEEP, Outcome.CLEAN]
+    (first,), (second,) = steps[0].merges, steps[1].merges
+    assert (first.rejected, second.rejected) == (True, False)
+    assert first.log_is == pytest.approx(LOG_IS_0) and second.log_is == pytest.approx(LOG_IS_1)
+
+
+def test_the_second_merge_is_judged_under_the_purified_first_chain():
+    oracle = TableOracle({(21, 22): 0.0, (40, 41, 42): -0.1})  # both kept
+    render(two_chains(), gated(0.5), oracle=oracle)
+    assert oracle.asked[1] == ((1, 2, 10, 11, 21, 22, 23), (40, 41, 42))
+
+
+def test_an_unknown_is_keeps_the_merge_for_now_and_marks_the_rendering_provisional():
+    cache = ScoreCache()
+    rendered = render(two_chains(), gated(0.5), oracle=cache)
+    assert rendered.provisional and rendered.token_ids == render(two_chains(), PURIFIED).token_ids
+    assert list(cache.pending) == [((1, 2, 10, 11, 21, 22), 4), ((1, 2, 10, 11, 21, 22, 23, 40, 41, 42), 7)]
+
+    def score(sequences, starts):  # -1.0 for R of the shallow merge, -0.05 per token otherwise
+        return [[-0.5] * 2 if s[st:] == (21, 22) else [-0.05] * (len(s) - st)
+                for s, st in zip(sequences, starts, strict=True)]
+
+    rounds = 0
+    while rendered.provisional:  # the first merge is rejected, so the second has a new context
+        cache.fill(score)
+        rendered, rounds = render(two_chains(), gated(0.5), oracle=cache), rounds + 1
+    assert rounds == 2 and rendered.stats.n_gated == 1  # the first merge: IS 0.384 < 0.5
+    assert rendered.token_ids[:11] == (1, 2, 10, 11, 12, 13, 14, 20, 21, 22, 23)
+
+
+def test_the_is_of_a_merge_equals_a_naive_forward_minus_the_behaviour_logprobs():
+    from cleaner.engine.model.trie_scorer import PrefixTrieScorer
+    from tests.helpers import tiny_qwen3
+
+    model = tiny_qwen3(seed=3).eval()
+    segments = two_chains()
+    cache = ScoreCache()
+    view = gated(0.5)
+    while render(segments, view, oracle=cache).provisional:
+        cache.fill(PrefixTrieScorer(model).score_rows)
+    steps = explain(segments, view, oracle=cache)
+
+    def naive(context, tokens):
+        ids = torch.tensor([context + tokens])
+        with torch.no_grad():
+            logprobs = model(input_ids=ids).logits[0].log_softmax(-1)  # (T, V)
+        return sum(logprobs[len(context) + k - 1, token].item() for k, token in enumerate(tokens))
+
+    first = steps[0].merges[0]
+    expected_0 = naive((1, 2, 10, 11), (21, 22)) - (lp(21) + lp(22))
+    assert first.log_is == pytest.approx(expected_0, abs=1e-4)
+    chain_0 = (1, 2, 10, 11, 12, 13, 14, 20, 21, 22, 23) if first.rejected else (1, 2, 10, 11, 21, 22, 23)
+    expected_1 = naive(chain_0, (40, 41, 42)) - (lp(40) + lp(41) + lp(42))
+    assert steps[1].merges[0].log_is == pytest.approx(expected_1, abs=1e-4)
+    assert first.rejected == (expected_0 < math.log(0.5))
+
+
+def test_the_per_token_mode_divides_the_log_is_by_the_tokens_of_r():
+    view = View(purified=True, gamma=0.5, is_threshold=0.5, is_mode="mean")
+    steps = explain(two_chains(), view, oracle=TableOracle(SUMS))
+    assert steps[0].merges[0].log_is == pytest.approx(LOG_IS_0 / 2)  # IS 0.62 >= 0.5: kept
+    assert steps[1].merges[0].log_is == pytest.approx(LOG_IS_1 / 3)
+    assert render(two_chains(), view, oracle=TableOracle(SUMS)).token_ids == render(two_chains(), PURIFIED).token_ids

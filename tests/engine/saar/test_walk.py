@@ -1,0 +1,446 @@
+"""Renderer tests (DESIGN.md section 4): hand-written chains with exact tokens, then properties.
+
+Token ids are tiny integers. Every assistant token's behaviour logprob is -id / 1000, so a logprob
+that travels with the wrong token is caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from cleaner.engine.model.chat import format_call
+from cleaner.engine.saar.walk import RAW, KeptTokens, MergeDecision, View, explain, render, view_for
+from cleaner.records import Segment, SegmentKind, ToolStatus
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+
+
+def lp(token_id: int) -> float:
+    return -token_id / 1000
+
+
+def prompt(seq: int, ids: tuple[int, ...]) -> Segment:
+    return Segment("r", 0, seq, SegmentKind.PROMPT, None, None, ids, None, "")
+
+
+def assistant(seq, step, attempt, reasoning, call=(), code=None) -> Segment:
+    ids = tuple(reasoning) + tuple(call)
+    return Segment("r", 0, seq, SegmentKind.ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
+                   call_start=len(reasoning) if call else None, tool_code=code)
+
+
+def tool(seq, step, attempt, ids, status=ToolStatus.OK) -> Segment:
+    return Segment("r", 0, seq, SegmentKind.TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
+
+
+def expected(*pieces: tuple[tuple[int, ...], bool]):
+    """(token_ids, loss_mask, behaviour logprobs) of spans given as (ids, trained)."""
+    ids = tuple(i for piece, _ in pieces for i in piece)
+    mask = tuple(int(trained) for piece, trained in pieces for _ in piece)
+    lps = tuple(lp(i) if trained else 0.0 for piece, trained in pieces for i in piece)
+    return ids, mask, lps
+
+
+def check(rendered, *pieces) -> None:
+    ids, mask, lps = expected(*pieces)
+    assert rendered.token_ids == ids
+    assert rendered.loss_mask == mask
+    assert rendered.behavior_logprobs == pytest.approx(lps)
+
+
+PURIFIED = View(purified=True, gamma=0.5, similarity_on="code")
+SIMILAR = ("print(1+1)", "print(1+2)")  # ratio 0.9
+DIFFERENT = ("import numpy", "x=2; y=3")  # ratio < 0.5
+
+
+def one_retry(codes: tuple[str, str]) -> list[Segment]:
+    return [
+        prompt(0, (1, 2)),
+        assistant(1, 0, 0, (10, 11), (12, 13), code=codes[0]),
+        tool(2, 0, 0, (14,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21, 22), code=codes[1]),
+        tool(4, 0, 1, (23,), ToolStatus.OK),
+        assistant(5, 1, 0, (30, 31)),  # final answer
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-written chains
+
+
+def three_attempts_chain() -> list[Segment]:
+    """a_0 fails; a_1, unlike a_0, fails; a_2, like a_1, succeeds; then a clean step."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
+        tool(4, 0, 1, (23,), ToolStatus.ERROR),
+        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
+        tool(6, 0, 2, (33,), ToolStatus.OK),
+        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
+        tool(8, 1, 0, (42,), ToolStatus.OK),
+    ]
+
+
+def exhausted_chain() -> list[Segment]:
+    """Step 0 fails twice (K = 1 exhausted); step 1 fails then recovers, after the exhaustion."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),  # K = 1 retries exhausted
+        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
+        tool(6, 1, 0, (32,), ToolStatus.ERROR),
+        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
+        tool(8, 1, 1, (42,), ToolStatus.OK),
+    ]
+
+
+def answered_chain() -> list[Segment]:
+    """Two failed calls, then a retry that answers instead of calling."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),
+        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
+    ]
+
+
+def test_raw_is_concatenation_in_seq_order():
+    segments = one_retry(SIMILAR)
+    rendered = render(list(reversed(segments)), RAW)
+    check(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False),
+          ((20, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert rendered.prompt_len == 2
+    assert rendered.stats.tokens_removed == 0
+
+
+def test_shallow_merge_keeps_reasoning_and_takes_new_call():
+    rendered = render(one_retry(SIMILAR), PURIFIED)
+    check(rendered, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 0, 0)
+    assert rendered.stats.tokens_removed == 13 - 9
+
+
+def test_deep_merge_replaces_whole_turn():
+    rendered = render(one_retry(DIFFERENT), PURIFIED)
+    check(rendered, ((1, 2), False), ((20, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep) == (0, 1)
+    assert rendered.stats.tokens_removed == 13 - 8
+
+
+def test_three_attempts_deep_then_shallow():
+    segments = three_attempts_chain()
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((20, 21, 31, 32), True), ((33,), False),
+          ((40, 41), True), ((42,), False))
+    assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 1, 0)
+
+
+def test_exhausted_chain_renders_rest_raw():
+    segments = exhausted_chain()
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((10, 21), True), ((22,), False),
+          ((30, 31), True), ((32,), False), ((40, 41), True), ((42,), False))
+    assert (rendered.stats.n_shallow, rendered.stats.n_unrecovered) == (1, 1)
+    # In progress (the retry not generated yet) renders the same tokens as exhausted.
+    partial = render(segments[:5], PURIFIED)
+    assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
+    assert len(partial.token_ids) == 4
+
+
+def test_retry_that_answers_keeps_last_error_then_rest_raw():
+    segments = answered_chain()
+    rendered = render(segments, PURIFIED)
+    check(rendered, ((1,), False), ((20, 21), True), ((22,), False), ((30, 31), True))
+    assert (rendered.stats.n_deep, rendered.stats.n_unrecovered, rendered.stats.tokens_removed) == (1, 1, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# similarity_on: code vs call on the measured example (DESIGN.md 4.2)
+
+
+def text_assistant(seq, attempt, reasoning: str, code: str | None, call_code: str) -> Segment:
+    text = reasoning + format_call(call_code)
+    ids = tuple(ord(c) for c in text)
+    return Segment("r", 0, seq, SegmentKind.ASSISTANT, 0, attempt, ids, tuple(lp(i) for i in ids), text,
+                   call_start=len(reasoning), tool_code=code)
+
+
+def decode(token_ids) -> str:
+    return "".join(chr(i) for i in token_ids)
+
+
+def measured_chain(first_code: str | None) -> list[Segment]:
+    numpy_code, plain_code = "import numpy; print(numpy.add(2,2))", "x=2; print(x+x)"
+    return [
+        prompt(0, (1,)),
+        text_assistant(1, 0, "Add. ", first_code, numpy_code),
+        tool(2, 0, 0, (2,), ToolStatus.ERROR),
+        text_assistant(3, 1, "Again. ", plain_code, plain_code),
+        tool(4, 0, 1, (3,), ToolStatus.OK),
+    ]
+
+
+def test_code_similarity_is_deep_where_call_similarity_is_shallow():
+    segments = measured_chain("import numpy; print(numpy.add(2,2))")
+    by_code = render(segments, View(True, 0.5, "code"), decode)
+    by_call = render(segments, View(True, 0.5, "call"), decode)
+    assert (by_code.stats.n_deep, by_call.stats.n_shallow) == (1, 1)
+    assert decode(by_code.token_ids[1:-1]) == "Again. " + format_call("x=2; print(x+x)")
+    assert decode(by_call.token_ids[1:-1]) == "Add. " + format_call("x=2; print(x+x)")
+
+
+def test_code_falls_back_to_call_when_code_is_missing():
+    rendered = render(measured_chain(None), View(True, 0.5, "code"), decode)
+    assert rendered.stats.n_shallow == 1
+
+
+def test_call_similarity_without_decode_is_a_clear_error():
+    with pytest.raises(ValueError, match="decode"):
+        render(measured_chain(None), View(True, 0.5, "call"))
+    with pytest.raises(ValueError, match="decode"):
+        render(measured_chain(None), View(True, 0.5, "code"))  # fallback needs decode too
+
+
+def test_malformed_chain_is_rejected():
+    segments = one_retry(SIMILAR)
+    segments[3] = assistant(3, 0, 2, (20,), (21, 22), code="x")  # attempt 2 right after attempt 0
+    with pytest.raises(ValueError, match="expected attempt 1"):
+        render(segments, PURIFIED)
+
+
+def test_view_for_follows_the_draw():
+    assert view_for(0.3, True, 0.7, 0.5, "call") == View(True, 0.7, "call")
+    assert view_for(0.5, True, 0.7, 0.5, "call") == RAW
+    assert view_for(0.0, False, 0.7, 1.0, "code") == RAW
+
+
+# ----------------------------------------------------------------------------------------------
+# Properties over generated attempt chains
+
+
+@dataclass(frozen=True)
+class Plan:
+    segments: tuple[Segment, ...]
+    chains: tuple[tuple[Segment, ...], ...]  # the non-prompt segments of each step
+    outcomes: tuple[str, ...]  # per chain: clean | recovered | unrecovered
+    merges: tuple[int, ...]  # per chain: merges SAAR performs on it
+
+
+@st.composite
+def plans(draw) -> Plan:
+    """A prompt, then steps of attempts; token ids are seq * 100 + k, so each token names its segment."""
+    segments: list[Segment] = []
+
+    def add(kind, step, attempt, n_reasoning, n_call=0, code=None, status=None) -> Segment:
+        seq = len(segments)
+        ids = tuple(seq * 100 + k for k in range(n_reasoning + n_call))
+        lps = tuple(lp(i) for i in ids) if kind == SegmentKind.ASSISTANT else None
+        segment = Segment("r", 0, seq, kind, step, attempt, ids, lps, "",
+                          call_start=n_reasoning if n_call else None, tool_code=code,
+                          tool_status=status)
+        segments.append(segment)
+        return segment
+
+    add(SegmentKind.PROMPT, None, None, draw(st.integers(1, 3)))
+    chains, outcomes, merges = [], [], []
+    for step in range(draw(st.integers(1, 4))):
+        first = len(segments)
+        statuses = draw(st.lists(st.sampled_from([ToolStatus.OK, ToolStatus.ERROR]), min_size=1, max_size=4))
+        n_attempts = statuses.index(ToolStatus.OK) + 1 if ToolStatus.OK in statuses else len(statuses)
+        for attempt in range(n_attempts):
+            code = draw(st.text("ab()+1", max_size=6))
+            add(SegmentKind.ASSISTANT, step, attempt, draw(st.integers(0, 2)), draw(st.integers(1, 2)), code)
+            add(SegmentKind.TOOL, step, attempt, draw(st.integers(1, 2)), status=statuses[attempt])
+        answered = ToolStatus.OK not in statuses and draw(st.booleans())
+        if answered:  # a retry that answers instead of calling
+            add(SegmentKind.ASSISTANT, step, n_attempts, draw(st.integers(1, 2)))
+        chains.append(tuple(segments[first:]))
+        if ToolStatus.OK in statuses:
+            outcomes.append("clean" if n_attempts == 1 else "recovered")
+            merges.append(n_attempts - 1)
+        else:
+            outcomes.append("unrecovered")
+            merges.append(n_attempts - 1)
+    if draw(st.booleans()):
+        add(SegmentKind.ASSISTANT, len(chains), 0, draw(st.integers(1, 2)))  # final answer
+        chains.append(tuple(segments[-1:]))
+        outcomes.append("clean")
+        merges.append(0)
+    return Plan(tuple(segments), tuple(chains), tuple(outcomes), tuple(merges))
+
+
+def raw_ids(segments) -> tuple[int, ...]:
+    return tuple(i for segment in segments for i in segment.token_ids)
+
+
+def processed(plan: Plan) -> list[int]:
+    """Indices of the chains SAAR touches: up to and including the first unrecovered one."""
+    indices = []
+    for index, outcome in enumerate(plan.outcomes):
+        indices.append(index)
+        if outcome == "unrecovered":
+            break
+    return indices
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_mask_and_logprobs_align_with_tokens(plan, gamma):
+    by_seq = {segment.seq: segment for segment in plan.segments}
+    for view in (RAW, View(True, gamma, "code")):
+        rendered = render(plan.segments, view)
+        assert len(rendered.token_ids) == len(rendered.loss_mask) == len(rendered.behavior_logprobs)
+        for token, mask, logprob in zip(rendered.token_ids, rendered.loss_mask,
+                                        rendered.behavior_logprobs, strict=True):
+            origin = by_seq[token // 100]
+            assert mask == int(origin.kind == SegmentKind.ASSISTANT)
+            assert logprob == (lp(token) if mask else 0.0)
+        assert rendered.prompt_len == len(plan.segments[0].token_ids)
+        assert rendered.stats.tokens_removed == len(raw_ids(plan.segments)) - len(rendered.token_ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.floats(0, 0.999), st.floats(0, 1.5))
+def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
+    view = view_for(draw, True, gamma, 0.0, "code")
+    assert view == RAW
+    rendered = render(plan.segments, view)
+    assert rendered.token_ids == raw_ids(plan.segments)
+    assert rendered.stats == render(plan.segments, RAW).stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans(), st.floats(0, 1.2), st.sampled_from(["code", "call"]))
+def test_rollout_without_a_failed_call_renders_raw_under_every_view(plan, gamma, similarity_on):
+    # purify renders such a rollout once for every config of an ablation grid, relying on this
+    assume(not any(segment.kind == SegmentKind.TOOL and segment.failed for segment in plan.segments))
+    assert render(plan.segments, View(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
+    expected_merges = sum(plan.merges[index] for index in processed(plan))
+    shallow = render(plan.segments, View(True, 0.0, "code")).stats
+    deep = render(plan.segments, View(True, 1.01, "code")).stats
+    assert (shallow.n_shallow, shallow.n_deep) == (expected_merges, 0)
+    assert (deep.n_shallow, deep.n_deep) == (0, expected_merges)
+    assert shallow.n_unrecovered == deep.n_unrecovered == ("unrecovered" in plan.outcomes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_recovered_chain_leaves_no_failed_call_or_error(plan, gamma):
+    rendered = set(render(plan.segments, View(True, gamma, "code")).token_ids)
+    for index in processed(plan):
+        if plan.outcomes[index] != "recovered":
+            continue
+        chain = plan.chains[index]
+        for position, segment in enumerate(chain):
+            if segment.kind == SegmentKind.TOOL and segment.failed:
+                call = chain[position - 1]
+                assert not rendered & set(segment.token_ids)
+                assert not rendered & set(call.token_ids[call.call_start:])
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_unrecovered_chain_renders_rest_raw(plan, gamma):
+    if "unrecovered" not in plan.outcomes:
+        return
+    chain = plan.chains[plan.outcomes.index("unrecovered")]
+    rendered = render(plan.segments, View(True, gamma, "code"))
+    last_tool = [segment for segment in chain if segment.kind == SegmentKind.TOOL][-1]
+    rest = [segment for segment in plan.segments if segment.seq > last_tool.seq]
+    tail = raw_ids([last_tool, *rest])
+    assert rendered.token_ids[-len(tail):] == tail
+    # Cut right after the last failed call (a retry not generated yet): a prefix of the full render.
+    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], View(True, gamma, "code"))
+    assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# explain: the renderer's own decisions, step by step
+
+
+def kept(*ranges: tuple[int, int, int]) -> tuple[KeptTokens, ...]:
+    return tuple(KeptTokens(*r) for r in ranges)
+
+
+def test_explain_shallow_keeps_first_reasoning_and_second_call():
+    steps = explain(one_retry(SIMILAR), PURIFIED)
+    assert [s.outcome for s in steps] == ["shallow", "clean"]
+    first, answer = steps
+    assert (first.step, first.seqs, first.attempts) == (0, (1, 2, 3, 4), 2)
+    assert first.merges == (MergeDecision(1, pytest.approx(0.9), "shallow"),)
+    assert first.kept == kept((1, 0, 2), (3, 1, 3), (4, 0, 1))  # reasoning of a_0, call of a_1, t_1
+    assert (first.removed_seqs, first.tokens_removed) == ((2,), 4)
+    assert (answer.step, answer.kept, answer.removed_seqs, answer.merges) == (1, kept((5, 0, 2)), (), ())
+
+
+def test_explain_deep_drops_the_failed_attempt_and_its_error():
+    first = explain(one_retry(DIFFERENT), PURIFIED)[0]
+    assert first.outcome == "deep"
+    assert first.merges == (MergeDecision(1, pytest.approx(0.2), "deep"),)  # "import numpy" vs "x=2; y=3"
+    assert first.kept == kept((3, 0, 3), (4, 0, 1))
+    assert (first.removed_seqs, first.tokens_removed) == ((1, 2), 5)
+
+
+def test_explain_three_attempts_is_mixed():
+    (step,) = explain(three_attempts_chain()[:7], PURIFIED)  # step 0 only
+    assert step.outcome == "mixed" and step.attempts == 3
+    assert [(m.attempt, m.kind) for m in step.merges] == [(1, "deep"), (2, "shallow")]
+    # difflib is order-sensitive: ("import numpy", "print(1+1)") matches 2 chars, 2 * 2 / 22 = 2 / 11
+    assert [m.similarity for m in step.merges] == [pytest.approx(2 / 11), pytest.approx(0.9)]
+    assert step.kept == kept((3, 0, 2), (5, 1, 3), (6, 0, 1))
+    assert step.removed_seqs == (1, 2, 4)
+
+
+def test_explain_unrecovered_then_raw():
+    first, second = explain(exhausted_chain(), PURIFIED)
+    assert (first.outcome, first.kept, first.removed_seqs) == ("unrecovered", kept((1, 0, 1), (3, 1, 2), (4, 0, 1)), (2,))
+    assert [m.kind for m in first.merges] == ["shallow"]
+    assert (second.outcome, second.merges, second.removed_seqs, second.tokens_removed) == ("raw", (), (), 0)
+    assert second.kept == kept((5, 0, 2), (6, 0, 1), (7, 0, 2), (8, 0, 1))
+
+
+def test_explain_answered_keeps_last_error():
+    (step,) = explain(answered_chain(), PURIFIED)
+    assert (step.outcome, step.attempts, step.tokens_removed) == ("answered", 3, 3)
+    assert step.merges == (MergeDecision(1, pytest.approx(0.2), "deep"),)
+    assert step.kept == kept((3, 0, 2), (4, 0, 1), (5, 0, 2))
+    assert step.removed_seqs == (1, 2)
+
+
+def test_explain_raw_view_removes_nothing():
+    steps = explain(one_retry(SIMILAR), RAW)
+    assert [s.outcome for s in steps] == ["raw", "raw"]
+    assert all(s.removed_seqs == () and s.tokens_removed == 0 and s.merges == () for s in steps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0, 1.2))
+def test_explain_agrees_with_render(plan, gamma):
+    view = View(True, gamma, "code")
+    rendered = render(plan.segments, view)
+    steps = explain(plan.segments, view)
+    by_seq = {segment.seq: segment for segment in plan.segments}
+    ids = raw_ids(s for s in plan.segments if s.kind == SegmentKind.PROMPT)
+    ids += tuple(i for s in steps for k in s.kept for i in by_seq[k.seq].token_ids[k.start:k.end])
+    assert ids == rendered.token_ids  # the kept ranges ARE the rendering
+    assert sum(s.tokens_removed for s in steps) == rendered.stats.tokens_removed
+    merges = [m.kind for s in steps for m in s.merges]
+    assert (merges.count("shallow"), merges.count("deep")) == (rendered.stats.n_shallow, rendered.stats.n_deep)
+    assert sum(s.outcome in ("unrecovered", "answered") for s in steps) == rendered.stats.n_unrecovered
+    assert all((m.kind == "shallow") == (m.similarity >= gamma) for s in steps for m in s.merges)

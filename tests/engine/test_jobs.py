@@ -1,0 +1,168 @@
+"""The stages' jobs (cleaner/engine/<stage>/job.py): what needs no model, or only the tiny one."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from cleaner.engine.purify.job import _cyclic_gc_paused
+
+
+def test_cyclic_gc_is_paused_inside_and_restored_after_an_error():
+    assert gc.isenabled()
+    with _cyclic_gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _cyclic_gc_paused():
+        raise RuntimeError("a failing job")
+    assert gc.isenabled()
+
+
+def test_a_collector_disabled_by_the_caller_stays_disabled():
+    gc.disable()
+    try:
+        with _cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_purify_job_runs_with_the_collector_paused():
+    from cleaner.engine.purify.job import purify_job
+    from cleaner.errors import JobError
+
+    seen = []
+
+    class EmptyWarehouse:
+        root = "empty"
+
+        def check_writable(self):
+            pass
+
+        def read_rollouts(self, iteration):
+            seen.append(gc.isenabled())
+            return []
+
+    with pytest.raises(JobError, match="no rollouts"):
+        purify_job(EmptyWarehouse(), 0, [])
+    assert seen == [False]
+    assert gc.isenabled()
+
+
+# ---------------------------------------------------------------------------------------------
+# The glue on a real warehouse: the committed tiny policy collects 6 prompts x 2 samples
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    root = tmp_path_factory.mktemp("glue") / "wh"
+    result = CliRunner().invoke(app, ["collect", "-w", str(root), "--prompts", "6", "--group-size", "2",
+                                      "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def _copy(collected, tmp_path):
+    import shutil
+
+    from cleaner.warehouse import Warehouse
+
+    shutil.copytree(collected, tmp_path / "wh")
+    return Warehouse(tmp_path / "wh")
+
+
+def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tmp_path):
+    from cleaner.config import PurifyConfig
+    from cleaner.engine.purify.job import purify_job
+
+    warehouse = _copy(collected, tmp_path)
+    configs = [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.7), PurifyConfig(gamma=0.7, rollback_prob=0.5)]
+    first = purify_job(warehouse, 0, configs, progress=False)
+    assert first.computed == [c.config_id for c in configs] and first.scorer_stats is not None
+    assert [r.config for r in first.results] == configs
+    assert all(len(r.rows) == 12 for r in first.results)
+    assert warehouse.purify_config_ids() == {c.config_id for c in configs}
+    more = [configs[2], PurifyConfig(gamma=1.5), configs[0]]
+    second = purify_job(warehouse, 0, more, progress=False)
+    assert second.computed == [more[1].config_id]  # only the new config is scored
+    assert [r.config for r in second.results] == more  # in request order
+    for stored, again in ((first.results[2], second.results[0]), (first.results[0], second.results[2])):
+        assert [row.token_ids for row in again.rows] == [row.token_ids for row in stored.rows]
+        assert again.stats == stored.stats  # rebuilt from the stored rows
+    third = purify_job(warehouse, 0, more, progress=False)
+    assert third.computed == [] and third.scorer_stats is None
+
+
+def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(collected, tmp_path):
+    from cleaner.config import PurifyConfig
+    from cleaner.engine.purify.job import purify_job
+
+    replace, mask, raw = PurifyConfig(), PurifyConfig(edit="mask"), PurifyConfig(rollback_prob=0.0)
+    warehouse = _copy(collected, tmp_path / "a")
+    ablation = purify_job(warehouse, 0, [replace, mask], progress=False)
+    reference = purify_job(_copy(collected, tmp_path / "b"), 0, [replace, raw], progress=False)
+    # one pass over the trie of both configs, which forwards exactly what replace and the raw view need
+    assert ablation.scorer_stats.tokens_forwarded == reference.scorer_stats.tokens_forwarded
+    assert ablation.scorer_stats.tokens_naive == reference.scorer_stats.tokens_naive
+    masked, raw_rows = ablation.results[1], reference.results[1]
+    assert masked.stats.n_shallow + masked.stats.n_deep > 0 and masked.stats.tokens_masked > 0
+    for row, base in zip(masked.rows, raw_rows.rows, strict=True):
+        assert row.token_ids == base.token_ids and row.advantage == base.advantage
+        assert all(m <= b for m, b in zip(row.loss_mask, base.loss_mask, strict=True))
+        assert row.old_logprobs == tuple(o if m else 0.0 for o, m in zip(base.old_logprobs, row.loss_mask, strict=True))
+    again = purify_job(warehouse, 0, [mask], progress=False)  # rebuilt from the stored rows
+    assert again.computed == [] and again.results[0].stats == masked.stats
+
+
+def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
+    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.train.job import train_job
+    from cleaner.errors import JobError
+
+    warehouse = _copy(collected, tmp_path)
+    config = PurifyConfig()
+    with pytest.raises(JobError, match="run `cleaner purify` first"):
+        train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", TrainConfig(), progress=False)
+    purify_job(warehouse, 0, [config], progress=False)
+    train = TrainConfig(lr=1e-4, mini_batch_size=6, micro_batch_size=3)
+    outcome = train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", train, progress=False)
+    assert outcome.result.out_path == (tmp_path / "out").resolve() and outcome.seconds > 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "optimizer" / "state.pt").is_file()
+    steps = warehouse.connect().sql("SELECT step, optimizer_step FROM train_steps ORDER BY step").fetchall()
+    assert steps == [(s.step, s.optimizer_step) for s in outcome.result.steps] and len(steps) == 2
+    assert warehouse.load_config("train-iteration=0") == train.to_json()
+
+
+def test_purify_ablate_and_train_commands(collected, tmp_path):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig
+
+    warehouse = _copy(collected, tmp_path)
+    cli = CliRunner()
+    purified = cli.invoke(app, ["purify", "-w", str(warehouse.root), "--gamma", "0.7"])
+    assert purified.exit_code == 0, purified.output
+    config_id = PurifyConfig(gamma=0.7).config_id
+    assert config_id[:8] in purified.output and "1 config(s)" in purified.output
+    ablated = cli.invoke(app, ["ablate", "-w", str(warehouse.root), "--gamma", "0.3,0.7", "--rollback-prob", "1.0"])
+    assert ablated.exit_code == 0, ablated.output
+    assert f"already stored, not recomputed: {config_id}" in ablated.output
+    assert "2 config(s)" in ablated.output
+    trained = cli.invoke(app, ["train", "-w", str(warehouse.root), "--config-id", config_id, "--policy",
+                               str(DEFAULT_POLICY), "--out", str(tmp_path / "ckpt"), "--lr", "1e-4",
+                               "--mini-batch-size", "12", "--micro-batch-size", "4"])
+    assert trained.exit_code == 0, trained.output
+    assert "1 steps" in trained.output and f"checkpoint -> {tmp_path / 'ckpt'}" in trained.output
+    assert warehouse.connect().sql("SELECT count(*) FROM train_steps").fetchall() == [(1,)]
+    missing = cli.invoke(app, ["train", "-w", str(warehouse.root), "--config-id", "nope", "--policy",
+                               str(DEFAULT_POLICY), "--out", str(tmp_path / "x")])
+    assert missing.exit_code == 1 and "run `cleaner purify` first" in missing.output

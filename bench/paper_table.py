@@ -8,8 +8,9 @@ iterations from the same policy with the same seeds as the baseline. The six arm
   is-gated        --rollback-is-threshold 0.5 --rollback-is-mode mean   the authors' follow-up, per-token IS
   mask            --edit mask                                 SAAR's decisions, failed calls masked, not replaced
   mask-positive   --edit mask --purify-when positive          masked only in above-mean rollouts
-(`--arms` also takes the earlier table's cleaner-code, cleaner-deep, positive, is-gated-sum and
-negatives.) The toys: mixed (cleaner/assets/tiny-policy: a failed call predicts a wrong answer), env
+(`--arms` also takes mask-deep and mask-deep-positive, the mask arms with every merge deep
+(`--gamma 1.5`: the failed turn's reasoning is masked too, not only its call), and the earlier
+table's cleaner-code, cleaner-deep, positive, is-gated-sum and negatives.) The toys: mixed (cleaner/assets/tiny-policy: a failed call predicts a wrong answer), env
 (cleaner/assets/tiny-policy-env: it does not) and recover (cleaner/assets/tiny-policy-recover: failed calls get
 positive credit, since the rollouts that answer without the tool are the ones that lose).
 
@@ -56,6 +57,8 @@ ARMS = {
     "positive": {"purify_when": "positive"},
     "is-gated-sum": {"rollback_is_threshold": 0.5},
     "negatives": {"negative_samples": True},
+    "mask-deep": {"edit": "mask", "gamma": 1.5},
+    "mask-deep-positive": {"edit": "mask", "purify_when": "positive", "gamma": 1.5},
 }
 PAPER_ARMS = ("baseline", "cleaner", "cleaner-p0.7", "is-gated", "mask", "mask-positive")
 

@@ -40,7 +40,7 @@ from tests.helpers import cli, wait_for
 # deepspeed runs in the launched ranks only; this process needs to know it is there
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="needs deepspeed: pip install 'cleaner[deepspeed]'")
-ZERO2 = Path(__file__).resolve().parents[1] / "examples" / "deepspeed" / "zero2.json"
+ZERO2 = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "zero2.json"
 ARGS = ("--iterations", "2", "--prompts", "4", "--group-size", "2", "--max-turns", "3", "--max-new-tokens",
         "64", "--lr", "5e-5", "--mini-batch-size", "4", "--micro-batch-size", "1", "--batch-rollouts", "2",
         "--sandbox-workers", "1", "--seed", "4")

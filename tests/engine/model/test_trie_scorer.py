@@ -95,7 +95,6 @@ def test_trie_forwards_each_distinct_position_once(backend):
     assert scorer.stats.tokens_forwarded == 8 + 2 + 1
     assert scorer.stats.tokens_naive == 12 + 11 + 9
     assert scorer.stats.n_prefix_groups == 2  # the prompt node and the [3, 4] node
-    assert scorer.stats.reuse_ratio == pytest.approx(32 / 11)
 
 
 def test_edges_of_different_parents_and_depths_share_one_forward(backend):

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.parts import list_parts
-
-from .warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 runner = CliRunner()
 

@@ -25,7 +25,7 @@ from cleaner.report.tables import (
     stats_frame,
     stats_table,
 )
-from tests.warehouse.factories import make_eval_run
+from tests.factories import make_eval_run
 
 # ---------------------------------------------------------------------------------------------
 # The formatters

@@ -19,7 +19,7 @@ from cleaner.engine.model.sglang_engine import (
     import_sglang,
 )
 from cleaner.errors import CleanerError
-from tests.engine.model.test_trie_scorer import assert_rows_close
+from tests.helpers import assert_rows_close
 
 no_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
 

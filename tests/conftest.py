@@ -33,6 +33,21 @@ def tiny_qwen3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A random tiny Qwen3 of vocabulary factories.VOCAB for the training tests, one per module
+    (they train from it and write elsewhere); torch on one thread."""
+    import torch
+
+    from tests.factories import VOCAB
+    from tests.helpers import tiny_qwen3
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("policy") / "policy"
+    tiny_qwen3(seed=0, vocab_size=VOCAB).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def random_policy(tmp_path_factory):
     """A random-weight tiny Qwen3 with the real tiny-policy tokenizer, saved as an HF directory.

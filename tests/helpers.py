@@ -1,15 +1,23 @@
-"""Helpers shared by test files (fixtures that use them live in conftest.py)."""
+"""Helpers shared by the test modules: a tiny model, processes, assertions, a stand-in SGLang server,
+TensorBoard's reader. Builders of rows and chains live in factories.py, fixtures in conftest.py."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.factories import lp
 
 
 def tiny_qwen3(seed: int = 0, vocab_size: int = 64, num_hidden_layers: int = 2, **overrides):
@@ -63,3 +71,130 @@ def tree_digest(root) -> str:
         with open(root, "rb") as handle:
             digest.update(b"file:%d:" % os.stat(root).st_mtime_ns + handle.read())
     return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Assertions
+
+
+def assert_rendered(rendered, *pieces: tuple[tuple[int, ...], bool]) -> None:
+    """A rendering of tests/factories.py's chains is the spans `pieces`, each (token ids, trained),
+    in order: its tokens, its loss mask, and the behaviour log-prob -id / 1000 of each trained token."""
+    assert rendered.token_ids == tuple(i for piece, _ in pieces for i in piece)
+    assert rendered.loss_mask == tuple(int(trained) for piece, trained in pieces for _ in piece)
+    assert rendered.behavior_logprobs == pytest.approx(
+        tuple(lp(i) if trained else 0.0 for piece, trained in pieces for i in piece))
+
+
+def assert_rows_close(got: list[list[float]], expected: list[list[float]], atol: float = 1e-4) -> None:
+    """Scored rows equal, row by row, within `atol`, and none NaN."""
+    assert [len(row) for row in got] == [len(row) for row in expected]
+    for row_got, row_expected in zip(got, expected, strict=True):
+        assert not any(math.isnan(x) for x in row_got)
+        assert row_got == pytest.approx(row_expected, abs=atol)
+
+
+# ----------------------------------------------------------------------------------------------
+# A stand-in SGLang server or router over HTTP (sglang_server and run loop tests)
+
+
+class StandIn:
+    """One stand-in server: its model emits last + 1 (mod 64), log-prob -0.5 per token; an input
+    token t scores -t / 10. `workers` makes it a router listing those URLs."""
+
+    def __init__(self, model_path: str, workers: list[str] | None = None, delay_s: float = 0.0) -> None:
+        self.model_path, self.workers, self.delay_s = model_path, workers, delay_s
+        self.requests: list[tuple[str, dict | None]] = []
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Lock()
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def generate(self, body: dict) -> tuple[int, object]:
+        ids, params, start = body["input_ids"], body["sampling_params"], body["logprob_start_len"]
+        if not isinstance(ids[0], int) or not isinstance(params, dict):
+            return 400, {"error": {"message": "the stand-in takes single requests"}}
+        if start >= len(ids):
+            return 400, {"error": {"message": f"logprob_start_len, ({start}) is higher than the number of input tokens"}}
+        output, finish = [], {"type": "length", "length": params["max_new_tokens"]}
+        while len(output) < params["max_new_tokens"]:
+            output.append((output[-1] if output else ids[-1]) + 1 & 63)
+            if output[-1] in params.get("stop_token_ids", []):
+                finish = {"type": "stop", "matched": output[-1]}
+                break
+        inputs = [[None if j == 0 else -t / 10, t, None] for j, t in enumerate(ids[start:])]
+        meta = {"id": "x", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(output),
+                "cached_tokens": 0, "input_token_logprobs": inputs,
+                "output_token_logprobs": [[-0.5, t, None] for t in output]}
+        return 200, {"text": "", "output_ids": output, "meta_info": meta}
+
+    def answer(self, method: str, path: str, body: dict | None) -> tuple[int, object]:
+        self.requests.append((path, body))
+        if path == "/generate" and method == "POST":
+            return self.generate(body)
+        if path == "/workers" and self.workers is not None:
+            return 200, {"workers": [{"id": str(i), "url": u} for i, u in enumerate(self.workers)],
+                         "total": len(self.workers), "stats": {}}
+        if path == "/get_model_info" and self.workers is None:
+            return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        if path == "/update_weights_from_disk" and self.workers is None:
+            if "missing" in body["model_path"]:
+                return 400, {"success": False, "message": "no such checkpoint", "num_paused_requests": 0}
+            self.model_path = body["model_path"]
+            return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        return 404, {"detail": "Not Found"}
+
+    def _handler(self):
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                with stand_in.lock:
+                    stand_in.in_flight += 1
+                    stand_in.most_in_flight = max(stand_in.most_in_flight, stand_in.in_flight)
+                time.sleep(stand_in.delay_s)
+                status, payload = stand_in.answer(method, self.path, body)
+                with stand_in.lock:
+                    stand_in.in_flight -= 1
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply("GET")
+
+            def do_POST(self):
+                self._reply("POST")
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def paths(self, path: str) -> list[dict | None]:
+        return [body for p, body in self.requests if p == path]
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorBoard's event files (tracking, eval and run loop tests)
+
+
+def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard logged under `log_dir`: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,  # the dev extra
+    )
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.parts import list_parts
-
-from .warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 runner = CliRunner()
 
@@ -146,7 +145,7 @@ def test_show_lists_purified_configs_and_advantage(tmp_path):
     assert "purified rows of this rollout (iteration 0)" in out
     line = next(line for line in out.splitlines() if "cfg0123abcd" in line)
     assert [cell.strip() for cell in line.strip("│ ").split("│")] == [
-        "cfg0123abcd", "0.7", "0.5", "call", "positive", "replace", "True", "1", "0", "0", "5", "1", "+0.7071"]
+        "cfg0123abcd", "0.7", "0.5", "call", "positive", "replace", "True", "1", "0", "0", "5", "1.000", "+0.707"]
 
 
 def test_show_edit_mask_marks_what_is_kept_untrained(tmp_path):

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY
 from cleaner.warehouse import Warehouse
-from tests.warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 runner = CliRunner()
 

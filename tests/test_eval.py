@@ -22,7 +22,7 @@ from cleaner.engine.eval.job import eval_job
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
-from tests.report.test_tracking import scalars
+from tests.helpers import scalars
 
 runner = CliRunner()
 

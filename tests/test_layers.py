@@ -129,9 +129,11 @@ def test_only_a_stages_job_imports_the_warehouse():
 
 
 def test_the_loop_imports_no_reader_and_nothing_but_the_cli_imports_it():
+    """(The package's front, cleaner/__init__.py, names run_loop too, resolved on first use.)"""
     assert _breaking(("cleaner.loop",), BASE + ("cleaner.engine", "cleaner.sandbox", "cleaner.warehouse",
                                                 "cleaner.report.tracking", "cleaner.loop")) == []
-    users = [f"{module} -> {imported}" for module in MODULES if not _within(module, ("cleaner.loop", "cleaner.cli"))
+    users = [f"{module} -> {imported}" for module in MODULES
+             if module != "cleaner" and not _within(module, ("cleaner.loop", "cleaner.cli"))
              for imported in _cleaner_imports(module) if _within(imported, ("cleaner.loop",))]
     assert users == []
 
@@ -228,3 +230,52 @@ def test_the_architecture_names_every_module():
     documented = {name for name in _documented_layout() if name.endswith(".py")}
     assert sorted(modules - documented) == []
     assert sorted(documented - modules) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests' own layout (STYLE.md rule 16)
+
+TESTS = PACKAGE.parent / "tests"
+# the support modules: the builders (factories.py), helpers.py, sglang_cpu.py; conftest.py's fixtures
+# reach the tests through pytest, never an import
+SUPPORT = {f"tests.{path.stem}" for path in TESTS.glob("*.py")
+           if not path.stem.startswith("test_") and path.stem not in ("conftest", "__init__")}
+
+
+def _test_imports(path: Path) -> list[str]:
+    """Every module of the tests `path` imports (`from tests import x` names tests.x), and
+    `relative import` for each relative one."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.append("relative import")
+        elif isinstance(node, ast.ImportFrom) and node.module == "tests":
+            found += [f"tests.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return [name for name in found if name == "relative import" or name.split(".")[0] == "tests"]
+
+
+def test_no_test_module_imports_another():
+    """A test module imports, of the tests, only the support modules at the top of tests/: a builder
+    two test files share lives in factories.py, a fixture in conftest.py."""
+    breaking = sorted(f"{path.relative_to(TESTS)} -> {imported}" for path in TESTS.rglob("*.py")
+                      for imported in _test_imports(path) if imported not in SUPPORT)
+    assert breaking == []
+
+
+def test_support_modules_sit_at_the_top_of_the_tests():
+    """Below tests/, every module is a test module (or a package's __init__.py, or a conftest.py)."""
+    deeper = sorted(str(path.relative_to(TESTS)) for path in TESTS.rglob("*.py") if path.parent != TESTS
+                    and not path.stem.startswith("test_") and path.stem not in ("conftest", "__init__"))
+    assert deeper == []
+
+
+def test_every_test_folder_is_a_package():
+    """With an __init__.py in every folder each test module has one dotted name (tests.engine.saar.
+    test_walk), never a bare basename that a second file of the same name would collide with."""
+    folders = {path.parent for path in TESTS.rglob("*.py")}
+    assert sorted(str(folder.relative_to(TESTS.parent)) for folder in folders
+                  if not (folder / "__init__.py").exists()) == []

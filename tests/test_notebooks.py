@@ -1,7 +1,7 @@
 """The notebooks, executed top to bottom with nbclient so they never rot.
 
 On a small hand-made warehouse their tables are checked against values counted by hand from
-tests/warehouse/factories.py: every rollout there makes two calls (step 0: attempt 0 fails with
+tests/factories.py: every rollout there makes two calls (step 0: attempt 0 fails with
 NameError on `pirnt(1)`, attempt 1 succeeds with `print(1)`) and then answers. On a collected run
 (the `small_run` fixture) they must run, and agree with what the run stored.
 """
@@ -20,7 +20,7 @@ from nbclient.exceptions import CellExecutionError
 
 from cleaner.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse
-from tests.warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

@@ -82,8 +82,20 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from cleaner import __version__
+
+        typer.echo(f"cleaner {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the installed version and exit.")] = False,
+):
     """CLEANER: self-purified trajectories for agentic RL (arXiv 2601.15141)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

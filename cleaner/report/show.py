@@ -36,7 +36,7 @@ from cleaner.records import (
     enum_value,
 )
 from cleaner.report.inspection import ConfigOutcome, Decoder, Inspection
-from cleaner.report.tables import cell, visible
+from cleaner.report.tables import cell, number, setting, signed, visible
 
 STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus.TIMEOUT: "bold magenta",
                 ToolStatus.FORMAT_ERROR: "bold yellow", ToolStatus.INFRA_ERROR: "bold blue"}
@@ -253,10 +253,6 @@ def purified_panel(
 # Purified rows of this rollout in the warehouse
 
 
-def _number(value: float | None) -> str:
-    return "" if value is None else f"{value:.6g}"  # float32 columns: 0.699999988 -> 0.7
-
-
 def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Text:
     """The stored purify configs of the iteration and this rollout's advantage under each."""
     if not configs:
@@ -267,9 +263,10 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
                  "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
         table.add_column(name, justify="left" if name in ("config_id", "similarity_on", "purify_when", "edit") else "right")
     for c in configs:
-        table.add_row(c.config_id, _number(c.gamma), _number(c.rollback_prob), cell(c.similarity_on),
-                      cell(c.purify_when), cell(c.edit), str(c.rolled_back), str(c.n_shallow), str(c.n_deep),
-                      str(c.n_unrecovered), str(c.tokens_removed), f"{c.reward:g}", f"{c.advantage:+.4f}")
+        table.add_row(c.config_id, setting(c.gamma), setting(c.rollback_prob), cell(c.similarity_on),
+                      cell(c.purify_when), cell(c.edit), setting(c.rolled_back), setting(c.n_shallow),
+                      setting(c.n_deep), setting(c.n_unrecovered), setting(c.tokens_removed), number(c.reward),
+                      signed(c.advantage))
     return table
 
 

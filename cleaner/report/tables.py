@@ -4,6 +4,10 @@ evaluations (`cleaner eval`, also as JSON) and the iterations (`cleaner run`, `c
 figures are `cleaner report`'s).
 
 Design decisions:
+- Every table prints a number through one of the few formatters below, one per kind of number, so
+  a rate reads the same in every table: a share (accuracy, an error rate, pass@k) is a percentage
+  with one decimal, a mean or a ratio has three decimals, an advantage its sign, a duration one
+  decimal, and a missing value (None, or NaN: a rate whose denominator is empty) is "-" everywhere.
 - A query result's cells are plain text (brackets are not rich markup), with newlines and control
   characters escaped (`visible`): a model's output may hold any of them, and a terminal would obey
   them. Long cells and token lists are abbreviated.
@@ -36,6 +40,46 @@ from cleaner.engine.saar.premise import PremiseStats
 from cleaner.records import EvalRunRow, IterationRow
 
 MAX_CELL_CHARS = 80
+
+# ---------------------------------------------------------------------------------------------
+# Numbers: one formatter per kind, used by every table (show.py's too)
+
+MISSING = "-"  # None, or NaN: a rate whose denominator is empty, an empty class, an unknown
+
+
+def missing(value: object) -> bool:
+    """Whether `value` is absent: None, or a float NaN (a rate the warehouse could not compute)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def rate(value: float | None) -> str:
+    """A share in [0, 1] (accuracy, an error rate, pass@k) as a percentage: 0.66667 -> 66.7%."""
+    return MISSING if missing(value) else f"{value:.1%}"
+
+
+def number(value: float | None) -> str:
+    """A mean or a ratio (reward, failed calls per rollout, a latency ratio): 1.3125 -> 1.312."""
+    return MISSING if missing(value) else f"{value:.3f}"
+
+
+def signed(value: float | None) -> str:
+    """An advantage, whose sign is the point: 0.3481 -> +0.348."""
+    return MISSING if missing(value) else f"{value:+.3f}"
+
+
+def seconds(value: float | None) -> str:
+    """A duration in seconds: 19.24 -> 19.2."""
+    return MISSING if missing(value) else f"{value:.1f}"
+
+
+def setting(value: object) -> str:
+    """A config's parameter or a count as set: a float to 6 significant digits (a float32 column's
+    0.699999988 -> 0.7), anything else as text (an enum its value, an int its digits)."""
+    if missing(value):
+        return MISSING
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Query results (`cleaner sql`)
 
@@ -57,7 +101,7 @@ def cell(value: object) -> Text:
         inner = ", ".join(str(v) for v in value[:8])
         text = f"[{inner}{', ...' if len(value) > 8 else ''}] ({len(value)})"
     else:
-        text = "" if value is None else str(value)
+        text = MISSING if missing(value) else str(value)
     text = visible(text.replace("\n", "\\n"))
     return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
 
@@ -77,33 +121,27 @@ def result_table(table: pa.Table, title: str | None = None) -> Table:
 # A collection (`cleaner collect`)
 
 
-def _summary_rate(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.1%}"
-
-
 def summary_table(summary: CollectSummary) -> Table:
     """Two-column rich table of a summary."""
     table = Table(title="collect", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    number = "-" if math.isnan(summary.mean_reward) else f"{summary.mean_reward:.3f}"
-    per_rollout = summary.failed_calls_per_rollout
     rows = [
-        ("rollouts", str(summary.rollouts)),
-        ("accuracy", _summary_rate(summary.accuracy)),
-        ("mean reward", number),
-        ("tool calls", str(summary.tool_calls)),
-        ("failed calls", str(summary.failed_calls)),
-        ("failed calls / rollout", "-" if math.isnan(per_rollout) else f"{per_rollout:.2f}"),
-        ("well-formed calls", _summary_rate(summary.well_formed_call_rate)),
-        ("first-attempt error rate", _summary_rate(summary.first_attempt_error_rate)),
-        ("retries", str(summary.retries)),
-        ("chains with a failure", str(summary.chains_with_failure)),
-        ("recovered chains", str(summary.recovered_chains)),
-        ("recovery rate", _summary_rate(summary.recovery_rate)),
+        ("rollouts", setting(summary.rollouts)),
+        ("accuracy", rate(summary.accuracy)),
+        ("mean reward", number(summary.mean_reward)),
+        ("tool calls", setting(summary.tool_calls)),
+        ("failed calls", setting(summary.failed_calls)),
+        ("failed calls / rollout", number(summary.failed_calls_per_rollout)),
+        ("well-formed calls", rate(summary.well_formed_call_rate)),
+        ("first-attempt error rate", rate(summary.first_attempt_error_rate)),
+        ("retries", setting(summary.retries)),
+        ("chains with a failure", setting(summary.chains_with_failure)),
+        ("recovered chains", setting(summary.recovered_chains)),
+        ("recovery rate", rate(summary.recovery_rate)),
     ]
-    rows += [(f"failures: {name}", str(n)) for name, n in summary.failures_by_error_type]
-    rows += [(f"finish: {name}", str(n)) for name, n in summary.finish_reasons]
+    rows += [(f"failures: {name}", setting(n)) for name, n in summary.failures_by_error_type]
+    rows += [(f"finish: {name}", setting(n)) for name, n in summary.finish_reasons]
     for metric, value in rows:
         table.add_row(metric, value)
     return table
@@ -145,10 +183,6 @@ def stats_frame(results: Sequence) -> pl.DataFrame:
     return pl.DataFrame(records)
 
 
-def _stats_cell(value: object) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg", "edit")
 # Counters shown only when some config sets their parameter off its default (parameter, default).
 OPTIONAL = {"gated": ("tau", 0.0), "negatives": ("neg", False), "masked": ("edit", "replace")}
@@ -162,22 +196,18 @@ def stats_table(results: Sequence, title: str = "purify") -> Table:
     unused = [counter for counter, (parameter, default) in OPTIONAL.items() if (frame[parameter] == default).all()]
     unset = [OPTIONAL[counter][0] for counter in unused]  # their parameters are at the default everywhere
     constant = [name for name in PARAMETERS if name not in unset and frame[name].n_unique() == 1 and frame.height > 1]
-    facts = [f"{frame['rollouts'][0]} rollouts"] + [f"{name} {_stats_cell(frame[name][0])}" for name in constant]
+    facts = [f"{frame['rollouts'][0]} rollouts"] + [f"{name} {setting(frame[name][0])}" for name in constant]
     title += " (" + ", ".join(facts) + ")"
     frame = frame.drop([*constant, *unset, *unused, "rollouts"]).with_columns(pl.col("config_id").str.slice(0, 8))
     table = Table(title=title, header_style="bold")
     for name in frame.columns:
         table.add_column(name, justify="left" if frame[name].dtype == pl.String else "right", no_wrap=True)
     for record in frame.iter_rows():
-        table.add_row(*(_stats_cell(v) for v in record))
+        table.add_row(*(setting(v) for v in record))
     errors = results[0].stats.errors_by_type if results else ()
     if errors:
         table.caption = "failed calls in the input: " + ", ".join(f"{name} {count}" for name, count in errors)
     return table
-
-
-def _premise_rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
 
 
 def premise_table(premise: PremiseStats, title: str = "premise") -> Table:
@@ -189,15 +219,14 @@ def premise_table(premise: PremiseStats, title: str = "premise") -> Table:
         table.add_column(name, justify="left" if name == "rollouts" else "right")
     for name in ("clean", "recovered", "unrecovered"):
         stats = getattr(premise, name)
-        advantage = "-" if stats.mean_advantage is None else f"{stats.mean_advantage:+.3f}"
-        table.add_row(name, str(stats.rollouts), _premise_rate(stats.accuracy), advantage)
+        table.add_row(name, setting(stats.rollouts), rate(stats.accuracy), signed(stats.mean_advantage))
     ratio = premise.recovered_over_clean
     credit = premise.credit
     if credit.tokens:
         table.add_section()
-        table.add_row("failed-call tokens", str(credit.tokens), f"{credit.positive_share:.1%} in +adv",
-                      f"{credit.mean_advantage:+.3f}")
-    table.caption = ("recovered / clean accuracy " + ("-" if math.isnan(ratio) else f"{ratio:.2f}")
+        table.add_row("failed-call tokens", setting(credit.tokens), f"{rate(credit.positive_share)} in +adv",
+                      signed(credit.mean_advantage))
+    table.caption = ("recovered / clean accuracy " + number(ratio)
                      + ": near 1, failed calls do not predict a wrong answer and purifying removes noise "
                        "the reward cannot see; well below 1, the reward already punishes them")
     if credit.tokens:
@@ -229,7 +258,7 @@ def latency_ratios(rows: Sequence[EvalRunRow]) -> dict[str, float]:
 
 
 def _json_number(value: float) -> float | None:
-    return None if value is None or math.isnan(value) else value
+    return None if missing(value) else value
 
 
 def eval_records(rows: Sequence[EvalRunRow]) -> list[dict]:
@@ -263,10 +292,6 @@ def eval_scalars(row: EvalRunRow) -> tuple[str, dict[str, float]]:
     return section, {name: value for name, value in values.items() if not math.isnan(value)}
 
 
-def _eval_rate(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.3f}"
-
-
 def eval_table(rows: Sequence[EvalRunRow]) -> Table:
     """The rich table of the rows; pass@k columns for every k the first row has."""
     ratios = latency_ratios(rows)
@@ -278,12 +303,11 @@ def eval_table(rows: Sequence[EvalRunRow]) -> Table:
         table.add_column(name, justify="left" if name in ("model", "dataset") else "right")
     for row in rows:
         pass_at = dict(row.pass_at_k)
-        ratio = ratios.get(row.eval_id)
         table.add_row(
-            row.model, row.dataset, "on" if row.saar else "off", str(row.problems), f"{row.avg_at_n:.3f}",
-            *(f"{pass_at[k]:.3f}" if k in pass_at else "-" for k in ks), f"{row.maj_at_n:.3f}",
-            f"{row.tool_calls_per_trajectory:.2f}", f"{row.failures_per_trajectory:.3f}",
-            _eval_rate(row.first_call_error_rate), f"{row.seconds:.1f}", "-" if ratio is None else f"{ratio:.3f}",
+            row.model, row.dataset, "on" if row.saar else "off", setting(row.problems), rate(row.avg_at_n),
+            *(rate(pass_at.get(k)) for k in ks), rate(row.maj_at_n), number(row.tool_calls_per_trajectory),
+            number(row.failures_per_trajectory), rate(row.first_call_error_rate), seconds(row.seconds),
+            number(ratios.get(row.eval_id)),
         )
     if ratios:
         table.caption = ("latency x: seconds per generated rollout with SAAR over without, same model, "
@@ -296,15 +320,15 @@ def eval_table(rows: Sequence[EvalRunRow]) -> Table:
 
 
 ITERATION_COLUMNS = (
-    ("iteration", "iter", "{:d}"),
-    ("accuracy", "accuracy", "{:.3f}"),
-    ("first_attempt_error_rate", "1st-call err", "{:.3f}"),
-    ("failures_per_trajectory", "fail/traj", "{:.3f}"),
-    ("n_shallow", "shallow", "{:d}"),
-    ("n_deep", "deep", "{:d}"),
-    ("collect_s", "collect s", "{:.1f}"),
-    ("purify_s", "purify s", "{:.1f}"),
-    ("train_s", "train s", "{:.1f}"),
+    ("iteration", "iter", setting),
+    ("accuracy", "accuracy", rate),
+    ("first_attempt_error_rate", "1st-call err", rate),
+    ("failures_per_trajectory", "fail/traj", number),
+    ("n_shallow", "shallow", setting),
+    ("n_deep", "deep", setting),
+    ("collect_s", "collect s", seconds),
+    ("purify_s", "purify s", seconds),
+    ("train_s", "train s", seconds),
 )
 
 
@@ -321,5 +345,5 @@ def iteration_table(rows: Sequence[IterationRow], title: str = "cleaner run") ->
     for _, header, _ in ITERATION_COLUMNS:
         table.add_column(header, justify="right")
     for record in iterations_frame(rows).iter_rows(named=True):
-        table.add_row(*(fmt.format(record[name]) for name, _, fmt in ITERATION_COLUMNS))
+        table.add_row(*(formatter(record[name]) for name, _, formatter in ITERATION_COLUMNS))
     return table

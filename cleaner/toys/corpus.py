@@ -34,7 +34,6 @@ while the sandbox would need ~15 min of forks for a 40k corpus; pass `executor` 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,13 +77,6 @@ class CorpusExample:
     tool_texts: tuple[str, ...]  # tool segment texts; tool_texts[i] follows assistant_texts[i]
     failed_code: str | None  # the failing first call's code (None when failure == none)
     fixed_code: str  # the code of the successful call
-
-    @property
-    def code_ratio(self) -> float | None:
-        """difflib ratio between the failed and the fixed code (None without a failure)."""
-        if self.failed_code is None:
-            return None
-        return difflib.SequenceMatcher(None, self.failed_code, self.fixed_code).ratio()
 
 
 # ---------------------------------------------------------------------------------------------

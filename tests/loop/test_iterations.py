@@ -103,7 +103,7 @@ def test_several_ranks_train_with_deepspeed_each_on_its_own_gpu_and_rank_0_alone
 
 
 def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each_checkpoint(tmp_path, random_policy):
-    from tests.engine.model.test_sglang_server import StandIn
+    from tests.helpers import StandIn
 
     server = StandIn(str(random_policy))  # stands in for SGLang: /generate, /update_weights_from_disk
     try:
@@ -233,7 +233,7 @@ def test_run_logs_to_tensorboard_and_a_resumed_run_logs_only_its_new_iterations(
     from typer.testing import CliRunner
 
     from cleaner.cli import app
-    from tests.report.test_tracking import scalars
+    from tests.helpers import scalars
 
     def run(iterations: int, *more: str):
         return CliRunner().invoke(app, [

@@ -14,8 +14,8 @@ from cleaner.cli import app
 from cleaner.report.figures import HEIGHT_PX, WIDTH_PX, eval_series
 from cleaner.report.job import report_job
 from cleaner.warehouse import Warehouse, queries
+from tests.factories import make_eval_run, make_rollout, make_segments
 from tests.helpers import tree_digest
-from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
 
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ from cleaner.report.inspection import ConfigOutcome, Decoder, load_decoder, load
 from cleaner.report.show import purified_texts, raw_panel, show_rollout
 from cleaner.report.tables import visible
 from cleaner.warehouse import Warehouse
-from tests.warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 # ----------------------------------------------------------------------------------------------
 # Builders

@@ -23,6 +23,7 @@ from cleaner.report.tracking import (
     wandb_mode,
 )
 from cleaner.warehouse import Warehouse
+from tests.helpers import scalars
 
 ROW = IterationRow(3, "in", "out", "{}", "{}", "{}", 1.5, 0.5, 2.0, 0.75, math.nan, 0.25, 4, 1,
                    datetime(2026, 1, 1), clean_rollouts=6, clean_accuracy=0.5, recovered_rollouts=2,
@@ -69,14 +70,6 @@ def test_open_loggers_builds_what_is_asked(tmp_path):
     with pytest.raises(LoggingError, match="--log-to takes tensorboard or wandb, got 'mlflow'"):
         open_loggers(["mlflow"], tmp_path, name="x")
     assert not (tmp_path / "tensorboard").exists()  # lazy: nothing written before the first metric
-
-
-def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_a_run_logs_its_iterations_and_optimiser_steps_to_tensorboard(small_run):

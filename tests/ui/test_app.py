@@ -1,6 +1,6 @@
 """`cleaner ui` without a browser: Starlette's TestClient against a hand-made warehouse.
 
-The warehouse (tests/warehouse/factories.py): iteration 0 holds r0 (reward 1) and r1 (reward 0),
+The warehouse (tests/factories.py): iteration 0 holds r0 (reward 1) and r1 (reward 0),
 each a NameError on `pirnt(1)` fixed by `print(1)` at step 0, then an answer; iteration 1 holds r2,
 whose first call times out and is never retried (unrecovered), and r3, clean. r0 and r1 are
 purified under a config at gamma 0.5 (a shallow merge, 5 tokens removed) and under a masked row
@@ -32,7 +32,7 @@ from cleaner.ui.server import UiConfig, UiError, check_host, is_loopback
 from cleaner.warehouse import Warehouse, WarehouseError
 from cleaner.warehouse.browse import Browser, RolloutFilter
 from cleaner.warehouse.readonly import QueryRefused, check_select
-from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
+from tests.factories import make_eval_run, make_rollout, make_segments
 
 SHALLOW = PurifyConfigRow("cfg-shallow", 0.5, 1.0, "code", "always", json.dumps({"gamma": 0.5}))
 MASKED = PurifyConfigRow("cfg-masked", 0.5, 1.0, "code", "always", json.dumps({"gamma": 0.5, "edit": "mask"}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -24,17 +25,66 @@ from cleaner.warehouse.compact import compact
 from cleaner.warehouse.manifest import MANIFEST_DIR
 from cleaner.warehouse.parts import list_parts
 from cleaner.warehouse.schema import DATASETS
-
-from .factories import (
-    flip_in_place,
-    make_eval_run,
-    make_rollout,
-    make_segments,
-    pages_region,
-    silent_flip,
-)
+from tests.factories import make_eval_run, make_rollout, make_segments
 
 runner = CliRunner()
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte surgery on a Parquet part
+
+
+def column_chunk(path: Path, column: str) -> tuple[int, int]:
+    """The byte range [start, end) of a column's pages (headers and data) in row group 0 of a part."""
+    metadata = pq.ParquetFile(path).metadata.row_group(0)
+    for index in range(metadata.num_columns):
+        chunk = metadata.column(index)
+        if chunk.path_in_schema.split(".")[0] == column:
+            start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+            return start, start + chunk.total_compressed_size
+    raise KeyError(column)
+
+
+def pages_region(path: Path) -> tuple[int, int]:
+    """The byte range [start, end) of a part's pages (every column chunk of every row group): all of
+    the file but its leading magic and its footer."""
+    metadata = pq.ParquetFile(path).metadata
+    chunks = [metadata.row_group(g).column(c) for g in range(metadata.num_row_groups) for c in range(metadata.num_columns)]
+    starts = [c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in chunks]
+    return min(starts), max(start + c.total_compressed_size for start, c in zip(starts, chunks, strict=True))
+
+
+def flip_in_place(path: Path, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of `path` with `mask`, in place: same size, and its mtime put back."""
+    stat = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ mask]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def silent_flip(path: Path, column: str) -> int:
+    """An offset in `column`'s pages where a flipped byte decodes without error to other values when
+    the page checksums are not checked (what a reader without them serves)."""
+    content = path.read_bytes()
+    original = pq.read_table(pa.BufferReader(content))
+    start, end = column_chunk(path, column)
+    for offset in range(end - 1, start, -1):  # from the end: the values, not the page header
+        flipped = bytearray(content)
+        flipped[offset] ^= 0xFF
+        try:
+            table = pq.read_table(pa.BufferReader(bytes(flipped)), page_checksum_verification=False)
+        except (pa.ArrowException, OSError):
+            continue
+        if not table.equals(original):
+            return offset
+    raise AssertionError(f"no silent flip in {column} of {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums
 
 
 def _collected(tmp_path: Path) -> Warehouse:

@@ -13,8 +13,7 @@ from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse import compact as compact_module
 from cleaner.warehouse.compact import LOCK_NAME, compact
 from cleaner.warehouse.parts import MERGED_PREFIX, list_parts, write_part
-
-from .factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 CONFIG = PurifyConfigRow(config_id="abc", gamma=0.5, rollback_prob=1.0, similarity_on="code",
                          purify_when="always", params_json="{}")

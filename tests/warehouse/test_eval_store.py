@@ -7,8 +7,7 @@ import math
 
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.parts import write_part
-
-from .factories import make_eval_run, make_rollout, make_segments
+from tests.factories import make_eval_run, make_rollout, make_segments
 
 
 def test_eval_batches_commit_like_collection_and_stay_apart(tmp_path):

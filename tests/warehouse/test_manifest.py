@@ -14,8 +14,7 @@ from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse import manifest as manifest_module
 from cleaner.warehouse.manifest import MANIFEST_DIR, Manifest
 from cleaner.warehouse.parts import list_parts, write_part
-
-from .factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The report's queries on hand-made warehouses; expected values are counted from the rows written here
-and from tests/warehouse/factories.py (every rollout there fails one call with NameError, then fixes it)."""
+and from tests/factories.py (every rollout there fails one call with NameError, then fixes it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import datetime
 
 from cleaner.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
 from cleaner.warehouse import Warehouse, queries
-from tests.warehouse.factories import make_eval_run, make_rollout, make_segments
+from tests.factories import make_eval_run, make_rollout, make_segments
 
 
 def iteration_row(iteration: int, accuracy: float, created_at: datetime) -> IterationRow:

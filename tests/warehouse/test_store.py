@@ -17,8 +17,7 @@ import pytest
 from cleaner.records import PurifiedRow, PurifyConfigRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, read_part, write_part
-
-from .factories import make_purified, make_purify_config, make_rollout, make_segments
+from tests.factories import make_purified, make_purify_config, make_rollout, make_segments
 
 
 def _fill(tmp_path: Path) -> Warehouse:

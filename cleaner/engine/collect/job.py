@@ -1,6 +1,6 @@
 """The collect job: one iteration's rollouts into the warehouse (docs/architecture.md §5).
 
-A job loads its inputs from the warehouse, calls the stage (the agent loop, loop.py), and writes the
+A job loads its inputs from the warehouse, calls the stage (the agent loop: agent.py), writes the
 outputs back, together with the resolved config as JSON. The CLI calls exactly one job per command,
 and `cleaner run` (cleaner/loop/) chains the stages' jobs in each process of a run so the model is
 loaded once per device and handed from stage to stage.
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 
 from cleaner.config import UNSHARDED, CollectConfig, Shard
+from cleaner.engine.collect.agent import collect, rollout_key
 from cleaner.engine.collect.datasets import load_dataset
-from cleaner.engine.collect.loop import collect, rollout_key
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.grading.programs import grader_for

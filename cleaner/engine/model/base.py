@@ -73,12 +73,6 @@ class ScorerStats:
     # the engine computes if its prefix cache still holds every path sent before
     tokens_computed: int | None = None
 
-    @property
-    def reuse_ratio(self) -> float:
-        """tokens_naive / the tokens computed (1.0 = no sharing)."""
-        computed = self.tokens_forwarded if self.tokens_computed is None else self.tokens_computed
-        return self.tokens_naive / max(computed, 1)
-
 
 class RowScorer(Protocol):
     """Scores many token rows that share prefixes; purify's only view of a model."""

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from cleaner.config import Edit, PurifyConfig, PurifyWhen
+from cleaner.engine.model.base import RowScorer
 from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.saar.gate import ScoreCache
@@ -56,7 +56,7 @@ from cleaner.engine.saar.premise import (
     failed_call_tokens,
     premise_stats,
 )
-from cleaner.engine.saar.walk import RAW, NegativeSample, Rendered, render, view_for
+from cleaner.engine.saar.walk import RAW, Decode, NegativeSample, Rendered, render, view_for
 from cleaner.records import (
     CollectView,
     FinishReason,
@@ -69,20 +69,8 @@ from cleaner.records import (
 
 logger = logging.getLogger(__name__)
 
-Decode = Callable[[Sequence[int]], str]
-
 # ----------------------------------------------------------------------------------------------
 # Records
-
-
-class RowScorer(Protocol):
-    """Anything that scores token sequences, e.g. the prefix-trie scorer."""
-
-    def score_rows(
-        self, sequences: Sequence[Sequence[int]], starts: Sequence[int]
-    ) -> list[list[float]]:
-        """For each sequence s and start P: [log pi(s[t] | s[:t]) for t in range(P, len(s))]."""
-        ...
 
 
 @dataclass(frozen=True)

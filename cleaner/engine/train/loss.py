@@ -30,14 +30,6 @@ import torch.nn.functional as F
 # Elementary pieces
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `values` where `mask` is 1; 0 where the mask is empty (never NaN)."""
-    mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1.0)
-    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
 def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log pi(token_ids[:, t] | token_ids[:, :t]) from the model's logits on token_ids.
 

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY, CollectConfig
+from cleaner.engine.collect.agent import turn_seed
 from cleaner.engine.collect.job import collect_job
-from cleaner.engine.collect.loop import turn_seed
 from cleaner.engine.model.base import LENGTH, STOP, Generation
 from cleaner.engine.model.chat import format_call
 from cleaner.sandbox import SandboxConfig

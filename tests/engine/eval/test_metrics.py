@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from cleaner.engine.eval.metrics import eval_metrics, k_values, majority_correct, pass_at_k
-from tests.warehouse.factories import make_rollout, make_segments
+from tests.factories import make_rollout, make_segments
 
 
 @pytest.mark.parametrize(("n", "c", "k", "expected"), [

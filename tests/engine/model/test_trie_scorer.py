@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -14,8 +13,8 @@ from transformers import Qwen3ForCausalLM
 from cleaner.engine.model.radix import build_radix_tree, tokens_to_forward
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
-
-PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
+from tests.factories import SCORED_PROMPT, SCORING_CASES
+from tests.helpers import assert_rows_close
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,6 @@ def unpadded_reference(model, seq: list[int], start: int) -> list[float]:
         logits = model(input_ids=torch.tensor([seq])).logits[0].float()  # (T, V)
     logprobs = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
     return logprobs[start - 1 :].tolist()
-
-
-def assert_rows_close(got: list[list[float]], expected: list[list[float]], atol: float = 1e-4) -> None:
-    assert [len(row) for row in got] == [len(row) for row in expected]
-    for row_got, row_expected in zip(got, expected, strict=True):
-        assert not any(math.isnan(x) for x in row_got)
-        assert row_got == pytest.approx(row_expected, abs=atol)
 
 
 # ---------------------------------------------------------------------------- radix tree
@@ -62,23 +54,9 @@ def test_radix_tree_shares_prefixes_and_splits_long_edges():
 # ---------------------------------------------------------------------------- equivalence
 
 
-CASES = {
-    "shared prompt, different responses": (
-        [PROMPT + [3, 4, 5, 6], PROMPT + [10, 11], PROMPT + [20, 21, 22, 23, 24, 25]], [8, 8, 8]
-    ),
-    "identical up to a divergence": (
-        [PROMPT + [3, 4, 5, 6, 7, 8], PROMPT + [3, 4, 5, 30, 31], PROMPT + [3, 4, 50]], [8, 8, 8]
-    ),
-    "identical rows": ([PROMPT + [3, 4, 5]] * 3, [8, 8, 10]),
-    "one token after the prompt": ([PROMPT + [3], PROMPT + [4], PROMPT + [3, 9]], [8, 8, 8]),
-    "a row that is a prefix of another": ([PROMPT + [3, 4], PROMPT + [3, 4, 5, 6], PROMPT], [8, 9, 1]),
-    "no sharing, mixed lengths": ([[5, 6, 7], [8, 9], PROMPT + [1]], [1, 1, 4]),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(SCORING_CASES))
 def test_trie_equals_naive_full_forward(backend, case):
-    sequences, starts = CASES[case]
+    sequences, starts = SCORING_CASES[case]
     scorer = PrefixTrieScorer(backend.model, max_batch_tokens=64, max_edge_tokens=16)
     got = scorer.score_rows(sequences, starts)
     expected = [unpadded_reference(backend.model, s, p) for s, p in zip(sequences, starts, strict=True)]
@@ -87,7 +65,7 @@ def test_trie_equals_naive_full_forward(backend, case):
 
 
 def test_trie_forwards_each_distinct_position_once(backend):
-    sequences = [PROMPT + [3, 4, 5, 6], PROMPT + [3, 4, 7], PROMPT + [9]]
+    sequences = [SCORED_PROMPT + [3, 4, 5, 6], SCORED_PROMPT + [3, 4, 7], SCORED_PROMPT + [9]]
     scorer = PrefixTrieScorer(backend.model)
     scorer.score_rows(sequences, [8, 8, 8])
     # distinct positions: the 8-token prompt, then 3 and 4 shared, then 5, 6 | 7 | 9; a row's
@@ -95,16 +73,15 @@ def test_trie_forwards_each_distinct_position_once(backend):
     assert scorer.stats.tokens_forwarded == 8 + 2 + 1
     assert scorer.stats.tokens_naive == 12 + 11 + 9
     assert scorer.stats.n_prefix_groups == 2  # the prompt node and the [3, 4] node
-    assert scorer.stats.reuse_ratio == pytest.approx(32 / 11)
 
 
 def test_edges_of_different_parents_and_depths_share_one_forward(backend):
-    # root -> PROMPT -> {[3..7] -> {a, b}, [9] -> {c, d}}: the four leaves hang at depths 13 and 9
-    sequences = [PROMPT + [3, 4, 5, 6, 7, 20, 21], PROMPT + [3, 4, 5, 6, 7, 22, 23],
-                 PROMPT + [9, 24, 25, 26], PROMPT + [9, 27, 28]]
+    # root -> SCORED_PROMPT -> {[3..7] -> {a, b}, [9] -> {c, d}}: the four leaves hang at depths 13 and 9
+    sequences = [SCORED_PROMPT + [3, 4, 5, 6, 7, 20, 21], SCORED_PROMPT + [3, 4, 5, 6, 7, 22, 23],
+                 SCORED_PROMPT + [9, 24, 25, 26], SCORED_PROMPT + [9, 27, 28]]
     scorer = PrefixTrieScorer(backend.model)
     got = scorer.score_rows(sequences, [8, 8, 8, 8])
-    assert scorer.stats.n_forwards == 3  # PROMPT; both inner edges; all four leaves at once
+    assert scorer.stats.n_forwards == 3  # SCORED_PROMPT; both inner edges; all four leaves at once
     expected = [unpadded_reference(backend.model, s, 8) for s in sequences]
     assert_rows_close(got, expected)
 
@@ -124,7 +101,7 @@ def test_tiny_budgets_chunk_and_chain_without_changing_results(backend):
 
 
 def test_bfloat16_is_close_to_float32(backend):
-    sequences, starts = CASES["identical up to a divergence"]
+    sequences, starts = SCORING_CASES["identical up to a divergence"]
     model = Qwen3ForCausalLM(backend.model.config).to(torch.bfloat16)
     model.load_state_dict(backend.model.state_dict())
     got = PrefixTrieScorer(model.eval()).score_rows(sequences, starts)
@@ -132,7 +109,7 @@ def test_bfloat16_is_close_to_float32(backend):
 
 
 def test_eager_attention_model_gives_the_same_rows(backend):
-    sequences, starts = CASES["identical up to a divergence"]
+    sequences, starts = SCORING_CASES["identical up to a divergence"]
     config = backend.model.config.__class__.from_dict(backend.model.config.to_dict())
     config._attn_implementation = "eager"
     model = Qwen3ForCausalLM(config)
@@ -144,19 +121,19 @@ def test_eager_attention_model_gives_the_same_rows(backend):
 
 def test_key_values_repeated_per_head_give_the_same_rows(backend):
     # the CUDA path: no enable_gqa, K/V repeated per query head (the tiny model has 4 heads, 2 K/V heads)
-    sequences, starts = CASES["identical up to a divergence"]
+    sequences, starts = SCORING_CASES["identical up to a divergence"]
     scorer = PrefixTrieScorer(backend.model, max_batch_tokens=64, max_edge_tokens=4)
     scorer.grouped_query = False
     assert_rows_close(scorer.score_rows(sequences, starts), backend.score(sequences, starts))
 
 
 def test_the_model_keeps_its_attention_after_scoring_and_after_a_failed_forward(backend):
-    sequences, starts = CASES["shared prompt, different responses"]
+    sequences, starts = SCORING_CASES["shared prompt, different responses"]
     before = backend.score(sequences, starts)
     scorer = PrefixTrieScorer(backend.model)
     scorer.score_rows(sequences, starts)
     with pytest.raises(IndexError):  # a token outside the vocabulary fails inside the forward
-        scorer.score_rows([PROMPT + [10**6, 3]], [8])
+        scorer.score_rows([SCORED_PROMPT + [10**6, 3]], [8])
     assert backend.model.config._attn_implementation == "sdpa"
     assert_rows_close(backend.score(sequences, starts), before, atol=0.0)
 
@@ -169,11 +146,11 @@ def test_sliding_window_layers_work_inside_the_window_and_refuse_beyond_it(backe
     model.load_state_dict(backend.model.state_dict())
     model.eval()
     assert model.model.layers[0].self_attn.sliding_window == 12
-    short = [PROMPT + [3, 4, 5], PROMPT + [3, 9]]  # at most 11 tokens: attention is plain causal
+    short = [SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [3, 9]]  # at most 11 tokens: attention is plain causal
     got = PrefixTrieScorer(model, max_batch_tokens=64, max_edge_tokens=4).score_rows(short, [8, 8])
     assert_rows_close(got, [unpadded_reference(model, s, 8) for s in short])
     with pytest.raises(NotImplementedError, match="sliding window of 12"):
-        PrefixTrieScorer(model).score_rows([PROMPT + list(range(3, 13))], [8])
+        PrefixTrieScorer(model).score_rows([SCORED_PROMPT + list(range(3, 13))], [8])
     assert model.config._attn_implementation == "sdpa"
 
 

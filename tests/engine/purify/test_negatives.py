@@ -12,7 +12,7 @@ from cleaner.config import DpoCap, PurifyConfig, TrainConfig
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.purify.pipeline import purify_iteration
 from cleaner.engine.train.stages import prepare_rows
-from tests.engine.purify.test_pipeline import ROLLOUTS, SEGMENTS, FakeScorer
+from tests.factories import ROLLOUTS, SEGMENTS, FakeScorer
 
 
 def sigmoid(x: float) -> float:

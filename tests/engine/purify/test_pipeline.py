@@ -8,39 +8,10 @@ import pytest
 
 from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import purify_iteration, render_iteration
-from cleaner.records import Rollout, Segment, SegmentKind, ToolStatus
+from tests.factories import ROLLOUTS, SEGMENTS, FakeScorer
 
 # ----------------------------------------------------------------------------------------------
 # Four rollouts, each: prompt, a failed call, a similar successful retry, a final answer
-
-
-def rollout(index: int, group_id: str, reward: float, draw: float) -> Rollout:
-    return Rollout(f"r{index}", 3, group_id, group_id, index, "policy", "toy", "4", "4", reward,
-                   reward > 0, "answer", draw, "purified", "collect", 3, 2, 1)
-
-
-def segments(index: int, error_type: str | None = "NameError") -> list[Segment]:
-    b = 100 * index
-    rollout_id = f"r{index}"
-
-    def seg(seq, kind, step, attempt, ids, call_start=None, code=None, status=None, error=None):
-        lps = tuple(-i / 1000 for i in ids) if kind == SegmentKind.ASSISTANT else None
-        return Segment(rollout_id, 3, seq, kind, step, attempt, ids, lps, "", call_start, code,
-                       status, error)
-
-    return [
-        seg(0, SegmentKind.PROMPT, None, None, (b + 1, b + 2)),
-        seg(1, SegmentKind.ASSISTANT, 0, 0, (b + 10, b + 11, b + 12), 2, "print(1+1)"),
-        seg(2, SegmentKind.TOOL, 0, 0, (b + 13,), status=ToolStatus.ERROR if error_type else ToolStatus.TIMEOUT, error=error_type),
-        seg(3, SegmentKind.ASSISTANT, 0, 1, (b + 20, b + 21, b + 22), 1, "print(1+2)"),
-        seg(4, SegmentKind.TOOL, 0, 1, (b + 23,), status=ToolStatus.OK),
-        seg(5, SegmentKind.ASSISTANT, 1, 0, (b + 30,)),
-    ]
-
-
-ROLLOUTS = [rollout(1, "g1", 1.0, 0.1), rollout(2, "g1", 0.0, 0.6),
-            rollout(3, "g2", 1.0, 0.3), rollout(4, "g2", 1.0, 0.05)]
-SEGMENTS = segments(1) + segments(2, error_type=None) + segments(3) + segments(4)
 
 
 def raw(b):
@@ -53,17 +24,6 @@ def shallow(b):
 
 def deep(b):
     return (b + 1, b + 2, b + 20, b + 21, b + 22, b + 23, b + 30)
-
-
-class FakeScorer:
-    """log pi(token) = -0.01 * token id, whatever the context; records every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[tuple[int, ...]], list[int]]] = []
-
-    def score_rows(self, sequences, starts):
-        self.calls.append(([tuple(s) for s in sequences], list(starts)))
-        return [[-0.01 * token for token in s[start:]] for s, start in zip(sequences, starts, strict=True)]
 
 
 HALF = PurifyConfig(gamma=0.5, rollback_prob=0.5)

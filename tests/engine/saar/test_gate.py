@@ -1,6 +1,6 @@
 """The IS gate on hand-built chains (docs/architecture.md §4, saar/merge.py), then against a real forward.
 
-Behaviour log-probs are -id / 1000 (test_walk's convention). The oracle of old-policy log-probs
+Behaviour log-probs are -id / 1000 (tests/factories.py's chains). The oracle of old-policy log-probs
 is a table keyed by the merge's tokens R, and records every context it was asked about, so each
 decision can be computed by hand: log IS = oracle(R) - sum(-id / 1000 for id in R).
 """
@@ -14,38 +14,9 @@ import torch
 
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, Outcome, View, explain, render
-from cleaner.records import ToolStatus
-from tests.engine.saar.test_walk import assistant, check, lp, prompt, tool
+from tests.factories import SUMS, TableOracle, lp, two_chains
+from tests.helpers import assert_rendered
 
-
-def two_chains():
-    """Step 0: a shallow fix (R = the call 21 22); step 1: a deep fix (R = the turn 40 41 42)."""
-    return [
-        prompt(0, (1, 2)),
-        assistant(1, 0, 0, (10, 11), (12, 13), code="print(1+1)"),
-        tool(2, 0, 0, (14,), ToolStatus.ERROR),
-        assistant(3, 0, 1, (20,), (21, 22), code="print(1+2)"),  # ratio 0.9: shallow
-        tool(4, 0, 1, (23,), ToolStatus.OK),
-        assistant(5, 1, 0, (30,), (31, 32), code="import numpy"),
-        tool(6, 1, 0, (33,), ToolStatus.ERROR),
-        assistant(7, 1, 1, (40, 41), (42,), code="x=2; y=3"),  # unlike a_0: deep
-        tool(8, 1, 1, (43,), ToolStatus.OK),
-        assistant(9, 2, 0, (50, 51)),  # the answer
-    ]
-
-
-class TableOracle:
-    """log pi_old(R | context) from a table keyed by R; remembers the contexts it was asked for."""
-
-    def __init__(self, sums: dict[tuple[int, ...], float]) -> None:
-        self.sums, self.asked = sums, []
-
-    def logprob_sum(self, context, tokens):
-        self.asked.append((context, tokens))
-        return self.sums.get(tokens)
-
-
-SUMS = {(21, 22): -1.0, (40, 41, 42): -0.1}
 LOG_IS_0 = -1.0 - (lp(21) + lp(22))  # -0.957: IS 0.384
 LOG_IS_1 = -0.1 - (lp(40) + lp(41) + lp(42))  # +0.023: IS 1.023
 PURIFIED = View(purified=True, gamma=0.5)
@@ -59,7 +30,7 @@ def test_tau_zero_renders_exactly_the_purified_view():
     plain = render(two_chains(), PURIFIED)
     gate_off = render(two_chains(), gated(0.0), oracle=TableOracle({}))
     assert gate_off == plain
-    check(plain, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((40, 41, 42), True),
+    assert_rendered(plain, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((40, 41, 42), True),
           ((43,), False), ((50, 51), True))
 
 
@@ -75,7 +46,7 @@ def test_a_tau_above_every_is_renders_exactly_the_raw_view():
 def test_a_middle_tau_keeps_the_first_chain_raw_and_purifies_the_next():
     oracle = TableOracle(SUMS)
     rendered = render(two_chains(), gated(0.5), oracle=oracle)  # IS 0.384 < 0.5 <= 1.023
-    check(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False), ((20, 21, 22), True),
+    assert_rendered(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False), ((20, 21, 22), True),
           ((23,), False), ((40, 41, 42), True), ((43,), False), ((50, 51), True))
     assert (rendered.stats.n_gated, rendered.stats.n_shallow, rendered.stats.n_deep) == (1, 0, 1)
     # The contexts: the shallow merge after the prompt and a_0's reasoning; the deep one after

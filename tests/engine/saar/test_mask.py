@@ -3,7 +3,7 @@ the raw one with 0 on every assistant token the replace rendering drops, except 
 attempt whose call succeeded.
 
 Each expected mask is written out by hand from the chain's tokens (the builders and chains are
-test_walk's; behaviour log-probs are -id / 1000). For each case the test also checks the rule
+tests/factories.py's; behaviour log-probs are -id / 1000). For each case the test also checks the rule
 against the two renderings themselves: the zeroed positions are the raw assistant tokens absent
 from the replace row, less the successful attempt's.
 """
@@ -14,15 +14,17 @@ import pytest
 
 from cleaner.engine.saar.walk import RAW, KeptTokens, View, explain, render
 from cleaner.records import SegmentKind, ToolStatus
-from tests.engine.saar.test_gate import SUMS, TableOracle, two_chains
-from tests.engine.saar.test_walk import (
+from tests.factories import (
     DIFFERENT,
     SIMILAR,
+    SUMS,
+    TableOracle,
     answered_chain,
     exhausted_chain,
     lp,
     one_retry,
     three_attempts_chain,
+    two_chains,
 )
 
 REPLACE = View(purified=True, gamma=0.5)

@@ -10,11 +10,13 @@ from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.premise import ClassStats, RolloutClass, classify, premise_stats
 from cleaner.records import ToolStatus
-from tests.engine.purify.test_pipeline import ROLLOUTS, SEGMENTS, rollout
-from tests.engine.saar.test_walk import (
+from tests.factories import (
+    ROLLOUTS,
+    SEGMENTS,
     answered_chain,
     assistant,
     exhausted_chain,
+    iteration_rollout,
     prompt,
     three_attempts_chain,
     tool,
@@ -35,7 +37,7 @@ def test_classes_of_hand_built_rollouts():
 
 
 def test_statistics_per_class_against_hand_values():
-    rollouts = [rollout(i, "g", reward, 0.5) for i, reward in enumerate([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])]
+    rollouts = [iteration_rollout(i, "g", reward, 0.5) for i, reward in enumerate([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])]
     classes = [RolloutClass.CLEAN, RolloutClass.CLEAN, RolloutClass.CLEAN, RolloutClass.RECOVERED, None,
                RolloutClass.UNRECOVERED]
     advantages = [0.5, 0.5, -1.0, 0.5, 0.0, -1.0]
@@ -87,7 +89,7 @@ def credit_group():
         seg("r4", 2, "tool", 0, 0, (52,), status=error), seg("r4", 3, "assistant", 0, 1, (53, 54), 1),
         seg("r4", 4, "tool", 0, 1, (55,), status=infra), seg("r4", 5, "assistant", 1, 0, (56,)),
     ]
-    rollouts = [rollout(i, "g", reward, 0.5) for i, reward in enumerate([1.0, 1.0, 0.0, 0.0, 0.0])]
+    rollouts = [iteration_rollout(i, "g", reward, 0.5) for i, reward in enumerate([1.0, 1.0, 0.0, 0.0, 0.0])]
     return rollouts, segments
 
 

@@ -15,110 +15,28 @@ from hypothesis import strategies as st
 from cleaner.engine.model.chat import format_call
 from cleaner.engine.saar.walk import RAW, KeptTokens, MergeDecision, View, explain, render, view_for
 from cleaner.records import Segment, SegmentKind, ToolStatus
-
-# ----------------------------------------------------------------------------------------------
-# Builders
-
-
-def lp(token_id: int) -> float:
-    return -token_id / 1000
-
-
-def prompt(seq: int, ids: tuple[int, ...]) -> Segment:
-    return Segment("r", 0, seq, SegmentKind.PROMPT, None, None, ids, None, "")
-
-
-def assistant(seq, step, attempt, reasoning, call=(), code=None) -> Segment:
-    ids = tuple(reasoning) + tuple(call)
-    return Segment("r", 0, seq, SegmentKind.ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
-                   call_start=len(reasoning) if call else None, tool_code=code)
-
-
-def tool(seq, step, attempt, ids, status=ToolStatus.OK) -> Segment:
-    return Segment("r", 0, seq, SegmentKind.TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
-
-
-def expected(*pieces: tuple[tuple[int, ...], bool]):
-    """(token_ids, loss_mask, behaviour logprobs) of spans given as (ids, trained)."""
-    ids = tuple(i for piece, _ in pieces for i in piece)
-    mask = tuple(int(trained) for piece, trained in pieces for _ in piece)
-    lps = tuple(lp(i) if trained else 0.0 for piece, trained in pieces for i in piece)
-    return ids, mask, lps
-
-
-def check(rendered, *pieces) -> None:
-    ids, mask, lps = expected(*pieces)
-    assert rendered.token_ids == ids
-    assert rendered.loss_mask == mask
-    assert rendered.behavior_logprobs == pytest.approx(lps)
-
+from tests.factories import (
+    DIFFERENT,
+    SIMILAR,
+    answered_chain,
+    assistant,
+    exhausted_chain,
+    lp,
+    one_retry,
+    prompt,
+    three_attempts_chain,
+    tool,
+)
+from tests.helpers import assert_rendered
 
 PURIFIED = View(purified=True, gamma=0.5, similarity_on="code")
-SIMILAR = ("print(1+1)", "print(1+2)")  # ratio 0.9
-DIFFERENT = ("import numpy", "x=2; y=3")  # ratio < 0.5
 
-
-def one_retry(codes: tuple[str, str]) -> list[Segment]:
-    return [
-        prompt(0, (1, 2)),
-        assistant(1, 0, 0, (10, 11), (12, 13), code=codes[0]),
-        tool(2, 0, 0, (14,), ToolStatus.ERROR),
-        assistant(3, 0, 1, (20,), (21, 22), code=codes[1]),
-        tool(4, 0, 1, (23,), ToolStatus.OK),
-        assistant(5, 1, 0, (30, 31)),  # final answer
-    ]
-
-
-# ----------------------------------------------------------------------------------------------
-# Hand-written chains
-
-
-def three_attempts_chain() -> list[Segment]:
-    """a_0 fails; a_1, unlike a_0, fails; a_2, like a_1, succeeds; then a clean step."""
-    return [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ToolStatus.ERROR),
-        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
-        tool(4, 0, 1, (23,), ToolStatus.ERROR),
-        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
-        tool(6, 0, 2, (33,), ToolStatus.OK),
-        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
-        tool(8, 1, 0, (42,), ToolStatus.OK),
-    ]
-
-
-def exhausted_chain() -> list[Segment]:
-    """Step 0 fails twice (K = 1 exhausted); step 1 fails then recovers, after the exhaustion."""
-    return [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
-        tool(2, 0, 0, (12,), ToolStatus.ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
-        tool(4, 0, 1, (22,), ToolStatus.ERROR),  # K = 1 retries exhausted
-        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
-        tool(6, 1, 0, (32,), ToolStatus.ERROR),
-        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
-        tool(8, 1, 1, (42,), ToolStatus.OK),
-    ]
-
-
-def answered_chain() -> list[Segment]:
-    """Two failed calls, then a retry that answers instead of calling."""
-    return [
-        prompt(0, (1,)),
-        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
-        tool(2, 0, 0, (12,), ToolStatus.ERROR),
-        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
-        tool(4, 0, 1, (22,), ToolStatus.ERROR),
-        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
-    ]
 
 
 def test_raw_is_concatenation_in_seq_order():
     segments = one_retry(SIMILAR)
     rendered = render(list(reversed(segments)), RAW)
-    check(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False),
+    assert_rendered(rendered, ((1, 2), False), ((10, 11, 12, 13), True), ((14,), False),
           ((20, 21, 22), True), ((23,), False), ((30, 31), True))
     assert rendered.prompt_len == 2
     assert rendered.stats.tokens_removed == 0
@@ -126,14 +44,14 @@ def test_raw_is_concatenation_in_seq_order():
 
 def test_shallow_merge_keeps_reasoning_and_takes_new_call():
     rendered = render(one_retry(SIMILAR), PURIFIED)
-    check(rendered, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert_rendered(rendered, ((1, 2), False), ((10, 11, 21, 22), True), ((23,), False), ((30, 31), True))
     assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 0, 0)
     assert rendered.stats.tokens_removed == 13 - 9
 
 
 def test_deep_merge_replaces_whole_turn():
     rendered = render(one_retry(DIFFERENT), PURIFIED)
-    check(rendered, ((1, 2), False), ((20, 21, 22), True), ((23,), False), ((30, 31), True))
+    assert_rendered(rendered, ((1, 2), False), ((20, 21, 22), True), ((23,), False), ((30, 31), True))
     assert (rendered.stats.n_shallow, rendered.stats.n_deep) == (0, 1)
     assert rendered.stats.tokens_removed == 13 - 8
 
@@ -141,7 +59,7 @@ def test_deep_merge_replaces_whole_turn():
 def test_three_attempts_deep_then_shallow():
     segments = three_attempts_chain()
     rendered = render(segments, PURIFIED)
-    check(rendered, ((1,), False), ((20, 21, 31, 32), True), ((33,), False),
+    assert_rendered(rendered, ((1,), False), ((20, 21, 31, 32), True), ((33,), False),
           ((40, 41), True), ((42,), False))
     assert (rendered.stats.n_shallow, rendered.stats.n_deep, rendered.stats.n_unrecovered) == (1, 1, 0)
 
@@ -149,7 +67,7 @@ def test_three_attempts_deep_then_shallow():
 def test_exhausted_chain_renders_rest_raw():
     segments = exhausted_chain()
     rendered = render(segments, PURIFIED)
-    check(rendered, ((1,), False), ((10, 21), True), ((22,), False),
+    assert_rendered(rendered, ((1,), False), ((10, 21), True), ((22,), False),
           ((30, 31), True), ((32,), False), ((40, 41), True), ((42,), False))
     assert (rendered.stats.n_shallow, rendered.stats.n_unrecovered) == (1, 1)
     # In progress (the retry not generated yet) renders the same tokens as exhausted.
@@ -161,7 +79,7 @@ def test_exhausted_chain_renders_rest_raw():
 def test_retry_that_answers_keeps_last_error_then_rest_raw():
     segments = answered_chain()
     rendered = render(segments, PURIFIED)
-    check(rendered, ((1,), False), ((20, 21), True), ((22,), False), ((30, 31), True))
+    assert_rendered(rendered, ((1,), False), ((20, 21), True), ((22,), False), ((30, 31), True))
     assert (rendered.stats.n_deep, rendered.stats.n_unrecovered, rendered.stats.tokens_removed) == (1, 1, 3)
 
 

@@ -12,8 +12,8 @@ from cleaner.config import DEFAULT_POLICY
 from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 from cleaner.outputs import MARKER, OutputError, atomic_directory, check_replaceable
+from tests.factories import make_rollout, make_segments
 from tests.helpers import tiny_qwen3, tree_digest
-from tests.warehouse.factories import make_rollout, make_segments
 
 
 def _tiny_model(seed: int):

@@ -27,7 +27,7 @@ from cleaner.engine.train.optim import DEEPSPEED_STATE_DIR, DEEPSPEED_STATE_META
 from cleaner.engine.train.trainer import train_iteration
 from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse
-from tests.engine.train.test_trainer import VOCAB, _row, _with_old_logprobs
+from tests.factories import VOCAB, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3
 
 # deepspeed runs in the launched processes only; this one needs to know it is there
@@ -45,8 +45,8 @@ def _rows(model, iteration):
     for i in range(6):
         length, prompt_len = 6 + 2 * i, 3
         ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
-        rows.append(_row(f"r{i}", f"g{i // 2}", ids, prompt_len, float(i % 2), 1.0 - 2 * (i % 2)))
-    return [dataclasses.replace(row, iteration=iteration) for row in _with_old_logprobs(model, rows)]
+        rows.append(train_row(f"r{i}", f"g{i // 2}", ids, prompt_len, float(i % 2), 1.0 - 2 * (i % 2)))
+    return [dataclasses.replace(row, iteration=iteration) for row in with_old_logprobs(model, rows)]
 
 
 @pytest.fixture(scope="module")

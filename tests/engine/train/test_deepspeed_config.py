@@ -31,7 +31,7 @@ from cleaner.engine.train.optim import (
     OptimizerStateError,
 )
 from cleaner.engine.train.stages import chunks, collate_rows, loss_token_count, micro_batch_loss
-from tests.engine.train.test_trainer import _batch, _row, policy_dir  # noqa: F401 (fixture)
+from tests.factories import train_batch, train_row
 
 
 def _config(tmp_path, ds_config: dict, **train) -> TrainConfig:
@@ -104,7 +104,7 @@ def test_a_malformed_file_is_an_error_naming_it(tmp_path, text, message):
     assert str(path) in str(error.value)
 
 
-def test_the_cli_prints_one_error_line_before_training(tmp_path, policy_dir):  # noqa: F811
+def test_the_cli_prints_one_error_line_before_training(tmp_path, policy_dir):
     path = tmp_path / "ds.json"
     path.write_text('{"optimizer": {"type": "AdamW"}}')
     result = CliRunner().invoke(app, ["train", "--warehouse", str(tmp_path / "wh"), "--config-id", "c",
@@ -120,7 +120,7 @@ def test_the_cli_prints_one_error_line_before_training(tmp_path, policy_dir):  #
 
 
 def test_ranks_reach_the_accumulation_boundary_together():
-    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(5)]
+    rows = [train_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(5)]
 
     def plan(rank, world_size=2, accumulation=2):
         return [([r.rollout_id for r in micro], weight)
@@ -136,11 +136,11 @@ def _gradients(model) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_gradient(policy_dir, world_size):  # noqa: F811
+def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_gradient(policy_dir, world_size):
     """Each rank scales its share by world_size / (the mini batch's tokens); DeepSpeed's mean over
     ranks then equals the torch engine's gradient. With 3 ranks two of them pad with weight 0."""
     model = load_policy(policy_dir)
-    rows = _batch(model)  # 5 + 8 + 4 + 7 = 24 loss tokens
+    rows = train_batch(model)  # 5 + 8 + 4 + 7 = 24 loss tokens
     config = TrainConfig(mini_batch_size=4, micro_batch_size=1)
     total = sum(loss_token_count(row) for row in rows)
     model.zero_grad()

@@ -11,7 +11,6 @@ from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     entropy_from_logits,
     kl_penalty,
-    masked_mean,
     overlong_penalty,
     policy_loss,
     token_log_probs,
@@ -27,14 +26,6 @@ def _log(values):
 
 # ---------------------------------------------------------------------------
 # Elementary pieces
-
-
-def test_masked_mean_whole_and_per_row():
-    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
-    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 1]])
-    assert masked_mean(values, mask).item() == pytest.approx((1 + 3 + 40) / 3)
-    assert masked_mean(values, mask, dim=1).tolist() == pytest.approx([2.0, 40.0])
-    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
 
 
 def test_token_log_probs_are_aligned_with_the_predicted_token():

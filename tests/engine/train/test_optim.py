@@ -17,15 +17,15 @@ from cleaner.engine.train.optim import (
     new_optimization,
 )
 from cleaner.engine.train.trainer import train_iteration
-from tests.engine.train.test_trainer import _batch, policy_dir  # noqa: F401 (fixture)
+from tests.factories import train_batch
 
 CONFIG = TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=2)  # 2 steps per iteration
 
 
-def _two_iterations(policy_dir, out_dir, persistent: bool):  # noqa: F811
+def _two_iterations(policy_dir, out_dir, persistent: bool):
     """Train iteration 0 and 1 on the same rows; the optimiser lives on, or is made anew."""
     model = load_policy(policy_dir)
-    rows = _batch(model)
+    rows = train_batch(model)
     first = train_iteration(rows, policy_dir, out_dir / "it1", CONFIG, 0, model=model, progress=False)
     optimization = first.optimization if persistent else new_optimization(model, CONFIG)
     second = train_iteration(rows, out_dir / "it1", out_dir / "it2", CONFIG, 1, model=model,
@@ -33,7 +33,7 @@ def _two_iterations(policy_dir, out_dir, persistent: bool):  # noqa: F811
     return first, second
 
 
-def test_a_persistent_optimizer_trains_differently_from_a_fresh_one_per_iteration(policy_dir, tmp_path):  # noqa: F811
+def test_a_persistent_optimizer_trains_differently_from_a_fresh_one_per_iteration(policy_dir, tmp_path):
     _, kept = _two_iterations(policy_dir, tmp_path / "kept", persistent=True)
     _, fresh = _two_iterations(policy_dir, tmp_path / "fresh", persistent=False)
     assert [s.optimizer_step for s in kept.steps] == [2, 3]
@@ -45,11 +45,11 @@ def test_a_persistent_optimizer_trains_differently_from_a_fresh_one_per_iteratio
     assert kept.steps[0].loss == fresh.steps[0].loss and kept.steps[1].loss != fresh.steps[1].loss
 
 
-def test_the_checkpoint_resumes_the_run_exactly(policy_dir, tmp_path):  # noqa: F811
+def test_the_checkpoint_resumes_the_run_exactly(policy_dir, tmp_path):
     first, in_memory = _two_iterations(policy_dir, tmp_path / "a", persistent=True)
     # A new process: iteration 1 starts from the saved checkpoint and its saved optimiser.
     model = load_policy(first.out_path)
-    resumed = train_iteration(_batch(load_policy(policy_dir)), first.out_path, tmp_path / "b", CONFIG, 1,
+    resumed = train_iteration(train_batch(load_policy(policy_dir)), first.out_path, tmp_path / "b", CONFIG, 1,
                               model=model, progress=False)
     assert [s.optimizer_step for s in resumed.steps] == [2, 3]
     assert [s.loss for s in resumed.steps] == [s.loss for s in in_memory.steps]
@@ -57,9 +57,9 @@ def test_the_checkpoint_resumes_the_run_exactly(policy_dir, tmp_path):  # noqa: 
         assert torch.equal(p, q)
 
 
-def test_optimizer_state_survives_save_and_load_bit_for_bit(policy_dir, tmp_path):  # noqa: F811
+def test_optimizer_state_survives_save_and_load_bit_for_bit(policy_dir, tmp_path):
     model = load_policy(policy_dir)
-    result = train_iteration(_batch(model), policy_dir, tmp_path / "it1", CONFIG, 0, model=model,
+    result = train_iteration(train_batch(model), policy_dir, tmp_path / "it1", CONFIG, 0, model=model,
                              progress=False)
     assert (result.out_path / STATE_PATH).is_file()
     in_memory = result.optimization.state()
@@ -73,18 +73,18 @@ def test_optimizer_state_survives_save_and_load_bit_for_bit(policy_dir, tmp_path
             assert torch.equal(state[index][name], value), (index, name)
 
 
-def test_a_checkpoint_without_optimizer_state_starts_fresh_and_says_so(policy_dir, caplog):  # noqa: F811
+def test_a_checkpoint_without_optimizer_state_starts_fresh_and_says_so(policy_dir, caplog):
     with caplog.at_level(logging.INFO, logger="cleaner.engine.train.optim"):
         optimization = load_optimization(load_policy(policy_dir), CONFIG, policy_dir)
     assert optimization.step == 0 and not optimization.optimizer.state
     assert "starts fresh" in caplog.text
 
 
-def test_warmup_learning_rates_equal_hand_computed_values(policy_dir, tmp_path):  # noqa: F811
+def test_warmup_learning_rates_equal_hand_computed_values(policy_dir, tmp_path):
     # lr 0.01, warmup 3: steps 0, 1, 2 use 0, 0.01/3, 0.02/3; then 0.01. Two iterations of 2 steps.
     config = TrainConfig(lr=1e-2, warmup_steps=3, mini_batch_size=2, micro_batch_size=2)
     model = load_policy(policy_dir)
-    rows = _batch(model)
+    rows = train_batch(model)
     first = train_iteration(rows, policy_dir, tmp_path / "1", config, 0, model=model, progress=False)
     second = train_iteration(rows, tmp_path / "1", tmp_path / "2", config, 1, model=model,
                              progress=False, optimization=first.optimization)
@@ -94,7 +94,7 @@ def test_warmup_learning_rates_equal_hand_computed_values(policy_dir, tmp_path):
     assert [s.lr for s in steps] == pytest.approx([0.0, 0.01 / 3, 0.02 / 3, 0.01], abs=1e-12)
 
 
-def test_hyperparameters_come_from_the_config_and_the_position_from_the_checkpoint(policy_dir, tmp_path):  # noqa: F811
+def test_hyperparameters_come_from_the_config_and_the_position_from_the_checkpoint(policy_dir, tmp_path):
     first, _ = _two_iterations(policy_dir, tmp_path, persistent=True)
     other = TrainConfig(lr=5e-3, warmup_steps=4, weight_decay=0.1, mini_batch_size=2, micro_batch_size=2)
     loaded = load_optimization(load_policy(first.out_path), other, first.out_path)
@@ -102,7 +102,7 @@ def test_hyperparameters_come_from_the_config_and_the_position_from_the_checkpoi
     assert loaded.optimizer.param_groups[0]["weight_decay"] == 0.1
 
 
-def test_the_torch_engine_refuses_a_deepspeed_engines_optimizer_state(policy_dir, tmp_path):  # noqa: F811
+def test_the_torch_engine_refuses_a_deepspeed_engines_optimizer_state(policy_dir, tmp_path):
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((policy_dir / name).read_bytes())
     (tmp_path / DEEPSPEED_STATE_META).parent.mkdir()

@@ -10,7 +10,6 @@ import torch
 
 from cleaner.config import TrainConfig
 from cleaner.engine.model.loading import load_policy
-from cleaner.engine.train.loss import token_log_probs
 from cleaner.engine.train.stages import (
     collate_rows,
     iter_mini_batches,
@@ -18,71 +17,7 @@ from cleaner.engine.train.stages import (
     prepare_rows,
 )
 from cleaner.engine.train.trainer import train_iteration
-from cleaner.records import PurifiedRow
-from tests.helpers import tiny_qwen3  # noqa: E402
-
-VOCAB = 64
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("policy") / "policy"
-    tiny_qwen3(seed=0, vocab_size=VOCAB).save_pretrained(path)
-    return path
-
-
-def _row(rollout_id, group_id, token_ids, prompt_len, reward, advantage, loss_mask=None):
-    loss_mask = loss_mask or [0] * prompt_len + [1] * (len(token_ids) - prompt_len)
-    zeros = (0.0,) * len(token_ids)
-    return PurifiedRow(
-        config_id="c",
-        iteration=0,
-        rollout_id=rollout_id,
-        group_id=group_id,
-        token_ids=tuple(token_ids),
-        prompt_len=prompt_len,
-        loss_mask=tuple(loss_mask),
-        behavior_logprobs=zeros,
-        old_logprobs=zeros,
-        reward=reward,
-        advantage=advantage,
-        rolled_back=False,
-        n_shallow=0,
-        n_deep=0,
-        n_unrecovered=0,
-        tokens_removed=0,
-        scorer_version="test",
-    )
-
-
-def _with_old_logprobs(model, rows):
-    """Score the rows with the model itself, so the first step starts at ratio 1."""
-    scored = []
-    with torch.no_grad():
-        for row in rows:
-            ids = torch.tensor([row.token_ids])
-            log_probs = token_log_probs(model(input_ids=ids).logits, ids)[0]  # (T,)
-            old = tuple(
-                lp if m else 0.0 for lp, m in zip(log_probs.tolist(), row.loss_mask, strict=True)
-            )
-            scored.append(dataclasses.replace(row, old_logprobs=old, behavior_logprobs=old))
-    return scored
-
-
-def _batch(model):
-    generator = torch.Generator().manual_seed(1)
-
-    def ids(n):
-        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
-
-    rows = [
-        _row("r0", "g0", ids(9), 4, 1.0, 1.0),
-        _row("r1", "g0", ids(12), 4, 0.0, -1.0),
-        _row("r2", "g1", ids(7), 3, 1.0, 1.0),
-        _row("r3", "g1", ids(10), 3, 0.0, -1.0),
-    ]
-    return _with_old_logprobs(model, rows)
+from tests.factories import train_batch, train_row
 
 
 def _batch_loss(model, rows, config):
@@ -97,7 +32,7 @@ def _batch_loss(model, rows, config):
 
 def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tmp_path):
     model = load_policy(policy_dir)
-    rows = _batch(model)
+    rows = train_batch(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=2)
     loss_before = _batch_loss(model, rows, config)
@@ -136,7 +71,7 @@ def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tm
 
 
 def test_gradient_accumulation_equals_one_big_batch(policy_dir, tmp_path):
-    rows = _batch(load_policy(policy_dir))
+    rows = train_batch(load_policy(policy_dir))
     results = [
         train_iteration(
             rows,
@@ -158,7 +93,7 @@ def test_gradient_accumulation_equals_one_big_batch(policy_dir, tmp_path):
 
 def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
     model = load_policy(policy_dir)
-    rows = [dataclasses.replace(row, advantage=0.0) for row in _batch(model)]
+    rows = [dataclasses.replace(row, advantage=0.0) for row in train_batch(model)]
     config = TrainConfig(lr=1e-2, mini_batch_size=4, micro_batch_size=4)
     result = train_iteration(
         rows, policy_dir, tmp_path / "out", config, iteration=0, model=model, progress=False
@@ -170,7 +105,7 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
 
 def test_kl_and_truncated_is_options_run(policy_dir, tmp_path):
     model = load_policy(policy_dir)
-    rows = _batch(model)
+    rows = train_batch(model)
     config = TrainConfig(
         lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.1, truncated_is=True, epochs=2
     )
@@ -189,12 +124,12 @@ def test_kl_and_truncated_is_options_run(policy_dir, tmp_path):
 
 def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
     rows = [
-        _row("a0", "a", [1, 2, 3], 1, 1.0, 0.0),
-        _row("a1", "a", [1, 2, 3], 1, 1.0, 0.0),
-        _row("b0", "b", [1, 2, 3], 1, 1.0, 1.0),
-        _row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
-        _row("empty", "b", [1, 2, 3], 1, 0.0, -1.0, loss_mask=[0, 0, 0]),
-        _row(
+        train_row("a0", "a", [1, 2, 3], 1, 1.0, 0.0),
+        train_row("a1", "a", [1, 2, 3], 1, 1.0, 0.0),
+        train_row("b0", "b", [1, 2, 3], 1, 1.0, 1.0),
+        train_row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
+        train_row("empty", "b", [1, 2, 3], 1, 0.0, -1.0, loss_mask=[0, 0, 0]),
+        train_row(
             "first-only", "b", [1, 2, 3], 0, 0.0, -1.0, loss_mask=[1, 0, 0]
         ),  # position 0 never trains
     ]
@@ -204,10 +139,10 @@ def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
 
 
 def test_prepare_rows_skips_infra_faults_before_dynamic_sampling_and_shaping():
-    rows = [_row("b0", "b", [1, 2, 3], 1, 1.0, 1.0), _row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
-            dataclasses.replace(_row("b2", "b", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True),
-            _row("c0", "c", [1, 2, 3], 1, 1.0, 0.0),
-            dataclasses.replace(_row("c1", "c", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True)]
+    rows = [train_row("b0", "b", [1, 2, 3], 1, 1.0, 1.0), train_row("b1", "b", [1, 2, 3], 1, 0.0, -1.0),
+            dataclasses.replace(train_row("b2", "b", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True),
+            train_row("c0", "c", [1, 2, 3], 1, 1.0, 0.0),
+            dataclasses.replace(train_row("c1", "c", [1, 2, 3], 1, 0.0, 0.0), infra_fault=True)]
     assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["b0", "b1", "c0"]
     # Group c keeps one row once the fault is out: equal rewards, dropped by dynamic sampling.
     assert [r.rollout_id for r in prepare_rows(rows, TrainConfig(dynamic_sampling=True))] == ["b0", "b1"]
@@ -215,7 +150,7 @@ def test_prepare_rows_skips_infra_faults_before_dynamic_sampling_and_shaping():
 
 def test_overlong_shaping_recomputes_group_advantages():
     # max 10, buffer 4: response lengths 5 (no penalty) and 8 (penalty -0.5), both correct.
-    rows = [_row("short", "g", [1] * 7, 2, 1.0, 0.0), _row("long", "g", [1] * 10, 2, 1.0, 0.0)]
+    rows = [train_row("short", "g", [1] * 7, 2, 1.0, 0.0), train_row("long", "g", [1] * 10, 2, 1.0, 0.0)]
     shaped = prepare_rows(rows, TrainConfig(overlong_buffer=4, max_response_tokens=10))
     assert [r.reward for r in shaped] == pytest.approx([1.0, 0.5])
     std = math.sqrt(0.125)  # unbiased std of [1.0, 0.5]
@@ -223,7 +158,7 @@ def test_overlong_shaping_recomputes_group_advantages():
 
 
 def test_mini_batches_are_a_seeded_shuffle():
-    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(10)]
+    rows = [train_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(10)]
     config = TrainConfig(mini_batch_size=4, micro_batch_size=2, epochs=2)
 
     def order(cfg, iteration=0):
@@ -240,7 +175,7 @@ def test_mini_batches_are_a_seeded_shuffle():
 def test_mini_batches_depend_on_the_rows_not_their_input_order():
     """Arms of an experiment (and a resumed run reading rows back) hand the trainer the same rows
     in other orders; a negative sample sorts right after its rollout's own row."""
-    rows = [_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(7)]
+    rows = [train_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(7)]
     rows.append(dataclasses.replace(rows[3], negative_seq=5))
     config = TrainConfig(mini_batch_size=3, micro_batch_size=1)
 
@@ -253,8 +188,8 @@ def test_mini_batches_depend_on_the_rows_not_their_input_order():
 
 def test_collate_right_pads_and_masks_position_zero():
     rows = [
-        _row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]),
-        _row("b", "g", [8], 0, 0.0, -1.0),
+        train_row("a", "g", [5, 6, 7], 0, 0.0, 2.0, loss_mask=[1, 1, 0]),
+        train_row("b", "g", [8], 0, 0.0, -1.0),
     ]
     batch = collate_rows(rows, "cpu")
     assert batch.token_ids.tolist() == [[5, 6, 7], [8, 0, 0]]

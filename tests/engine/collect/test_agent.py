@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from cleaner.config import CollectConfig, PurifyConfig
-from cleaner.engine.collect.loop import CollectedBatch, collect, rollback_draw, turn_seed
+from cleaner.engine.collect.agent import CollectedBatch, collect, rollback_draw, turn_seed
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.model.base import LENGTH, STOP, Generation
 from cleaner.engine.model.chat import (

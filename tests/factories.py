@@ -1,0 +1,321 @@
+"""Builders shared by the test modules (STYLE.md rule 16: no test module imports another).
+
+Fixtures live in conftest.py; assertions, processes, servers and readers in helpers.py. Each section
+says which tests use it; the values are hand-picked so a test can compute its expectations by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from cleaner.engine.train.loss import token_log_probs
+from cleaner.records import (
+    EvalRunRow,
+    PurifiedRow,
+    PurifyConfigRow,
+    Rollout,
+    Segment,
+    SegmentKind,
+    ToolStatus,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Warehouse rows: one rollout that fails a call and fixes it (warehouse, report, ui, CLI tests)
+
+
+def make_rollout(rollout_id: str, iteration: int = 0, reward: float = 1.0, n_failed: int = 1) -> Rollout:
+    return Rollout(
+        rollout_id=rollout_id, iteration=iteration, group_id=f"it{iteration}-p0", prompt_id="p0",
+        sample_index=0, policy_version="test", data_source="toy", ground_truth="42", answer="42",
+        reward=reward, correct=reward > 0, finish_reason="answer", rollback_draw=0.25,
+        collect_view="purified", collect_config_id="cfg", n_assistant_segments=3, n_tool_calls=2,
+        n_failed_calls=n_failed,
+    )
+
+
+def make_segments(rollout_id: str, iteration: int = 0) -> list[Segment]:
+    """prompt, a failed call (NameError), its retry (ok), the final answer."""
+    def seg(seq, kind, step, attempt, tokens, **kw):
+        logprobs = tuple(-0.5 for _ in tokens) if kind == "assistant" else None
+        return Segment(rollout_id=rollout_id, iteration=iteration, seq=seq, kind=kind, step=step,
+                       attempt=attempt, token_ids=tuple(tokens), logprobs=logprobs,
+                       text=kw.pop("text", f"{kind}{seq}"), **kw)
+    return [
+        seg(0, "prompt", None, None, [1, 2, 3]),
+        seg(1, "assistant", 0, 0, [4, 5, 6], call_start=1, tool_code="pirnt(1)"),
+        seg(2, "tool", 0, 0, [7, 8], tool_code="pirnt(1)", tool_status="error", error_type="NameError",
+            exec_ms=3.0),
+        seg(3, "assistant", 0, 1, [4, 5, 9], call_start=1, tool_code="print(1)"),
+        seg(4, "tool", 0, 1, [7, 10], tool_code="print(1)", tool_status="ok", exec_ms=2.0),
+        seg(5, "assistant", 1, 0, [11, 12], text="\\boxed{42}"),
+    ]
+
+
+def make_eval_run(eval_id: str, saar: bool, **changes) -> EvalRunRow:
+    """An `eval_runs` row; `changes` override its fields."""
+    row = EvalRunRow(
+        eval_id=eval_id, model="m", policy_version="m@1", dataset="aime24", data_path="a.parquet",
+        data_source="AIME2024", prompt_style="reference", saar=saar, n=4, problems=2, rollouts=8, avg_at_n=0.25,
+        pass_at_k=((1, 0.25), (2, 0.5), (4, 0.75)), maj_at_n=0.5, tool_calls_per_trajectory=1.5,
+        failures_per_trajectory=0.125, first_call_error_rate=math.nan, recovery_rate=1.0, seconds=2.0,
+        rollouts_generated=8, seed=0, temperature=1.0, top_p=0.6, max_turns=16, config_json="{}",
+    )
+    return dataclasses.replace(row, **changes)
+
+
+def make_purify_config(config_id: str, gamma: float = 0.5, edit: str = "replace") -> PurifyConfigRow:
+    """A `purify_configs` row."""
+    return PurifyConfigRow(config_id=config_id, gamma=gamma, rollback_prob=1.0, similarity_on="code",
+                           purify_when="always", params_json="{}", edit=edit)
+
+
+def make_purified(config_id: str, rollout_id: str = "r0", iteration: int = 0) -> PurifiedRow:
+    """A two-token `purified` row of one rollout under one config."""
+    return PurifiedRow(
+        config_id=config_id, iteration=iteration, rollout_id=rollout_id, group_id="g", token_ids=(1, 2),
+        prompt_len=1, loss_mask=(0, 1), behavior_logprobs=(0.0, -0.5), old_logprobs=(0.0, -0.25), reward=1.0,
+        advantage=0.5, rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0,
+        scorer_version="t")
+
+
+# ----------------------------------------------------------------------------------------------
+# SAAR chains (walk, gate, mask, premise tests): token ids are tiny integers and every assistant
+# token's behaviour log-prob is -id / 1000, so a log-prob that travels with the wrong token shows
+
+
+def lp(token_id: int) -> float:
+    return -token_id / 1000
+
+
+def prompt(seq: int, ids: tuple[int, ...]) -> Segment:
+    return Segment("r", 0, seq, SegmentKind.PROMPT, None, None, ids, None, "")
+
+
+def assistant(seq, step, attempt, reasoning, call=(), code=None) -> Segment:
+    ids = tuple(reasoning) + tuple(call)
+    return Segment("r", 0, seq, SegmentKind.ASSISTANT, step, attempt, ids, tuple(lp(i) for i in ids), "",
+                   call_start=len(reasoning) if call else None, tool_code=code)
+
+
+def tool(seq, step, attempt, ids, status=ToolStatus.OK) -> Segment:
+    return Segment("r", 0, seq, SegmentKind.TOOL, step, attempt, tuple(ids), None, "", tool_status=status)
+
+
+SIMILAR = ("print(1+1)", "print(1+2)")  # ratio 0.9
+DIFFERENT = ("import numpy", "x=2; y=3")  # ratio < 0.5
+
+
+def one_retry(codes: tuple[str, str]) -> list[Segment]:
+    """A failed call, one retry with the second code (SIMILAR: shallow, DIFFERENT: deep), the answer."""
+    return [
+        prompt(0, (1, 2)),
+        assistant(1, 0, 0, (10, 11), (12, 13), code=codes[0]),
+        tool(2, 0, 0, (14,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21, 22), code=codes[1]),
+        tool(4, 0, 1, (23,), ToolStatus.OK),
+        assistant(5, 1, 0, (30, 31)),  # final answer
+    ]
+
+
+def three_attempts_chain() -> list[Segment]:
+    """a_0 fails; a_1, unlike a_0, fails; a_2, like a_1, succeeds; then a clean step."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20, 21), (22,), code="print(1+1)"),  # unlike a_0: deep
+        tool(4, 0, 1, (23,), ToolStatus.ERROR),
+        assistant(5, 0, 2, (30,), (31, 32), code="print(1+2)"),  # like a_1: shallow
+        tool(6, 0, 2, (33,), ToolStatus.OK),
+        assistant(7, 1, 0, (40,), (41,), code="print(5)"),  # a clean later step
+        tool(8, 1, 0, (42,), ToolStatus.OK),
+    ]
+
+
+def exhausted_chain() -> list[Segment]:
+    """Step 0 fails twice (K = 1 exhausted); step 1 fails then recovers, after the exhaustion."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="print(1+1)"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="print(1+2)"),
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),  # K = 1 retries exhausted
+        assistant(5, 1, 0, (30,), (31,), code="print(7+1)"),  # a failure later is NOT purified
+        tool(6, 1, 0, (32,), ToolStatus.ERROR),
+        assistant(7, 1, 1, (40,), (41,), code="print(7+2)"),
+        tool(8, 1, 1, (42,), ToolStatus.OK),
+    ]
+
+
+def answered_chain() -> list[Segment]:
+    """Two failed calls, then a retry that answers instead of calling."""
+    return [
+        prompt(0, (1,)),
+        assistant(1, 0, 0, (10,), (11,), code="import numpy"),
+        tool(2, 0, 0, (12,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21,), code="x=2; y=3"),
+        tool(4, 0, 1, (22,), ToolStatus.ERROR),
+        assistant(5, 0, 2, (30, 31)),  # answered instead of calling
+    ]
+
+
+def two_chains() -> list[Segment]:
+    """Step 0: a shallow fix (R = the call 21 22); step 1: a deep fix (R = the turn 40 41 42)."""
+    return [
+        prompt(0, (1, 2)),
+        assistant(1, 0, 0, (10, 11), (12, 13), code="print(1+1)"),
+        tool(2, 0, 0, (14,), ToolStatus.ERROR),
+        assistant(3, 0, 1, (20,), (21, 22), code="print(1+2)"),  # ratio 0.9: shallow
+        tool(4, 0, 1, (23,), ToolStatus.OK),
+        assistant(5, 1, 0, (30,), (31, 32), code="import numpy"),
+        tool(6, 1, 0, (33,), ToolStatus.ERROR),
+        assistant(7, 1, 1, (40, 41), (42,), code="x=2; y=3"),  # unlike a_0: deep
+        tool(8, 1, 1, (43,), ToolStatus.OK),
+        assistant(9, 2, 0, (50, 51)),  # the answer
+    ]
+
+
+class TableOracle:
+    """log pi_old(R | context) from a table keyed by R; remembers the contexts it was asked for."""
+
+    def __init__(self, sums: dict[tuple[int, ...], float]) -> None:
+        self.sums, self.asked = sums, []
+
+    def logprob_sum(self, context, tokens):
+        self.asked.append((context, tokens))
+        return self.sums.get(tokens)
+
+
+SUMS = {(21, 22): -1.0, (40, 41, 42): -0.1}  # two_chains' merges R -> log pi_old(R), for TableOracle
+
+
+# ----------------------------------------------------------------------------------------------
+# One purify iteration (pipeline, negatives, premise tests): four rollouts, each a prompt, a failed
+# call, a similar successful retry and a final answer
+
+
+def iteration_rollout(index: int, group_id: str, reward: float, draw: float) -> Rollout:
+    """Rollout r<index> of iteration 3 (`draw`: its rollback draw)."""
+    return Rollout(f"r{index}", 3, group_id, group_id, index, "policy", "toy", "4", "4", reward,
+                   reward > 0, "answer", draw, "purified", "collect", 3, 2, 1)
+
+
+def iteration_segments(index: int, error_type: str | None = "NameError") -> list[Segment]:
+    """Rollout r<index>'s segments, token ids from 100 * index on; error_type None: a timeout."""
+    b = 100 * index
+    rollout_id = f"r{index}"
+
+    def seg(seq, kind, step, attempt, ids, call_start=None, code=None, status=None, error=None):
+        lps = tuple(-i / 1000 for i in ids) if kind == SegmentKind.ASSISTANT else None
+        return Segment(rollout_id, 3, seq, kind, step, attempt, ids, lps, "", call_start, code,
+                       status, error)
+
+    return [
+        seg(0, SegmentKind.PROMPT, None, None, (b + 1, b + 2)),
+        seg(1, SegmentKind.ASSISTANT, 0, 0, (b + 10, b + 11, b + 12), 2, "print(1+1)"),
+        seg(2, SegmentKind.TOOL, 0, 0, (b + 13,), status=ToolStatus.ERROR if error_type else ToolStatus.TIMEOUT, error=error_type),
+        seg(3, SegmentKind.ASSISTANT, 0, 1, (b + 20, b + 21, b + 22), 1, "print(1+2)"),
+        seg(4, SegmentKind.TOOL, 0, 1, (b + 23,), status=ToolStatus.OK),
+        seg(5, SegmentKind.ASSISTANT, 1, 0, (b + 30,)),
+    ]
+
+
+ROLLOUTS = [iteration_rollout(1, "g1", 1.0, 0.1), iteration_rollout(2, "g1", 0.0, 0.6),
+            iteration_rollout(3, "g2", 1.0, 0.3), iteration_rollout(4, "g2", 1.0, 0.05)]
+SEGMENTS = (iteration_segments(1) + iteration_segments(2, error_type=None) + iteration_segments(3)
+            + iteration_segments(4))
+
+
+class FakeScorer:
+    """log pi(token) = -0.01 * token id, whatever the context; records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[tuple[int, ...]], list[int]]] = []
+
+    def score_rows(self, sequences, starts):
+        self.calls.append(([tuple(s) for s in sequences], list(starts)))
+        return [[-0.01 * token for token in s[start:]] for s, start in zip(sequences, starts, strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring cases (trie and backend scorer tests): rows sharing prefixes of every shape
+
+
+SCORED_PROMPT = [1, 5, 9, 13, 2, 40, 41, 42]
+SCORING_CASES = {  # name -> (sequences, starts)
+    "shared prompt, different responses": (
+        [SCORED_PROMPT + [3, 4, 5, 6], SCORED_PROMPT + [10, 11], SCORED_PROMPT + [20, 21, 22, 23, 24, 25]], [8, 8, 8]
+    ),
+    "identical up to a divergence": (
+        [SCORED_PROMPT + [3, 4, 5, 6, 7, 8], SCORED_PROMPT + [3, 4, 5, 30, 31], SCORED_PROMPT + [3, 4, 50]], [8, 8, 8]
+    ),
+    "identical rows": ([SCORED_PROMPT + [3, 4, 5]] * 3, [8, 8, 10]),
+    "one token after the prompt": ([SCORED_PROMPT + [3], SCORED_PROMPT + [4], SCORED_PROMPT + [3, 9]], [8, 8, 8]),
+    "a row that is a prefix of another": ([SCORED_PROMPT + [3, 4], SCORED_PROMPT + [3, 4, 5, 6], SCORED_PROMPT], [8, 9, 1]),
+    "no sharing, mixed lengths": ([[5, 6, 7], [8, 9], SCORED_PROMPT + [1]], [1, 1, 4]),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training rows (trainer, optimiser, DeepSpeed tests) for a tiny Qwen3 of vocabulary VOCAB
+
+
+VOCAB = 64
+
+
+def train_row(rollout_id, group_id, token_ids, prompt_len, reward, advantage, loss_mask=None) -> PurifiedRow:
+    """A purified row whose response tokens are all trained (unless `loss_mask`), log-probs 0."""
+    loss_mask = loss_mask or [0] * prompt_len + [1] * (len(token_ids) - prompt_len)
+    zeros = (0.0,) * len(token_ids)
+    return PurifiedRow(
+        config_id="c",
+        iteration=0,
+        rollout_id=rollout_id,
+        group_id=group_id,
+        token_ids=tuple(token_ids),
+        prompt_len=prompt_len,
+        loss_mask=tuple(loss_mask),
+        behavior_logprobs=zeros,
+        old_logprobs=zeros,
+        reward=reward,
+        advantage=advantage,
+        rolled_back=False,
+        n_shallow=0,
+        n_deep=0,
+        n_unrecovered=0,
+        tokens_removed=0,
+        scorer_version="test",
+    )
+
+
+def with_old_logprobs(model, rows):
+    """Score the rows with the model itself, so the first step starts at ratio 1."""
+    scored = []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row.token_ids])
+            log_probs = token_log_probs(model(input_ids=ids).logits, ids)[0]  # (T,)
+            old = tuple(
+                lp if m else 0.0 for lp, m in zip(log_probs.tolist(), row.loss_mask, strict=True)
+            )
+            scored.append(dataclasses.replace(row, old_logprobs=old, behavior_logprobs=old))
+    return scored
+
+
+def train_batch(model) -> list[PurifiedRow]:
+    """Four rows in two groups of random tokens (seeded), scored by `model` itself."""
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+
+    rows = [
+        train_row("r0", "g0", ids(9), 4, 1.0, 1.0),
+        train_row("r1", "g0", ids(12), 4, 0.0, -1.0),
+        train_row("r2", "g1", ids(7), 3, 1.0, 1.0),
+        train_row("r3", "g1", ids(10), 3, 0.0, -1.0),
+    ]
+    return with_old_logprobs(model, rows)

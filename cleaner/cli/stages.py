@@ -81,7 +81,7 @@ def collect(
     shares of the iteration; together they write exactly the rollouts of an unsharded run.
     """
     from cleaner.config import CollectConfig, SandboxConfig
-    from cleaner.engine.collect.job import collect_job
+    from cleaner.engine.collect.job import CollectRequest, collect_job
     from cleaner.report.tables import summary_table
     from cleaner.warehouse import Warehouse
 
@@ -97,7 +97,7 @@ def collect(
         batch_rollouts=batch_rollouts, backend=backend, sglang_url=sglang_url, device=device,
         sandbox=sandbox,
     )
-    outcome = call_job(collect_job, Warehouse(warehouse), config, resume=resume, shard=share)
+    outcome = call_job(collect_job, Warehouse(warehouse), CollectRequest(config, share, resume))
     console.print(summary_table(outcome.summary))
     where = f"iteration {iteration}" + (f" shard {share}" if share.sharded else "")
     console.print(f"{where}: {outcome.n_written} rollouts written "
@@ -224,7 +224,7 @@ def purify(
     With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
     their rows together equal an unsharded purify's.
     """
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -232,8 +232,8 @@ def purify(
                               [edit], rollback_is_mode=rollback_is_mode, negative_samples=negative_samples,
                               dpo_beta=dpo_beta, dpo_max_adjustment_ratio=dpo_max_adjustment_ratio,
                               dpo_cap=dpo_cap)
-    outcome = call_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
-                       sglang_url=sglang_url, device=device, shard=share)
+    request = PurifyRequest(iteration, configs, share, backend_kind=backend, sglang_url=sglang_url, device=device)
+    outcome = call_job(purify_job, Warehouse(warehouse), request)
     _print_purify(outcome)
 
 
@@ -277,7 +277,7 @@ def ablate(
     shard: ShardOpt = "0/1",
 ) -> None:
     """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.warehouse import Warehouse
 
     share = parse_shard(shard)
@@ -286,8 +286,8 @@ def ablate(
                               floats(rollback_is_threshold, "--rollback-is-threshold"), words(edit, "--edit"),
                               rollback_is_mode=rollback_is_mode, negative_samples=negative_samples, dpo_beta=dpo_beta,
                               dpo_max_adjustment_ratio=dpo_max_adjustment_ratio, dpo_cap=dpo_cap)
-    outcome = call_job(purify_job, Warehouse(warehouse), iteration, configs, backend_kind=backend,
-                       sglang_url=sglang_url, device=device, shard=share)
+    request = PurifyRequest(iteration, configs, share, backend_kind=backend, sglang_url=sglang_url, device=device)
+    outcome = call_job(purify_job, Warehouse(warehouse), request)
     _print_purify(outcome)
 
 
@@ -319,7 +319,7 @@ def train(
     so its moments and lr schedule continue; a plain Hugging Face model starts a fresh one.
     """
     from cleaner.config import TrainConfig
-    from cleaner.engine.train.job import train_job
+    from cleaner.engine.train.job import TrainRequest, train_job
     from cleaner.warehouse import Warehouse
 
     config = build_config(TrainConfig, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
@@ -327,7 +327,7 @@ def train(
                      epochs=epochs, kl_coef=kl_coef, truncated_is=truncated_is,
                      dynamic_sampling=dynamic_sampling, engine=engine,
                      deepspeed_config=str(deepspeed_config) if deepspeed_config else None, device=device)
-    result = call_job(train_job, Warehouse(warehouse), iteration, config_id, policy, out, config).result
+    result = call_job(train_job, Warehouse(warehouse), TrainRequest(iteration, config_id, policy, out, config)).result
     if not result.main_process:  # another DeepSpeed rank: rank 0 reports
         return
     steps = result.steps

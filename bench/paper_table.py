@@ -38,7 +38,8 @@ from pathlib import Path
 import polars as pl
 
 from cleaner.config import DEFAULT_POLICY, ENV_POLICY, RECOVER_POLICY, RunConfig
-from cleaner.config.layers import RUN_BASE_LAYER, command_line, flag_layer, resolve_run_config
+from cleaner.config.flags import command_line, flag_layer
+from cleaner.config.layers import RUN_BASE_LAYER, resolve_run_config
 from cleaner.loop.iterations import run_loop
 from cleaner.warehouse import Warehouse
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig, PurifyConfig
-from cleaner.engine.collect.job import collect_job
+from cleaner.engine.collect.job import CollectRequest, collect_job
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
-from cleaner.engine.purify.job import purify_job
+from cleaner.engine.purify.job import PurifyRequest, purify_job
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import clear_similarity_cache
 from cleaner.warehouse import Warehouse
@@ -60,22 +60,22 @@ def main() -> None:
         for repeat in range(args.repeats):  # the same seed collects the same iteration each time
             warehouse = Warehouse(Path(root) / f"collect-{repeat}")
             started = time.perf_counter()
-            collect_job(warehouse, CollectConfig(model=args.model, n_prompts=args.prompts,
-                                                 group_size=args.group_size), backend=backend, progress=False)
+            config = CollectConfig(model=args.model, n_prompts=args.prompts, group_size=args.group_size)
+            collect_job(warehouse, CollectRequest(config), backend=backend, progress=False)
             collect_runs.append(time.perf_counter() - started)
             # right after its collection, on an untouched copy (purify is idempotent): the pair sees
             # the same machine, so their ratio is steadier than a ratio of separate medians
             shutil.copytree(warehouse.root, Path(root) / f"ablate-{repeat}")
             clear_similarity_cache()  # each run computes its similarities afresh
             started = time.perf_counter()
-            outcome = purify_job(Warehouse(Path(root) / f"ablate-{repeat}"), 0, configs, backend=backend,
+            outcome = purify_job(Warehouse(Path(root) / f"ablate-{repeat}"), PurifyRequest(0, configs), backend=backend,
                                  progress=False)
             ablate_runs.append(time.perf_counter() - started)
             scoring_runs.append(outcome.scorer_stats.seconds)
             shutil.copytree(warehouse.root, Path(root) / f"gated-{repeat}")
             clear_similarity_cache()
             started = time.perf_counter()
-            outcome = purify_job(Warehouse(Path(root) / f"gated-{repeat}"), 0, gated_configs, backend=backend,
+            outcome = purify_job(Warehouse(Path(root) / f"gated-{repeat}"), PurifyRequest(0, gated_configs), backend=backend,
                                  progress=False)
             gated_runs.append(time.perf_counter() - started)
             gated = sum(result.stats.n_gated for result in outcome.results)

@@ -3,10 +3,13 @@ warehouse (docs/architecture.md §1).
 
 The names a library user needs, from the modules that define them:
 
-    from cleaner import CollectConfig, Warehouse, collect_job, load_backend
+    from cleaner import CollectConfig, CollectRequest, Warehouse, collect_job
 
     warehouse = Warehouse("warehouse")
-    outcome = collect_job(warehouse, CollectConfig(n_prompts=4))
+    outcome = collect_job(warehouse, CollectRequest(CollectConfig(n_prompts=4)))
+
+Every job has the shape `<stage>_job(warehouse, request, *, handles)`: the request says what to
+compute, the keyword-only handles pass what the caller already holds (a loaded backend or model).
 
 Every name resolves on first use (PEP 562), so `import cleaner` loads neither torch nor the
 warehouse's libraries, and `__version__` reads the installed distribution's metadata then too: the
@@ -30,12 +33,12 @@ if TYPE_CHECKING:
         Shard,
         TrainConfig,
     )
-    from cleaner.engine.collect.job import collect_job
+    from cleaner.engine.collect.job import CollectRequest, collect_job
     from cleaner.engine.eval.job import eval_job
     from cleaner.engine.model import load_backend
     from cleaner.engine.model.base import Backend
-    from cleaner.engine.purify.job import purify_job
-    from cleaner.engine.train.job import train_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.engine.train.job import TrainRequest, train_job
     from cleaner.errors import CleanerError, JobError
     from cleaner.loop import run_loop
     from cleaner.records import (
@@ -60,6 +63,7 @@ __all__ = [
     # the warehouse, the model, the jobs and the loop
     "Warehouse", "WarehouseError", "load_backend", "Backend",
     "collect_job", "purify_job", "train_job", "eval_job", "report_job", "run_loop",
+    "CollectRequest", "PurifyRequest", "TrainRequest",
     "CleanerError", "JobError",
 ]
 _MODULES = {  # the module that defines each name of __all__ but __version__
@@ -70,9 +74,9 @@ _MODULES = {  # the module that defines each name of __all__ but __version__
     "cleaner.warehouse": ("Warehouse", "WarehouseError"),
     "cleaner.engine.model": ("load_backend",),
     "cleaner.engine.model.base": ("Backend",),
-    "cleaner.engine.collect.job": ("collect_job",),
-    "cleaner.engine.purify.job": ("purify_job",),
-    "cleaner.engine.train.job": ("train_job",),
+    "cleaner.engine.collect.job": ("collect_job", "CollectRequest"),
+    "cleaner.engine.purify.job": ("purify_job", "PurifyRequest"),
+    "cleaner.engine.train.job": ("train_job", "TrainRequest"),
     "cleaner.engine.eval.job": ("eval_job",),
     "cleaner.report.job": ("report_job",),
     "cleaner.loop": ("run_loop",),

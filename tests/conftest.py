@@ -85,7 +85,7 @@ def small_run(tmp_path_factory):
         RunConfig,
         TrainConfig,
     )
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.loop.iterations import run_loop
     from cleaner.report.tracking import TensorBoardLogger
     from cleaner.sandbox import SandboxConfig
@@ -100,8 +100,8 @@ def small_run(tmp_path_factory):
     )
     with TensorBoardLogger(run_dir / "tensorboard") as metrics:
         run_loop(config, progress=False, metrics=metrics)
-    purify_job(Warehouse(run_dir / "warehouse"), 1, [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.9)],
-               progress=False)
+    configs = [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.9)]
+    purify_job(Warehouse(run_dir / "warehouse"), PurifyRequest(1, configs), progress=False)
     return run_dir
 
 

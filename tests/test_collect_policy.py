@@ -14,7 +14,7 @@ import pytest
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig
 from cleaner.engine.collect.agent import collect
-from cleaner.engine.collect.job import collect_job
+from cleaner.engine.collect.job import CollectRequest, collect_job
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend
@@ -87,7 +87,7 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
 def test_same_seed_same_warehouse(tmp_path, backend):
     def dump(root):
         warehouse = Warehouse(root)
-        collect_job(warehouse, dataclasses.replace(CONFIG, n_prompts=3), backend=backend, progress=False)
+        collect_job(warehouse, CollectRequest(dataclasses.replace(CONFIG, n_prompts=3)), backend=backend, progress=False)
         connection = warehouse.connect()
         rollouts = connection.sql("SELECT * EXCLUDE (created_at) FROM rollouts ORDER BY rollout_id").fetchall()
         segments = connection.sql("SELECT * EXCLUDE (exec_ms) FROM segments ORDER BY rollout_id, seq").fetchall()

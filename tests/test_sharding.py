@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import CollectConfig, PurifyConfig, Shard
-from cleaner.engine.collect.job import collect_job, load_tasks
+from cleaner.engine.collect.job import CollectRequest, collect_job, load_tasks
 from cleaner.engine.model import load_backend
-from cleaner.engine.purify.job import purify_job
+from cleaner.engine.purify.job import PurifyRequest, purify_job
 from cleaner.errors import JobError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
@@ -85,7 +85,7 @@ def backend(random_policy):
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory, random_policy, backend):
     warehouse = Warehouse(tmp_path_factory.mktemp("unsharded") / "wh")
-    collect_job(warehouse, _config(random_policy), backend=backend, progress=False)
+    collect_job(warehouse, CollectRequest(_config(random_policy)), backend=backend, progress=False)
     return warehouse
 
 
@@ -94,7 +94,7 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
     owned = [sum(Shard(i, 2).owns(t.prompt_id) for t in load_tasks(config)) for i in range(2)]
     assert owned == [1, 5]
     warehouse = Warehouse(tmp_path / "wh")
-    outcomes = [collect_job(warehouse, config, shard=Shard(i, 2), backend=backend, progress=False) for i in range(2)]
+    outcomes = [collect_job(warehouse, CollectRequest(config, Shard(i, 2)), backend=backend, progress=False) for i in range(2)]
     assert [(o.n_planned, o.n_written) for o in outcomes] == [(2, 2), (10, 10)]
     assert [o.summary.rollouts for o in outcomes] == [2, 10]  # each summary is of its share
     assert _collected(warehouse) == _collected(unsharded)
@@ -102,11 +102,11 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
     assert warehouse.collect_config(0) == unsharded.collect_config(0)
     assert sorted(p.name for p in (warehouse.root / "configs").iterdir()) == ["collect-iteration=0.json"]
     with pytest.raises(JobError, match="iteration 0 shard 1/2 already holds 10 rollouts; pass --resume"):
-        collect_job(warehouse, config, shard=Shard(1, 2), backend=backend, progress=False)
+        collect_job(warehouse, CollectRequest(config, Shard(1, 2)), backend=backend, progress=False)
 
     purify = [PurifyConfig(gamma=0.3), PurifyConfig(rollback_prob=0.5)]
-    whole = purify_job(unsharded, 0, purify, backend=backend, progress=False)
-    shards = [purify_job(warehouse, 0, purify, shard=Shard(i, 2), backend=backend, progress=False) for i in range(2)]
+    whole = purify_job(unsharded, PurifyRequest(0, purify), backend=backend, progress=False)
+    shards = [purify_job(warehouse, PurifyRequest(0, purify, Shard(i, 2)), backend=backend, progress=False) for i in range(2)]
     assert [len(s.results[0].rows) for s in shards] == [2, 10]
     for config in purify:
         expected = sorted(unsharded.read_purified(0, config.config_id), key=lambda r: r.rollout_id)
@@ -119,7 +119,7 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
         for row, reference in zip(rows, expected, strict=True):
             assert row.old_logprobs == pytest.approx(reference.old_logprobs, abs=1e-5)
     assert whole.results[0].stats.n_rollouts == 12
-    again = purify_job(warehouse, 0, purify, shard=Shard(0, 2), backend=backend, progress=False)
+    again = purify_job(warehouse, PurifyRequest(0, purify, Shard(0, 2)), backend=backend, progress=False)
     assert again.computed == [] and again.scorer_stats is None  # the shard's rows are stored
     assert warehouse.connect().sql("SELECT count(*) FROM purify_configs").fetchall() == [(2,)]
 
@@ -131,8 +131,8 @@ def test_purify_resumes_a_share_whose_groups_are_partly_stored(tmp_path, random_
     shutil.copytree(unsharded.root, tmp_path / "wh", ignore=shutil.ignore_patterns("purified", "purify_configs"))
     warehouse = Warehouse(tmp_path / "wh")
     config = PurifyConfig(gamma=0.3)
-    purify_job(warehouse, 0, [config], shard=Shard(0, 2), backend=backend, progress=False)
-    outcome = purify_job(warehouse, 0, [config], backend=backend, progress=False)  # unsharded now
+    purify_job(warehouse, PurifyRequest(0, [config], Shard(0, 2)), backend=backend, progress=False)
+    outcome = purify_job(warehouse, PurifyRequest(0, [config]), backend=backend, progress=False)  # unsharded now
     assert outcome.computed == [config.config_id]
     assert len(outcome.results[0].rows) == 12
     rows = warehouse.read_purified(0, config.config_id)
@@ -154,7 +154,7 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
     process.wait()
     assert len(Warehouse(warehouse).rollout_ids(0)) < 10, "killed too late to test resume"
     # shard 0 runs on, unaffected by its killed sibling (in this process, to spare a model load)
-    other = collect_job(Warehouse(warehouse), _config(random_policy), shard=Shard(0, 2), backend=backend,
+    other = collect_job(Warehouse(warehouse), CollectRequest(_config(random_policy), Shard(0, 2)), backend=backend,
                         progress=False)
     assert other.n_written == 2
     refused = CliRunner().invoke(app, args[:1] + ["--shard", "1/2"] + args[1:])
@@ -173,7 +173,7 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
 def test_a_shard_with_another_config_is_refused(tmp_path, random_policy, backend):
     warehouse = Warehouse(tmp_path / "wh")
     config = _config(random_policy)
-    collect_job(warehouse, config, shard=Shard(0, 2), backend=backend, progress=False)
+    collect_job(warehouse, CollectRequest(config, Shard(0, 2)), backend=backend, progress=False)
     with pytest.raises(JobError, match="collected with another config"):
-        collect_job(warehouse, dataclasses.replace(config, temperature=0.5), shard=Shard(1, 2), backend=backend,
+        collect_job(warehouse, CollectRequest(dataclasses.replace(config, temperature=0.5), Shard(1, 2)), backend=backend,
                     progress=False)

@@ -150,13 +150,9 @@ def call_job(job, *args, **kwargs):
         raise fail(str(exc)) from exc
 
 
-ModelOpt = Annotated[str, typer.Option("--model", help="HF model path or checkpoint dir (default: tiny policy).")]
+# Where purify and ablate score: the runtime of their job's request, not part of a purify config
+# (collect, eval and run take the same flags from their config's fields).
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
-MaxTurnsOpt = Annotated[int, typer.Option(help="Assistant generations per rollout.")]
-MaxNewTokensOpt = Annotated[int, typer.Option(help="Tokens per generation.")]
-SeedOpt = Annotated[int, typer.Option(help="Base seed.")]
-# Where the policy runs. Every command that generates or scores takes these two (collect, purify,
-# ablate, run; an eval command too) and hands them to cleaner.engine.model.load_backend.
 BackendOpt = Annotated[str, typer.Option(
     "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
 SglangUrlOpt = Annotated[str | None, typer.Option(
@@ -169,18 +165,6 @@ def parse_shard(text: str):
     from cleaner.config import Shard
 
     return build_config(Shard.parse, {"text": "--shard"}, text=text)
-
-
-IsThresholdOpt = Annotated[float, typer.Option(
-    "--rollback-is-threshold", help="IS gate tau: a merge whose IS < tau keeps its chain raw; 0 = off.")]
-IsModeOpt = Annotated[str, typer.Option(
-    "--rollback-is-mode", help="IS over R's tokens: sum (the design) | mean (per token, the reference's later code).")]
-NegativeSamplesOpt = Annotated[bool, typer.Option(
-    help="Pair each fixed failure with its fix and push them apart (the reference's DPO term).")]
-DpoBetaOpt = Annotated[float, typer.Option(help="Beta of the negative-sample term.")]
-DpoRatioOpt = Annotated[float, typer.Option(help="Cap of the negative-sample push per token.")]
-DpoCapOpt = Annotated[str, typer.Option(help="relative (x |advantage|) | absolute (the reference's code).")]
-
 
 
 class LogTarget(StrEnum):  # cleaner.report.tracking.TARGETS

@@ -11,9 +11,7 @@ from typing import Annotated
 import typer
 
 from cleaner.cli.common import (
-    DeviceOpt,
     LogTarget,
-    SeedOpt,
     WandbOfflineOpt,
     WandbProjectOpt,
     app,
@@ -22,22 +20,9 @@ from cleaner.cli.common import (
     console,
     fail,
 )
-from cleaner.config import DEFAULT_POLICY
+from cleaner.cli.options import Flags, config_flags
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Holds warehouse/ and checkpoints/.")]
-
-
-def _flag_layer(ctx: typer.Context, values: dict) -> tuple[dict, dict]:
-    """The config layer of the `run` flags given on the command line (not their defaults), and
-    the flag of each field they set (errors name the flag the user typed)."""
-    from cleaner.config.layers import RUN_FLAGS, flag_layer, flag_names
-
-    def given(name: str) -> bool:  # by name: typer may vendor its own copy of click's enum
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-    flags = {name: values[name] for name in RUN_FLAGS if given(name)}
-    return flag_layer(flags), flag_names(flags)
 
 
 def _fail_job(message: str) -> typer.Exit:
@@ -109,61 +94,13 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
 
 
 @app.command()
+@config_flags("run")
 def run(
-    ctx: typer.Context,
-    run_dir: RunDirOpt = Path("runs/default"),
-    iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 3,
+    *,
+    flags: Flags,
     config_file: Annotated[Path | None, typer.Option("--config", help="TOML file laid out like --print-config's output; flags override it.", exists=True, dir_okay=False)] = None,
     print_config: Annotated[bool, typer.Option("--print-config", help="Print the resolved config as TOML and exit.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run with its saved config (--iterations may grow).")] = False,
-    prompts: Annotated[int, typer.Option(help="Prompts per iteration.", rich_help_panel="Collect")] = 64,
-    group_size: Annotated[int, typer.Option(help="Samples per prompt (GRPO group).", rich_help_panel="Collect")] = 8,
-    model: Annotated[str, typer.Option(help="HF model path or checkpoint dir (default: tiny policy).", rich_help_panel="Collect")] = str(DEFAULT_POLICY),
-    data: Annotated[Path | None, typer.Option(help="Dataset Parquet (verl RL or an eval layout); default: toy tasks.", rich_help_panel="Collect")] = None,
-    prompt_style: Annotated[str, typer.Option(help="Prompts of --data: reference (the paper's) | bare.", rich_help_panel="Collect")] = "reference",
-    backend: Annotated[str, typer.Option(help="torch | sglang: where the policy generates and scores.", rich_help_panel="Collect")] = "torch",
-    sglang_url: Annotated[str | None, typer.Option(help="A running SGLang server or router (with --backend sglang); it must see the checkpoints' paths.", rich_help_panel="Collect")] = None,
-    max_turns: Annotated[int, typer.Option(help="Steps per rollout (tool calls and the answer; retries do not count).", rich_help_panel="Collect")] = 8,
-    max_retries: Annotated[int, typer.Option(help="K: retries per failed tool-call step.", rich_help_panel="Collect")] = 3,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per generation.", rich_help_panel="Collect")] = 160,
-    max_response_tokens: Annotated[int | None, typer.Option(help="Token budget after the prompt (default: max(768, --max-new-tokens)).", show_default=False, rich_help_panel="Collect")] = None,
-    truncate_prompts: Annotated[bool, typer.Option(help="A prompt too long for the model's context with the response budget keeps its last tokens (verl's truncation=left); default: an error naming the row.", rich_help_panel="Collect")] = False,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.", rich_help_panel="Collect")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling.", rich_help_panel="Collect")] = 1.0,
-    collect_view: Annotated[str, typer.Option(help="Context of later turns: purified (the paper) | raw (the baseline).", rich_help_panel="Collect")] = "purified",
-    batch_rollouts: Annotated[int, typer.Option(help="Rollouts per committed batch.", rich_help_panel="Collect")] = 64,
-    sandbox_timeout_s: Annotated[float, typer.Option(help="Wall-clock limit per tool call.", rich_help_panel="Collect")] = 4.0,
-    sandbox_workers: Annotated[int, typer.Option(help="Sandbox worker processes.", rich_help_panel="Collect")] = 2,
-    gamma: Annotated[float, typer.Option(help="SAAR: shallow merge iff similarity >= gamma (collect and purify).", rich_help_panel="Purify")] = 0.5,
-    rollback_prob: Annotated[float, typer.Option(help="p: share of rollouts purified (collect and purify).", rich_help_panel="Purify")] = 1.0,
-    similarity_on: Annotated[str, typer.Option(help="code | call (the reference).", rich_help_panel="Purify")] = "code",
-    purify_when: Annotated[str, typer.Option(help="always (the paper) | positive.", rich_help_panel="Purify")] = "always",
-    edit: Annotated[str, typer.Option(help="replace (CLEANER: SAAR's sequence) | mask (the raw sequence, what replace drops untrained; collects raw).", rich_help_panel="Purify")] = "replace",
-    rollback_is_threshold: Annotated[float, typer.Option("--rollback-is-threshold", help="IS gate tau (collect and purify); 0 = off.", rich_help_panel="Purify")] = 0.0,
-    rollback_is_mode: Annotated[str, typer.Option("--rollback-is-mode", help="sum (the design) | mean (per token, the reference's later code).", rich_help_panel="Purify")] = "sum",
-    negative_samples: Annotated[bool, typer.Option(help="Negative samples: push fixed failures down, their fixes up.", rich_help_panel="Purify")] = False,
-    dpo_beta: Annotated[float, typer.Option(help="Beta of the negative-sample term.", rich_help_panel="Purify")] = 0.1,
-    dpo_max_adjustment_ratio: Annotated[float, typer.Option(help="Cap of the negative-sample push per token.", rich_help_panel="Purify")] = 0.1,
-    dpo_cap: Annotated[str, typer.Option(help="relative | absolute (the reference's code).", rich_help_panel="Purify")] = "relative",
-    lr: Annotated[float, typer.Option(help="Learning rate (tiny policy: 1e-4; the reference, 4B: 2e-6).", rich_help_panel="Train")] = 1e-4,
-    warmup_steps: Annotated[int, typer.Option(help="Linear warmup over this many optimiser steps.", rich_help_panel="Train")] = 0,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.", rich_help_panel="Train")] = 0.0,
-    clip_eps_low: Annotated[float, typer.Option(help="PPO clip, lower.", rich_help_panel="Train")] = 0.2,
-    clip_eps_high: Annotated[float, typer.Option(help="PPO clip, upper (clip-higher).", rich_help_panel="Train")] = 0.28,
-    clip_ratio_c: Annotated[float, typer.Option(help="Dual clip for negative advantages; 0 = off.", rich_help_panel="Train")] = 10.0,
-    kl_coef: Annotated[float, typer.Option(help="KL to the reference; 0 = off.", rich_help_panel="Train")] = 0.0,
-    truncated_is: Annotated[bool, typer.Option(help="Truncated IS on rewritten contexts.", rich_help_panel="Train")] = False,
-    is_cap: Annotated[float, typer.Option(help="Cap of the truncated IS ratio.", rich_help_panel="Train")] = 2.0,
-    dynamic_sampling: Annotated[bool, typer.Option(help="Drop equal-reward groups.", rich_help_panel="Train")] = False,
-    overlong_buffer: Annotated[int, typer.Option(help="DAPO overlong buffer in tokens; 0 = off.", rich_help_panel="Train")] = 0,
-    mini_batch_size: Annotated[int | None, typer.Option(help="Sequences per optimiser step (default: a quarter of the iteration's rollouts).", show_default=False, rich_help_panel="Train")] = None,
-    micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per forward/backward (default: min(16, mini batch)).", show_default=False, rich_help_panel="Train")] = None,
-    epochs: Annotated[int, typer.Option(help="Passes over each iteration's rows.", rich_help_panel="Train")] = 1,
-    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping.", rich_help_panel="Train")] = 1.0,
-    engine: Annotated[str, typer.Option(help="torch | deepspeed (ZeRO over the ranks torchrun starts; each rank collects and purifies its share).", rich_help_panel="Train")] = "torch",
-    deepspeed_config: Annotated[Path | None, typer.Option(help="DeepSpeed JSON: ZeRO stage, offload, precision.", rich_help_panel="Train")] = None,
-    seed: SeedOpt = 0,
-    device: DeviceOpt = "cpu",
     log_to: Annotated[list[LogTarget] | None, typer.Option("--log-to", help="Also log every iteration and optimiser step to tensorboard (<run-dir>/tensorboard/) or wandb; repeatable.", show_default=False, rich_help_panel="Logging")] = None,
     wandb_project: WandbProjectOpt = "cleaner",
     wandb_offline: WandbOfflineOpt = False,
@@ -172,19 +109,24 @@ def run(
 
     Under torchrun with --engine deepspeed, every rank collects and purifies its share of each
     iteration and all ranks train together; rank 0 writes the checkpoint, the rows and the output.
+    A server at --sglang-url loads each checkpoint by its path, so it must see the run directory.
+
+    A flag that sets two tables sets them alike (the run purifies at its collect config); --edit
+    mask collects with the raw view unless --collect-view says otherwise.
 
     Every option can also come from `--config run.toml` (flags override the file); `--print-config`
     shows the resolved config in that format. The logging options are not part of the config: they
     say where to mirror the metrics, not what the run computes, so a resumed run may change them.
     """
+    from cleaner.config.flags import flag_layer, flag_names
     from cleaner.config.layers import ConfigError, read_toml
 
-    flags, names = _flag_layer(ctx, locals())
+    given = flags.given_values()
     try:
         file_layer = read_toml(config_file) if config_file else {}
     except ConfigError as error:
         raise _fail_job(str(error)) from error
-    config = _resolve_run([file_layer, flags], str(config_file or "flags"), resume, names)
+    config = _resolve_run([file_layer, flag_layer(given)], str(config_file or "flags"), resume, flag_names(given))
     if print_config:
         from cleaner.config.layers import to_toml
 

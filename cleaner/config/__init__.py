@@ -1,5 +1,6 @@
-"""Every option, declared once: the frozen config dataclasses (stages.py) and a run's config from
-layers (layers.py: defaults < saved run < TOML file < flags).
+"""Every option, declared once: the frozen config dataclasses (stages.py), the commands' flags
+generated from their fields (flags.py) and a run's config from layers (layers.py: defaults < saved
+run < TOML file < flags).
 
 The dataclasses are re-exported here, so callers write `from cleaner.config import CollectConfig`.
 """

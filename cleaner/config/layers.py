@@ -14,6 +14,8 @@ Design decisions:
   the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
   reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
   max(768, max_new_tokens).
+- The flags' layer comes from config/flags.py, which generates `cleaner run`'s flags from the
+  fields (a flag that names a field of two tables sets both).
 - A file's key that is not a field, or a value of the wrong type, is an error naming the file,
   the table and the key. Integers are accepted where a float is expected (TOML writes `lr = 1`).
 - TOML has no null: a field whose value is None is left out of the printed file (every such field
@@ -170,64 +172,6 @@ def _toml_value(value: object) -> str:
 # `cleaner run`'s defaults beneath any config file: the tiny policy's learning rate.
 RUN_BASE_LAYER = {"train": {"lr": 1e-4}}
 
-# Each `cleaner run` flag (its Python name) -> the config fields it sets; a flag may set collect's
-# and purify's alike, so that one flag keeps the run purifying at its collect config.
-RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "run_dir": (("run_dir",),), "iterations": (("iterations",),),
-    "prompts": (("collect", "n_prompts"),), "group_size": (("collect", "group_size"),),
-    "model": (("collect", "model"),), "data": (("collect", "data"),),
-    "backend": (("collect", "backend"),), "sglang_url": (("collect", "sglang_url"),),
-    "prompt_style": (("collect", "prompt_style"),),
-    "max_turns": (("collect", "max_turns"),), "max_retries": (("collect", "max_retries"),),
-    "max_new_tokens": (("collect", "max_new_tokens"),),
-    "max_response_tokens": (("collect", "max_response_tokens"), ("train", "max_response_tokens")),
-    "truncate_prompts": (("collect", "truncate_prompts"),),
-    "temperature": (("collect", "temperature"),), "top_p": (("collect", "top_p"),),
-    "collect_view": (("collect", "collect_view"),),
-    "gamma": (("collect", "gamma"), ("purify", "gamma")),
-    "rollback_prob": (("collect", "rollback_prob"), ("purify", "rollback_prob")),
-    "similarity_on": (("collect", "similarity_on"), ("purify", "similarity_on")),
-    "purify_when": (("purify", "purify_when"),), "edit": (("purify", "edit"),),
-    "rollback_is_threshold": (("collect", "rollback_is_threshold"), ("purify", "rollback_is_threshold")),
-    "rollback_is_mode": (("collect", "rollback_is_mode"), ("purify", "rollback_is_mode")),
-    **{name: (("purify", name),) for name in (
-        "negative_samples", "dpo_beta", "dpo_max_adjustment_ratio", "dpo_cap")},
-    "seed": (("collect", "seed"), ("train", "seed")),
-    "device": (("collect", "device"), ("train", "device")),
-    "batch_rollouts": (("collect", "batch_rollouts"),),
-    "sandbox_timeout_s": (("collect", "sandbox", "timeout_s"),),
-    "sandbox_workers": (("collect", "sandbox", "workers"),),
-    **{name: (("train", name),) for name in (
-        "lr", "warmup_steps", "weight_decay", "clip_eps_low", "clip_eps_high", "clip_ratio_c",
-        "kl_coef", "truncated_is", "is_cap", "dynamic_sampling", "overlong_buffer",
-        "mini_batch_size", "micro_batch_size", "epochs", "max_grad_norm", "engine",
-        "deepspeed_config")},
-}
-
-
-def flag_layer(flags: Mapping[str, object]) -> dict:
-    """The config layer of some `cleaner run` flags ({python name: value})."""
-    layer: dict = {}
-    for name, value in flags.items():
-        for path in RUN_FLAGS[name]:
-            table = layer
-            for key in path[:-1]:
-                table = table.setdefault(key, {})
-            table[path[-1]] = str(value) if isinstance(value, Path) else value
-    return layer
-
-
-def command_line(flags: Mapping[str, object]) -> str:
-    """The `cleaner run` command that gives these flags."""
-    words = ["cleaner", "run"]
-    for name, value in flags.items():
-        option = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            words.append(option if value else "--no-" + option[2:])
-        else:
-            words += [option, str(value)]
-    return " ".join(words)
-
 
 def read_toml(path: Path) -> dict:
     """A TOML file as a dict; an unreadable or invalid file is a ConfigError naming it."""
@@ -238,6 +182,17 @@ def read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read the config file ({error.strerror})") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML ({error})") from error
+
+
+# The defaults `_derived` fills in where no layer sets them, as the run's flags' help states them
+# (config/flags.py); purify's SAAR settings and train's seed and device follow collect's through
+# the one flag that sets both.
+DERIVED = {
+    ("collect", "max_response_tokens"): "max(768, --max-new-tokens)",
+    ("train", "max_response_tokens"): "max(768, --max-new-tokens)",
+    ("train", "mini_batch_size"): "a quarter of the iteration's rollouts",
+    ("train", "micro_batch_size"): "min(16, mini batch)",
+}
 
 
 def _derived(layer: Mapping) -> dict:
@@ -268,11 +223,6 @@ def resolve_run_config(*layers: Mapping, where: str = "config",
     The layers are type-checked before anything is derived from them; `names` as in `from_dict`."""
     merged = typed_layer(RunConfig, merge(*layers), where)
     return from_dict(RunConfig, merge(_derived(merged), merged), where, names)
-
-
-def flag_names(flags: typing.Iterable[str]) -> dict[tuple[str, ...], str]:
-    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
-    return {path: "--" + name.replace("_", "-") for name in flags for path in RUN_FLAGS[name]}
 
 
 def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:

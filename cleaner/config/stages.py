@@ -104,31 +104,31 @@ def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
 
 @dataclass(frozen=True)
 class CollectConfig(_Config):
-    model: str = str(DEFAULT_POLICY)  # Hugging Face path or local checkpoint directory
-    data: str | None = None  # a dataset Parquet file (any layout of datasets.py); None = the toy task family
-    prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of a --data file; the toy task ignores it
-    iteration: int = 0  # iteration number written to the warehouse
+    model: str = str(DEFAULT_POLICY)  # the policy: a Hugging Face model directory or hub id, or a checkpoint
+    data: str | None = None  # a dataset Parquet (verl RL or an eval layout); none: the toy tasks
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of --data: the paper's or the problem alone
+    iteration: int = 0  # the iteration to collect (its number in the warehouse)
     n_prompts: int = 64  # prompts per iteration
     group_size: int = 8  # samples per prompt (one GRPO group)
-    max_turns: int = 8  # assistant generations per rollout
+    max_turns: int = 8  # steps per rollout (tool calls and the answer; retries do not count)
     max_retries: int = 3  # K: retries per failed tool-call step
-    max_new_tokens: int = 160  # per assistant generation
-    max_response_tokens: int = 768  # budget for everything after the prompt
-    truncate_prompts: bool = False  # a prompt too long for context - budget keeps its end; off: an error
+    max_new_tokens: int = 160  # tokens per generation
+    max_response_tokens: int = 768  # token budget for everything after the prompt
+    truncate_prompts: bool = False  # a prompt longer than the context minus the budget keeps its end; off: an error
     temperature: float = 1.0  # sampling temperature; greedy never shows errors
     top_p: float = 1.0  # nucleus sampling
-    collect_view: CollectView = CollectView.PURIFIED  # context rendering for later turns
-    gamma: float = 0.5  # SAAR similarity threshold used for the purified context
-    rollback_prob: float = 1.0  # p: a rollout uses the purified context iff its draw u < p
+    collect_view: CollectView = CollectView.PURIFIED  # context of later turns: SAAR's (the paper) or raw
+    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
+    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its draw u < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
-    rollback_is_threshold: float = 0.0  # tau of the IS gate for the purified context; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # the gate's aggregate over R's tokens
+    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (the design) or mean
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
-    batch_rollouts: int = 64  # rollouts generated and written per batch (crash-safety unit)
-    backend: str = "torch"  # torch | sglang
-    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
-    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    batch_rollouts: int = 64  # rollouts generated and committed per batch (the unit of resume)
+    backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
+    sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
 
     def __post_init__(self) -> None:
@@ -162,17 +162,17 @@ class CollectConfig(_Config):
 @dataclass(frozen=True)
 class PurifyConfig(_Config):
     gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
-    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its rollback_draw < p
+    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its stored draw u < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
-    purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts may be purified
-    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau renders its chain raw; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # sum (the design) | mean (the reference's later, per-token IS)
-    negative_samples: bool = False  # pair each fixed failure with its fix (the reference's DPO term)
+    purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts SAAR may purify: all (the paper) or positive ones
+    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
+    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (the design) or mean
+    negative_samples: bool = False  # pair each fixed failure with its fix, push them apart (the reference's DPO)
     dpo_beta: float = 0.1  # beta of the negative-sample term
-    dpo_max_adjustment_ratio: float = 0.1  # cap of the push per token (see dpo_cap)
-    dpo_cap: DpoCap = DpoCap.RELATIVE  # relative to |advantage| (DESIGN) or absolute (the reference code)
+    dpo_max_adjustment_ratio: float = 0.1  # cap of the negative-sample push per token (see --dpo-cap)
+    dpo_cap: DpoCap = DpoCap.RELATIVE  # the cap: relative (x |advantage|) or absolute (the reference's code)
     advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
-    edit: Edit = Edit.REPLACE  # replace (SAAR's rendering) | mask (raw tokens, what replace drops untrained)
+    edit: Edit = Edit.REPLACE  # replace (SAAR's sequence) | mask (the raw one, what replace drops untrained)
 
     def __post_init__(self) -> None:
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
@@ -204,7 +204,7 @@ class TrainConfig(_Config):
     clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
     clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
-    truncated_is: bool = False  # multiply by min(old/behaviour, is_cap) (docs/architecture.md §6)
+    truncated_is: bool = False  # truncated IS on rewritten contexts: x min(old/behaviour, is_cap)
     is_cap: float = 2.0  # cap of the truncated importance ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
@@ -213,8 +213,8 @@ class TrainConfig(_Config):
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     epochs: int = 1  # passes over the iteration's rows
     max_grad_norm: float = 1.0  # gradient clipping
-    engine: str = "torch"  # torch | deepspeed
-    deepspeed_config: str | None = None  # path to a DeepSpeed JSON config (engine = deepspeed)
+    engine: str = "torch"  # torch | deepspeed (ZeRO over the ranks torchrun starts)
+    deepspeed_config: str | None = None  # DeepSpeed JSON (ZeRO stage, offload, precision) for --engine deepspeed
     device: str = "cpu"  # torch device
     seed: int = 0  # shuffling and dropout seed
 
@@ -285,10 +285,10 @@ UNSHARDED = Shard()
 @dataclass(frozen=True)
 class RunConfig(_Config):
     run_dir: str = "runs/default"  # holds warehouse/ and checkpoints/
-    iterations: int = 3  # collect -> purify -> train iterations
+    iterations: int = 3  # collect -> purify -> train iterations to run
     collect: CollectConfig = field(default_factory=CollectConfig)  # iteration and model are set per iteration
     purify: PurifyConfig = field(default_factory=PurifyConfig)  # the config trained on
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # the training of each iteration
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
@@ -303,26 +303,26 @@ class EvalConfig(_Config):
     (`collect_config`), whose id is the evaluation's id.
     """
 
-    models: tuple[str, ...] = (str(DEFAULT_POLICY),)  # Hugging Face paths or checkpoint directories
+    models: tuple[str, ...] = (str(DEFAULT_POLICY),)  # Hugging Face model directories or hub ids, or checkpoints
     datasets: tuple[tuple[str, str], ...] = ()  # (name, Parquet path) in any layout of datasets.py
     saar: tuple[bool, ...] = (True,)  # SAAR settings to run: True = purified context (the paper's test time)
     n: int = 16  # samples per problem
-    prompt_style: PromptStyle = PromptStyle.REFERENCE  # the reference's prompts, or the problem alone
-    limit: int | None = None  # the first rows of each dataset; None = all
-    temperature: float = 1.0  # the reference's validation temperature
-    top_p: float = 0.6  # the reference's validation top-p
+    prompt_style: PromptStyle = PromptStyle.REFERENCE  # the paper's prompts, or the problem alone
+    limit: int | None = None  # evaluate the first N problems of each dataset; none: all
+    temperature: float = 1.0  # sampling temperature (the reference's validation setting)
+    top_p: float = 0.6  # nucleus sampling (the reference's validation setting)
     max_turns: int = 16  # steps per rollout (retries do not count)
     max_retries: int = 3  # K: retries per failed tool-call step
-    max_new_tokens: int = 20480  # per assistant generation
-    max_response_tokens: int = 20480  # budget for everything after the prompt (the reference's)
-    gamma: float = 0.5  # SAAR similarity threshold of the purified context
+    max_new_tokens: int = 20480  # tokens per generation
+    max_response_tokens: int = 20480  # token budget for everything after the prompt (the reference's)
+    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma, in the purified context
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     seed: int = 0  # base seed; per-rollout seeds derive from (prompt_id, sample_index)
-    batch_rollouts: int = 64  # rollouts generated and committed per batch (the resume unit)
-    backend: str = "torch"  # torch | sglang
-    sglang_url: str | None = None  # a running SGLang server or router (backend sglang); None = in-process
-    device: str = "cpu"  # torch device (the torch backend's; the SGLang engine's first GPU)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # python tool
+    batch_rollouts: int = 64  # rollouts generated and committed per batch (the unit of resume)
+    backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
+    sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
 
     def __post_init__(self) -> None:

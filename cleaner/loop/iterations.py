@@ -46,18 +46,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cleaner.config import CollectConfig, RunConfig
-from cleaner.engine.collect.job import CollectOutcome, collect_job
+from cleaner.engine.collect.job import CollectOutcome, CollectRequest, collect_job
 from cleaner.engine.model import load_backend, require_backend
 from cleaner.engine.model.loading import check_device, check_model_path
 from cleaner.engine.model.torch_backend import TorchBackend
-from cleaner.engine.purify.job import PurifyOutcome, StoredIteration, purify_job, stored_iteration
+from cleaner.engine.purify.job import (
+    PurifyOutcome,
+    PurifyRequest,
+    StoredIteration,
+    purify_job,
+    stored_iteration,
+)
 from cleaner.engine.train.deepspeed_config import (
     check_deepspeed_setup,
     deepspeed_config_for,
     require_deepspeed,
 )
 from cleaner.engine.train.deepspeed_engine import saved_optimizer_step
-from cleaner.engine.train.job import train_job
+from cleaner.engine.train.job import TrainRequest, train_job
 from cleaner.errors import JobError
 from cleaner.loop.ranks import Ranks, agree, barrier, from_main, gather, join, same_everywhere
 from cleaner.outputs import CHECKPOINT, check_replaceable
@@ -320,9 +326,9 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     whole = _whole_iteration(warehouse, config, iteration, (collected, purified), needs_training, ranks)
     trained, train_s = None, 0.0
     if needs_training:
-        outcome = train_job(warehouse, iteration, config.purify.config_id, policy, out, config.train,
-                            model=_policy_to_train(backend, kept, config.train.engine), rows=whole.result.rows,
-                            optimization=optimization, progress=progress)
+        request = TrainRequest(iteration, config.purify.config_id, policy, out, config.train)
+        outcome = train_job(warehouse, request, model=_policy_to_train(backend, kept, config.train.engine),
+                            rows=whole.result.rows, optimization=optimization, progress=progress)
         trained, train_s = outcome.result, outcome.seconds
     if not ranks.main:
         return None, trained
@@ -335,12 +341,14 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
 def _collect_and_purify(warehouse: Warehouse, collect_config: CollectConfig, config: RunConfig, backend: Backend,
                         progress: bool, ranks: Ranks) -> tuple[CollectOutcome, PurifyOutcome | None]:
     """This rank's share of the iteration, collected and purified (None: the share holds no prompt)."""
-    collected = collect_job(warehouse, collect_config, resume=True, shard=ranks.shard, backend=backend,
+    collected = collect_job(warehouse, CollectRequest(collect_config, ranks.shard, resume=True), backend=backend,
                             progress=progress)
     if collected.n_planned == 0:
         return collected, None
-    purified = purify_job(warehouse, collect_config.iteration, [config.purify], shard=ranks.shard,
-                          backend=backend, device=config.collect.device, progress=progress)
+    request = PurifyRequest(collect_config.iteration, (config.purify,), ranks.shard,
+                            backend_kind=collect_config.backend, sglang_url=collect_config.sglang_url,
+                            device=collect_config.device)
+    purified = purify_job(warehouse, request, backend=backend, progress=progress)
     return collected, purified
 
 

@@ -29,12 +29,12 @@ def _check(condition: bool, message: str) -> None:
 class SandboxConfig:
     backend: str = "local"  # local (worker processes) | docker
     workers: int = 2  # warm worker processes in the pool
-    timeout_s: float = 4.0  # wall-clock limit per execution (the paper's value)
+    timeout_s: float = 4.0  # wall-clock limit per tool call (the paper's value)
     cpu_time_s: int = 5  # RLIMIT_CPU per execution
     memory_mb: int = 1024  # RLIMIT_AS per execution
-    max_processes: int = 32  # RLIMIT_NPROC for the unprivileged sandbox user
-    max_file_size_mb: int = 16  # RLIMIT_FSIZE
-    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_processes: int = 32  # RLIMIT_NPROC of the unprivileged sandbox user
+    max_file_size_mb: int = 16  # RLIMIT_FSIZE: largest file an execution writes
+    max_open_files: int = 64  # RLIMIT_NOFILE: open files per execution
     max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
     infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
     docker_image: str = "python:3.11-slim"  # image for the docker backend

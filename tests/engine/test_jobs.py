@@ -30,7 +30,7 @@ def test_a_collector_disabled_by_the_caller_stays_disabled():
 
 
 def test_purify_job_runs_with_the_collector_paused():
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.errors import JobError
 
     seen = []
@@ -46,7 +46,7 @@ def test_purify_job_runs_with_the_collector_paused():
             return []
 
     with pytest.raises(JobError, match="no rollouts"):
-        purify_job(EmptyWarehouse(), 0, [])
+        purify_job(EmptyWarehouse(), PurifyRequest(0, []))
     assert seen == [False]
     assert gc.isenabled()
 
@@ -79,34 +79,34 @@ def _copy(collected, tmp_path):
 
 def test_purify_job_purifies_several_configs_and_skips_stored_ones(collected, tmp_path):
     from cleaner.config import PurifyConfig
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
 
     warehouse = _copy(collected, tmp_path)
     configs = [PurifyConfig(gamma=0.3), PurifyConfig(gamma=0.7), PurifyConfig(gamma=0.7, rollback_prob=0.5)]
-    first = purify_job(warehouse, 0, configs, progress=False)
+    first = purify_job(warehouse, PurifyRequest(0, configs), progress=False)
     assert first.computed == [c.config_id for c in configs] and first.scorer_stats is not None
     assert [r.config for r in first.results] == configs
     assert all(len(r.rows) == 12 for r in first.results)
     assert warehouse.purify_config_ids() == {c.config_id for c in configs}
     more = [configs[2], PurifyConfig(gamma=1.5), configs[0]]
-    second = purify_job(warehouse, 0, more, progress=False)
+    second = purify_job(warehouse, PurifyRequest(0, more), progress=False)
     assert second.computed == [more[1].config_id]  # only the new config is scored
     assert [r.config for r in second.results] == more  # in request order
     for stored, again in ((first.results[2], second.results[0]), (first.results[0], second.results[2])):
         assert [row.token_ids for row in again.rows] == [row.token_ids for row in stored.rows]
         assert again.stats == stored.stats  # rebuilt from the stored rows
-    third = purify_job(warehouse, 0, more, progress=False)
+    third = purify_job(warehouse, PurifyRequest(0, more), progress=False)
     assert third.computed == [] and third.scorer_stats is None
 
 
 def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(collected, tmp_path):
     from cleaner.config import PurifyConfig
-    from cleaner.engine.purify.job import purify_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
 
     replace, mask, raw = PurifyConfig(), PurifyConfig(edit="mask"), PurifyConfig(rollback_prob=0.0)
     warehouse = _copy(collected, tmp_path / "a")
-    ablation = purify_job(warehouse, 0, [replace, mask], progress=False)
-    reference = purify_job(_copy(collected, tmp_path / "b"), 0, [replace, raw], progress=False)
+    ablation = purify_job(warehouse, PurifyRequest(0, [replace, mask]), progress=False)
+    reference = purify_job(_copy(collected, tmp_path / "b"), PurifyRequest(0, [replace, raw]), progress=False)
     # one pass over the trie of both configs, which forwards exactly what replace and the raw view need
     assert ablation.scorer_stats.tokens_forwarded == reference.scorer_stats.tokens_forwarded
     assert ablation.scorer_stats.tokens_naive == reference.scorer_stats.tokens_naive
@@ -116,23 +116,25 @@ def test_replace_and_mask_share_one_scorer_pass_and_mask_scores_the_raw_rows(col
         assert row.token_ids == base.token_ids and row.advantage == base.advantage
         assert all(m <= b for m, b in zip(row.loss_mask, base.loss_mask, strict=True))
         assert row.old_logprobs == tuple(o if m else 0.0 for o, m in zip(base.old_logprobs, row.loss_mask, strict=True))
-    again = purify_job(warehouse, 0, [mask], progress=False)  # rebuilt from the stored rows
+    again = purify_job(warehouse, PurifyRequest(0, [mask]), progress=False)  # rebuilt from the stored rows
     assert again.computed == [] and again.results[0].stats == masked.stats
 
 
 def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
     from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
-    from cleaner.engine.purify.job import purify_job
-    from cleaner.engine.train.job import train_job
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.engine.train.job import TrainRequest, train_job
     from cleaner.errors import JobError
 
     warehouse = _copy(collected, tmp_path)
     config = PurifyConfig()
     with pytest.raises(JobError, match="run `cleaner purify` first"):
-        train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", TrainConfig(), progress=False)
-    purify_job(warehouse, 0, [config], progress=False)
+        train_job(warehouse, TrainRequest(0, config.config_id, DEFAULT_POLICY, tmp_path / "out", TrainConfig()),
+                  progress=False)
+    purify_job(warehouse, PurifyRequest(0, [config]), progress=False)
     train = TrainConfig(lr=1e-4, mini_batch_size=6, micro_batch_size=3)
-    outcome = train_job(warehouse, 0, config.config_id, DEFAULT_POLICY, tmp_path / "out", train, progress=False)
+    outcome = train_job(warehouse, TrainRequest(0, config.config_id, DEFAULT_POLICY, tmp_path / "out", train),
+                        progress=False)
     assert outcome.result.out_path == (tmp_path / "out").resolve() and outcome.seconds > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "optimizer" / "state.pt").is_file()

@@ -1,9 +1,12 @@
 """The collect job: one iteration's rollouts into the warehouse (docs/architecture.md §5).
 
-A job loads its inputs from the warehouse, calls the stage (the agent loop: agent.py), writes the
-outputs back, together with the resolved config as JSON. The CLI calls exactly one job per command,
-and `cleaner run` (cleaner/loop/) chains the stages' jobs in each process of a run so the model is
-loaded once per device and handed from stage to stage.
+A job loads its inputs from the warehouse, calls the stage (the agent loop: agent.py), and writes the
+outputs back, together with the resolved config as JSON. Every stage's job has one shape,
+`<stage>_job(warehouse, request, *, <runtime handles>) -> <Stage>Outcome`: the request (a frozen
+dataclass) is what the job computes, the keyword-only handles what the caller already holds (a
+loaded backend or model, rows read) and whether to show progress. The CLI builds one request from
+its flags and calls one job per command; `cleaner run` (cleaner/loop/) builds the same requests and
+chains the stages' jobs in each process of a run, handing the loaded model from stage to stage.
 
 Idempotence and resume: batches of complete rollouts are committed atomically; `resume` skips
 committed ids.
@@ -32,6 +35,15 @@ from cleaner.warehouse import Warehouse
 
 
 @dataclass(frozen=True)
+class CollectRequest:
+    """What a collect job computes."""
+
+    config: CollectConfig  # the iteration to collect (config.iteration) and how
+    shard: Shard = UNSHARDED  # the share of the iteration's prompts to collect
+    resume: bool = False  # finish a partly collected iteration; off: its stored rollouts are an error
+
+
+@dataclass(frozen=True)
 class CollectOutcome:
     iteration: int
     n_planned: int  # rollouts the iteration (the shard's share of it) should hold
@@ -56,10 +68,11 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
 
 
-def collect_job(warehouse: Warehouse, config: CollectConfig, *, resume: bool = False, shard: Shard = UNSHARDED,
-                backend: Backend | None = None, progress: bool = True) -> CollectOutcome:
+def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backend | None = None,
+                progress: bool = True) -> CollectOutcome:
     """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
-    finish a partly collected one."""
+    finish a partly collected one. The policy is `backend`'s, or loaded as the config says."""
+    config, shard, resume = request.config, request.shard, request.resume
     started = time.monotonic()
     warehouse.check_writable()
     if backend is None:  # fail on a bad backend, model or device before anything is written

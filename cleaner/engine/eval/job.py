@@ -41,7 +41,8 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
 
     An evaluation whose `eval_runs` row exists is not run again; one with committed rollouts but no
     row (it was interrupted) generates only the rollouts it lacks. `backends` maps a model to a
-    loaded backend to use instead of loading it.
+    loaded backend to use instead of loading it. The config is the job's request (the shape every
+    stage's job has, collect/job.py): it holds all the job computes, so no request wraps it.
     """
     started, backends = time.monotonic(), dict(backends or {})
     warehouse.check_writable()

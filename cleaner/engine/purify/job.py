@@ -36,6 +36,21 @@ from cleaner.warehouse import Warehouse
 
 
 @dataclass(frozen=True)
+class PurifyRequest:
+    """What a purify job computes: an iteration's rows under every config, in one scorer pass."""
+
+    iteration: int  # the collected iteration to purify
+    configs: tuple[PurifyConfig, ...]  # the configs to purify it under (ablate's grid; a run's one)
+    shard: Shard = UNSHARDED  # the share of the iteration's groups to purify
+    backend_kind: str = "torch"  # the backend loaded when the job is handed none: torch | sglang
+    sglang_url: str | None = None  # a running SGLang server or router (backend_kind sglang); none: in-process
+    device: str = "cpu"  # the torch device of a loaded backend
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "configs", tuple(self.configs))  # a list is taken as a tuple: the request stays immutable
+
+
+@dataclass(frozen=True)
 class PurifyOutcome:
     results: list[PurifyResult]  # per requested config, in request order
     computed: list[str]  # config ids purified by this call (the rest were already stored)
@@ -63,26 +78,25 @@ def _cyclic_gc_paused():
 
 
 @_cyclic_gc_paused()
-def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig], *, shard: Shard = UNSHARDED,
-               backend: Backend | None = None, backend_kind: str = "torch", sglang_url: str | None = None,
-               device: str = "cpu", progress: bool = True) -> PurifyOutcome:
+def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend | None = None,
+               progress: bool = True) -> PurifyOutcome:
     """Purify an iteration, or one shard's share of it, under every config in ONE scorer pass,
     and store the rows.
 
     The rows are scored by the scorer of `backend`, which must serve the policy that collected the
-    iteration; without one, a `backend_kind` backend (at `sglang_url`, if given) is loaded with that
-    policy. Rollouts that already have rows under a config are not recomputed (idempotent per
-    rollout, so each shard resumes on its own); results are rebuilt from the stored rows so a
-    comparison always covers every requested config. A share is whole GRPO groups, so its
-    advantages equal those of an unsharded purify. Python's cyclic garbage collector is paused
-    while it runs (`_cyclic_gc_paused`).
+    iteration; without one, the request's backend is loaded with that policy. Rollouts that already
+    have rows under a config are not recomputed (idempotent per rollout, so each shard resumes on
+    its own); results are rebuilt from the stored rows so a comparison always covers every
+    requested config. A share is whole GRPO groups, so its advantages equal those of an unsharded
+    purify. Python's cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
+    iteration, configs = request.iteration, request.configs
     started = time.monotonic()
     warehouse.check_writable()
     if backend is None:
-        require_backend(backend_kind, sglang_url)
-        check_device(device)
-    rollouts, segments = _share(warehouse, iteration, shard)
+        require_backend(request.backend_kind, request.sglang_url)
+        check_device(request.device)
+    rollouts, segments = _share(warehouse, iteration, request.shard)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
     todo = [c for c in configs if missing[c.config_id]]
@@ -92,8 +106,8 @@ def purify_job(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyCon
         groups = {r.group_id for r in rollouts if any(r.rollout_id in missing[c.config_id] for c in todo)}
         work = [r for r in rollouts if r.group_id in groups]
         work_ids = {r.rollout_id for r in work}
-        load = functools.partial(load_backend, backend_kind, collected_policy(warehouse, iteration),
-                                 device=device, sglang_url=sglang_url)
+        load = functools.partial(load_backend, request.backend_kind, collected_policy(warehouse, iteration),
+                                 device=request.device, sglang_url=request.sglang_url)
         purified, scorer_stats = _purify_with(warehouse, iteration, backend, load, work,
                                               [s for s in segments if s.rollout_id in work_ids], todo, progress)
         _store_purified(warehouse, iteration, purified)

@@ -23,34 +23,46 @@ from cleaner.warehouse import Warehouse, WarehouseError
 
 
 @dataclass(frozen=True)
+class TrainRequest:
+    """What a train job computes: one GRPO/DAPO iteration on a purified config's rows."""
+
+    iteration: int  # the purified iteration to train on
+    config_id: str  # its purify config (a unique prefix, as `cleaner purify` prints it)
+    policy: str | Path  # the policy to update: the one that collected the iteration
+    out: str | Path  # where the new checkpoint goes
+    config: TrainConfig  # how to train
+
+
+@dataclass(frozen=True)
 class TrainOutcome:
     result: TrainResult  # the checkpoint, the step rows, the trained model and its optimiser
     seconds: float
 
 
-def train_job(warehouse: Warehouse, iteration: int, config_id: str, policy: str | Path, out: str | Path,
-              config: TrainConfig, *, model=None, rows: Sequence[PurifiedRow] | None = None,
+def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: Sequence[PurifiedRow] | None = None,
               optimization: Optimization | None = None, progress: bool = True) -> TrainOutcome:
     """Train on one purified config of an iteration; write the checkpoint and the step metrics.
 
-    `rows` are that config's purified rows when the caller has already read them; `optimization`
-    is the run's optimiser bound to `model` (without it, the one saved with `policy` is resumed).
+    `model` is the policy already in memory (else it is loaded from `policy`); `rows` are that
+    config's purified rows when the caller has already read them; `optimization` is the run's
+    optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
+    config, iteration = request.config, request.iteration
     started = time.monotonic()
-    check_replaceable(out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
+    check_replaceable(request.out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
     warehouse.check_writable()
     check_device(config.device)
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)
     if model is None:
-        check_model_path(policy)
+        check_model_path(request.policy)
     if rows is None:
-        config_id = warehouse.resolve_config_id(config_id)  # a unique prefix, as purify prints it
+        config_id = warehouse.resolve_config_id(request.config_id)  # a unique prefix, as purify prints it
         try:
             rows = warehouse.read_purified(iteration, config_id)
         except WarehouseError as exc:
             raise JobError(f"{exc}; run `cleaner purify` first") from exc
-    result = train_iteration(rows, policy, out, config, iteration, model=model, progress=progress,
+    result = train_iteration(rows, request.policy, request.out, config, iteration, model=model, progress=progress,
                              optimization=optimization)
     if result.main_process:  # DeepSpeed's ranks all train; one writes, so each step is one row
         warehouse.write_train_steps(iteration, result.steps)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY, CollectConfig, EvalConfig
 from cleaner.engine.collect.context import ContextError, fit_prompts
-from cleaner.engine.collect.job import collect_job
+from cleaner.engine.collect.job import CollectRequest, collect_job
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.eval.job import eval_job
 from cleaner.engine.model.chat import ChatFormat
@@ -97,7 +97,7 @@ def test_truncate_prompts_keeps_each_long_prompts_last_tokens(tmp_path, backend,
     config = CollectConfig(data=str(data), prompt_style="bare", n_prompts=4, group_size=1, max_turns=1,
                            max_new_tokens=8, truncate_prompts=True, sandbox=SandboxConfig(workers=1))
     with caplog.at_level(logging.WARNING, logger="cleaner.engine.collect.context"):
-        collect_job(warehouse, config, backend=backend, progress=False)
+        collect_job(warehouse, CollectRequest(config), backend=backend, progress=False)
     assert context_warnings(caplog) == [
         f"--truncate-prompts: 2 of 4 prompts kept only their last 256 tokens (the longest had 5000), so that "
         f"each fits model {DEFAULT_POLICY}'s context of 1024 tokens with the response budget of 768"]

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY, CollectConfig
 from cleaner.engine.collect.agent import turn_seed
-from cleaner.engine.collect.job import collect_job
+from cleaner.engine.collect.job import CollectRequest, collect_job
 from cleaner.engine.model.base import LENGTH, STOP, Generation
 from cleaner.engine.model.chat import format_call
 from cleaner.sandbox import SandboxConfig
@@ -94,7 +94,7 @@ def collect_scripts(tokenizer, root: Path, scripts: dict[str, list], **config_fi
                            sandbox=SandboxConfig(workers=2), **config_fields)
     backend = ScriptedBackend(tokenizer, scripts, config)
     warehouse = Warehouse(root)
-    collect_job(warehouse, config, backend=backend, progress=False)
+    collect_job(warehouse, CollectRequest(config), backend=backend, progress=False)
     return warehouse, backend
 
 

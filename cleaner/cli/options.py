@@ -1,0 +1,150 @@
+"""The config flags of collect, purify, ablate, train, eval and run, as typer options
+(docs/architecture.md §9).
+
+Which flags a command takes, with their names, defaults and help, is `cleaner/config/flags.py`'s
+(one per config field); this module only renders them for typer, which reads a command's
+parameters from `inspect.signature`. `@config_flags("collect")` puts one keyword parameter per
+flag where the command's `flags` parameter stands (a generated `__signature__`), and calls the
+command with `flags`: their values, which build the config (`Flags.build`, an invalid value is one
+error line naming the flag the user typed) or, for `run`, the layer of the flags given.
+
+A field's type makes its option: a bool is `--name/--no-name`; an enum stays a string whose choices
+the metavar shows, so its config names the choices when a value is wrong (exit code 1, as every
+invalid value); a field naming a file is a path the parser checks; ablate's grid axes are
+comma-separated strings; a field whose default follows another flag is optional, its help saying
+which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cleaner.cli.common import build_config
+from cleaner.config.flags import COMMANDS, CommandFlags, Flag, command_flags
+
+CONTEXT = "flags_context"  # the typer context the generated signature adds, to tell given flags from defaults
+PANELS = {"collect": "Collect", "purify": "Purify", "train": "Train"}  # run's help: a section per table
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The values of a command's config flags."""
+
+    flags: tuple[Flag, ...]
+    values: Mapping[str, object]  # {flag's Python name: value}
+    given: frozenset[str]  # the flags the command line gave (the others hold their defaults)
+
+    def __getitem__(self, name: str) -> object:
+        return self.values[name]
+
+    def build(self, cls: type, names: Mapping[str, str] | None = None, **fixed: object):
+        """The config `cls` from the flags, and the top-level fields in `fixed` the command sets
+        itself (named `names[field]` in an error, else `--field`); an invalid value exits with one
+        error line naming its flag."""
+        values = {path: str(value) if isinstance(value, Path) else value
+                  for flag in self.flags for path in flag.paths for value in [self.values[flag.name]]}
+        values |= {(name,): value for name, value in fixed.items()}
+        flag_of = {path: flag.option for flag in self.flags for path in flag.paths}
+        flag_of |= {(name,): option for name, option in (names or {}).items()}
+        return _build(cls, (), values, flag_of)
+
+    def given_values(self) -> dict[str, object]:
+        """{name: value} of the flags the command line gave (`run` layers them over its file)."""
+        return {name: value for name, value in self.values.items() if name in self.given}
+
+
+def _build(cls: type, path: tuple[str, ...], values: Mapping[tuple[str, ...], object],
+           flag_of: Mapping[tuple[str, ...], str]):
+    """`cls` at `path` of the config, nested configs first, each through `build_config`."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = (*path, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            if any(given[:len(key)] == key for given in values):
+                kwargs[f.name] = _build(hints[f.name], key, values, flag_of)
+        elif key in values:
+            kwargs[f.name] = values[key]
+    names = {key[-1]: option for key, option in flag_of.items() if key[:-1] == path}
+    return build_config(cls, names, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags -> typer parameters
+
+
+def config_flags(command: str) -> Callable[[Callable], Callable]:
+    """Decorator: the command takes `command`'s config flags (config/flags.py) in place of its
+    `flags` parameter, and is called with their values as `flags`."""
+    flags, spec = command_flags(command), COMMANDS[command]
+
+    def decorate(func: Callable) -> Callable:
+        signature = inspect.signature(func, eval_str=True)
+        parameters = []
+        for parameter in signature.parameters.values():
+            if parameter.name == "flags":
+                parameters += [_parameter(flag, spec) for flag in flags]
+            else:  # keyword-only, so typer's order is the signature's wherever the flags stand
+                parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        parameters.append(inspect.Parameter(CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+
+        @functools.wraps(func)
+        def with_flags(**values: object):
+            context = values.pop(CONTEXT)
+            given = frozenset(flag.name for flag in flags if _given(context, flag.name))
+            return func(flags=Flags(flags, {flag.name: values.pop(flag.name) for flag in flags}, given), **values)
+
+        with_flags.__signature__ = signature.replace(parameters=parameters)
+        with_flags.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_flags
+
+    return decorate
+
+
+def _given(context: typer.Context, name: str) -> bool:
+    """Whether the command line (or the environment) gave parameter `name`."""
+    source = context.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")  # by name: typer vendors click
+
+
+def _parameter(flag: Flag, spec: CommandFlags) -> inspect.Parameter:
+    """The typer option of one flag, as a keyword parameter."""
+    field = ".".join(flag.paths[0])
+    hint, default, text, options = flag.hint, flag.default, flag.help, {}
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        hint, default = str, default.value
+        options["metavar"] = "<" + "|".join(member.value for member in flag.hint) + ">"
+    if field in spec.grid:
+        hint, default, text = str, spec.grid[field], f"{text}; comma-separated, a config each"
+        options.pop("metavar", None)
+    if field in spec.files:
+        hint, options = Path | None, {**options, "exists": True, "dir_okay": False}
+    notes = [" and ".join(flag.sections)] if len(flag.sections) > 1 else []  # run: sets each table's
+    if flag.derived is not None:
+        hint, options["show_default"] = hint | None, False
+        notes.append(f"default: {flag.derived}")
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    option = typer.Option(help=text, rich_help_panel=_panel(flag), **options)
+    return inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[hint, option])
+
+
+def _panel(flag: Flag) -> str | None:
+    """The section of run's help: the table the flag sets; purify's if it sets purify's too (the
+    SAAR settings); none for flags of collect and train alike (seed, device)."""
+    sections = flag.sections
+    if "purify" in sections:
+        return PANELS["purify"]
+    return PANELS[sections[0]] if len(sections) == 1 else None

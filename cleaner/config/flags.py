@@ -1,0 +1,200 @@
+"""Every config field is a command-line flag: its name, default and help are the field's own
+(docs/architecture.md §9).
+
+A command that uses a config takes one flag per field: `--field-name` (underscores as dashes), the
+field's default, and the field's one-line comment as its help (`field_help` reads it from the
+source), so a field, its default and its help are written once, in the dataclass. The fields of a
+nested config are prefixed with its name (`--sandbox-workers` sets `sandbox.workers`). What a
+command does otherwise is declared here and nowhere else: `RENAMED` (a flag spelled unlike its
+field) and `COMMANDS` (fields a command sets itself, ablate's grid axes, defaults that follow another
+flag, fields naming a file the parser checks). The CLI turns these flags into typer options
+(cleaner/cli/options.py).
+
+`cleaner run` takes the flags of RunConfig's `collect`, `purify` and `train` tables together,
+unprefixed; a flag named in two tables sets both (`--gamma` sets collect's and purify's, which keeps
+the run purifying at its collect config; `--seed` collect's and train's). `RUN_FLAGS` lists them;
+`flag_layer` turns given flags into a config layer (config/layers.py merges it). A run flag shows
+the run's own default (`RUN_BASE_LAYER`), or says what its default follows (`DERIVED`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
+from cleaner.config.stages import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
+
+RENAMED = {"n_prompts": "prompts"}  # field -> its flag's name, on every command
+SECTIONS = ("collect", "purify", "train")  # RunConfig's tables: `run` takes their flags unprefixed
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag and the config fields it sets."""
+
+    name: str  # the parameter's Python name; the flag is `option`
+    paths: tuple[tuple[str, ...], ...]  # the fields it sets, e.g. (("collect", "gamma"), ("purify", "gamma"))
+    hint: object  # the field's type
+    default: object  # the field's default (run's: RUN_BASE_LAYER's value where it has one)
+    help: str  # the field's comment
+    derived: str | None = None  # what the default follows when the flag is not given (no fixed default)
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The RunConfig tables it sets (run's flags), in order."""
+        return tuple(dict.fromkeys(path[0] for path in self.paths if len(path) > 1 and path[0] in SECTIONS))
+
+
+@dataclass(frozen=True)
+class CommandFlags:
+    """What a command does with its config's fields besides taking one flag each."""
+
+    config: type  # the config whose fields are the command's flags
+    fixed: tuple[str, ...] = ()  # fields (dotted paths) the command sets itself: no flag
+    grid: Mapping[str, str] = field(default_factory=dict)  # field -> default list: comma-separated values, one config each
+    derived: Mapping[str, str] = field(default_factory=dict)  # field (dotted) -> what its default follows
+    files: tuple[str, ...] = ()  # fields naming an existing file, which the parser checks
+
+
+# Ablate's default grid: the paper's gamma and p, around their defaults.
+ABLATE_GRID = {"gamma": "0.3,0.5,0.7", "rollback_prob": "0.7,1.0", "similarity_on": "code",
+               "purify_when": "always", "edit": "replace", "rollback_is_threshold": "0"}
+
+COMMANDS = {
+    "collect": CommandFlags(CollectConfig, files=("data",)),
+    "purify": CommandFlags(PurifyConfig),
+    "ablate": CommandFlags(PurifyConfig, grid=ABLATE_GRID),
+    "train": CommandFlags(TrainConfig, files=("deepspeed_config",)),
+    # eval repeats --model and --dataset, and --saar / --no-saar choose the settings
+    "eval": CommandFlags(EvalConfig, fixed=("models", "datasets", "saar"),
+                         derived={"max_new_tokens": "--max-response-tokens"}),
+    # a run collects iteration after iteration
+    "run": CommandFlags(RunConfig, fixed=("collect.iteration",),
+                        derived={".".join(path): text for path, text in DERIVED.items()}),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fields -> flags
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """{field: its one-line comment} of a dataclass, read from its source; TypeError naming the
+    first field without one (every config field has one: it is the flag's help)."""
+    tree, lines = _parsed(inspect.getsourcefile(cls))
+    node = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
+    found = {}
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            # after the statement, its line holds only a comment (offsets count UTF-8 bytes)
+            rest = lines[item.end_lineno - 1].encode()[item.end_col_offset:].decode().strip()
+            if rest.startswith("#"):
+                found[item.target.id] = rest.lstrip("#").strip()
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in found]
+    if missing:
+        raise TypeError(f"{cls.__name__}.{missing[0]} has no comment; a config field's comment is its flag's help")
+    return found
+
+
+@functools.cache
+def _parsed(path: str) -> tuple[ast.Module, list[str]]:
+    source = Path(path).read_text()
+    return ast.parse(source), source.splitlines()
+
+
+def _fields(cls: type, path: tuple[str, ...] = (), prefix: str = "") -> Iterator[Flag]:
+    """One flag per leaf field of `cls`; a nested config's flags are prefixed with its name
+    (RunConfig's tables are not)."""
+    hints, helps = typing.get_type_hints(cls), field_help(cls)
+    for f in dataclasses.fields(cls):
+        key = (*path, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _fields(hints[f.name], key, prefix if f.name in SECTIONS else f"{prefix}{f.name}_")
+        else:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            yield Flag(prefix + RENAMED.get(f.name, f.name), (key,), hints[f.name], default, helps[f.name])
+
+
+@functools.cache
+def command_flags(command: str) -> tuple[Flag, ...]:
+    """The config flags of `command` (a key of COMMANDS), in field order. On `run`, the flags a
+    field of several tables shares become one, which sets them all."""
+    spec = COMMANDS[command]
+    merged: dict[str, Flag] = {}
+    for flag in _fields(spec.config):
+        if ".".join(flag.paths[0]) in spec.fixed:
+            continue
+        first = merged.setdefault(flag.name, flag)
+        if first is not flag:
+            if (first.hint, first.default) != (flag.hint, flag.default):
+                raise TypeError(f"{flag.option} sets {first.paths[0]} and {flag.paths[0]}, whose types or "
+                                f"defaults differ: {first.default!r} and {flag.default!r}")
+            merged[flag.name] = dataclasses.replace(first, paths=first.paths + flag.paths)
+    return tuple(_for_command(flag, spec, command) for flag in merged.values())
+
+
+def _for_command(flag: Flag, spec: CommandFlags, command: str) -> Flag:
+    """The flag with its default on `command`: run's own, or what it follows."""
+    dotted = [".".join(path) for path in flag.paths]
+    if all(path in spec.derived for path in dotted):
+        return dataclasses.replace(flag, default=None, derived=spec.derived[dotted[0]])
+    if command == "run":
+        base = _lookup(RUN_BASE_LAYER, flag.paths[0])
+        if base is not None:
+            return dataclasses.replace(flag, default=base)
+    return flag
+
+
+def _lookup(layer: Mapping, path: tuple[str, ...]) -> object:
+    for key in path:
+        if not isinstance(layer, Mapping) or key not in layer:
+            return None
+        layer = layer[key]
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# `cleaner run`'s flags -> a config layer
+
+# Each `cleaner run` flag (its Python name) -> the config fields it sets.
+RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {flag.name: flag.paths for flag in command_flags("run")}
+
+
+def flag_layer(flags: Mapping[str, object]) -> dict:
+    """The config layer of some `cleaner run` flags ({python name: value})."""
+    layer: dict = {}
+    for name, value in flags.items():
+        for path in RUN_FLAGS[name]:
+            table = layer
+            for key in path[:-1]:
+                table = table.setdefault(key, {})
+            table[path[-1]] = str(value) if isinstance(value, Path) else value
+    return layer
+
+
+def flag_names(flags: Iterable[str]) -> dict[tuple[str, ...], str]:
+    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
+    return {path: "--" + name.replace("_", "-") for name in flags for path in RUN_FLAGS[name]}
+
+
+def command_line(flags: Mapping[str, object]) -> str:
+    """The `cleaner run` command that gives these flags."""
+    words = ["cleaner", "run"]
+    for name, value in flags.items():
+        option = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(option if value else "--no-" + option[2:])
+        else:
+            words += [option, str(value)]
+    return " ".join(words)

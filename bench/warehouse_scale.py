@@ -261,6 +261,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="build here (default: a temporary directory)")
     args = parser.parse_args()
     shape = Shape(args.rollouts_per_batch, args.turns, args.mean_tokens)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="warehouse-scale-", dir=args.dir))
     root = base / "wh"
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class ConfigOutcome:
     reward: float
     advantage: float
     edit: str | None = None  # replace | mask; None if the config row is missing
+    n_negatives: int = 0  # the config's negative samples of this rollout (--negative-samples), not rows of their own here
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,13 @@ def load_inspection(warehouse, rollout_id: str, connection=None) -> Inspection |
     if eval_config is not None:  # an evaluation's rollout: never purified for training
         return Inspection(rollout, tuple(segments), (), _collect_model(eval_config, iteration),
                           rollout.collect_config_id)
-    configs = tuple(_outcome(row, config) for row, config in warehouse.read_purified_of(rollout_id, iteration, connection))
+    stored = warehouse.read_purified_of(rollout_id, iteration, connection)
+    negatives = Counter(row.config_id for row, _ in stored if row.is_negative)
+    configs = tuple(_outcome(row, config, negatives[row.config_id]) for row, config in stored if not row.is_negative)
     return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
 
 
-def _outcome(row: PurifiedRow, config: PurifyConfigRow | None) -> ConfigOutcome:
+def _outcome(row: PurifiedRow, config: PurifyConfigRow | None, n_negatives: int) -> ConfigOutcome:
     return ConfigOutcome(
         config_id=row.config_id, gamma=None if config is None else config.gamma,
         rollback_prob=None if config is None else config.rollback_prob,
@@ -84,7 +88,7 @@ def _outcome(row: PurifiedRow, config: PurifyConfigRow | None) -> ConfigOutcome:
         purify_when=None if config is None else config.purify_when,
         edit=None if config is None else config.edit, rolled_back=row.rolled_back,
         n_shallow=row.n_shallow, n_deep=row.n_deep, n_unrecovered=row.n_unrecovered,
-        tokens_removed=row.tokens_removed, reward=row.reward, advantage=row.advantage,
+        tokens_removed=row.tokens_removed, reward=row.reward, advantage=row.advantage, n_negatives=n_negatives,
     )
 
 

@@ -258,15 +258,16 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
     if not configs:
         return Text(f"no purified rows for this rollout in iteration {iteration} (run `cleaner purify`)",
                     style="dim")
+    negatives = any(c.n_negatives for c in configs)  # a column only where --negative-samples made some
     table = Table(title=f"purified rows of this rollout (iteration {iteration})", header_style="bold")
     for name in ("config_id", "gamma", "p", "similarity_on", "purify_when", "edit", "rolled_back", "shallow",
-                 "deep", "unrecovered", "tokens_removed", "reward", "advantage"):
+                 "deep", "unrecovered", "tokens_removed", "reward", "advantage") + (("negative_samples",) if negatives else ()):
         table.add_column(name, justify="left" if name in ("config_id", "similarity_on", "purify_when", "edit") else "right")
     for c in configs:
         table.add_row(c.config_id, setting(c.gamma), setting(c.rollback_prob), cell(c.similarity_on),
                       cell(c.purify_when), cell(c.edit), setting(c.rolled_back), setting(c.n_shallow),
                       setting(c.n_deep), setting(c.n_unrecovered), setting(c.tokens_removed), number(c.reward),
-                      signed(c.advantage))
+                      signed(c.advantage), *((setting(c.n_negatives),) if negatives else ()))
     return table
 
 

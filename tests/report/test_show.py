@@ -132,6 +132,19 @@ def test_load_inspection_reads_rollout_segments_configs_and_model(tmp_path):
     assert load_inspection(wh, "nope") is None
 
 
+def test_negative_samples_are_counted_under_their_config_not_listed_as_configs(tmp_path):
+    wh = small_warehouse(tmp_path)
+    config = PurifyConfigRow("cfg-n", 0.5, 1.0, "code", "always", "{}")
+    negatives = [dataclasses.replace(purified_row("cfg-n", "r0", 0.0), negative_seq=seq) for seq in (1, 3)]
+    wh.write_purified(0, config, [purified_row("cfg-n", "r0", 0.7071), *negatives, purified_row("cfg-n", "r1", -0.7071)])
+    (outcome,) = load_inspection(wh, "r0").configs
+    assert (outcome.config_id, outcome.advantage, outcome.n_negatives) == ("cfg-n", pytest.approx(0.7071), 2)
+    table = plain(show_rollout(load_inspection(wh, "r0"), SHALLOW_VIEW, Decoder(None, "")))
+    assert table.count("cfg-n") == 1 and "negative_samples" in table  # one row for the config, its negatives a column
+    (other,) = load_inspection(wh, "r1").configs
+    assert other.n_negatives == 0
+
+
 def test_no_collect_config_means_no_model(tmp_path):
     inspection = load_inspection(small_warehouse(tmp_path), "r1")
     assert (inspection.model, inspection.configs) == (None, ())

@@ -172,30 +172,28 @@ def compare(root: Path, repeats: int) -> list[Comparison]:
 def corrupt_part_is_named(root: Path) -> str:
     """Truncate one committed segments part; `connect()` must name it. The part is restored."""
     part = list_parts(root, schema.SEGMENTS)[len(list_parts(root, schema.SEGMENTS)) // 2]
-    content = part.read_bytes()
-    try:
-        part.write_bytes(content[: len(content) // 2])
-        Warehouse(root).connect()
-    except WarehouseError as error:
-        if str(part) not in str(error):
-            raise AssertionError(f"the error does not name {part}: {error}") from error
-        return str(error)
-    finally:
-        part.write_bytes(content)
-    raise AssertionError(f"a truncated {part} was not detected")
+    return _named_by_connect(root, part, lambda content: content[: len(content) // 2], "a truncated")
 
 
 def flipped_part_is_named(root: Path) -> str:
     """Flip a byte in the pages of one committed segments part, its size and mtime kept; `connect()`
     must name it. The part is restored."""
     part = list_parts(root, schema.SEGMENTS)[len(list_parts(root, schema.SEGMENTS)) // 3]
-    content = part.read_bytes()
     chunk = pq.ParquetFile(part).metadata.row_group(0).column(schema.SEGMENTS.columns.index("logprobs"))
     offset = chunk.data_page_offset + chunk.total_compressed_size // 2
-    stat = part.stat()
+    return _named_by_connect(
+        root, part, lambda content: content[:offset] + bytes([content[offset] ^ 0xFF]) + content[offset + 1:],
+        "a byte flipped in", keep_mtime=True)
+
+
+def _named_by_connect(root: Path, part: Path, corrupt, what: str, keep_mtime: bool = False) -> str:
+    """Write `corrupt(content)` over `part` (its mtime put back with `keep_mtime`), and return the
+    error of `connect()`, which must name the part. The part is restored."""
+    content, stat = part.read_bytes(), part.stat()
     try:
-        part.write_bytes(content[:offset] + bytes([content[offset] ^ 0xFF]) + content[offset + 1:])
-        os.utime(part, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        part.write_bytes(corrupt(content))
+        if keep_mtime:
+            os.utime(part, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         Warehouse(root).connect()
     except WarehouseError as error:
         if str(part) not in str(error):
@@ -203,7 +201,7 @@ def flipped_part_is_named(root: Path) -> str:
         return str(error)
     finally:
         part.write_bytes(content)
-    raise AssertionError(f"a byte flipped in {part} was not detected")
+    raise AssertionError(f"{what} {part} was not detected")
 
 
 @dataclass(frozen=True)

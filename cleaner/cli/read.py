@@ -218,7 +218,8 @@ def show(
 
     saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
     try:
-        inspection = load_inspection(Warehouse(warehouse), rollout_id)
+        store = Warehouse(warehouse)
+        inspection = load_inspection(store, rollout_id, store.connect())  # one connection for every read
     except WarehouseError as exc:
         raise fail(str(exc)) from exc
     if inspection is None:

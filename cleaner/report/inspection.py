@@ -53,6 +53,7 @@ class Inspection:
     configs: tuple[ConfigOutcome, ...]  # its purified rows, one per stored config
     model: str | None  # the policy that collected the iteration (or ran the evaluation), from its config
     eval_id: str | None = None  # the evaluation the rollout belongs to; None for a collected one
+    rows: tuple[tuple[PurifiedRow, PurifyConfigRow | None], ...] = ()  # the purified rows behind `configs`, with their configs
 
     @property
     def iteration(self) -> int:
@@ -76,8 +77,10 @@ def load_inspection(warehouse, rollout_id: str, connection=None) -> Inspection |
                           rollout.collect_config_id)
     stored = warehouse.read_purified_of(rollout_id, iteration, connection)
     negatives = Counter(row.config_id for row, _ in stored if row.is_negative)
-    configs = tuple(_outcome(row, config, negatives[row.config_id]) for row, config in stored if not row.is_negative)
-    return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration))
+    rows = tuple((row, config) for row, config in stored if not row.is_negative)
+    configs = tuple(_outcome(row, config, negatives[row.config_id]) for row, config in rows)
+    return Inspection(rollout, tuple(segments), configs, _collect_model(warehouse.collect_config(iteration), iteration),
+                      rows=rows)
 
 
 def _outcome(row: PurifiedRow, config: PurifyConfigRow | None, n_negatives: int) -> ConfigOutcome:

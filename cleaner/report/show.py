@@ -88,13 +88,9 @@ def raw_panel(
     what is kept but not trained is titled `masked` and bracketed [~like this~].
     """
     panels: list = [] if rollout is None else [_header(rollout)]
-    kept_by_seq: dict[int, list[tuple[int, int]]] = {}
+    kept_by_seq = kept_ranges(steps)
     masked_by_seq: dict[int, list[tuple[int, int]]] = {}
     for step in steps:
-        for seq in step.seqs:
-            kept_by_seq.setdefault(seq, [])
-        for piece in step.kept:
-            kept_by_seq[piece.seq].append((piece.start, piece.end))
         for piece in step.masked:
             masked_by_seq.setdefault(piece.seq, []).append((piece.start, piece.end))
     for segment in sorted(segments, key=lambda s: s.seq):
@@ -158,6 +154,18 @@ def token_text(segment: Segment, start: int, end: int, decode: Decode | None) ->
         if (start, end) == (segment.call_start, len(segment.token_ids)):
             return segment.text[marker:]
     return f"<tokens {start}:{end} of #{segment.seq}>"
+
+
+def kept_ranges(steps: Sequence[StepOutcome]) -> dict[int, list[tuple[int, int]]]:
+    """Per seq of a merged step, the token ranges its rendering keeps (empty: the segment is dropped
+    whole); a seq no step touches is absent (kept whole)."""
+    kept_by_seq: dict[int, list[tuple[int, int]]] = {}
+    for step in steps:
+        for seq in step.seqs:
+            kept_by_seq.setdefault(seq, [])
+        for piece in step.kept:
+            kept_by_seq[piece.seq].append((piece.start, piece.end))
+    return kept_by_seq
 
 
 def kept_pieces(segment: Segment, kept: Sequence[tuple[int, int]], decode: Decode | None) -> list[tuple[str, bool]]:

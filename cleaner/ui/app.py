@@ -148,8 +148,7 @@ def rollout_page(request: Request) -> Response:
     if inspection is None:
         raise HTTPException(404, f"no rollout {rollout_id!r} in this warehouse")
     decoder = state.decoder(inspection.model)
-    stored = state.browser.read_purified_of(rollout_id, inspection.iteration)
-    rows = [(row, config) for row, config in stored if not row.is_negative]
+    rows = inspection.rows
     wanted = request.query_params.get("config")
     chosen = [pair for pair in rows if wanted is None or pair[0].config_id == wanted][:1]
     if wanted is not None and not chosen:
@@ -162,7 +161,7 @@ def rollout_page(request: Request) -> Response:
     return page(request, "rollout.html", inspection=inspection, rollout=rollout, raw=raw, pane=pane,
                 configs=[_config_label(row, config) for row, config in rows], note=decoder.note,
                 listed=state.browser.listed(rollout_id), group=group,
-                negatives=sum(row.is_negative and row.config_id == wanted_id for row, _ in stored))
+                negatives=next((c.n_negatives for c in inspection.configs if c.config_id == wanted_id), 0))
 
 
 def _config_label(row, config) -> tuple[str, str]:

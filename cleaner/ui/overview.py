@@ -9,7 +9,6 @@ kept until the next snapshot; SVG text needs no font or script from anywhere.
 from __future__ import annotations
 
 import io
-import math
 import threading
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -18,6 +17,7 @@ import polars as pl
 
 from cleaner.report.job import report_data
 from cleaner.report.page import Planned, ReportData, planned_sections
+from cleaner.report.tables import missing
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def table(frame: pl.DataFrame | None) -> Table | None:
         return None
 
     def cell(value: object) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if missing(value):
             return ""
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 

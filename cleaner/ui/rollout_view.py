@@ -33,7 +33,7 @@ from cleaner.engine.saar.walk import (
     render,
 )
 from cleaner.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
-from cleaner.report.show import kept_pieces, step_label, token_text
+from cleaner.report.show import kept_pieces, kept_ranges, step_label, token_text
 
 # ----------------------------------------------------------------------------------------------
 # The raw pane
@@ -56,12 +56,7 @@ class RawSegment:
 
 
 def raw_segments(segments: Sequence[Segment], steps: Sequence[StepOutcome], decode: Decode | None) -> list[RawSegment]:
-    kept_by_seq: dict[int, list[tuple[int, int]]] = {}
-    for step in steps:
-        for seq in step.seqs:
-            kept_by_seq.setdefault(seq, [])
-        for piece in step.kept:
-            kept_by_seq[piece.seq].append((piece.start, piece.end))
+    kept_by_seq = kept_ranges(steps)
     links = _retry_links(segments)
     out = []
     for segment in segments:

@@ -151,7 +151,6 @@ class Browser:
         self.warehouse = warehouse
         self.lock = threading.RLock()
         self.connection = self._open()
-        self._purified: tuple[tuple[str, int], list] | None = None  # the last rollout's, read once per page
 
     @property
     def root(self) -> Path:
@@ -178,7 +177,6 @@ class Browser:
         """A new snapshot: parts written since the last one become visible."""
         with self.lock:
             old, self.connection = self.connection, self._open()
-            self._purified = None
             old.close()
 
     # -----------------------------------------------------------------------------------------
@@ -251,10 +249,7 @@ class Browser:
     def read_purified_of(self, rollout_id: str, iteration: int,
                          connection: object = None) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
         with self.lock:
-            if self._purified is None or self._purified[0] != (rollout_id, iteration):
-                self._purified = ((rollout_id, iteration),
-                                  self.warehouse.read_purified_of(rollout_id, iteration, self.connection))
-            return self._purified[1]
+            return self.warehouse.read_purified_of(rollout_id, iteration, self.connection)
 
     def collect_config(self, iteration: int) -> str | None:
         return self.warehouse.collect_config(iteration)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.engine.train.job import TrainRequest, train_job
     from cleaner.errors import CleanerError, JobError
-    from cleaner.loop import run_loop
+    from cleaner.loop.iterations import run_loop
     from cleaner.records import (
         EvalRunRow,
         IterationRow,
@@ -79,7 +79,7 @@ _MODULES = {  # the module that defines each name of __all__ but __version__
     "cleaner.engine.train.job": ("train_job", "TrainRequest"),
     "cleaner.engine.eval.job": ("eval_job",),
     "cleaner.report.job": ("report_job",),
-    "cleaner.loop": ("run_loop",),
+    "cleaner.loop.iterations": ("run_loop",),
     "cleaner.errors": ("CleanerError", "JobError"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}

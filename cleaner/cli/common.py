@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
+from cleaner.config.layers import name_fields
+
 
 class HelpCommand(TyperCommand):
     """A command whose --help is click's plain layout, one section per `rich_help_panel`.
@@ -115,8 +117,6 @@ def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
     try:
         return factory(**kwargs)
     except ValueError as exc:
-        from cleaner.config.layers import name_fields  # engine imports cost CLI start-up time
-
         names = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for name in kwargs}
         raise fail(f"invalid option: {name_fields(str(exc), names)[0]}") from exc
 

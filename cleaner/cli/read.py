@@ -21,7 +21,7 @@ from cleaner.cli.common import (
     fail,
     sandbox_app,
 )
-from cleaner.report.show import Panels
+from cleaner.report.inspection import Panels
 
 
 @app.command()

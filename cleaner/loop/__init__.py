@@ -1,6 +1,5 @@
 """`cleaner run`: the iteration loop (iterations.py) over the stages' jobs, in one process or SPMD
-on the ranks a launcher started (ranks.py), docs/architecture.md §9."""
+on the ranks a launcher started (ranks.py), docs/architecture.md §9.
 
-from cleaner.loop.iterations import checkpoint_dir, remove_run, run_loop
-
-__all__ = ["checkpoint_dir", "remove_run", "run_loop"]
+Nothing is imported here: `cleaner.loop.ranks` is read by the CLI's error path, which must not load
+the model stack that `iterations` brings (torch, transformers)."""

@@ -32,8 +32,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
-
 from cleaner.config import Shard
 from cleaner.errors import CleanerError
 
@@ -78,6 +76,8 @@ class Ranks:
 
     def device(self, device: str) -> str:
         """Where this rank serves the policy: on several ranks `cuda` means its local rank's GPU."""
+        import torch  # start-up time: the CLI's error path reads Ranks.from_env, and needs no torch
+
         if self.several and torch.device(device).type == "cuda":
             return f"cuda:{self.local_rank}"
         return device
@@ -98,6 +98,8 @@ def join(ranks: Ranks) -> None:
 def _objects_group():
     """The group the ranks exchange Python objects in: gloo (module docstring). Created on first
     use, which every rank reaches at the same point of the loop, as `new_group` needs."""
+    import torch.distributed  # start-up time (as in Ranks.device)
+
     if torch.distributed.get_backend() == "gloo":
         return None  # the job's own group
     return torch.distributed.new_group(backend="gloo")
@@ -107,6 +109,8 @@ def gather(ranks: Ranks, value: T) -> list[T]:
     """Every rank's `value` (picklable, small), in rank order; a barrier."""
     if not ranks.several:
         return [value]
+    import torch.distributed  # start-up time (as in Ranks.device)
+
     gathered: list = [None] * ranks.world_size
     torch.distributed.all_gather_object(gathered, value, group=_objects_group())
     return gathered

@@ -17,11 +17,21 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from cleaner.engine.saar.walk import Decode
 from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 
 logger = logging.getLogger(__name__)
+
+
+class Panels(StrEnum):
+    """Which views `cleaner show` prints (here, not in show.py, so the CLI's option loads no
+    polars at start-up)."""
+
+    RAW = "raw"
+    PURIFIED = "purified"
+    BOTH = "both"
 
 
 @dataclass(frozen=True)

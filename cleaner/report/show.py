@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from itertools import pairwise
 
 from rich.console import Group
@@ -35,7 +34,7 @@ from cleaner.records import (
     ToolStatus,
     enum_value,
 )
-from cleaner.report.inspection import ConfigOutcome, Decoder, Inspection
+from cleaner.report.inspection import ConfigOutcome, Decoder, Inspection, Panels
 from cleaner.report.tables import cell, number, setting, signed, visible
 
 STATUS_STYLE = {ToolStatus.OK: "green", ToolStatus.ERROR: "bold red", ToolStatus.TIMEOUT: "bold magenta",
@@ -281,14 +280,6 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
 
 # ----------------------------------------------------------------------------------------------
 # The whole `cleaner show` output
-
-
-class Panels(StrEnum):
-    """Which views `cleaner show` prints."""
-
-    RAW = "raw"
-    PURIFIED = "purified"
-    BOTH = "both"
 
 
 def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: Panels = Panels.BOTH) -> Group:

@@ -112,18 +112,21 @@ def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend
                                               [s for s in segments if s.rollout_id in work_ids], todo, progress)
         _store_purified(warehouse, iteration, purified)
         computed = {result.config.config_id: result for result in purified if len(work) == len(rollouts)}
+    errors = errors_by_type(segments) if len(computed) < len(configs) else ()  # once, for the stored configs
     results = [computed[config.config_id] if config.config_id in computed
-               else _stored_result(warehouse, iteration, config, rollouts, segments) for config in configs]
+               else _stored_result(warehouse, iteration, config, ids, rollouts, segments, errors) for config in configs]
     return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
 
 
-def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, rollouts: list[Rollout],
-                   segments: list[Segment]) -> PurifyResult:
-    """A config's result over these rollouts, rebuilt from its stored rows."""
-    rows = warehouse.read_purified(iteration, config.config_id, {rollout.rollout_id for rollout in rollouts})
+def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, ids: frozenset[str],
+                   rollouts: list[Rollout], segments: list[Segment],
+                   errors: tuple[tuple[str, int], ...]) -> PurifyResult:
+    """A config's result over these rollouts (`ids`), rebuilt from its stored rows; `errors` is
+    errors_by_type(segments)."""
+    rows = warehouse.read_purified(iteration, config.config_id, ids)
     premise = iteration_premise(rollouts, segments, rows)
     masked = masked_tokens(rows, segments) if config.edit == Edit.MASK else 0
-    stats = stats_from_rows(config.config_id, rows, errors_by_type(segments), premise, masked)
+    stats = stats_from_rows(config.config_id, rows, errors, premise, masked)
     return PurifyResult(config, rows, stats)
 
 
@@ -137,12 +140,13 @@ def stored_iteration(warehouse: Warehouse, iteration: int, config: PurifyConfig)
     """An iteration whose shards have all been collected and purified under `config`, read back
     whole: what one unsharded collect and purify would have reported."""
     rollouts, segments = _share(warehouse, iteration, UNSHARDED)
-    unpurified = {r.rollout_id for r in rollouts} - warehouse.purified_rollout_ids(iteration, config.config_id)
+    ids = frozenset(r.rollout_id for r in rollouts)
+    unpurified = ids - warehouse.purified_rollout_ids(iteration, config.config_id)
     if unpurified:
         raise JobError(f"{warehouse.root}: {len(unpurified)} rollouts of iteration {iteration} have no rows "
                        f"under purify config {config.config_id}; purify every shard first")
     return StoredIteration(summarize(rollouts, segments),
-                           _stored_result(warehouse, iteration, config, rollouts, segments))
+                           _stored_result(warehouse, iteration, config, ids, rollouts, segments, errors_by_type(segments)))
 
 
 def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, load: Callable[[], Backend],

@@ -213,7 +213,7 @@ def render_iteration(
         raise ValueError("IS gating and negative samples need old log-probs: use purify_iteration")
     grouped = _segments_by_rollout(rollouts, segments)
     plan = _plan(rollouts, grouped, config, decode, {}, _input_errors(grouped), ScoreCache(),
-                 _classes(rollouts, grouped))
+                 _classes(rollouts, grouped), _failed_tokens(rollouts, grouped))
     return [_row(plan.config, draft, None, "") for draft in plan.drafts], plan.stats
 
 
@@ -226,6 +226,7 @@ def _plan(
     errors: tuple[tuple[str, int], ...],  # errors_by_type of the input
     cache: ScoreCache,  # old log-probs known so far, for the IS gate
     classes: Sequence[RolloutClass | None],  # the premise class of each rollout (None: infra fault)
+    failed_tokens: Sequence[int],  # the failed-call tokens of each rollout (the premise's credit)
 ) -> PurifyPlan:
     faults = [cls is None for cls in classes]
     advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
@@ -256,7 +257,7 @@ def _plan(
         n_gated=sum(c.n_gated for c in counts),
         n_negatives=sum(len(draft.rendered.negatives) for draft in drafts),
         tokens_masked=sum(c.tokens_masked for c in counts),
-        premise=premise_stats(rollouts, classes, advantages, _failed_tokens(rollouts, grouped)),
+        premise=premise_stats(rollouts, classes, advantages, failed_tokens),
     )
     return PurifyPlan(config, tuple(drafts), stats)
 
@@ -301,8 +302,10 @@ def purify_iteration(
     _warn_masking_purified(rollouts, configs)
     renders: dict = {}
     errors, classes, cache = _input_errors(grouped), _classes(rollouts, grouped), ScoreCache()
+    failed_tokens = _failed_tokens(rollouts, grouped)  # the input's facts, the same under every config and round
     while True:
-        plans = [_plan(rollouts, grouped, config, decode, renders, errors, cache, classes) for config in configs]
+        plans = [_plan(rollouts, grouped, config, decode, renders, errors, cache, classes, failed_tokens)
+                 for config in configs]
         for draft in (draft for plan in plans for draft in plan.drafts):
             cache.get(draft.rendered.token_ids, _start(draft.rendered))  # wanted unless scored
             for negative in draft.rendered.negatives:

@@ -34,7 +34,7 @@ $(VENV)/.deepspeed-installed: $(VENV)/.installed
 
 # A second venv, so the default one stays free of SGLang's 2 GB. The CPU test shims (a placeholder
 # sgl_kernel and a torchvision import hook) are copied into its site-packages.
-$(SGLANG_VENV)/.installed: pyproject.toml $(wildcard $(SGLANG_CPU)/*.txt $(SGLANG_CPU)/site/*.py $(SGLANG_CPU)/site/*/*.py)
+$(SGLANG_VENV)/.installed: pyproject.toml $(SGLANG_CPU)/install_shims.py $(wildcard $(SGLANG_CPU)/*.txt $(SGLANG_CPU)/site/*.py $(SGLANG_CPU)/site/*/*.py)
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_CPU)/constraints.txt "$(TORCH_SPEC)" \

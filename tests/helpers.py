@@ -38,6 +38,22 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "cleaner.cli", *args]
 
 
+def leaf_commands() -> list[tuple[tuple[str, ...], object]]:
+    """(command path, click command) of every leaf command of the app, e.g. ("sandbox", "run")."""
+    import typer
+
+    from cleaner.cli import app
+
+    def walk(command, path=()):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+        else:
+            yield path, command
+
+    return list(walk(typer.main.get_command(app)))
+
+
 def wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
     """Poll until `predicate()`; fail if `process` ends first or the time runs out."""
     deadline = time.monotonic() + timeout_s

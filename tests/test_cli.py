@@ -14,6 +14,7 @@ from cleaner.cli import app
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.parts import list_parts
 from tests.factories import make_rollout, make_segments
+from tests.helpers import leaf_commands
 
 runner = CliRunner()
 
@@ -332,15 +333,6 @@ def test_show_and_sql_print_control_characters_escaped(tmp_path):
             assert escaped in result.output, (escaped, result.output)
 
 
-def _commands(command, path=()):
-    """(path, command) of every leaf command under a click group."""
-    if hasattr(command, "commands"):
-        for name, sub in command.commands.items():
-            yield from _commands(sub, (*path, name))
-    else:
-        yield path, command
-
-
 def test_every_help_is_readable_at_80_columns():
     """Every option name appears whole (rich's table cut them: --rollback-is-thre…), no line is
     wider than the terminal, and run's panels are sections."""
@@ -348,7 +340,7 @@ def test_every_help_is_readable_at_80_columns():
 
     import typer
 
-    leaves = list(_commands(typer.main.get_command(app)))
+    leaves = leaf_commands()
     assert len(leaves) == 14  # the 13 phase, loop and read commands, and ui
     for path, command in [((), typer.main.get_command(app)), *leaves]:
         result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})

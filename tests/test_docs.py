@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from cleaner.warehouse import schema
+from tests.helpers import leaf_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -79,22 +80,6 @@ def test_readme_is_a_front_page():
     assert len(README.read_text()) < README_LIMIT
 
 
-def _leaf_commands():
-    """(command path, click command) of every leaf command of the app, e.g. ("sandbox", "run")."""
-    import typer
-
-    from cleaner.cli import app
-
-    def walk(command, path=()):
-        if hasattr(command, "commands"):
-            for name, sub in command.commands.items():
-                yield from walk(sub, (*path, name))
-        else:
-            yield path, command
-
-    return list(walk(typer.main.get_command(app)))
-
-
 def test_readme_cli_table_lists_exactly_the_commands():
     documented = []
     for cells in table_rows(section(README.read_text(), "CLI")):
@@ -102,14 +87,14 @@ def test_readme_cli_table_lists_exactly_the_commands():
         assert words[0] == "cleaner", cells
         documented.append(" ".join(word for word in words[1:] if re.fullmatch(r"[a-z][a-z-]*", word)))
     assert len(documented) == len(set(documented))
-    assert sorted(documented) == sorted(" ".join(path) for path, _ in _leaf_commands())
+    assert sorted(documented) == sorted(" ".join(path) for path, _ in leaf_commands())
 
 
 def test_readme_names_the_commands_that_take_warehouse():
     match = re.search(r"The commands that read or write a warehouse\s+\(([^)]*)\)", README.read_text())
     assert match, "README lost its sentence on --warehouse"
     named = {name.strip() for name in match.group(1).replace("\n", " ").split(",")}
-    taking = {" ".join(path) for path, command in _leaf_commands()
+    taking = {" ".join(path) for path, command in leaf_commands()
               if any("--warehouse" in param.opts for param in command.params)}
     assert named == taking
 

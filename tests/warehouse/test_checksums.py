@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cleaner.cli import app
-from cleaner.records import IterationRow, PurifiedRow, PurifyConfigRow, TrainStepRow
+from cleaner.records import IterationRow, PurifiedRow, TrainStepRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.compact import compact
 from cleaner.warehouse.manifest import MANIFEST_DIR
 from cleaner.warehouse.parts import list_parts
 from cleaner.warehouse.schema import DATASETS
-from tests.factories import make_eval_run, make_rollout, make_segments
+from tests.factories import make_eval_run, make_purify_config, make_rollout, make_segments
 
 runner = CliRunner()
 
@@ -201,7 +201,7 @@ def test_compaction_never_rewrites_changed_bytes_of_a_part_without_page_checksum
 # Property: random flips in random parts of every dataset are named or provably harmless
 
 
-CONFIG = PurifyConfigRow("cfg", 0.5, 1.0, "code", "always", "{}")
+CONFIG = make_purify_config("cfg")
 READERS = {  # dataset: what a stage reads of it, through pyarrow
     "rollouts": lambda wh: (wh.read_rollouts(0), sorted(wh.rollout_ids(0))),
     "segments": lambda wh: wh.read_segments(0),

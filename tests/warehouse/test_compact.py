@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.records import PurifiedRow, PurifyConfigRow
+from cleaner.records import PurifiedRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse import compact as compact_module
 from cleaner.warehouse.compact import LOCK_NAME, compact
 from cleaner.warehouse.parts import MERGED_PREFIX, list_parts, write_part
-from tests.factories import make_rollout, make_segments
+from tests.factories import make_purify_config, make_rollout, make_segments
 
-CONFIG = PurifyConfigRow(config_id="abc", gamma=0.5, rollback_prob=1.0, similarity_on="code",
-                         purify_when="always", params_json="{}")
+CONFIG = make_purify_config("abc")
 
 
 def _purified(rollout_id: str) -> PurifiedRow:

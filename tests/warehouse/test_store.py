@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cleaner.records import PurifiedRow, PurifyConfigRow
+from cleaner.records import PurifiedRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
 from cleaner.warehouse.parts import list_parts, read_part, write_part
 from tests.factories import make_purified, make_purify_config, make_rollout, make_segments
@@ -78,8 +78,7 @@ def test_uncommitted_segments_are_invisible(tmp_path):
 
 def test_purified_write_is_idempotent(tmp_path):
     wh = _fill(tmp_path)
-    config = PurifyConfigRow(config_id="abc", gamma=0.5, rollback_prob=1.0, similarity_on="code",
-                             purify_when="always", params_json="{}")
+    config = make_purify_config("abc")
     row = PurifiedRow(config_id="abc", iteration=0, rollout_id="r0", group_id="g", token_ids=(1, 2, 3),
                       prompt_len=1, loss_mask=(0, 1, 1), behavior_logprobs=(0.0, -0.5, -0.25),
                       old_logprobs=(0.0, -0.5, -0.25), reward=1.0, advantage=0.5, rolled_back=True,
@@ -95,13 +94,8 @@ def test_purified_write_is_idempotent(tmp_path):
 
 def test_purified_many_writes_new_config_rows_once_in_one_part(tmp_path):
     wh = _fill(tmp_path)
-    configs = [PurifyConfigRow(config_id=c, gamma=0.5, rollback_prob=1.0, similarity_on="code",
-                               purify_when="always", params_json="{}") for c in ("c1", "c2")]
-    rows = {c.config_id: PurifiedRow(
-        config_id=c.config_id, iteration=0, rollout_id="r0", group_id="g", token_ids=(1, 2), prompt_len=1,
-        loss_mask=(0, 1), behavior_logprobs=(0.0, -0.5), old_logprobs=(0.0, -0.25), reward=1.0, advantage=0.5,
-        rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0, tokens_removed=0, scorer_version="t",
-    ) for c in configs}
+    configs = [make_purify_config(c) for c in ("c1", "c2")]
+    rows = {c.config_id: make_purified(c.config_id) for c in configs}
     wh.write_purified(0, configs[0], [rows["c1"]])  # c1 is already known and stored
     wh.write_purified_many(0, [(c, [rows[c.config_id]]) for c in configs])
     wh.write_purified_many(0, [(c, [rows[c.config_id]]) for c in configs])  # idempotent
@@ -124,8 +118,7 @@ def test_to_table_converts_shared_list_objects_once_with_the_same_result(tmp_pat
     columns = {name: [getattr(row, name) for row in rows] for name in schema.PURIFIED.columns}
     assert schema.to_table(schema.PURIFIED, rows).equals(pa.Table.from_pydict(columns, schema=schema.PURIFIED.schema))
     wh = _fill(tmp_path)
-    configs = [PurifyConfigRow(config_id=c, gamma=0.5, rollback_prob=1.0, similarity_on="code",
-                               purify_when="always", params_json="{}") for c in ("c1", "c2", "c3")]
+    configs = [make_purify_config(c) for c in ("c1", "c2", "c3")]
     wh.write_purified_many(0, [(c, rows[2 * k : 2 * k + 2]) for k, c in enumerate(configs)])
     assert [wh.read_purified(0, c) for c in ("c1", "c2", "c3")] == [rows[0:2], rows[2:4], rows[4:6]]
 
@@ -195,9 +188,9 @@ def test_parts_written_before_a_column_was_added_still_read(tmp_path):
     from cleaner.warehouse.compact import compact
 
     wh = Warehouse(tmp_path)
-    old_config = schema.to_table(schema.PURIFY_CONFIGS, [PurifyConfigRow("old", 0.5, 1.0, "code", "always", "{}")])
+    old_config = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("old")])
     write_part(wh.root / "purify_configs", old_config.drop_columns(["edit"]))
-    new_config = PurifyConfigRow("new", 0.5, 1.0, "code", "always", "{}", edit="mask")
+    new_config = make_purify_config("new", edit="mask")
     write_part(wh.root / "purify_configs", schema.to_table(schema.PURIFY_CONFIGS, [new_config]))
     row = IterationRow(0, "p", "q", "{}", "{}", "{}", 1.0, 1.0, 1.0, 0.5, 0.25, 0.5, 1, 2)
     added = ["failed_call_tokens", "failed_call_advantage", "failed_call_positive_share"]
@@ -214,7 +207,7 @@ def test_parts_written_before_a_column_was_added_still_read(tmp_path):
         assert wh.purify_config_ids() == {"old", "new"}
         compact(wh.root)
     assert len(list_parts(wh.root, schema.ITERATIONS)) == 1
-    missing = schema.to_table(schema.PURIFY_CONFIGS, [PurifyConfigRow("x", 0.5, 1.0, "code", "always", "{}")])
+    missing = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("x")])
     path = write_part(wh.root / "purify_configs", missing.drop_columns(["similarity_on"]))
     with pytest.raises(WarehouseError, match=rf"{path}.*missing column 'similarity_on'"):  # others stay required
         wh.connect()

@@ -85,12 +85,22 @@ def check_model_path(path: str | Path, tokenizer: bool = False) -> None:
     if not (local / "config.json").is_file():
         raise ModelError(f"model {str(path)!r}: the directory has no config.json; expected a Hugging "
                          "Face model directory (save_pretrained) with config.json and weights")
-    if not any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in local.iterdir()):
+    if not weight_files(local):
         raise ModelError(f"model {str(path)!r}: the directory has no weight files "
                          f"({', '.join('*' + suffix for suffix in WEIGHT_SUFFIXES)}) beside its config.json")
-    if tokenizer and not any((local / name).exists() for name in TOKENIZER_MARKERS):
+    if tokenizer and not has_tokenizer(local):
         raise ModelError(f"model {str(path)!r}: the directory has no tokenizer files "
                          f"({', '.join(TOKENIZER_MARKERS)}); prompts need the model's tokenizer")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files of a checkpoint directory, sorted by name."""
+    return sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether a checkpoint directory holds tokenizer files."""
+    return any((directory / name).exists() for name in TOKENIZER_MARKERS)
 
 
 def load_policy(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
@@ -112,7 +122,7 @@ def load_tokenizer_if_present(path: str | Path) -> object | None:
     A path that is not a local directory is taken as a hub id, whose tokenizer always exists.
     """
     local = Path(path)
-    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_MARKERS):
+    if local.is_dir() and not has_tokenizer(local):
         return None
     from transformers import AutoTokenizer  # transformers' import costs CLI start-up time
 
@@ -169,7 +179,7 @@ def weights_digest(model_path: str | Path) -> str:
     blocks (an optimiser step changes every block, and hashing 8 GB per load is not cheap).
     """
     model_dir = Path(model_path)
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = weight_files(model_dir)
     if not files:
         raise ModelError(f"model {str(model_dir)!r}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
     digest = hashlib.sha256()

@@ -41,35 +41,12 @@ import multiprocessing
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cleaner.engine.model.backend_scorer import BackendScorer
-from cleaner.engine.model.base import (
-    SGLANG_INSTALL_HINT,
-    BackendError,
-    Generation,
-    SamplingParams,
-    check_generate_inputs,
-    check_score_inputs,
-)
-from cleaner.engine.model.loading import (
-    context_length_of,
-    load_tokenizer_if_present,
-    policy_version_of,
-    vocab_size_of,
-)
-from cleaner.engine.model.sglang_wire import (
-    EngineError,
-    batch_body,
-    computed_tokens,
-    generate_body,
-    generation_from_response,
-    input_logprobs_from_response,
-    responses_of,
-    score_body,
-)
+from cleaner.engine.model.base import SGLANG_INSTALL_HINT, BackendError
+from cleaner.engine.model.sglang_common import SGLangRequests
+from cleaner.engine.model.sglang_wire import EngineError, batch_body, responses_of
 
 log = logging.getLogger(__name__)
 
@@ -154,47 +131,25 @@ def restore_resource_tracker() -> None:
             resource_tracker.register(thing._name, "shared_memory")
 
 
-class SGLangBackend:
+class SGLangBackend(SGLangRequests):
     """Generation and scoring on an in-process `sglang.Engine`."""
 
     def __init__(self, model_path: str | Path, device: str = "cuda", dtype: str | None = None,
                  seed: int = 0, **engine_kwargs: Any) -> None:
         options = engine_options(device, dtype, seed, engine_kwargs)  # a bad device fails first
         sglang = import_sglang(device)
-        self._model_path = Path(model_path)
-        self.tokenizer = load_tokenizer_if_present(model_path)
-        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
-        self.vocab_size = vocab_size_of(model_path)  # for the id check of input log-probs
+        self._read_checkpoint(model_path)
         logging.getLogger("sglang").setLevel(options["log_level"].upper())  # its loggers in this process
         self.engine = sglang.Engine(model_path=str(model_path), **options)
-        self._policy_version = policy_version_of(model_path)
-        self.tokens_computed = 0  # over every `score` request: prompt tokens minus cached ones
-
-    @property
-    def model_path(self) -> Path:
-        return self._model_path
-
-    @property
-    def policy_version(self) -> str:
-        return self._policy_version
-
-    @property
-    def context_length(self) -> int | None:
-        """The checkpoint's own limit, as the engine derives it by default (an engine started with
-        a smaller `--context-length` is not seen here)."""
-        return self._context_length
+        self._serve(model_path)
 
     def adopt(self, model_path: str | Path) -> None:
         """Load the weights saved at `model_path` (same architecture) into the running engine."""
         success, message, *_ = self.engine.update_weights_from_disk(str(model_path))
         if not success:
             raise EngineError(f"sglang could not load weights from {model_path}: {message}")
-        self._model_path = Path(model_path)
-        self._policy_version = policy_version_of(model_path)
+        self._serve(model_path)
         log.info("sglang engine now serves %s as %s", model_path, self._policy_version)
-
-    def scorer(self, progress: bool = False) -> BackendScorer:
-        return BackendScorer(self.score, progress=progress, computed=lambda: self.tokens_computed)
 
     def close(self) -> None:
         self.engine.shutdown()  # SIGKILLs every child process of this process (SGLang's way) ...
@@ -202,24 +157,6 @@ class SGLangBackend:
         multiprocessing.active_children()  # reaps the engine's processes
         restore_resource_tracker()
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
-    ) -> list[Generation]:
-        check_generate_inputs(prompts, seeds)
-        if not prompts:
-            return []
-        bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
-        responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
-        return [generation_from_response(r) for r in responses]
-
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
-        check_score_inputs(sequences, starts)
-        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
-        results: list[list[float]] = [[] for _ in sequences]
-        if asked:
-            bodies = [score_body(sequences[i], starts[i]) for i in asked]
-            responses = responses_of(self.engine.generate(**batch_body(bodies)), len(bodies))
-            for i, response in zip(asked, responses, strict=True):
-                results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)
-            self.tokens_computed += sum(computed_tokens(response) for response in responses)
-        return results
+    def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One batch to the engine."""
+        return responses_of(self.engine.generate(**batch_body(bodies)), len(bodies)) if bodies else []

@@ -32,33 +32,15 @@ import logging
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cleaner.engine.model.backend_scorer import BackendScorer
-from cleaner.engine.model.base import (
-    Generation,
-    SamplingParams,
-    check_generate_inputs,
-    check_score_inputs,
-)
-from cleaner.engine.model.loading import (
-    context_length_of,
-    load_tokenizer_if_present,
-    policy_version_of,
-    vocab_size_of,
-)
+from cleaner.engine.model.sglang_common import SGLangRequests
 from cleaner.engine.model.sglang_wire import (
     EngineError,
-    computed_tokens,
     error_message,
-    generate_body,
-    generation_from_response,
-    input_logprobs_from_response,
     responses_of,
-    score_body,
     served_model,
     update_weights_body,
     worker_urls,
@@ -122,7 +104,7 @@ def served_checkpoint(worker: str, timeout_s: float) -> str | None:
 # ---------------------------------------------------------------------------- backend
 
 
-class SGLangServerBackend:
+class SGLangServerBackend(SGLangRequests):
     """Generation and scoring through SGLang's native `/generate` on running servers."""
 
     def __init__(self, url: str, model_path: str | Path, *, max_concurrency: int = DEFAULT_CONCURRENCY,
@@ -132,38 +114,19 @@ class SGLangServerBackend:
         self.url = url.rstrip("/")
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
-        self.tokenizer = load_tokenizer_if_present(model_path)
-        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
-        self.vocab_size = vocab_size_of(model_path)  # for the id check of input log-probs
+        self._read_checkpoint(model_path)
         self.workers = discover_workers(self.url, timeout_s)
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
-        self._model_path = Path(model_path)
-        self._policy_version = policy_version_of(model_path)
-        self.tokens_computed = 0  # over every `score` request: prompt tokens minus cached ones
+        self._serve(model_path)
         for worker in self.workers:
             if served_checkpoint(worker, timeout_s) != os.path.normpath(str(model_path)):
                 self._update(worker, model_path)
-
-    @property
-    def model_path(self) -> Path:
-        return self._model_path
-
-    @property
-    def policy_version(self) -> str:
-        return self._policy_version
-
-    @property
-    def context_length(self) -> int | None:
-        """The checkpoint's own limit, as the engine derives it by default (an engine started with
-        a smaller `--context-length` is not seen here)."""
-        return self._context_length
 
     def adopt(self, model_path: str | Path) -> None:
         """Every server loads the checkpoint saved at `model_path` (same architecture)."""
         for worker in self.workers:
             self._update(worker, model_path)
-        self._model_path = Path(model_path)
-        self._policy_version = policy_version_of(model_path)
+        self._serve(model_path)
 
     def _update(self, worker: str, model_path: str | Path) -> None:
         answer = post_ok(worker + "/update_weights_from_disk", update_weights_body(model_path), self.timeout_s)
@@ -171,15 +134,12 @@ class SGLangServerBackend:
             raise EngineError(f"{worker} could not load weights from {model_path}: {answer.get('message')}")
         log.info("%s now serves %s", worker, model_path)
 
-    def scorer(self, progress: bool = False) -> BackendScorer:
-        return BackendScorer(self.score, progress=progress, computed=lambda: self.tokens_computed)
-
     def close(self) -> None:
         """Nothing to release: the servers keep running."""
 
     # ------------------------------------------------------------------------ requests
 
-    def _generate_all(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """POST every body to `/generate`, `max_concurrency` at a time; responses in body order."""
         def one(body: dict[str, Any]) -> dict[str, Any]:
             (response,) = responses_of(post_ok(self.url + "/generate", body, self.timeout_s), 1)
@@ -190,19 +150,4 @@ class SGLangServerBackend:
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
             return list(pool.map(one, bodies))
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
-    ) -> list[Generation]:
-        check_generate_inputs(prompts, seeds)
-        bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
-        return [generation_from_response(r) for r in self._generate_all(bodies)]
 
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
-        check_score_inputs(sequences, starts)
-        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
-        responses = self._generate_all([score_body(sequences[i], starts[i]) for i in asked])
-        results: list[list[float]] = [[] for _ in sequences]
-        for i, response in zip(asked, responses, strict=True):
-            results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)
-        self.tokens_computed += sum(computed_tokens(response) for response in responses)
-        return results

@@ -1,0 +1,96 @@
+"""What both SGLang backends share (docs/architecture.md §6): the checkpoint they serve, and
+generation and scoring built on one way to send request bodies.
+
+The in-process engine (`sglang_engine.py`) sends a batch to `Engine.generate`; the server client
+(`sglang_server.py`) POSTs each body to `/generate`. Everything else, from the request bodies to the
+checks on what comes back, is the same, and lives here over `_send`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cleaner.engine.model.backend_scorer import BackendScorer
+from cleaner.engine.model.base import (
+    Generation,
+    SamplingParams,
+    check_generate_inputs,
+    check_score_inputs,
+)
+from cleaner.engine.model.loading import (
+    context_length_of,
+    load_tokenizer_if_present,
+    policy_version_of,
+    vocab_size_of,
+)
+from cleaner.engine.model.sglang_wire import (
+    computed_tokens,
+    generate_body,
+    generation_from_response,
+    input_logprobs_from_response,
+    score_body,
+)
+
+
+class SGLangRequests:
+    """A policy served by SGLang: `_read_checkpoint` before the serving starts, `_serve` once it
+    serves a checkpoint (and after each `adopt`), `_send` the bodies' responses in order."""
+
+    tokenizer: object | None
+    vocab_size: int | None
+    tokens_computed: int  # over every `score` request: prompt tokens minus cached ones
+    _model_path: Path
+    _policy_version: str
+    _context_length: int | None
+
+    def _read_checkpoint(self, model_path: str | Path) -> None:
+        """What the requests need from the checkpoint: its tokenizer, context length and vocab size."""
+        self.tokenizer = load_tokenizer_if_present(model_path)
+        self._context_length = context_length_of(model_path)  # adopt keeps the architecture
+        self.vocab_size = vocab_size_of(model_path)  # for the id check of input log-probs
+        self.tokens_computed = 0
+
+    def _serve(self, model_path: str | Path) -> None:
+        """Record the checkpoint now served."""
+        self._model_path = Path(model_path)
+        self._policy_version = policy_version_of(model_path)
+
+    def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The responses to `bodies`, in order; none for none."""
+        raise NotImplementedError
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def policy_version(self) -> str:
+        return self._policy_version
+
+    @property
+    def context_length(self) -> int | None:
+        """The checkpoint's own limit, as the engine derives it by default (an engine started with
+        a smaller `--context-length` is not seen here)."""
+        return self._context_length
+
+    def scorer(self, progress: bool = False) -> BackendScorer:
+        return BackendScorer(self.score, progress=progress, computed=lambda: self.tokens_computed)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        check_generate_inputs(prompts, seeds)
+        bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
+        return [generation_from_response(r) for r in self._send(bodies)]
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        check_score_inputs(sequences, starts)
+        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
+        responses = self._send([score_body(sequences[i], starts[i]) for i in asked])
+        results: list[list[float]] = [[] for _ in sequences]
+        for i, response in zip(asked, responses, strict=True):
+            results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)
+        self.tokens_computed += sum(computed_tokens(response) for response in responses)
+        return results

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
+from cleaner.config.flags import option_of
 from cleaner.config.layers import name_fields
 
 
@@ -117,7 +118,7 @@ def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
     try:
         return factory(**kwargs)
     except ValueError as exc:
-        names = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for name in kwargs}
+        names = {name: (flags or {}).get(name, option_of(name)) for name in kwargs}
         raise fail(f"invalid option: {name_fields(str(exc), names)[0]}") from exc
 
 

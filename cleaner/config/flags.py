@@ -35,6 +35,11 @@ RENAMED = {"n_prompts": "prompts"}  # field -> its flag's name, on every command
 SECTIONS = ("collect", "purify", "train")  # RunConfig's tables: `run` takes their flags unprefixed
 
 
+def option_of(name: str) -> str:
+    """The command-line spelling of a field or parameter name: n_prompts -> --n-prompts."""
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One command-line flag and the config fields it sets."""
@@ -48,7 +53,7 @@ class Flag:
 
     @property
     def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return option_of(self.name)
 
     @property
     def sections(self) -> tuple[str, ...]:
@@ -185,14 +190,14 @@ def flag_layer(flags: Mapping[str, object]) -> dict:
 
 def flag_names(flags: Iterable[str]) -> dict[tuple[str, ...], str]:
     """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
-    return {path: "--" + name.replace("_", "-") for name in flags for path in RUN_FLAGS[name]}
+    return {path: option_of(name) for name in flags for path in RUN_FLAGS[name]}
 
 
 def command_line(flags: Mapping[str, object]) -> str:
     """The `cleaner run` command that gives these flags."""
     words = ["cleaner", "run"]
     for name, value in flags.items():
-        option = "--" + name.replace("_", "-")
+        option = option_of(name)
         if isinstance(value, bool):
             words.append(option if value else "--no-" + option[2:])
         else:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -64,6 +65,15 @@ def wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
             pytest.fail(f"process ended (rc {process.returncode}) before the kill point")
         time.sleep(0.05)
     pytest.fail("kill point not reached in time")
+
+
+def sigkill_when(command: list[str], predicate, timeout_s: float, env: dict | None = None) -> None:
+    """Start `command` (its output discarded), SIGKILL it once `predicate()` holds, and reap it;
+    fail if it ends first or the time runs out."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_for(predicate, timeout_s, process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def tree_digest(root) -> str:

@@ -7,8 +7,6 @@ finishes with --resume."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from cleaner.engine.model.loading import load_policy
 from cleaner.loop.iterations import checkpoint_dir, run_loop
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
-from tests.helpers import cli, wait_for
+from tests.helpers import cli, sigkill_when
 from tests.sglang_cpu import get_json, post_json
 
 pytestmark = pytest.mark.sglang
@@ -88,11 +86,9 @@ def test_a_run_killed_between_phases_finishes_with_resume(cluster, tmp_path):
     run_dir = tmp_path / "run"
     args = ["run", "--run-dir", str(run_dir), "--iterations", "2", "--prompts", "2", "--group-size", "2",
             "--backend", "sglang", "--sglang-url", cluster.router.url]
-    process = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     purified = run_dir / "warehouse" / "purified"
-    wait_for(lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 300, process)
-    os.kill(process.pid, signal.SIGKILL)  # after purify, before or during training of iteration 0
-    process.wait()
+    # killed after purify, before or during training of iteration 0
+    sigkill_when(cli(*args), lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 300)
     finished = subprocess.run(cli(*args, "--resume"), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-3000:]
     connection = Warehouse(run_dir / "warehouse").connect()

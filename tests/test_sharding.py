@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 
 import pytest
@@ -21,7 +20,7 @@ from cleaner.engine.purify.job import PurifyRequest, purify_job
 from cleaner.errors import JobError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
-from tests.helpers import cli, wait_for
+from tests.helpers import cli, sigkill_when
 
 # ---------------------------------------------------------------------------------------------
 # The shard itself
@@ -146,12 +145,8 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
             "--max-response-tokens", "48", "--sandbox-workers", "1"]
     # A forward's float rounding depends on the thread count: the subprocesses use this process's.
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    process = subprocess.Popen(cli(*args, "--shard", "1/2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=env)
     rollouts_dir = warehouse / "rollouts" / "iteration=0"
-    wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    sigkill_when(cli(*args, "--shard", "1/2"), lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, env)
     assert len(Warehouse(warehouse).rollout_ids(0)) < 10, "killed too late to test resume"
     # shard 0 runs on, unaffected by its killed sibling (in this process, to spare a model load)
     other = collect_job(Warehouse(warehouse), CollectRequest(_config(random_policy), Shard(0, 2)), backend=backend,

@@ -20,7 +20,7 @@ from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, remove_run, run_lo
 from cleaner.loop.ranks import Ranks, RanksError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, WarehouseError
-from tests.helpers import cli, tree_digest, wait_for
+from tests.helpers import cli, sigkill_when, tree_digest
 
 
 def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
@@ -130,11 +130,8 @@ def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_pol
     args = ["collect", "-w", str(warehouse), "--prompts", "4", "--group-size", "2", "--batch-rollouts", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "48",
             "--max-response-tokens", "96", "--sandbox-workers", "1"]
-    process = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rollouts_dir = warehouse / "rollouts" / "iteration=0"
-    wait_for(lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, process)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    sigkill_when(cli(*args), lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120)
     assert len(Warehouse(warehouse).rollout_ids(0)) < 8, "killed too late to test resume"
     refused = subprocess.run(cli(*args), capture_output=True, text=True)
     assert refused.returncode == 1 and "--resume" in refused.stderr
@@ -156,11 +153,9 @@ def test_sigkill_run_mid_iteration_then_resume(tmp_path, random_policy):
     run_dir = tmp_path / "run"
     args = ["run", "--run-dir", str(run_dir), "--iterations", "2", "--prompts", "2", "--group-size", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24"]
-    process = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     purified = run_dir / "warehouse" / "purified"
-    wait_for(lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 180, process)
-    os.kill(process.pid, signal.SIGKILL)  # after purify, before or during training of iteration 0
-    process.wait()
+    # killed after purify, before or during training of iteration 0
+    sigkill_when(cli(*args), lambda: any(purified.glob("iteration=0/*/part-*.parquet")), 180)
     finished = subprocess.run(cli(*args, "--resume"), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
     connection = Warehouse(run_dir / "warehouse").connect()

@@ -34,6 +34,15 @@ def tiny_qwen3(seed: int = 0, vocab_size: int = 64, num_hidden_layers: int = 2, 
     return Qwen3ForCausalLM(config)
 
 
+def naive_logprobs(model, tokens: list[int]) -> list[float]:
+    """log pi(tokens[t] | tokens[:t]) for t >= 1, by one unpadded forward: the reference every
+    scorer and backend is checked against."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
+    picked = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1))  # (T-1, 1)
+    return picked.squeeze(-1).tolist()
+
+
 def cli(*args: str) -> list[str]:
     """The command line that runs `cleaner ARGS` in a fresh interpreter."""
     return [sys.executable, "-m", "cleaner.cli", *args]

@@ -18,7 +18,7 @@ from cleaner.engine.model.loading import load_policy
 from cleaner.loop.iterations import checkpoint_dir, run_loop
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
-from tests.helpers import cli, sigkill_when
+from tests.helpers import cli, naive_logprobs, sigkill_when
 from tests.sglang_cpu import get_json, post_json
 
 pytestmark = pytest.mark.sglang
@@ -38,10 +38,7 @@ def cluster(tmp_path_factory):
 
 
 def _transformers_logprobs(checkpoint: Path) -> list[float]:
-    model = load_policy(checkpoint, "cpu", torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROBE])).logits[0]
-    return logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+    return naive_logprobs(load_policy(checkpoint, "cpu", torch.float32).eval(), PROBE)
 
 
 def _scored_on(worker: str) -> list[float]:

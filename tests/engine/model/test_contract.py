@@ -30,6 +30,7 @@ import torch
 
 from cleaner.engine.model.base import LENGTH, STOP, SamplingParams
 from cleaner.engine.model.loading import load_policy
+from tests.helpers import naive_logprobs
 
 PROMPTS = [[1, 5, 9, 13, 2], [3, 4], [7, 7, 7, 8, 9, 10, 11, 12, 20]]
 SEEDS_IGNORED = ("per-request sampling_seed needs SGLang's deterministic inference, which refuses "
@@ -114,14 +115,6 @@ def checkpoint(served) -> Path:
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     return load_policy(checkpoint, "cpu", torch.float32).eval()
-
-
-def naive_logprobs(model, tokens: list[int]) -> list[float]:
-    """log pi(tokens[t] | tokens[:t]) for t >= 1, by one unpadded forward."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
-    picked = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1))  # (T-1, 1)
-    return picked.squeeze(-1).tolist()
 
 
 def test_context_length_is_the_checkpoints(served, checkpoint):

@@ -15,6 +15,7 @@ from cleaner.engine.model.torch_backend import (
     sampling_logprobs,
     token_budget_batches,
 )
+from tests.helpers import naive_logprobs
 
 PROMPTS = [[1, 5, 9, 13, 2], [3, 4], [7, 7, 7, 8, 9, 10, 11, 12, 20]]
 
@@ -28,13 +29,6 @@ def model_dir(tiny_qwen3_dir):
 @pytest.fixture(scope="module")
 def backend(model_dir):
     return TorchBackend(model_dir)
-
-
-def naive_logprobs(model, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of one unpadded forward: entry t-1 scores tokens[t]."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
-    return logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------- sampling helpers
@@ -117,14 +111,14 @@ def test_logprobs_at_temperature_one_match_naive_forward(backend):
     params = SamplingParams(max_new_tokens=10, stop_token_ids=())
     generations = backend.generate(PROMPTS, params, seeds=[3, 4, 5])
     for prompt, generation in zip(PROMPTS, generations, strict=True):
-        expected = naive_logprobs(backend.model, prompt + list(generation.token_ids))[len(prompt) - 1 :]
+        expected = torch.tensor(naive_logprobs(backend.model, prompt + list(generation.token_ids))[len(prompt) - 1 :])
         assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
 
 
 def test_top_p_logprobs_are_renormalised(backend):
     params = SamplingParams(max_new_tokens=6, stop_token_ids=(), top_p=0.5)
     generation = backend.generate([PROMPTS[0]], params, seeds=[8])[0]
-    raw = naive_logprobs(backend.model, PROMPTS[0] + list(generation.token_ids))[len(PROMPTS[0]) - 1 :]
+    raw = torch.tensor(naive_logprobs(backend.model, PROMPTS[0] + list(generation.token_ids))[len(PROMPTS[0]) - 1 :])
     # renormalising over a nucleus of mass >= 0.5 raises every log-prob, by at most log 2
     gain = torch.tensor(generation.logprobs) - raw
     assert bool((gain >= -1e-5).all()) and bool((gain <= math.log(2) + 1e-5).all())
@@ -139,7 +133,7 @@ def test_score_matches_unpadded_forward(backend):
     scored = backend.score(sequences, starts)
     for seq, start, row in zip(sequences, starts, scored, strict=True):
         assert len(row) == len(seq) - start
-        assert torch.allclose(torch.tensor(row), naive_logprobs(backend.model, seq)[start - 1 :], atol=1e-5)
+        assert torch.allclose(torch.tensor(row), torch.tensor(naive_logprobs(backend.model, seq)[start - 1 :]), atol=1e-5)
 
 
 def test_score_rejects_bad_start(backend):

@@ -14,7 +14,7 @@ from cleaner.engine.model.radix import build_radix_tree, tokens_to_forward
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
 from tests.factories import SCORED_PROMPT, SCORING_CASES
-from tests.helpers import assert_rows_close
+from tests.helpers import assert_rows_close, naive_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,8 @@ def backend(tiny_qwen3_dir):
 
 
 def unpadded_reference(model, seq: list[int], start: int) -> list[float]:
-    """One forward of one row, no batching at all."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([seq])).logits[0].float()  # (T, V)
-    logprobs = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
-    return logprobs[start - 1 :].tolist()
+    """One forward of one row, no batching at all: the scores from `start` on."""
+    return naive_logprobs(model, seq)[start - 1 :]
 
 
 # ---------------------------------------------------------------------------- radix tree

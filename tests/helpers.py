@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,13 @@ def naive_logprobs(model, tokens: list[int]) -> list[float]:
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
     picked = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1))  # (T-1, 1)
     return picked.squeeze(-1).tolist()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cli(*args: str) -> list[str]:

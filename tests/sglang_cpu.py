@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.engine.model.sglang_engine import CPU_ENGINE_ENV, CPU_ENGINE_OPTIONS
+from tests.helpers import free_port
 
 START_TIMEOUT_S = 600.0  # a server starts in 20-40 s alone; much longer on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def server_flags(options: dict) -> list[str]:

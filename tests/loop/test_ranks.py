@@ -3,14 +3,13 @@ world of one that changes nothing, and agreement on two real gloo processes."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from cleaner.config import Shard
 from cleaner.errors import JobError
 from cleaner.loop.ranks import Ranks, RanksError, agree, from_main, gather, same_everywhere
+from tests.helpers import free_port
 
 
 def test_the_place_comes_from_the_launchers_environment():
@@ -85,9 +84,7 @@ def _two_ranks(rank: int, port: int, results) -> None:
 def test_two_ranks_agree_on_every_step_and_raise_alike_when_one_fails():
     """Each rank learns of a failure on the other, so neither waits for a rank that gave up."""
     context = torch.multiprocessing.get_context("spawn")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     results = context.Queue()
     processes = [context.Process(target=_two_ranks, args=(rank, port, results)) for rank in range(2)]
     for process in processes:

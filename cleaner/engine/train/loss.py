@@ -52,6 +52,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return F.pad(entropy, (1, 0), value=0.0)  # (B, T)
 
 
+K3_LOG_RATIO_BOUND = 20.0  # verl's low_var_kl: the log-ratio is clamped to +-20 before exp
+K3_MAX = 10.0  # and each token's k3 to at most 10
+
+
+def k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 = exp(d) - d - 1 >= 0 of d = log(q / p), clamped as verl's low_var_kl: d to
+    [-20, 20], the value to at most 10, so one token whose probabilities moved apart cannot make the
+    estimate (and its gradient) explode; same shape in and out."""
+    d = torch.clamp(log_ratio, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(d) - d - 1.0, max=K3_MAX)
+
+
 def _token_total(loss_mask: torch.Tensor, num_loss_tokens: float | None) -> float | torch.Tensor:
     if num_loss_tokens is not None:
         return max(float(num_loss_tokens), 1.0)
@@ -89,7 +101,7 @@ def policy_loss(
     low old log-prob) cannot dominate the step. None = off.
     """
     mask = loss_mask.to(log_probs.dtype)  # (B, T)
-    if advantages.dim() == 1:
+    if advantages.dim() < log_probs.dim():
         advantages = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = torch.where(mask > 0, log_probs - old_log_probs, 0.0)  # (B, T); 0 when masked
     log_ratio = torch.clamp(log_ratio, -20.0, 20.0)  # as verl: keeps exp() finite
@@ -109,8 +121,7 @@ def policy_loss(
             (ratio < 1.0 - clip_eps_low) & (advantages < 0)
         )
         clip_fraction = (was_clipped.to(mask.dtype) * mask).sum() / total
-        k3 = torch.exp(-log_ratio) - 1.0 + log_ratio  # (B, T)
-        approx_kl = (k3 * mask).sum() / total
+        approx_kl = (k3_kl(-log_ratio) * mask).sum() / total
     return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl)
 
 
@@ -122,12 +133,12 @@ def kl_penalty(
 ) -> torch.Tensor:
     """k3 estimator of KL(pi || pi_ref), token-mean over loss tokens; (B, T) inputs -> scalar.
 
-    k3 = exp(ref - lp) - (ref - lp) - 1 >= 0, unbiased with low variance (Schulman 2020).
+    k3 = exp(ref - lp) - (ref - lp) - 1 >= 0, unbiased with low variance (Schulman 2020), clamped
+    as verl's (`k3_kl`).
     """
     mask = loss_mask.to(log_probs.dtype)
     diff = torch.where(mask > 0, ref_log_probs - log_probs, 0.0)  # (B, T)
-    k3 = torch.exp(diff) - diff - 1.0
-    return (k3 * mask).sum() / _token_total(mask, num_loss_tokens)
+    return (k3_kl(diff) * mask).sum() / _token_total(mask, num_loss_tokens)
 
 
 def truncated_is_weights(

@@ -10,6 +10,7 @@ import torch
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     entropy_from_logits,
+    k3_kl,
     kl_penalty,
     overlong_penalty,
     policy_loss,
@@ -170,6 +171,27 @@ def test_kl_penalty_k3():
     # Token 0: exp(ln .5) - ln .5 - 1 = 0.193147; token 1: 0; token 2 masked.
     expected = (0.5 - math.log(0.5) - 1.0) / 2
     assert kl_penalty(log_probs, ref, mask).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_k3_is_clamped_as_verls_low_var_kl():
+    """ref - lp = 10 gives exp(10) - 11 = 22015.5 unclamped and ref - lp = 100 gives inf; verl's
+    low_var_kl clamps the log-ratio to [-20, 20] and the value to 10. Small values are untouched."""
+    log_probs = torch.tensor([[-10.0, -100.0, -1.0, 0.0]])
+    ref = torch.tensor([[0.0, 0.0, -1.5, -30.0]])
+    per_token = [10.0, 10.0, math.exp(-0.5) + 0.5 - 1.0, 10.0]  # the last: -20 -> e^-20 + 20 - 1 -> 10
+    for t, expected in enumerate(per_token):
+        mask = torch.zeros(1, 4)
+        mask[0, t] = 1.0
+        assert kl_penalty(log_probs, ref, mask).item() == pytest.approx(expected, abs=1e-6)
+    assert kl_penalty(log_probs, ref, torch.ones(1, 4)).item() == pytest.approx(sum(per_token) / 4, abs=1e-6)
+    assert k3_kl(torch.tensor([math.log(2.0)])).item() == pytest.approx(2.0 - math.log(2.0) - 1.0)
+
+
+def test_approx_kl_metric_is_clamped_too():
+    # a token whose probability rose e^15-fold: unclamped k3 of old - new = e^-15 + 15 - 1 = 14
+    out = policy_loss(torch.tensor([[15.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
+                      EPS_LOW, EPS_HIGH)
+    assert out.approx_kl.item() == pytest.approx(10.0)
 
 
 def test_truncated_is_weights_cap():

@@ -1,0 +1,130 @@
+"""Rows -> micro batches -> one packed, padding-free sequence (docs/architecture.md §7).
+
+A micro batch is a list of rows: a fixed number of them (`micro_batch_size`), or as many as fit in
+a token budget (`max_tokens_per_micro_batch`, verl's ppo_max_token_len_per_gpu); a row longer than
+the budget forms a micro batch alone, never truncated. Its rows are laid end to end in one
+sequence with per-row positions (`PackedBatch`), so no token is padding, and every per-token
+quantity the loss needs is gathered at the loss tokens only: a micro batch of N tokens with M loss
+tokens keeps (M,) vectors, and the lm_head runs on M hidden states, not N (no logits at prompt or
+tool-output positions).
+
+Alignment: flat position i holds token i of its row; the loss token at i is predicted by the hidden
+state at i - 1, which is in the same row because a row's first token never trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cleaner.records import PurifiedRow
+
+
+def loss_token_count(row: PurifiedRow) -> int:
+    """Tokens of the row that are trained (position 0 never is)."""
+    return sum(row.loss_mask[1:])
+
+
+# ---------------------------------------------------------------------------
+# Rows -> micro batches
+
+
+def micro_batches(rows: Sequence[PurifiedRow], micro_batch_size: int,
+                  max_tokens: int | None) -> list[list[PurifiedRow]]:
+    """The micro batches of a (rank's share of a) mini batch, in a deterministic order.
+
+    Without a token budget: consecutive chunks of `micro_batch_size` rows. With one: first-fit
+    decreasing by length, each micro batch holding at most `max_tokens` tokens (a longer row alone).
+    """
+    if max_tokens is None:
+        return [list(rows[start : start + micro_batch_size]) for start in range(0, len(rows), micro_batch_size)]
+    bins: list[list[PurifiedRow]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=lambda r: -len(r.token_ids)):  # stable: ties keep their order
+        length = len(row.token_ids)
+        slot = next((i for i, free in enumerate(room) if free >= length), None)
+        if slot is None:
+            bins.append([row])
+            room.append(max_tokens - length)
+        else:
+            bins[slot].append(row)
+            room[slot] -= length
+    return bins
+
+
+def rank_share(rows: Sequence[PurifiedRow], rank: int, world_size: int,
+               balance_tokens: bool) -> list[PurifiedRow]:
+    """The rows of a mini batch that `rank` trains on: every world_size-th row, or (balance_tokens)
+    the longest-first assignment of each row to the rank with the fewest tokens so far."""
+    if not balance_tokens:
+        return list(rows[rank::world_size])
+    loads = [0] * world_size
+    mine = []
+    for index in sorted(range(len(rows)), key=lambda i: -len(rows[i].token_ids)):
+        owner = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owner] += len(rows[index].token_ids)
+        if owner == rank:
+            mine.append(rows[index])
+    return mine
+
+
+# ---------------------------------------------------------------------------
+# Micro batch -> tensors
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro batch's rows end to end (N tokens), with what the loss needs at its M loss tokens."""
+
+    token_ids: torch.Tensor  # (N,) int64: the rows' tokens, one row after another
+    position_ids: torch.Tensor  # (N,) int64: each token's position within its row
+    row_lengths: tuple[int, ...]  # tokens of each row, in order: they sum to N
+    predictor_index: torch.Tensor  # (M,) int64: flat position of the hidden state predicting each loss token
+    target_ids: torch.Tensor  # (M,) int64: the loss tokens
+    old_log_probs: torch.Tensor  # (M,) float32: log pi_old of each loss token (the scorer's)
+    behavior_log_probs: torch.Tensor  # (M,) float32: log pi of the sampling context
+    advantages: torch.Tensor  # (M,) float32: the row's advantage, or its per-token one
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(M,) ones: every gathered position is a loss token (the loss takes masked inputs)."""
+        return torch.ones_like(self.old_log_probs)
+
+    def to(self, device: str | torch.device) -> PackedBatch:
+        return PackedBatch(
+            token_ids=self.token_ids.to(device), position_ids=self.position_ids.to(device),
+            row_lengths=self.row_lengths, predictor_index=self.predictor_index.to(device),
+            target_ids=self.target_ids.to(device), old_log_probs=self.old_log_probs.to(device),
+            behavior_log_probs=self.behavior_log_probs.to(device), advantages=self.advantages.to(device))
+
+
+def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -> PackedBatch:
+    """Lay the rows end to end; gather the per-token inputs of the loss at the loss tokens."""
+    token_ids, positions, loss_mask, old, behavior, advantages = [], [], [], [], [], []
+    for row in rows:
+        length = len(row.token_ids)
+        token_ids.extend(row.token_ids)
+        positions.extend(range(length))
+        loss_mask.extend((0, *row.loss_mask[1:]))  # a row's first token is never predicted
+        old.extend(row.old_logprobs)
+        behavior.extend(row.behavior_logprobs)
+        advantages.extend(row.token_advantages or (row.advantage,) * length)
+    flat_ids = torch.tensor(token_ids, dtype=torch.int64)  # (N,)
+    loss_index = torch.tensor(loss_mask, dtype=torch.bool).nonzero().squeeze(-1)  # (M,)
+
+    def at_loss(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32)[loss_index]  # (M,)
+
+    batch = PackedBatch(
+        token_ids=flat_ids, position_ids=torch.tensor(positions, dtype=torch.int64),
+        row_lengths=tuple(len(row.token_ids) for row in rows), predictor_index=loss_index - 1,
+        target_ids=flat_ids[loss_index], old_log_probs=at_loss(old),
+        behavior_log_probs=at_loss(behavior), advantages=at_loss(advantages))
+    return batch.to(device)
+

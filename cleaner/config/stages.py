@@ -204,6 +204,7 @@ class TrainConfig(_Config):
     clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
     clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
+    entropy_coef: float = 0.0  # entropy bonus: minus this x the token-mean entropy in the loss; 0 = off
     truncated_is: bool = False  # truncated IS on rewritten contexts: x min(old/behaviour, is_cap)
     is_cap: float = 2.0  # cap of the truncated importance ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
@@ -211,6 +212,11 @@ class TrainConfig(_Config):
     max_response_tokens: int = 768  # DAPO overlong: the response length the buffer counts back from
     mini_batch_size: int = 64  # sequences per optimiser step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    max_tokens_per_micro_batch: int | None = None  # pack micro batches by tokens, at most this many (a longer row alone); replaces micro_batch_size
+    logits_chunk_tokens: int = 1024  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant): activations grow with layers x tokens x hidden only
+    compute_dtype: str = "float32"  # float32 | bfloat16: autocast compute; weights, optimiser and log-softmax stay float32
+    save_dtype: str = "float32"  # float32 | bfloat16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32
     epochs: int = 1  # passes over the iteration's rows
     max_grad_norm: float = 1.0  # gradient clipping
     engine: str = "torch"  # torch | deepspeed (ZeRO over the ranks torchrun starts)
@@ -236,6 +242,12 @@ class TrainConfig(_Config):
         _check(self.mini_batch_size >= self.micro_batch_size,
                f"mini_batch_size ({self.mini_batch_size}) must be >= micro_batch_size ({self.micro_batch_size})")
         _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
+        _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+               f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+        _check(self.logits_chunk_tokens >= 1, f"logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
+        _check_choice("compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+        _check_choice("save_dtype", self.save_dtype, ("float32", "bfloat16"))
         _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check_choice("engine", self.engine, ("torch", "deepspeed"))
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,

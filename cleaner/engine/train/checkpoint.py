@@ -1,7 +1,9 @@
 """Atomic Hugging Face checkpoints (docs/architecture.md §7).
 
 Design decisions:
-- Checkpoints are plain `save_pretrained` directories so every backend (torch, SGLang) loads them.
+- Checkpoints are plain `save_pretrained` directories so every backend (torch, SGLang) loads them,
+  with the weights in --save-dtype (bfloat16 halves what a backend reloads each iteration; the
+  float32 master weights then travel in the optimiser state, `optim.py`).
 - They are written with `cleaner.outputs.atomic_directory`, as kind "checkpoint": the swap
   is atomic, and replaces only a checkpoint cleaner wrote (a warehouse, a directory holding a
   user's file or a file at `out_path` is refused and left untouched). The DeepSpeed engine, which
@@ -10,6 +12,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -24,18 +27,39 @@ logger = logging.getLogger(__name__)
 # Save
 
 
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def save_pretrained_as(model: torch.nn.Module, directory: Path, save_dtype: str,
+                       state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """`model.save_pretrained(directory)` with its floating-point weights (or `state_dict`'s) in
+    `save_dtype`, and config.json saying so, so a backend that serves the config's dtype serves it."""
+    dtype = SAVE_DTYPES[save_dtype]
+    weights = state_dict if state_dict is not None else model.state_dict()
+    if any(t.is_floating_point() and t.dtype != dtype for t in weights.values()):
+        weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()}
+    model.save_pretrained(directory, state_dict=weights)
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = save_dtype
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint_atomic(
     model: torch.nn.Module,
     tokenizer: object | None,
     out_path: str | Path,
     extra_files: dict[str, str] | None = None,
     state_files: dict[str, object] | None = None,
+    save_dtype: str = "float32",
 ) -> Path:
-    """save_pretrained the model (+ tokenizer, + extra text files, + `torch.save`d objects such as
-    the optimiser state, at relative paths) atomically at out_path."""
+    """save_pretrained the model in `save_dtype` (+ tokenizer, + extra text files, + `torch.save`d
+    objects such as the optimiser state, at relative paths) atomically at out_path."""
     out_path = Path(out_path).resolve()
     with atomic_directory(out_path, CHECKPOINT) as temp_dir:
-        model.save_pretrained(temp_dir)
+        save_pretrained_as(model, temp_dir, save_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(temp_dir)
         for name, text in (extra_files or {}).items():

@@ -7,9 +7,12 @@ comes from TrainConfig alone, whichever engine runs it:
   ranks (a short share of a mini batch is padded with zero-weight micro batches, `deepspeed_engine`);
 - the optimiser, its learning rate and warmup: cleaner's one AdamW and transformers' constant
   schedule with warmup (`optim.py`), handed to DeepSpeed as a client optimiser and scheduler;
-- clipping: `gradient_clipping` = max_grad_norm.
+- clipping: `gradient_clipping` = max_grad_norm;
+- precision: `bf16.enabled` = (compute_dtype == "bfloat16"): bfloat16 weights and compute with
+  float32 master weights and optimiser state in DeepSpeed's optimiser wrapper, the counterpart of
+  the torch engine's autocast. fp16 is refused: cleaner trains in float32 or bfloat16.
 
-The file carries what is DeepSpeed's own: the ZeRO stage, offloading, precision (bf16, fp16),
+The file carries what is DeepSpeed's own: the ZeRO stage, offloading, bf16's other settings,
 communication and logging settings. A file that sets one of cleaner's keys is an error naming the
 key and the cleaner option to use instead, not a warning: a value silently overridden would let
 the file say one thing while the run does another. The value "auto" (Hugging Face's convention)
@@ -88,6 +91,7 @@ def read_deepspeed_config(path: str | Path) -> dict:
     zero = ds_config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise DeepSpeedConfigError(f"{path}: 'zero_optimization' must be a JSON object")
+    _check_precision(path, ds_config)
     for key in GATHER_KEYS:
         if zero.get(key) is False and int(zero.get("stage", 0)) == 3:
             raise DeepSpeedConfigError(
@@ -98,6 +102,21 @@ def read_deepspeed_config(path: str | Path) -> dict:
             f"{path}: zero_force_ds_cpu_optimizer is true, but cleaner's optimiser is torch AdamW "
             "(the torch engine's); remove the key")
     return ds_config
+
+
+def _check_precision(path: str | Path, ds_config: dict) -> None:
+    """bf16.enabled is cleaner's (from --compute-dtype); fp16 is not trained."""
+    for section in ("bf16", "fp16"):
+        if not isinstance(ds_config.get(section, {}), dict):
+            raise DeepSpeedConfigError(f"{path}: {section!r} must be a JSON object")
+    if ds_config.get("bf16", {}).get("enabled", AUTO) != AUTO:
+        raise DeepSpeedConfigError(
+            f"{path}: bf16.enabled is cleaner's to set, from --compute-dtype (bfloat16 enables it), so "
+            "that both engines compute in the same precision; remove it (or set it to \"auto\")")
+    if ds_config.get("fp16", {}).get("enabled") not in (None, False, AUTO):
+        raise DeepSpeedConfigError(
+            f"{path}: fp16.enabled is true, but cleaner trains in float32 or bfloat16 "
+            "(--compute-dtype bfloat16); remove the fp16 section")
 
 
 def zero_stage(ds_config: dict) -> int:
@@ -115,6 +134,8 @@ def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
     ds_config["gradient_accumulation_steps"] = accumulation
     ds_config["train_batch_size"] = config.micro_batch_size * accumulation * world_size
     ds_config["gradient_clipping"] = config.max_grad_norm
+    ds_config["bf16"] = {**ds_config.get("bf16", {}), "enabled": config.compute_dtype == "bfloat16"}
+    ds_config.pop("fp16", None)
     zero = dict(ds_config.get("zero_optimization", {}))
     if int(zero.get("stage", 0)) == 3:
         for key in GATHER_KEYS:

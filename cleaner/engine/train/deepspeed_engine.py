@@ -6,18 +6,23 @@ processes (gloo, `DS_ACCELERATOR=cpu`): the weights equal the torch engine's wit
 (tests/engine/train/test_deepspeed.py).
 
 Design decisions:
-- The same stages as the torch engine (`prepare_rows`, `iter_mini_batches`, `micro_batch_loss`),
-  and the same optimiser: `optim.new_optimization`'s AdamW and warmup schedule, handed to DeepSpeed
-  as its client optimiser and scheduler, with the batch sizes and clipping of TrainConfig
-  (`deepspeed_config.py`). Every rank sees every row in the same seeded order and trains on its
-  share `mini_rows[rank::world_size]`.
+- The same stages as the torch engine (`prepare_rows`, `iter_mini_batches`, `packing`,
+  `forward_micro_batch`, `StepMetrics`) on the same module, `policy.TrainablePolicy`, which
+  DeepSpeed initialises with (under ZeRO-3 the lm_head weight the chunked head reads is gathered as
+  a parameter of that module's forward), and the same optimiser: `optim.new_optimization`'s AdamW
+  and warmup schedule, handed to DeepSpeed as its client optimiser and scheduler, with the batch
+  sizes, clipping and precision of TrainConfig (`deepspeed_config.py`). Every rank sees every row in
+  the same seeded order and trains on its share: `mini_rows[rank::world_size]`, or with a token
+  budget the longest-first assignment that balances tokens across ranks.
 - Token mean across ranks: each micro loss is divided by the loss tokens of the WHOLE mini batch
   (every rank knows it) and multiplied by world_size, because DeepSpeed averages gradients over
   ranks: (1/W) sum_r W g_r / N = sum_r g_r / N, the torch engine's gradient.
   `backward(..., scale_wrt_gas=False)` because that normalisation already covers accumulation.
-- Accumulation is DeepSpeed's: `engine.step()` after every micro batch steps at the boundary. A
-  rank whose share is short of a full accumulation cycle runs padding micro batches with weight 0,
-  so every rank reaches the boundary (and ZeRO-3's collective forwards) together.
+- Accumulation: the number of micro batches varies from step to step (token budgets), so the
+  boundary is set explicitly (`set_gradient_accumulation_boundary`, true on the last micro batch);
+  `engine.step()` after every micro batch steps there. Every rank knows every rank's share, so the
+  ranks with fewer micro batches pad with zero-weight ones and all reach the boundary (and ZeRO-3's
+  collective forwards) together.
 - Numbering and schedule: a step row carries the run-wide `optimizer_step` and the lr that step
   used, read from the schedule before stepping. A step DeepSpeed skips (fp16 overflow) still moves
   the schedule on, as the torch engine's skipped step does. DeepSpeed skips non-finite steps only
@@ -47,7 +52,8 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.config import TrainConfig
-from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
+from cleaner.engine.model.loading import load_tokenizer_if_present
+from cleaner.engine.train.checkpoint import save_pretrained_as
 from cleaner.engine.train.deepspeed_config import (
     check_deepspeed_setup,
     deepspeed_config_for,
@@ -62,13 +68,13 @@ from cleaner.engine.train.optim import (
     new_optimization,
     other_engine_error,
 )
+from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
+from cleaner.engine.train.policy import TrainablePolicy, load_models, training
 from cleaner.engine.train.stages import (
+    StepMetrics,
     TrainResult,
-    chunks,
-    collate_rows,
+    forward_micro_batch,
     iter_mini_batches,
-    loss_token_count,
-    micro_batch_loss,
     prepare_rows,
 )
 from cleaner.outputs import CHECKPOINT, atomic_directory
@@ -77,7 +83,8 @@ from cleaner.records import PurifiedRow, TrainStepRow
 logger = logging.getLogger(__name__)
 
 STATE_TAG = "state"  # the one save_checkpoint tag a checkpoint holds
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: DeepSpeed's module is the TrainablePolicy (parameter names start with "policy.")
+POLICY_PREFIX = "policy."  # the TrainablePolicy's name for the Hugging Face model inside it
 GATHERED_WEIGHTS = ".gathered/pytorch_model.bin"  # ZeRO-3's gathered weights, removed after use
 
 
@@ -116,7 +123,10 @@ def saved_optimizer_step(policy_path: str | Path, ds_config: dict, world_size: i
         return None
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != STATE_FORMAT:
-        raise OptimizerStateError(f"{meta_path}: format {meta.get('format')!r}, expected {STATE_FORMAT}")
+        raise OptimizerStateError(
+            f"{meta_path}: format {meta.get('format')!r}, expected {STATE_FORMAT} (an earlier cleaner's "
+            "DeepSpeed state names the parameters otherwise); delete its optimizer/ directory to start "
+            "a fresh optimiser")
     saved = (meta["zero_stage"], meta["world_size"])
     if saved != (zero_stage(ds_config), world_size):
         raise OptimizerStateError(
@@ -154,18 +164,21 @@ def _resume(engine, optimization: Optimization, policy_path: str | Path, config:
 # One optimiser step across ranks
 
 
-def _rank_micro_batches(
-    mini_rows: Sequence[PurifiedRow],
-    rank: int,
-    world_size: int,
-    micro_batch_size: int,
-    accumulation: int,
-) -> list[tuple[Sequence[PurifiedRow], float]]:
-    """This rank's micro batches, padded to `accumulation` with zero-weight repeats."""
-    share = list(mini_rows[rank::world_size]) or [mini_rows[0]]
-    weight = 1.0 if mini_rows[rank::world_size] else 0.0
-    micro = [(rows, weight) for rows in chunks(share, micro_batch_size)]
-    return micro + [(share[:1], 0.0)] * (accumulation - len(micro))
+def rank_micro_batches(mini_rows: Sequence[PurifiedRow], rank: int, world_size: int,
+                       config: TrainConfig) -> list[tuple[list[PurifiedRow], float]]:
+    """This rank's micro batches with their weights, as many as the rank with the most has: every
+    rank knows every share, and the short ones are padded with zero-weight repeats of a row, so all
+    ranks run the same number of forwards and backwards (ZeRO's collectives need it)."""
+    balance = config.max_tokens_per_micro_batch is not None
+
+    def micro_of(r: int) -> list[list[PurifiedRow]]:
+        return micro_batches(rank_share(mini_rows, r, world_size, balance), config.micro_batch_size,
+                             config.max_tokens_per_micro_batch)
+
+    count = max(len(micro_of(r)) for r in range(world_size))
+    mine = [(rows, 1.0) for rows in micro_of(rank)]
+    filler = (mine[0][0][:1] if mine else [min(mini_rows, key=lambda row: len(row.token_ids))], 0.0)
+    return mine + [filler] * (count - len(mine))
 
 
 def rank_loss_scale(weight: float, world_size: int) -> float:
@@ -174,33 +187,31 @@ def rank_loss_scale(weight: float, world_size: int) -> float:
     return weight * world_size
 
 
-def _deepspeed_step(engine, optimization: Optimization, reference, mini_rows, config, iteration,
-                    step) -> TrainStepRow:
+def _deepspeed_step(engine, optimization: Optimization, reference: TrainablePolicy | None,
+                    mini_rows: Sequence[PurifiedRow], config: TrainConfig, iteration: int,
+                    step: int) -> TrainStepRow:
+    """One optimiser step across the ranks: this rank's micro batches, DeepSpeed's step at the
+    explicit accumulation boundary (the last micro batch), the metrics summed over ranks."""
     comm = _comm()
     world_size, rank = comm.get_world_size(), comm.get_rank()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
     optimizer_step, lr = optimization.step, optimization.lr  # what this step uses
-    sums = torch.zeros(4, device=engine.device)  # loss, clip fraction, approx kl, entropy
-    for rows, weight in _rank_micro_batches(mini_rows, rank, world_size, config.micro_batch_size,
-                                            engine.gradient_accumulation_steps()):
-        part = micro_batch_loss(engine, reference, collate_rows(rows, engine.device), config,
-                                total_tokens)
+    metrics = StepMetrics()
+    micro = rank_micro_batches(mini_rows, rank, world_size, config)
+    for index, (rows, weight) in enumerate(micro):
+        engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
+        part = forward_micro_batch(engine, reference, pack_rows(rows, engine.device), config, total_tokens)
         engine.backward(part.loss * rank_loss_scale(weight, world_size), scale_wrt_gas=False)
         engine.step()
-        sums += weight * torch.tensor(
-            [part.loss.item(), part.clip_fraction, part.approx_kl, part.entropy], device=engine.device)
+        metrics.add(part, weight)
     if not engine.was_step_applied():
         logger.warning("iteration %d step %d: DeepSpeed skipped the step (overflow)", iteration, step)
         optimization.scheduler.step()  # the run-wide schedule moves on, as the torch engine's does
+    sums = metrics.tensor(engine.device)
     comm.all_reduce(sums)  # each rank holds its share of the mini-batch values
-    loss, clip_fraction, approx_kl, entropy = sums.tolist()
     grad_norm = engine.get_global_grad_norm()
-    return TrainStepRow(
-        iteration=iteration, step=step, optimizer_step=optimizer_step, loss=loss,
-        clip_fraction=clip_fraction, approx_kl=approx_kl, entropy=entropy,
-        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-        tokens=total_tokens,
-    )
+    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    return StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, total_tokens)
 
 
 # ---------------------------------------------------------------------------
@@ -241,7 +252,9 @@ def _write_checkpoint(engine, optimization: Optimization, ds_config: dict, polic
         comm.broadcast_object_list([str(temp_dir)], src=0)
         state_dict = _write_partitions(engine, temp_dir, ds_config)
         comm.barrier()
-        engine.module.save_pretrained(temp_dir, state_dict=state_dict)
+        if state_dict is not None:  # gathered from the TrainablePolicy: its keys start with "policy."
+            state_dict = {name.removeprefix(POLICY_PREFIX): value for name, value in state_dict.items()}
+        save_pretrained_as(engine.module.policy, temp_dir, config.save_dtype, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(temp_dir)
         (temp_dir / "train_config.json").write_text(config.to_json())
@@ -275,21 +288,19 @@ def train_iteration_deepspeed(
     ds_config = deepspeed_config_for(config, comm.get_world_size())
     step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
     train_rows = prepare_rows(rows, config)
-    model = model if model is not None else load_policy(policy_path)
-    engine, optimization = _initialize(model, config, ds_config, step or 0)
+    # on the CPU until DeepSpeed places (and under ZeRO-3 partitions) the policy
+    models = load_models(policy_path, config, policy_device="cpu", reference_device="cpu", model=model)
+    engine, optimization = _initialize(models.policy, config, ds_config, step or 0)
     if step is not None:
         _resume(engine, optimization, policy_path, config)
-    engine.train()
-    reference = None
-    if config.kl_coef > 0:
-        reference = load_policy(policy_path, engine.device).eval().requires_grad_(False)
+    reference = models.reference.to(engine.device) if models.reference is not None else None
     main = comm.get_rank() == 0
     steps: list[TrainStepRow] = []
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not (progress and main))
-    for index, mini_rows in enumerate(bar):
-        steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
-    engine.eval()
+    with training(engine.module, config):
+        for index, mini_rows in enumerate(bar):
+            steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
     saved = _write_checkpoint(engine, optimization, ds_config, policy_path, out_path, config)
     if hasattr(engine, "destroy"):  # ZeRO-3's hooks would outlive the iteration in `cleaner run`
         engine.destroy()

@@ -21,7 +21,8 @@ Design decisions:
   Unit: optimiser steps. verl steps its scheduler once per training iteration, so the reference's
   20 warmup steps are 20 iterations = 20 x (mini batches per iteration) optimiser steps here.
 - The saved state is the optimiser's `state_dict` (moments and Adam's step counts) and the run-wide
-  step number. Hyper-parameters (lr, weight decay, warmup) always come from the current
+  step number; when the checkpoint's weights are saved in bfloat16 (--save-dtype), also the float32
+  weights the optimiser updates, which a resume copies back over the rounded ones. Hyper-parameters (lr, weight decay, warmup) always come from the current
   TrainConfig; the schedule's position comes from the saved step. A skipped step (non-finite
   gradient norm) still advances the schedule, as verl's once-per-iteration scheduler does.
 """
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 STATE_PATH = "optimizer/state.pt"  # inside a checkpoint directory; not a weight file
 STATE_FORMAT = 1
+MASTER_WEIGHTS = "master_weights"  # in the state file of a checkpoint whose weights are not float32
 DEEPSPEED_STATE_DIR = "optimizer/deepspeed"  # DeepSpeed's save_checkpoint, one partition per rank
 DEEPSPEED_STATE_META = "optimizer/deepspeed.json"  # {format, optimizer_step, zero_stage, world_size}
 
@@ -63,6 +65,7 @@ class Optimization:
 
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    named_params: list[tuple[str, torch.nn.Parameter]]  # the trainable parameters, as the optimiser holds them
 
     @property
     def step(self) -> int:
@@ -81,26 +84,31 @@ class Optimization:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def state(self) -> dict:
-        """What a checkpoint stores: the optimiser's state_dict and the run-wide step."""
-        return {"format": STATE_FORMAT, "optimizer": self.optimizer.state_dict(), "optimizer_step": self.step}
+    def state(self, master_weights: bool = False) -> dict:
+        """What a checkpoint stores: the optimiser's state_dict and the run-wide step, and with
+        `master_weights` the float32 weights it updates (for a checkpoint saved in bfloat16)."""
+        state = {"format": STATE_FORMAT, "optimizer": self.optimizer.state_dict(), "optimizer_step": self.step}
+        if master_weights:
+            state[MASTER_WEIGHTS] = {name: p.detach().to("cpu", copy=True) for name, p in self.named_params}
+        return state
 
 
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
                      optimizer_state: dict | None = None) -> Optimization:
     """AdamW on the model's trainable parameters, positioned at run-wide step `step`."""
-    optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
+    named_params = _trainable(model)
+    optimizer = torch.optim.AdamW([p for _, p in named_params], lr=config.lr, weight_decay=config.weight_decay)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)  # moments; casts them to each parameter's device
     for group in optimizer.param_groups:  # hyper-parameters are the config's, not the checkpoint's;
         # initial_lr lets the schedule start mid-run (step > 0) before DeepSpeed loads the moments
         group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps, last_epoch=step - 1)
-    return Optimization(optimizer, scheduler)
+    return Optimization(optimizer, scheduler, named_params)
 
 
 def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: str | Path) -> Optimization:
@@ -120,5 +128,18 @@ def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: s
     if n_saved != len(_trainable(model)):
         raise OptimizerStateError(f"{path}: optimiser state for {n_saved} parameters, the model trains "
                          f"{len(_trainable(model))}; it belongs to another architecture")
+    if MASTER_WEIGHTS in saved:  # the checkpoint's weights are rounded (--save-dtype); these are not
+        _restore_master_weights(model, saved[MASTER_WEIGHTS], path)
     logger.info("resuming the optimiser of %s at step %d", checkpoint, saved["optimizer_step"])
     return new_optimization(model, config, saved["optimizer_step"], saved["optimizer"])
+
+
+def _restore_master_weights(model: torch.nn.Module, master: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy the saved float32 weights into the model's trainable parameters."""
+    params = dict(_trainable(model))
+    if set(master) != set(params):
+        raise OptimizerStateError(f"{path}: master weights for other parameters than the model trains; "
+                                  "it belongs to another architecture")
+    with torch.no_grad():
+        for name, value in master.items():
+            params[name].copy_(value)

@@ -1,10 +1,13 @@
-"""The stages both training engines share: rows -> mini batches -> micro batches -> loss.
+"""The stages both training engines share: rows -> mini batches -> micro batches -> loss -> a row.
 
     prepare_rows (skip infra-fault rows and rows with no loss tokens, dynamic sampling, overlong
     shaping)
     -> iter_mini_batches (seeded shuffle; one mini batch = one optimiser step)
-    -> chunks of micro batches (right-padded by collate_rows; gradient accumulation)
-    -> micro_batch_loss (policy loss + optional KL, normalised by the MINI batch's loss tokens)
+    -> packing.micro_batches (by rows or by a token budget) -> packing.pack_rows (padding-free)
+    -> forward_micro_batch (TrainablePolicy: log-probs and entropy at the loss tokens only)
+    -> micro_batch_loss (policy loss + optional KL and entropy terms, normalised by the MINI
+       batch's loss tokens)
+    -> StepMetrics (the micro batches' values summed into the step's TrainStepRow)
 
 The torch engine (`trainer.py`) and the DeepSpeed engine (`deepspeed_engine.py`) each run these
 stages with their own optimiser step, so both train the same objective on the same batches.
@@ -30,31 +33,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from cleaner.config import TrainConfig
-from cleaner.engine.model.loading import load_policy
 from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
-    entropy_from_logits,
     kl_penalty,
     overlong_penalty,
     policy_loss,
-    token_log_probs,
     truncated_is_weights,
 )
 from cleaner.engine.train.optim import Optimization
+from cleaner.engine.train.packing import PackedBatch, loss_token_count
+from cleaner.engine.train.policy import TrainablePolicy
 from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
 
 OVERLONG_ADVANTAGE_EPS = 1e-6  # GRPO eps when overlong shaping recomputes advantages
-PAD_TOKEN_ID = 0  # padding is masked out of attention and loss, so its id does not matter
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,6 @@ class TrainResult:
 
 # ---------------------------------------------------------------------------
 # Rows -> mini batches
-
-
-def loss_token_count(row: PurifiedRow) -> int:
-    """Tokens of the row that are trained (position 0 never is)."""
-    return sum(row.loss_mask[1:])
 
 
 def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
@@ -137,46 +135,20 @@ def iter_mini_batches(
             yield order[start : start + config.mini_batch_size]
 
 
-def chunks(rows: Sequence[PurifiedRow], size: int) -> Iterator[Sequence[PurifiedRow]]:
-    for start in range(0, len(rows), size):
-        yield rows[start : start + size]
 
 
 # ---------------------------------------------------------------------------
 # Micro batch -> loss
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    token_ids: torch.Tensor  # (B, T) int64, right-padded
-    attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens
-    loss_mask: torch.Tensor  # (B, T) float32, 0 at t = 0 and on padding
-    old_log_probs: torch.Tensor  # (B, T) float32
-    behavior_log_probs: torch.Tensor  # (B, T) float32
-    advantages: torch.Tensor  # (B, T) float32: the row's advantage, or its per-token advantages
+class LossTokens(Protocol):
+    """The per-token inputs of the loss, all of one shape: (M,) at a packed batch's loss tokens, or
+    (B, T) padded with a loss mask (the full-logits reference, `naive.py`)."""
 
-
-def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device) -> MicroBatch:
-    """Right-pad rows into tensors on `device`."""
-    length = max(len(row.token_ids) for row in rows)
-
-    def pad(values: Sequence, fill, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([list(v) + [fill] * (length - len(v)) for v in values], dtype=dtype)
-
-    loss_mask = pad([row.loss_mask for row in rows], 0, torch.float32)
-    loss_mask[:, 0] = 0.0
-    batch = MicroBatch(
-        token_ids=pad([row.token_ids for row in rows], PAD_TOKEN_ID, torch.int64),
-        attention_mask=pad([[1] * len(row.token_ids) for row in rows], 0, torch.int64),
-        loss_mask=loss_mask,
-        old_log_probs=pad([row.old_logprobs for row in rows], 0.0, torch.float32),
-        behavior_log_probs=pad([row.behavior_logprobs for row in rows], 0.0, torch.float32),
-        advantages=pad([row.token_advantages or (row.advantage,) * len(row.token_ids) for row in rows],
-                       0.0, torch.float32),
-    )
-    return MicroBatch(
-        **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)}
-    )
+    old_log_probs: torch.Tensor
+    behavior_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -187,59 +159,70 @@ class MicroLoss:
     entropy: float  # likewise
 
 
-def micro_batch_loss(
-    model: torch.nn.Module,
-    reference: torch.nn.Module | None,
-    batch: MicroBatch,
-    config: TrainConfig,
-    num_loss_tokens: int,
-) -> MicroLoss:
-    """Forward one micro batch; the loss is normalised by the mini batch's `num_loss_tokens`."""
-    logits = model(
-        input_ids=batch.token_ids, attention_mask=batch.attention_mask
-    ).logits  # (B, T, V)
-    log_probs = token_log_probs(logits, batch.token_ids)  # (B, T)
+def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | None, tokens: LossTokens,
+                     config: TrainConfig, num_loss_tokens: int) -> MicroLoss:
+    """The objective of one micro batch from its log-probs and entropy, normalised by the mini
+    batch's `num_loss_tokens`: clipped surrogate (x truncated IS) + kl_coef x k3 KL to the
+    reference - entropy_coef x entropy."""
     is_weights = None
     if config.truncated_is:
-        is_weights = truncated_is_weights(
-            batch.old_log_probs, batch.behavior_log_probs, config.is_cap
-        )
-    out = policy_loss(
-        log_probs,
-        batch.old_log_probs,
-        batch.advantages,
-        batch.loss_mask,
-        config.clip_eps_low,
-        config.clip_eps_high,
-        is_weights,
-        num_loss_tokens,
-        clip_ratio_c=config.clip_ratio_c or None,
-    )
+        is_weights = truncated_is_weights(tokens.old_log_probs, tokens.behavior_log_probs, config.is_cap)
+    out = policy_loss(outputs.log_probs, tokens.old_log_probs, tokens.advantages, tokens.loss_mask,
+                      config.clip_eps_low, config.clip_eps_high, is_weights, num_loss_tokens,
+                      clip_ratio_c=config.clip_ratio_c or None)
     loss = out.loss
-    if config.kl_coef > 0 and reference is not None:
+    if config.kl_coef > 0 and reference_log_probs is not None:
+        loss = loss + config.kl_coef * kl_penalty(outputs.log_probs, reference_log_probs, tokens.loss_mask,
+                                                  num_loss_tokens)
+    entropy = (outputs.entropy * tokens.loss_mask).sum() / max(num_loss_tokens, 1)
+    if config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * entropy
+    return MicroLoss(loss=loss, clip_fraction=out.clip_fraction.item(), approx_kl=out.approx_kl.item(),
+                     entropy=entropy.item())
+
+
+def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: TrainablePolicy | None,
+                        batch: PackedBatch, config: TrainConfig, num_loss_tokens: int) -> MicroLoss:
+    """Forward one packed micro batch through the policy (a TrainablePolicy, or the DeepSpeed engine
+    over one) and the reference, and its loss."""
+    outputs = policy(batch)  # (M,) each
+    reference_log_probs = None
+    if reference is not None and config.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = reference(
-                input_ids=batch.token_ids, attention_mask=batch.attention_mask
-            ).logits
-            ref_log_probs = token_log_probs(ref_logits, batch.token_ids)  # (B, T)
-        loss = loss + config.kl_coef * kl_penalty(
-            log_probs, ref_log_probs, batch.loss_mask, num_loss_tokens
-        )
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits)  # (B, T)
-        entropy_share = (entropy * batch.loss_mask).sum() / max(num_loss_tokens, 1)
-    return MicroLoss(
-        loss=loss,
-        clip_fraction=out.clip_fraction.item(),
-        approx_kl=out.approx_kl.item(),
-        entropy=entropy_share.item(),
-    )
+            reference_log_probs = reference(batch).log_probs  # (M,)
+    return micro_batch_loss(outputs, reference_log_probs, batch, config, num_loss_tokens)
 
 
-def load_reference(policy_path: str | Path, config: TrainConfig) -> torch.nn.Module | None:
-    """The frozen KL reference (the policy at policy_path), or None when kl_coef is 0."""
-    if config.kl_coef <= 0:
-        return None
-    reference = load_policy(policy_path, config.device).eval()
-    reference.requires_grad_(False)
-    return reference
+# ---------------------------------------------------------------------------
+# Micro losses -> the step's row
+
+
+@dataclass
+class StepMetrics:
+    """The reported values of one optimiser step, summed over its micro batches (and ranks)."""
+
+    loss: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    entropy: float = 0.0
+
+    def add(self, part: MicroLoss, weight: float = 1.0) -> None:
+        self.loss += weight * part.loss.item()
+        self.clip_fraction += weight * part.clip_fraction
+        self.approx_kl += weight * part.approx_kl
+        self.entropy += weight * part.entropy
+
+    def tensor(self, device: str | torch.device) -> torch.Tensor:
+        """The four sums as one float64 tensor, for an all-reduce over ranks; `from_tensor` reads it back."""
+        values = [self.loss, self.clip_fraction, self.approx_kl, self.entropy]
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> StepMetrics:
+        return cls(*values.tolist())
+
+    def row(self, iteration: int, step: int, optimizer_step: int, grad_norm: float, lr: float,
+            tokens: int) -> TrainStepRow:
+        return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=self.loss,
+                            clip_fraction=self.clip_fraction, approx_kl=self.approx_kl, entropy=self.entropy,
+                            grad_norm=grad_norm, lr=lr, tokens=tokens)

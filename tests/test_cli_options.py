@@ -144,7 +144,7 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
     trained = _requests(monkeypatch, "cleaner.engine.train.job", "train_job")
     runner.invoke(app, ["train", *where, "--config-id", "abc", "--policy", str(DEFAULT_POLICY), "--out",
                         str(tmp_path / "out"), *_args(resolved["train"])])
-    assert trained[0].config.to_dict() == resolved["train"] | {"deepspeed_config": None}
+    assert trained[0].config.to_dict() == resolved["train"] | {"deepspeed_config": None, "max_tokens_per_micro_batch": None}
     assert (trained[0].config.clip_eps_low, trained[0].config.max_grad_norm, trained[0].config.seed) == (0.1, 0.5, 3)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
 import pytest
 import torch
@@ -21,8 +20,9 @@ from cleaner.engine.train.deepspeed_config import (
     read_deepspeed_config,
 )
 from cleaner.engine.train.deepspeed_engine import (
-    _rank_micro_batches,
+    STATE_FORMAT,
     rank_loss_scale,
+    rank_micro_batches,
     saved_optimizer_step,
 )
 from cleaner.engine.train.optim import (
@@ -30,7 +30,9 @@ from cleaner.engine.train.optim import (
     STATE_PATH,
     OptimizerStateError,
 )
-from cleaner.engine.train.stages import chunks, collate_rows, loss_token_count, micro_batch_loss
+from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
+from cleaner.engine.train.policy import TrainablePolicy
+from cleaner.engine.train.stages import forward_micro_batch
 from tests.factories import train_batch, train_row
 
 
@@ -45,11 +47,11 @@ def _config(tmp_path, ds_config: dict, **train) -> TrainConfig:
 
 
 def test_cleaner_sets_batch_sizes_and_clipping_and_keeps_deepspeeds_own_settings(tmp_path):
-    config = _config(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
-                     mini_batch_size=64, micro_batch_size=8, max_grad_norm=0.5)
+    config = _config(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"immediate_grad_update": True}},
+                     mini_batch_size=64, micro_batch_size=8, max_grad_norm=0.5, compute_dtype="bfloat16")
     ds_config = deepspeed_config_for(config, world_size=2)
     assert ds_config == {
-        "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2}, "bf16": {"immediate_grad_update": True, "enabled": True},
         "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,  # 64 / (8 x 2)
         "train_batch_size": 64, "gradient_clipping": 0.5,
     }
@@ -66,6 +68,16 @@ def test_a_file_setting_what_cleaner_sets_is_an_error_naming_the_key(tmp_path, k
     config = _config(tmp_path, {"zero_optimization": {"stage": 2}, key: 3})
     with pytest.raises(DeepSpeedConfigError, match=f"ds.json: '{key}' is cleaner's to set"):
         deepspeed_config_for(config, world_size=2)
+
+
+def test_precision_follows_compute_dtype_and_a_file_setting_it_is_an_error(tmp_path):
+    assert deepspeed_config_for(_config(tmp_path, {}), world_size=1)["bf16"] == {"enabled": False}
+    auto = _config(tmp_path, {"bf16": {"enabled": "auto"}}, compute_dtype="bfloat16")
+    assert deepspeed_config_for(auto, world_size=1)["bf16"] == {"enabled": True}
+    with pytest.raises(DeepSpeedConfigError, match="bf16.enabled is cleaner's to set, from --compute-dtype"):
+        deepspeed_config_for(_config(tmp_path, {"bf16": {"enabled": True}}), world_size=1)
+    with pytest.raises(DeepSpeedConfigError, match="fp16.enabled is true, but cleaner trains in float32 or bfloat16"):
+        deepspeed_config_for(_config(tmp_path, {"fp16": {"enabled": True}}), world_size=1)
 
 
 def test_auto_values_are_cleaners_to_fill(tmp_path):
@@ -122,38 +134,59 @@ def test_the_cli_prints_one_error_line_before_training(tmp_path, policy_dir):
 def test_ranks_reach_the_accumulation_boundary_together():
     rows = [train_row(f"r{i}", "g", [1, 2], 1, 0.0, 0.0) for i in range(5)]
 
-    def plan(rank, world_size=2, accumulation=2):
+    def plan(rank, world_size=2, **train):
+        config = TrainConfig(mini_batch_size=5, micro_batch_size=2, **train)
         return [([r.rollout_id for r in micro], weight)
-                for micro, weight in _rank_micro_batches(rows, rank, world_size, 2, accumulation)]
+                for micro, weight in rank_micro_batches(rows, rank, world_size, config)]
 
     assert plan(0) == [(["r0", "r2"], 1.0), (["r4"], 1.0)]
     assert plan(1) == [(["r1", "r3"], 1.0), (["r1"], 0.0)]  # padded with a zero-weight repeat
-    assert plan(5, world_size=6, accumulation=1) == [(["r0"], 0.0)]  # a rank with no share
+    assert plan(5, world_size=6) == [(["r0"], 0.0)]  # a rank with no share: the shortest row, weight 0
+
+
+def test_token_budget_shares_balance_tokens_and_pad_to_the_longest_rank():
+    # Lengths 9, 7, 5, 3, 2 on 2 ranks, longest first to the lighter rank: rank 0 takes 9, 3, 2
+    # (14 tokens), rank 1 takes 7, 5 (12). A budget of 10 tokens: rank 0 packs [9], [3, 2]; rank 1
+    # packs [7], [5]: two micro batches each, no padding.
+    rows = [train_row(f"r{n}", "g", list(range(1, n + 1)), 1, 0.0, 0.0) for n in (5, 9, 2, 7, 3)]
+    config = TrainConfig(mini_batch_size=5, micro_batch_size=1, max_tokens_per_micro_batch=10)
+
+    def plan(rank, world_size=2):
+        return [([r.rollout_id for r in micro], weight)
+                for micro, weight in rank_micro_batches(rows, rank, world_size, config)]
+
+    assert plan(0) == [(["r9"], 1.0), (["r3", "r2"], 1.0)]
+    assert plan(1) == [(["r7"], 1.0), (["r5"], 1.0)]
+    # on 4 ranks: 9 | 7 | 5 | 3 + 2; every rank runs one micro batch
+    assert [plan(rank, 4) for rank in range(4)] == [[(["r9"], 1.0)], [(["r7"], 1.0)], [(["r5"], 1.0)],
+                                                    [(["r3", "r2"], 1.0)]]
 
 
 def _gradients(model) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_gradient(policy_dir, world_size):
+@pytest.mark.parametrize("world_size, budget", [(2, None), (3, None), (3, 12)])
+def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_gradient(policy_dir, world_size,
+                                                                                        budget):
     """Each rank scales its share by world_size / (the mini batch's tokens); DeepSpeed's mean over
-    ranks then equals the torch engine's gradient. With 3 ranks two of them pad with weight 0."""
+    ranks then equals the torch engine's gradient. With 3 ranks two of them pad with weight 0; with
+    a token budget the shares are balanced by tokens instead."""
     model = load_policy(policy_dir)
     rows = train_batch(model)  # 5 + 8 + 4 + 7 = 24 loss tokens
-    config = TrainConfig(mini_batch_size=4, micro_batch_size=1)
+    config = TrainConfig(mini_batch_size=4, micro_batch_size=1, max_tokens_per_micro_batch=budget)
+    policy = TrainablePolicy(model, config)
     total = sum(loss_token_count(row) for row in rows)
     model.zero_grad()
-    for micro in chunks(rows, 1):
-        micro_batch_loss(model, None, collate_rows(micro, "cpu"), config, total).loss.backward()
+    for micro in micro_batches(rows, 1, None):
+        forward_micro_batch(policy, None, pack_rows(micro), config, total).loss.backward()
     expected = _gradients(model)
 
-    accumulation = math.ceil(len(rows) / world_size)
     averaged, loss = [torch.zeros_like(g) for g in expected], 0.0
     for rank in range(world_size):
         model.zero_grad()
-        for micro, weight in _rank_micro_batches(rows, rank, world_size, 1, accumulation):
-            part = micro_batch_loss(model, None, collate_rows(micro, "cpu"), config, total)
+        for micro, weight in rank_micro_batches(rows, rank, world_size, config):
+            part = forward_micro_batch(policy, None, pack_rows(micro), config, total)
             (part.loss * rank_loss_scale(weight, world_size)).backward()
             loss += weight * part.loss.item()
         averaged = [a + g / world_size for a, g in zip(averaged, _gradients(model), strict=True)]
@@ -168,7 +201,7 @@ def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_g
 
 def _meta(path, **values) -> None:
     (path / "optimizer").mkdir(parents=True, exist_ok=True)
-    meta = {"format": 1, "optimizer_step": 7, "zero_stage": 3, "world_size": 2, **values}
+    meta = {"format": STATE_FORMAT, "optimizer_step": 7, "zero_stage": 3, "world_size": 2, **values}
     (path / DEEPSPEED_STATE_META).write_text(json.dumps(meta))
 
 

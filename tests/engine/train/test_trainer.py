@@ -10,12 +10,10 @@ import torch
 
 from cleaner.config import TrainConfig
 from cleaner.engine.model.loading import load_policy
-from cleaner.engine.train.stages import (
-    collate_rows,
-    iter_mini_batches,
-    micro_batch_loss,
-    prepare_rows,
-)
+from cleaner.engine.train.naive import collate_rows
+from cleaner.engine.train.packing import pack_rows
+from cleaner.engine.train.policy import TrainablePolicy
+from cleaner.engine.train.stages import forward_micro_batch, iter_mini_batches, prepare_rows
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row
 
@@ -23,7 +21,7 @@ from tests.factories import train_batch, train_row
 def _batch_loss(model, rows, config):
     total = sum(sum(row.loss_mask[1:]) for row in rows)
     with torch.no_grad():
-        return micro_batch_loss(model, None, collate_rows(rows, "cpu"), config, total).loss.item()
+        return forward_micro_batch(TrainablePolicy(model, config), None, pack_rows(rows), config, total).loss.item()
 
 
 # ---------------------------------------------------------------------------
@@ -101,21 +99,6 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
     assert result.steps[0].grad_norm == 0.0
     for p, q in zip(result.model.parameters(), load_policy(policy_dir).parameters(), strict=True):
         assert torch.equal(p, q)
-
-
-def test_kl_and_truncated_is_options_run(policy_dir, tmp_path):
-    model = load_policy(policy_dir)
-    rows = train_batch(model)
-    config = TrainConfig(
-        lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.1, truncated_is=True, epochs=2
-    )
-    result = train_iteration(
-        rows, policy_dir, tmp_path / "out", config, iteration=0, model=model, progress=False
-    )
-    assert [s.step for s in result.steps] == [0, 1, 2, 3]
-    assert result.steps[0].approx_kl == pytest.approx(0.0, abs=1e-6)
-    assert result.steps[-1].approx_kl > 0  # the policy moved away from the scored old policy
-    assert all(math.isfinite(s.loss) for s in result.steps)
 
 
 # ---------------------------------------------------------------------------

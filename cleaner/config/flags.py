@@ -170,17 +170,22 @@ def _lookup(layer: Mapping, path: tuple[str, ...]) -> object:
 
 
 # ---------------------------------------------------------------------------------------------
-# `cleaner run`'s flags -> a config layer
+# Flag values -> a config layer
 
-# Each `cleaner run` flag (its Python name) -> the config fields it sets.
-RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {flag.name: flag.paths for flag in command_flags("run")}
+@functools.cache
+def flag_paths(command: str) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Each flag of `command` (its Python name) -> the config fields it sets."""
+    return {flag.name: flag.paths for flag in command_flags(command)}
 
 
-def flag_layer(flags: Mapping[str, object]) -> dict:
-    """The config layer of some `cleaner run` flags ({python name: value})."""
+RUN_FLAGS = flag_paths("run")  # `--gamma` -> (("collect", "gamma"), ("purify", "gamma")), ...
+
+
+def flag_layer(flags: Mapping[str, object], command: str = "run") -> dict:
+    """The config layer of some of `command`'s flags ({python name: value}): every field each sets."""
     layer: dict = {}
     for name, value in flags.items():
-        for path in RUN_FLAGS[name]:
+        for path in flag_paths(command)[name]:
             table = layer
             for key in path[:-1]:
                 table = table.setdefault(key, {})
@@ -188,13 +193,13 @@ def flag_layer(flags: Mapping[str, object]) -> dict:
     return layer
 
 
-def flag_names(flags: Iterable[str]) -> dict[tuple[str, ...], str]:
-    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
-    return {path: option_of(name) for name in flags for path in RUN_FLAGS[name]}
+def flag_names(flags: Iterable[str], command: str = "run") -> dict[tuple[str, ...], str]:
+    """{field path: `--flag`} of some of `command`'s flags (their Python names)."""
+    return {path: option_of(name) for name in flags for path in flag_paths(command)[name]}
 
 
 def command_line(flags: Mapping[str, object]) -> str:
-    """The `cleaner run` command that gives these flags."""
+    """The `cleaner run` command that gives these flags (bench/paper_table.py prints each arm's)."""
     words = ["cleaner", "run"]
     for name, value in flags.items():
         option = option_of(name)

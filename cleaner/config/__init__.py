@@ -1,11 +1,11 @@
-"""Every option, declared once: the frozen config dataclasses (stages.py), the commands' flags
+"""Every option, declared once: the frozen config dataclasses (settings.py), the commands' flags
 generated from their fields (flags.py) and a run's config from layers (layers.py: defaults < saved
 run < TOML file < flags).
 
 The dataclasses are re-exported here, so callers write `from cleaner.config import CollectConfig`.
 """
 
-from cleaner.config.stages import (
+from cleaner.config.settings import (
     ASSETS_DIR,
     DEFAULT_POLICY,
     ENV_POLICY,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
-from cleaner.config.stages import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
+from cleaner.config.settings import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
 
 RENAMED = {"n_prompts": "prompts"}  # field -> its flag's name, on every command
 SECTIONS = ("collect", "purify", "train")  # RunConfig's tables: `run` takes their flags unprefixed

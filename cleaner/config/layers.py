@@ -2,7 +2,7 @@
 
 `cleaner run --config run.toml` reads a file laid out like `RunConfig` itself: top-level `run_dir`
 and `iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys
-are the dataclass fields (stages.py). Flags override the file; `--print-config` prints the resolved
+are the dataclass fields (settings.py). Flags override the file; `--print-config` prints the resolved
 config as such a file, so `cleaner run ... --print-config > run.toml` round-trips.
 
 Design decisions:
@@ -34,7 +34,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from cleaner.config.stages import RunConfig
+from cleaner.config.settings import RunConfig
 from cleaner.errors import CleanerError
 
 

@@ -1,20 +1,12 @@
-"""Every config field is a command-line flag: its name, default and help are the field's own
-(docs/architecture.md §9).
+"""Which flags a command takes: one per config field, named after it, with the field's default and
+its one-line comment as help (docs/architecture.md §9), so each is written once, in the dataclass.
 
-A command that uses a config takes one flag per field: `--field-name` (underscores as dashes), the
-field's default, and the field's one-line comment as its help (`field_help` reads it from the
-source), so a field, its default and its help are written once, in the dataclass. The fields of a
-nested config are prefixed with its name (`--sandbox-workers` sets `sandbox.workers`). What a
-command does otherwise is declared here and nowhere else: `RENAMED` (a flag spelled unlike its
-field) and `COMMANDS` (fields a command sets itself, ablate's grid axes, defaults that follow another
-flag, fields naming a file the parser checks). The CLI turns these flags into typer options
-(cleaner/cli/options.py).
-
-`cleaner run` takes the flags of RunConfig's `collect`, `purify` and `train` tables together,
-unprefixed; a flag named in two tables sets both (`--gamma` sets collect's and purify's, which keeps
-the run purifying at its collect config; `--seed` collect's and train's). `RUN_FLAGS` lists them;
-`flag_layer` turns given flags into a config layer (config/layers.py merges it). A run flag shows
-the run's own default (`RUN_BASE_LAYER`), or says what its default follows (`DERIVED`).
+`--field-name` sets a field; a nested config's fields carry its name (`--sandbox-workers`). What a
+command does otherwise is `RENAMED` and `COMMANDS` below. `cleaner run` takes its collect, purify
+and train tables' flags unprefixed, and a flag of two tables sets both (`--gamma`: collect's and
+purify's, so the run purifies at its collect config). cli/options.py makes these flags typer
+options; `flag_layer` turns their values into a config layer, which config/layers.py builds (a
+phase command) or merges over the run's other layers.
 """
 
 from __future__ import annotations
@@ -150,23 +142,14 @@ def command_flags(command: str) -> tuple[Flag, ...]:
 
 
 def _for_command(flag: Flag, spec: CommandFlags, command: str) -> Flag:
-    """The flag with its default on `command`: run's own, or what it follows."""
+    """The flag with its default on `command`: what it follows, or run's own (RUN_BASE_LAYER)."""
     dotted = [".".join(path) for path in flag.paths]
     if all(path in spec.derived for path in dotted):
         return dataclasses.replace(flag, default=None, derived=spec.derived[dotted[0]])
-    if command == "run":
-        base = _lookup(RUN_BASE_LAYER, flag.paths[0])
-        if base is not None:
-            return dataclasses.replace(flag, default=base)
-    return flag
-
-
-def _lookup(layer: Mapping, path: tuple[str, ...]) -> object:
-    for key in path:
-        if not isinstance(layer, Mapping) or key not in layer:
-            return None
-        layer = layer[key]
-    return layer
+    base = RUN_BASE_LAYER if command == "run" else None
+    for key in flag.paths[0]:
+        base = base.get(key) if isinstance(base, Mapping) else None
+    return flag if base is None else dataclasses.replace(flag, default=base)
 
 
 # ---------------------------------------------------------------------------------------------

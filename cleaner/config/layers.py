@@ -1,25 +1,23 @@
-"""A run's config from layers: defaults < the saved run (on resume) < a TOML file < flags.
+"""Configs from layers of nested dicts: a run's is defaults < the saved run (on resume) < a TOML
+file < flags; a phase command's is its flags alone (`build`).
 
-`cleaner run --config run.toml` reads a file laid out like `RunConfig` itself: top-level `run_dir`
-and `iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys
-are the dataclass fields (settings.py). Flags override the file; `--print-config` prints the resolved
-config as such a file, so `cleaner run ... --print-config > run.toml` round-trips.
+`cleaner run --config run.toml` reads a file laid out like `RunConfig`: top-level `run_dir` and
+`iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys are
+the fields (settings.py); `--print-config` prints the resolved config as such a file, so
+`cleaner run ... --print-config > run.toml` round-trips.
 
 Design decisions:
-- Layers are nested dicts merged key by key, so a layer says only what it changes.
-- Derived values, filled in only when no layer sets them, keep one run self-consistent:
-  purify's gamma, p, similarity and IS threshold follow collect's (purifying at the collect config is what keeps
-  the purified rows on-policy); with purify's edit `mask`, collection uses the raw view (a masked row
-  is the raw sequence, on-policy only if the agent loop saw it); train's response budget, seed and device follow collect's;
-  the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
-  reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
-  max(768, max_new_tokens).
-- The flags' layer comes from config/flags.py, which generates `cleaner run`'s flags from the
-  fields (a flag that names a field of two tables sets both).
+- Layers merge key by key, so a layer says only what it changes.
+- Values no layer sets are derived, to keep a run self-consistent: purify's SAAR settings follow
+  collect's (purifying at the collect config keeps the purified rows on-policy); with purify's
+  edit `mask`, collection uses the raw view (a masked row is the raw sequence, on-policy only if
+  the agent loop saw it); train's response budget, seed and device follow collect's; the mini
+  batch is a quarter of the iteration's rollouts (4 optimiser steps, the reference's 128 / 32)
+  and the micro batch min(16, mini batch); the response budget is max(768, max_new_tokens).
 - A file's key that is not a field, or a value of the wrong type, is an error naming the file,
   the table and the key. Integers are accepted where a float is expected (TOML writes `lr = 1`).
-- TOML has no null: a field whose value is None is left out of the printed file (every such field
-  defaults to None, so leaving it out means the same).
+- TOML has no null: a None field is left out of the printed file (every such field defaults to
+  None, so leaving it out means the same).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class PrefixTrieScorer:
         return children
 
     def _long(self, values) -> torch.Tensor:
-        """An int64 tensor on the device from Python ints (numpy builds it ~8x faster than torch.tensor)."""
+        """An int64 tensor on the device from Python ints (through numpy: much faster than torch.tensor on a generator)."""
         return torch.from_numpy(np.fromiter(values, dtype=np.int64)).to(self.device)
 
     def _children(self, group: AttentionBatch, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:

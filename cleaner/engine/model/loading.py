@@ -103,17 +103,14 @@ def has_tokenizer(directory: Path) -> bool:
     return any((directory / name).exists() for name in TOKENIZER_MARKERS)
 
 
-def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32,
-                attn_implementation: str | None = None) -> torch.nn.Module:
-    """A causal LM from a Hugging Face directory or hub id, on `device` (with transformers' default
-    attention unless `attn_implementation` names one)."""
+def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32) -> torch.nn.Module:
+    """A causal LM from a Hugging Face directory or hub id, on `device`."""
     from safetensors import SafetensorError  # with transformers: CLI start-up time
     from transformers import AutoModelForCausalLM  # transformers' import costs CLI start-up time
 
     check_model_path(path)
     try:
-        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError, SafetensorError) as error:  # a damaged weight file is bad input too
         raise ModelError(f"model {str(path)!r}: cannot load a causal LM ({error})") from error
     return model.to(check_device(device))

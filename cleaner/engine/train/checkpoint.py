@@ -37,7 +37,7 @@ def save_pretrained_as(model: torch.nn.Module, directory: Path, save_dtype: str,
     dtype = SAVE_DTYPES[save_dtype]
     weights = state_dict if state_dict is not None else model.state_dict()
     if any(t.is_floating_point() and t.dtype != dtype for t in weights.values()):
-        weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()}
+        weights = _cast_once(weights, dtype)
     model.save_pretrained(directory, state_dict=weights)
     config_file = directory / "config.json"
     config = json.loads(config_file.read_text())
@@ -45,6 +45,21 @@ def save_pretrained_as(model: torch.nn.Module, directory: Path, save_dtype: str,
         if key in config:
             config[key] = save_dtype
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _cast_once(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The floating-point tensors in `dtype`, each storage cast once: tied weights (a shared
+    embedding and lm_head) stay one tensor, which save_pretrained then writes once."""
+    cast: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in weights.items():
+        if not tensor.is_floating_point():
+            out[name] = tensor
+            continue
+        if tensor.data_ptr() not in cast:
+            cast[tensor.data_ptr()] = tensor.to(dtype)
+        out[name] = cast[tensor.data_ptr()]
+    return out
 
 
 def save_checkpoint_atomic(

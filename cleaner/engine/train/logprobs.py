@@ -42,36 +42,46 @@ class TokenOutputs(NamedTuple):
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
-    """The head on one chunk: (C, H) -> (C, V) float32, the matmul in `dtype`."""
-    logits = hidden.to(dtype) @ weight.to(dtype).t()  # (C, V)
+    """The head on one chunk: (C, H) -> (C, V) float32, the matmul in `dtype` (weight and bias
+    already in it)."""
+    logits = hidden.to(dtype) @ weight.t()  # (C, V)
     if bias is not None:
-        logits = logits + bias.to(dtype)
+        logits = logits + bias
     return logits.float()
+
+
+def _in(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The head's weight and bias in the compute dtype, cast once per pass (no copy if they are)."""
+    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 class ChunkedLogProbs(torch.autograd.Function):
     """(hidden (M, H), head weight (V, H), bias (V,) or None, targets (M,)) -> (log_probs, entropy),
-    both (M,) float32, one chunk of `chunk_tokens` rows of logits at a time in forward and backward."""
+    both (M,) float32, one chunk of `chunk_tokens` rows of logits at a time in forward and backward.
+    Without `with_entropy` the entropy is zeros and costs nothing."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, dtype: torch.dtype,
-                entropy_grad: bool):
+                entropy_grad: bool, with_entropy: bool):
         count = hidden.shape[0]
         log_probs = torch.empty(count, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(log_probs)
+        entropy = torch.zeros_like(log_probs)
         log_norm = torch.empty_like(log_probs)  # lse per token, reused by backward
+        head_weight, head_bias = _in(dtype, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, count, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                logits = _chunk_logits(hidden[rows], weight, bias, dtype)  # (C, V)
+                logits = _chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V)
                 lse = torch.logsumexp(logits, dim=-1)  # (C,)
                 log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
-                logits.sub_(lse[:, None])  # log p, in place: (C, V)
-                entropy[rows] = -logits.exp().mul_(logits).sum(-1)  # two (C, V) copies at most
+                if with_entropy:
+                    logits.sub_(lse[:, None])  # log p, in place: (C, V)
+                    entropy[rows] = -logits.exp().mul_(logits).sum(-1)  # two (C, V) copies at most
                 log_norm[rows] = lse
+        del head_weight, head_bias
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm, entropy)
-        ctx.chunk_tokens, ctx.dtype, ctx.entropy_grad = chunk_tokens, dtype, entropy_grad
-        if not entropy_grad:
+        ctx.chunk_tokens, ctx.dtype, ctx.entropy_grad = chunk_tokens, dtype, entropy_grad and with_entropy
+        if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
 
@@ -85,10 +95,11 @@ class ChunkedLogProbs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        head_weight, head_bias = _in(dtype, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                grad_logits = _chunk_logits(hidden[rows], weight, bias, dtype)  # (C, V), becomes dL/dz
+                grad_logits = _chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V), becomes dL/dz
                 grad_logits.sub_(log_norm[rows, None])  # log p
                 probs = grad_logits.exp()  # (C, V)
                 if use_entropy:
@@ -100,26 +111,29 @@ class ChunkedLogProbs(torch.autograd.Function):
                 del probs
                 grad_logits.scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
                 if grad_hidden is not None:
-                    grad_hidden[rows] = (grad_logits.to(dtype) @ weight.to(dtype)).to(hidden.dtype)
-                if grad_weight is not None:
-                    grad_weight += (grad_logits.t().to(dtype) @ hidden[rows].to(dtype)).float()
+                    grad_hidden[rows] = (grad_logits.to(dtype) @ head_weight).to(hidden.dtype)
+                if grad_weight is not None and dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), hidden[rows].float())  # no (V, H) temporary
+                elif grad_weight is not None:  # the product in `dtype`, accumulated in float32
+                    grad_weight.add_(grad_logits.t().to(dtype) @ hidden[rows].to(dtype))
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def chunked_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           targets: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                          dtype: torch.dtype = torch.float32, entropy_grad: bool = False) -> TokenOutputs:
+                          dtype: torch.dtype = torch.float32, entropy_grad: bool = False,
+                          with_entropy: bool = True) -> TokenOutputs:
     """log pi(targets) and entropy from the hidden states that predict them; (M, H) -> (M,) each.
 
     hidden: the final hidden states (after the model's last norm) at the positions BEFORE each
     target; weight, bias: the lm_head's. Differentiable in hidden, weight and bias; in entropy only
-    with `entropy_grad`."""
+    with `entropy_grad`. Without `with_entropy`, entropy is zeros (the KL reference's case)."""
     log_probs, entropy = ChunkedLogProbs.apply(hidden, weight, bias, targets, chunk_tokens, dtype,
-                                               entropy_grad)
+                                               entropy_grad, with_entropy)
     return TokenOutputs(log_probs=log_probs, entropy=entropy)

@@ -22,8 +22,9 @@ Design decisions:
   20 warmup steps are 20 iterations = 20 x (mini batches per iteration) optimiser steps here.
 - The saved state is the optimiser's `state_dict` (moments and Adam's step counts) and the run-wide
   step number; when the checkpoint's weights are saved in bfloat16 (--save-dtype), also the float32
-  weights the optimiser updates, which a resume copies back over the rounded ones. Hyper-parameters (lr, weight decay, warmup) always come from the current
-  TrainConfig; the schedule's position comes from the saved step. A skipped step (non-finite
+  weights the optimiser updates, which a resume copies back over the rounded ones.
+  Hyper-parameters (lr, weight decay, warmup) always come from the current TrainConfig; the
+  schedule's position comes from the saved step. A skipped step (non-finite
   gradient norm) still advances the schedule, as verl's once-per-iteration scheduler does.
 """
 

@@ -14,6 +14,8 @@ state at i - 1, which is in the same row because a row's first token never train
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +83,7 @@ class PackedBatch:
     token_ids: torch.Tensor  # (N,) int64: the rows' tokens, one row after another
     position_ids: torch.Tensor  # (N,) int64: each token's position within its row
     row_lengths: tuple[int, ...]  # tokens of each row, in order: they sum to N
+    cu_seq_lens: torch.Tensor  # (R + 1,) int32: where each row starts, then N (varlen attention's bounds)
     predictor_index: torch.Tensor  # (M,) int64: flat position of the hidden state predicting each loss token
     target_ids: torch.Tensor  # (M,) int64: the loss tokens
     old_log_probs: torch.Tensor  # (M,) float32: log pi_old of each loss token (the scorer's)
@@ -93,11 +96,9 @@ class PackedBatch:
         return torch.ones_like(self.old_log_probs)
 
     def to(self, device: str | torch.device) -> PackedBatch:
-        return PackedBatch(
-            token_ids=self.token_ids.to(device), position_ids=self.position_ids.to(device),
-            row_lengths=self.row_lengths, predictor_index=self.predictor_index.to(device),
-            target_ids=self.target_ids.to(device), old_log_probs=self.old_log_probs.to(device),
-            behavior_log_probs=self.behavior_log_probs.to(device), advantages=self.advantages.to(device))
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PackedBatch(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                              for name, value in moved.items()})
 
 
 def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -> PackedBatch:
@@ -117,9 +118,11 @@ def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -
     def at_loss(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32)[loss_index]  # (M,)
 
+    row_lengths = tuple(len(row.token_ids) for row in rows)
     batch = PackedBatch(
-        token_ids=flat_ids, position_ids=torch.tensor(positions, dtype=torch.int64),
-        row_lengths=tuple(len(row.token_ids) for row in rows), predictor_index=loss_index - 1,
+        token_ids=flat_ids, position_ids=torch.tensor(positions, dtype=torch.int64), row_lengths=row_lengths,
+        cu_seq_lens=torch.tensor([0, *itertools.accumulate(row_lengths)], dtype=torch.int32),
+        predictor_index=loss_index - 1,
         target_ids=flat_ids[loss_index], old_log_probs=at_loss(old),
         behavior_log_probs=at_loss(behavior), advantages=at_loss(advantages))
     return batch.to(device)

@@ -9,24 +9,28 @@ reads it), and the KL reference is the same wrapper under no_grad. `load_models`
 of both.
 
 Design decisions:
-- Padding-free: with a flash-attention implementation (CUDA, flash-attn installed, bfloat16
-  compute) the rows run as one sequence whose position ids restart at each row, which transformers
-  turns into varlen attention that never crosses rows. Otherwise each row runs alone with causal
-  attention, which neither pads nor materialises a T x T mask (SDPA's causal kernels keep memory
-  linear in T on CPU and GPU).
+- Padding-free, one decoder call per micro batch: the rows run as one sequence whose position ids
+  restart at each row, with the rows' bounds (`cu_seq_lens`) passed to attention. With flash-attn
+  on CUDA and bfloat16 compute that is flash attention's varlen kernel; otherwise
+  `packed_sdpa_attention`, registered with transformers' AttentionInterface, runs causal SDPA
+  inside each row's span: no padding, and no T x T mask (SDPA's causal kernels never build one).
+  One call per micro batch also keeps ZeRO-3's per-layer gathers in step across ranks. The packed
+  implementation is on for the training (checkpointing recomputes layers in backward) and for each
+  forward outside it, and the model's own is restored after, so a model the torch backend
+  generates with is left as it was.
 - The head must be a plain linear layer on the last hidden state, as in Qwen, Llama and Mistral;
   a model whose logits are scaled or soft-capped after the head is refused with its name, rather
   than trained on log-probs that differ from its own.
 - bfloat16 compute is autocast over float32 weights (the optimiser's master weights and moments
   stay float32); under DeepSpeed's bf16 mode the weights are already bfloat16 and autocast changes
   nothing. The log-softmax is float32 either way.
-- Gradient checkpointing is non-reentrant, enabled for the training and switched off after it, so
-  a model the torch backend also generates with is left as it was.
+- Gradient checkpointing is non-reentrant, enabled for the training and switched off after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +45,10 @@ from cleaner.errors import CleanerError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Config attributes of models whose logits are not just lm_head(last hidden state).
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
+                    "dim_model_base")
+PACKED_ATTENTION = "cleaner_packed_sdpa"  # the name packed_sdpa_attention is registered under
+FLASH_ATTENTION = "flash_attention_2"
 
 
 class UnsupportedModelError(CleanerError):
@@ -62,31 +69,80 @@ def check_plain_head(policy: torch.nn.Module) -> None:
                                     "a torch.nn.Linear lm_head")
 
 
-def uses_varlen_attention(policy: torch.nn.Module) -> bool:
-    """Whether the policy's attention takes packed rows as varlen (flash attention)."""
-    return "flash" in str(getattr(policy.config, "_attn_implementation", ""))
+# ---------------------------------------------------------------------------
+# Packed attention
 
 
-def attention_for(config: TrainConfig) -> str | None:
-    """The attention implementation to load a training policy with: flash attention where it can
-    run packed rows (CUDA, installed, bfloat16), else transformers' default."""
-    if not (config.device.startswith("cuda") and config.compute_dtype == "bfloat16"):
-        return None
-    from transformers.utils import is_flash_attn_2_available  # transformers: CLI start-up time
+def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+    """Causal SDPA within each packed row; query (1, heads, N, D), key and value (1, kv heads, N, D)
+    -> (1, N, heads, D), as transformers' attention functions return."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # CLI start-up time
 
-    return "flash_attention_2" if is_flash_attn_2_available() else None
+    if cu_seq_lens_q is None:
+        raise RuntimeError(f"{PACKED_ATTENTION} runs packed rows only: the call passed no cu_seq_lens_q")
+    bounds = cu_seq_lens_q.tolist()
+    spans = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                    value[:, :, start:end], None, is_causal=True, **kwargs)[0]
+             for start, end in zip(bounds, bounds[1:], strict=False)]
+    return torch.cat(spans, dim=1), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The mask of packed_sdpa_attention: none; rows are kept apart by their bounds."""
+    return None
+
+
+@functools.cache
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface  # CLI start-up time
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+def packed_attention_for(device: torch.device, compute_dtype: torch.dtype) -> str:
+    """Flash attention's varlen kernel where it can run (CUDA, installed, bfloat16), else ours."""
+    if device.type == "cuda" and compute_dtype == torch.bfloat16:
+        from transformers.utils import is_flash_attn_2_available  # CLI start-up time
+
+        if is_flash_attn_2_available():
+            return FLASH_ATTENTION
+    _register_packed_attention()
+    return PACKED_ATTENTION
+
+
+@contextlib.contextmanager
+def packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype) -> Iterator[None]:
+    """The model attends over packed rows for the block (its own implementation restored after)."""
+    own = model.config._attn_implementation
+    wanted = packed_attention_for(next(model.parameters()).device, compute_dtype)
+    if own == wanted:
+        yield
+        return
+    model.set_attn_implementation(wanted)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
+# ---------------------------------------------------------------------------
+# The policy the step trains
 
 
 class TrainablePolicy(torch.nn.Module):
     """A causal LM that maps a PackedBatch to TokenOutputs at its loss tokens."""
 
-    def __init__(self, policy: torch.nn.Module, config: TrainConfig, entropy_grad: bool = False):
+    def __init__(self, policy: torch.nn.Module, config: TrainConfig, entropy_grad: bool = False,
+                 entropy: bool = True):
         super().__init__()
         check_plain_head(policy)
         self.policy = policy
         self.chunk_tokens = config.logits_chunk_tokens
         self.compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
-        self.entropy_grad = entropy_grad
+        self.entropy_grad = entropy_grad  # entropy in the loss (entropy_coef > 0)
+        self.entropy = entropy  # computed at all: the KL reference needs log-probs only
 
     def forward(self, batch: PackedBatch) -> TokenOutputs:
         with torch.autocast(batch.token_ids.device.type, dtype=self.compute_dtype,
@@ -96,18 +152,18 @@ class TrainablePolicy(torch.nn.Module):
         # read after the decoder: under ZeRO-3 a tied head weight is the embedding's, which the
         # decoder gathers and releases; read here, it is gathered for (and released after) this forward
         head = self.policy.get_output_embeddings()
-        return chunked_token_outputs(predictors, head.weight, head.bias, batch.target_ids,
-                                     self.chunk_tokens, self.compute_dtype, self.entropy_grad)
+        return chunked_token_outputs(predictors, head.weight, head.bias, batch.target_ids, self.chunk_tokens,
+                                     self.compute_dtype, self.entropy_grad, self.entropy)
 
     def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
         """The decoder's last hidden states (after its final norm) of the packed rows; (N, H)."""
-        decoder = self.policy.get_decoder()
-        if uses_varlen_attention(self.policy):
-            out = decoder(input_ids=batch.token_ids[None], position_ids=batch.position_ids[None],
-                          use_cache=False)
-            return out.last_hidden_state[0]
-        rows = batch.token_ids.split(list(batch.row_lengths))
-        return torch.cat([decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0] for ids in rows])
+        longest = max(batch.row_lengths)
+        with packed_attention(self.policy, self.compute_dtype):
+            out = self.policy.get_decoder()(
+                input_ids=batch.token_ids[None], position_ids=batch.position_ids[None], use_cache=False,
+                cu_seq_lens_q=batch.cu_seq_lens, cu_seq_lens_k=batch.cu_seq_lens, max_length_q=longest,
+                max_length_k=longest)
+        return out.last_hidden_state[0]
 
 
 @dataclass(frozen=True)
@@ -119,35 +175,41 @@ class Models:
 def load_models(policy_path: str | Path, config: TrainConfig, *, policy_device: str | torch.device,
                 reference_device: str | torch.device, model: torch.nn.Module | None = None) -> Models:
     """The policy to train (`model` if given, else loaded from `policy_path`) and, when kl_coef > 0,
-    the frozen reference: the policy at `policy_path`, loaded once for the iteration."""
-    attention = attention_for(config)
-    if model is None:
-        model = load_policy(policy_path, policy_device, attn_implementation=attention)
-    else:
-        model = model.to(policy_device)
+    the frozen reference: the policy at `policy_path` as saved, loaded once for the iteration."""
+    model = load_policy(policy_path, policy_device) if model is None else model.to(policy_device)
     reference = None
     if config.kl_coef > 0:
-        frozen = load_policy(policy_path, reference_device, attn_implementation=attention)
-        reference = TrainablePolicy(frozen.eval().requires_grad_(False), config)
+        frozen = load_policy(policy_path, reference_device).eval().requires_grad_(False)
+        reference = TrainablePolicy(frozen, config, entropy=False)
     return Models(TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0), reference)
 
 
 @contextlib.contextmanager
 def training(policy: TrainablePolicy, config: TrainConfig) -> Iterator[None]:
-    """Train mode (and gradient checkpointing, if configured) for the block; eval mode after it."""
+    """Train mode, packed attention (which checkpointing's recomputation in backward needs too) and
+    gradient checkpointing if configured, for the block; the model as it was after it."""
     model = policy.policy
     policy.train()
     if config.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:  # transformers < 5
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpointing(model, enable=True)
     try:
-        yield
+        with packed_attention(model, policy.compute_dtype):
+            yield
     finally:
         if config.gradient_checkpointing:
-            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-            disable()
-            model.disable_input_require_grads()  # the hook enable adds breaks inference-mode generation
+            _checkpointing(model, enable=False)
         policy.eval()
+
+
+def _checkpointing(model: torch.nn.Module, enable: bool) -> None:
+    """Non-reentrant gradient checkpointing on or off (transformers' activation_checkpointing_*, the
+    older gradient_checkpointing_* where that is all there is)."""
+    if enable:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    model.disable_input_require_grads()  # the hook enabling adds breaks inference-mode generation

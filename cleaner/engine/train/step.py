@@ -135,8 +135,6 @@ def iter_mini_batches(
             yield order[start : start + config.mini_batch_size]
 
 
-
-
 # ---------------------------------------------------------------------------
 # Micro batch -> loss
 

@@ -66,12 +66,12 @@ def _warehouse(root: Path, rows) -> Warehouse:
     return warehouse
 
 
-def _torchrun_train(warehouse, iteration, policy, out, ds_config, extra=()) -> str:
+def _torchrun_train(warehouse, iteration, policy, out, ds_config, extra=(), mini=MINI, micro=MICRO) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "cleaner.cli", "train", "--warehouse", str(warehouse.root), "--iteration",
                str(iteration), "--config-id", CONFIG_ID, "--policy", str(policy), "--out", str(out),
-               "--lr", str(LR), "--warmup-steps", str(WARMUP_STEPS), "--mini-batch-size", str(MINI),
-               "--micro-batch-size", str(MICRO), "--engine", "deepspeed", "--deepspeed-config",
+               "--lr", str(LR), "--warmup-steps", str(WARMUP_STEPS), "--mini-batch-size", str(mini),
+               "--micro-batch-size", str(micro), "--engine", "deepspeed", "--deepspeed-config",
                str(ds_config), *extra]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -90,15 +90,21 @@ REAL_SHAPE_FLAGS = ("--max-tokens-per-micro-batch", "16", "--gradient-checkpoint
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, extra", [(2, ()), (3, ()), (3, REAL_SHAPE_FLAGS)],
-                         ids=["zero2", "zero3", "zero3-token-budget-checkpointing"])
-def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows, tmp_path, stage, extra):
+@pytest.mark.parametrize("stage, extra, mini, micro", [
+    (2, (), MINI, MICRO), (3, (), MINI, MICRO),
+    # mini batches of 3 on 2 ranks, micro batches of 2: one rank's micro batch holds two rows, the
+    # other's one, and ZeRO-3's per-layer gathers must still pair up across ranks
+    (3, (), 3, 2),
+    (3, REAL_SHAPE_FLAGS, MINI, MICRO),
+], ids=["zero2", "zero3", "zero3-uneven-rows", "zero3-token-budget-checkpointing"])
+def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows, tmp_path, stage, extra, mini,
+                                                                micro):
     from transformers import AutoModelForCausalLM
 
     policy, rows = policy_and_rows
     warehouse = _warehouse(tmp_path / "wh", rows)
     ds_config = EXAMPLES / f"zero{stage}.json"
-    config = TrainConfig(lr=LR, warmup_steps=WARMUP_STEPS, mini_batch_size=MINI, micro_batch_size=MICRO)
+    config = TrainConfig(lr=LR, warmup_steps=WARMUP_STEPS, mini_batch_size=mini, micro_batch_size=1)
     plain = [train_iteration(rows[0], policy, tmp_path / "torch-1", config, 0, progress=False)]
     plain.append(train_iteration(rows[1], plain[0].out_path, tmp_path / "torch-2", config, 1, progress=False))
 
@@ -106,7 +112,7 @@ def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows,
     previous = policy
     for iteration in (0, 1):
         out = tmp_path / f"ds-{iteration + 1}"
-        stdout = _torchrun_train(warehouse, iteration, previous, out, ds_config, extra)
+        stdout = _torchrun_train(warehouse, iteration, previous, out, ds_config, extra, mini, micro)
         assert stdout.count("checkpoint -> ") == 1  # rank 0 reports, the other rank does not
         assert (out / DEEPSPEED_STATE_META).is_file() and (out / DEEPSPEED_STATE_DIR).is_dir()
         loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -122,12 +128,14 @@ def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows,
     assert _max_difference(fresh.model, load_policy(plain[1].out_path)) > 10 * TOLERANCE
 
     steps = warehouse.connect().sql(
-        "SELECT iteration, step, optimizer_step, lr, loss FROM train_steps ORDER BY iteration, step"
+        "SELECT iteration, step, optimizer_step, lr, loss, grad_norm FROM train_steps ORDER BY iteration, step"
     ).fetchall()
-    assert [(i, s, o) for i, s, o, _, _ in steps] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
-    assert [lr for *_, lr, _ in steps] == pytest.approx([0.0, LR / 2, LR, LR])
-    torch_losses = [s.loss for result in plain for s in result.steps]
-    assert [loss for *_, loss in steps] == pytest.approx(torch_losses, abs=1e-5)
+    assert [(i, s, o) for i, s, o, *_ in steps] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    assert [lr for *_, lr, _, _ in steps] == pytest.approx([0.0, LR / 2, LR, LR])
+    torch_steps = [s for result in plain for s in result.steps]
+    assert [loss for *_, loss, _ in steps] == pytest.approx([s.loss for s in torch_steps], abs=1e-5)
+    # Adam's update ignores a constant factor on the gradient; its norm does not (ranks x scale)
+    assert [norm for *_, norm in steps] == pytest.approx([s.grad_norm for s in torch_steps], rel=1e-5)
 
 
 @pytest.mark.slow

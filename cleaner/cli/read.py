@@ -175,12 +175,8 @@ def compact(
     from rich.table import Table
 
     from cleaner.warehouse.compact import compact as compact_warehouse
-    from cleaner.warehouse.parts import WarehouseError
 
-    try:
-        result = compact_warehouse(warehouse, dataset, iteration, int(target_mb * 2**20))
-    except WarehouseError as exc:
-        raise fail(str(exc)) from exc
+    result = call_job(compact_warehouse, warehouse, dataset, iteration, int(target_mb * 2**20))
     table = Table("dataset", "partition", "parts", "rows", "MB before", "MB after")
     for merge in result.merges:
         table.add_row(merge.dataset, merge.partition, str(merge.n_parts), str(merge.n_rows),

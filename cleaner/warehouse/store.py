@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cleaner.errors import write_error
 from cleaner.records import (
     EvalRunRow,
     IterationRow,
@@ -304,11 +305,15 @@ class Warehouse:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
         self.check_writable()
         directory = self.root / "configs"
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
         temporary = directory / f".{name}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"  # shards save at once
-        temporary.write_text(config_json)
-        os.replace(temporary, path)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(config_json)
+            os.replace(temporary, path)
+        except OSError as error:  # a full disk: one line naming the file
+            temporary.unlink(missing_ok=True)
+            raise write_error(path, error) from error
         return path
 
     def load_config(self, name: str) -> str | None:

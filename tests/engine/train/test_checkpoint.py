@@ -11,6 +11,7 @@ import torch
 from cleaner.config import DEFAULT_POLICY
 from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
+from cleaner.errors import WriteError
 from cleaner.outputs import MARKER, OutputError, atomic_directory, check_replaceable
 from tests.factories import make_rollout, make_segments
 from tests.helpers import tiny_qwen3, tree_digest
@@ -52,7 +53,7 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
         raise OSError("disk full")
 
     monkeypatch.setattr(type(new_model), "save_pretrained", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match=f"^{out_path}: cannot write it \\(disk full\\)$"):
         save_checkpoint_atomic(new_model, None, out_path)
     assert sorted(p.name for p in out_path.iterdir()) == before
     assert _same_weights(load_policy(out_path), old_model)

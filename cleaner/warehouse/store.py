@@ -43,12 +43,15 @@ from cleaner.records import (
     TrainStepRow,
 )
 from cleaner.warehouse import schema
+from cleaner.warehouse.compact import compaction_paused, replace_parts
+from cleaner.warehouse.lock import phase_lock
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     PartExistsError,
     WarehouseError,
     new_part_name,
     read_column,
+    read_part,
     read_parts,
     visible_parts,
     write_part,
@@ -92,6 +95,14 @@ class Warehouse:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
         self._checked_writable = True
+
+    def writer(self, phase: str, iteration: int, share: tuple[int, int] | None = None
+               ) -> contextlib.AbstractContextManager[None]:
+        """The lock a job holds while it writes `phase`'s rows of `iteration` (collect, purify,
+        train), or of one shard (index, count) of it: a second writer gets LockHeld at once, naming
+        the holder (lock.py)."""
+        self.check_writable()
+        return phase_lock(self.root, phase, iteration, share)
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name
@@ -246,8 +257,27 @@ class Warehouse:
     # Training and the iteration log
 
     def write_train_steps(self, iteration: int, steps: Sequence[TrainStepRow]) -> None:
-        if steps:
+        """Write an iteration's optimiser steps, replacing the rows of an earlier training of the
+        same purify config into the same checkpoint (a rerun): one part holding the new rows and
+        the others of the parts it replaces, by compaction's protocol (compact.replace_parts)."""
+        if not steps:
+            return
+        runs = {(step.config_id, step.checkpoint) for step in steps if step.config_id is not None}
+        if not runs or not self._train_steps_of(iteration, runs):
             self._write(schema.TRAIN_STEPS, steps, iteration=iteration)
+            return
+        self.check_writable()
+        with compaction_paused(self.root):  # listed again under the lock: no compaction merges them meanwhile
+            earlier = self._train_steps_of(iteration, runs)
+            kept = [table.filter(pc.invert(_of_runs(table, runs))) for table in earlier.values()]
+            replace_parts(schema.TRAIN_STEPS, list(earlier), [*kept, schema.to_table(schema.TRAIN_STEPS, steps)])
+
+    def _train_steps_of(self, iteration: int, runs: set[tuple[str | None, str | None]]) -> dict[Path, pa.Table]:
+        """The visible train_steps parts of `iteration` holding rows of `runs` (config id,
+        checkpoint), each with its table."""
+        tables = {part: read_part(part, schema.TRAIN_STEPS)
+                  for part in self._visible(schema.TRAIN_STEPS, iteration=iteration)}
+        return {part: table for part, table in tables.items() if pc.any(_of_runs(table, runs)).as_py()}
 
     def read_train_steps(self, iteration: int) -> list[TrainStepRow]:
         """An iteration's optimiser steps in order."""
@@ -408,10 +438,28 @@ def _of_rollouts(table: pa.Table, rollout_ids: Collection[str] | None) -> pa.Tab
     return table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(sorted(rollout_ids), pa.string())))
 
 
+def _of_runs(table: pa.Table, runs: set[tuple[str | None, str | None]]) -> pa.ChunkedArray:
+    """Which rows of a train_steps table belong to one of `runs` (config id, checkpoint)."""
+    keys = pc.binary_join_element_wise(pc.fill_null(table["config_id"], ""), pc.fill_null(table["checkpoint"], ""),
+                                       "\n")
+    return pc.is_in(keys, value_set=pa.array(sorted(f"{config}\n{checkpoint}" for config, checkpoint in runs)))
+
+
 def _config_order(config: PurifyConfigRow | None) -> tuple:
     if config is None:
         return ()
     return (config.gamma, config.rollback_prob, config.similarity_on, config.purify_when)
+
+
+def cursor_of(connection: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """A connection of its own to `connection`'s database, for another thread (a DuckDB connection
+    serves one thread at a time), that reads the same views: DuckDB variables (the views' file lists)
+    belong to a connection, so they are copied; tables and views belong to the database."""
+    cursor = connection.cursor()
+    for (name,) in connection.execute("SELECT name FROM duckdb_variables()").fetchall():
+        ((value,),) = connection.execute("SELECT getvariable(?)", [name]).fetchall()
+        cursor.execute(f"SET VARIABLE {name} = ?", [value])
+    return cursor
 
 
 def parts_variable(dataset: Dataset) -> str:

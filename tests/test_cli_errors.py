@@ -47,6 +47,18 @@ def test_collect_with_unreadable_data(tmp_path):
                    "bad.parquet", "not a readable Parquet file")
 
 
+def test_collect_with_text_that_is_not_utf8(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "latin1.parquet"
+    problems = pa.array([b"1+1?", "caf\xe9 + 1?".encode("latin-1")], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"problem": problems, "answer": ["2", "3"], "data_source": ["aime"] * 2}), path)
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--data", str(path), *SMALL],
+                   f"{path}: row 1: column `problem` holds text that is not valid UTF-8 (byte 0xe9 at position 3")
+    assert not (tmp_path / "w").exists()
+
+
 def test_collect_with_data_in_another_layout(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -393,7 +393,8 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # SQL
 
-    def connect(self, verify_content: bool = False) -> duckdb.DuckDBPyConnection:
+    def connect(self, verify_content: bool = False, settings: dict[str, object] | None = None
+                ) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per dataset plus convenience views.
 
         Every visible part is verified first (`Manifest.verify`): read in full if it is new or its
@@ -403,7 +404,9 @@ class Warehouse:
         architecture.md §3, "Checksums"). A bad file raises WarehouseError naming it, and nothing but
         the manifest (a cache) is ever written, and only when every part passed; a read-only
         warehouse keeps it in memory and writes nothing. Datasets with no parts yet get an empty view
-        with the right columns.
+        with the right columns. `settings` are DuckDB's, given when the database is opened
+        (`cleaner ui`'s temp directory, memory and threads). `cursor_of` gives another thread its own
+        connection to the same views.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
@@ -422,7 +425,7 @@ class Warehouse:
                 self._checked[name] = manifest.checked
             else:
                 manifest.save(complete=True)
-        connection = duckdb.connect(":memory:")
+        connection = duckdb.connect(":memory:", config=settings or {})
         for dataset in DATASETS.values():
             _create_view(connection, dataset, visible[dataset.name])
         for name, query in CONVENIENCE_VIEWS.items():
@@ -469,18 +472,25 @@ def parts_variable(dataset: Dataset) -> str:
 
 def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
     if not parts:
-        empty: pa.Table = dataset.schema.empty_table()
-        connection.register(f"_empty_{dataset.name}", empty)
+        _create_empty(connection, dataset)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
     # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
     # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow; parts written before
     # a column was added lack it: matched by name against the empty table, then defaulted.
     if dataset.added:
-        connection.register(f"_empty_{dataset.name}", dataset.schema.empty_table())
+        _create_empty(connection, dataset)
     selects = [_group_select(connection, dataset, index, legacy, group)
                for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items())]
     connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
+
+
+def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> None:
+    """An empty table `_empty_<dataset>` with the dataset's columns: a table of the database, not a
+    registered Arrow object (those belong to one connection), so every cursor's views see it."""
+    connection.register("_empty_arrow", dataset.schema.empty_table())
+    connection.execute(f"CREATE TABLE _empty_{dataset.name} AS SELECT * FROM _empty_arrow")
+    connection.unregister("_empty_arrow")
 
 
 def _group_select(connection: duckdb.DuckDBPyConnection, dataset: Dataset, index: int,

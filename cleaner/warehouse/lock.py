@@ -65,7 +65,10 @@ class Holder:
 
     @classmethod
     def me(cls) -> Holder:
-        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "python"
+        program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
+        if program == "__main__.py":  # python -m cleaner (or cleaner.cli)
+            program = "cleaner"
+        command = " ".join([program, *sys.argv[1:]])
         return cls(os.getpid(), socket.gethostname(), datetime.now().isoformat(timespec="seconds"),
                    command[:200])
 
@@ -174,3 +177,23 @@ def _shards_refusal(root: Path, phase: str, iteration: int, what: str, advice: s
     shards = sorted((root / LOCKS_DIR).glob(f"{phase}-iteration={iteration}-shard=*.lock"))
     holders = [f"{path.name}: {holder.describe()}" for path in shards if (holder := holder_of(path))]
     return f"{what} (shards of it hold {', '.join(holders) or phase_lock_path(root, phase, iteration).name}); {advice}"
+
+
+def remove_if_only_locks(root: Path, created: list[Path]) -> None:
+    """Remove the directories `created` (innermost first) for a warehouse `root` that holds nothing
+    but free writer locks: a job that failed before its first write leaves nothing behind. A lock
+    file that records a holder, or anything else in `root`, keeps everything."""
+    locks = root / LOCKS_DIR
+    if not created or not root.is_dir() or [entry.name for entry in root.iterdir()] != [LOCKS_DIR]:
+        return
+    files = list(locks.iterdir())
+    if any(not path.name.endswith(".lock") or holder_of(path) is not None for path in files):
+        return
+    for path in files:
+        path.unlink()
+    locks.rmdir()
+    for directory in created:  # rmdir only removes what is empty
+        try:
+            directory.rmdir()
+        except OSError:
+            return

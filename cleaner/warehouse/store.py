@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -44,7 +44,7 @@ from cleaner.records import (
 )
 from cleaner.warehouse import schema
 from cleaner.warehouse.compact import compaction_paused, replace_parts
-from cleaner.warehouse.lock import phase_lock
+from cleaner.warehouse.lock import phase_lock, remove_if_only_locks
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     PartExistsError,
@@ -96,13 +96,20 @@ class Warehouse:
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
         self._checked_writable = True
 
-    def writer(self, phase: str, iteration: int, share: tuple[int, int] | None = None
-               ) -> contextlib.AbstractContextManager[None]:
-        """The lock a job holds while it writes `phase`'s rows of `iteration` (collect, purify,
+    @contextlib.contextmanager
+    def writer(self, phase: str, iteration: int, share: tuple[int, int] | None = None) -> Iterator[None]:
+        """Hold the lock a job holds while it writes `phase`'s rows of `iteration` (collect, purify,
         train), or of one shard (index, count) of it: a second writer gets LockHeld at once, naming
-        the holder (lock.py)."""
+        the holder (lock.py). A job that fails before writing anything into a warehouse it created
+        (a model that does not load) leaves no directory behind, lock files included."""
         self.check_writable()
-        return phase_lock(self.root, phase, iteration, share)
+        created = [path for path in (self.root, *self.root.parents) if not path.exists()]
+        try:
+            with phase_lock(self.root, phase, iteration, share):
+                yield
+        except BaseException:
+            remove_if_only_locks(self.root, created)
+            raise
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name

@@ -138,6 +138,11 @@ class SqlBox:
         self._since = 0.0  # monotonic start of the running query
         self._closed = False
 
+    @property
+    def busy(self) -> bool:
+        """Whether a query is running."""
+        return self._running.locked()
+
     def run(self, query: str, max_rows: int) -> QueryResult:
         """Check and run one SELECT (`run_select`); QueryBusy at once while another runs."""
         check_select(query)

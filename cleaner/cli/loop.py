@@ -64,8 +64,9 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
     return config
 
 
-def _run_and_report(config, resume: bool, metrics=None) -> list:
-    """Run the loop and print each iteration and the table; on several ranks, rank 0 prints."""
+def _run_and_report(config, resume: bool, metrics=None, fresh: bool = False) -> list:
+    """Run the loop and print each iteration and the table; on several ranks, rank 0 prints.
+    `fresh`: delete what a previous run left in the run directory, under its lock (the demo)."""
     from cleaner.errors import CleanerError
     from cleaner.loop.iterations import run_loop
     from cleaner.loop.ranks import Ranks, RanksError
@@ -83,7 +84,7 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
     if not ranks.main:  # rank 0 logs what the job does; the others only what goes wrong
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
-        rows = run_loop(config, resume=resume, on_iteration=one_line, metrics=metrics, ranks=ranks)
+        rows = run_loop(config, resume=resume, fresh=fresh, on_iteration=one_line, metrics=metrics, ranks=ranks)
     except RanksError as error:
         raise _fail_job(str(error)) from error
     except CleanerError as error:  # this rank's own
@@ -161,13 +162,9 @@ def demo(
     from cleaner.report.job import report_job
     from cleaner.warehouse import Warehouse
 
-    if not resume:  # the demo always starts clean unless asked to resume
-        from cleaner.loop.iterations import remove_run
-
-        call_job(remove_run, run_dir)
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
                             "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
-    _run_and_report(config, resume)
+    _run_and_report(config, resume, fresh=not resume)  # the demo starts clean unless asked to resume
     warehouse = run_dir / "warehouse"
     written = call_job(report_job, Warehouse(warehouse), run_dir / "report")
     console.print(f"\nreport: {written.page} (every figure as a PNG beside it)\nwarehouse: {warehouse}\nTry:")

@@ -98,7 +98,7 @@ def _check_room(request: TrainRequest, model) -> None:
     n_parameters = space.model_parameters(model) if model is not None else space.stored_parameters(request.policy)
     if n_parameters is None:
         return
-    save_dtype = getattr(request.config, "save_dtype", "float32")
+    save_dtype = request.config.save_dtype
     needed = space.checkpoint_bytes(n_parameters, save_dtype, request.config.engine,
                                     space.other_bytes(request.policy))
     refusal = space.room_error(Path(request.out), needed, n_parameters, save_dtype)

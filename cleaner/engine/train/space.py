@@ -18,7 +18,7 @@ import torch
 
 from cleaner.errors import free_bytes, human_bytes, mount_point
 
-SAVE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SAVE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def checkpoint_bytes(n_parameters: int, save_dtype: str = "float32", engine: str = "torch",

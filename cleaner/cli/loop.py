@@ -68,8 +68,16 @@ def _run_and_report(config, resume: bool, metrics=None, fresh: bool = False) -> 
     """Run the loop and print each iteration and the table; on several ranks, rank 0 prints.
     `fresh`: delete what a previous run left in the run directory, under its lock (the demo)."""
     from cleaner.errors import CleanerError
-    from cleaner.loop.iterations import run_loop
     from cleaner.loop.ranks import Ranks, RanksError
+    from cleaner.warehouse.lock import refusal_if_held, run_lock
+
+    ranks = Ranks.from_env()
+    # one process: refused at once, before the model stack loads (run_loop takes the lock itself;
+    # on many ranks it does so through rank 0, which a later rank's probe would see as busy)
+    busy = refusal_if_held(*run_lock(Path(config.run_dir))) if ranks.world_size == 1 else None
+    if busy:
+        raise fail(busy)
+    from cleaner.loop.iterations import run_loop
     from cleaner.report.tables import iteration_table
 
     def one_line(row):
@@ -80,7 +88,6 @@ def _run_and_report(config, resume: bool, metrics=None, fresh: bool = False) -> 
             f"merges {row.n_shallow} shallow / {row.n_deep} deep  failed-call credit {credit}  "
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
-    ranks = Ranks.from_env()
     if not ranks.main:  # rank 0 logs what the job does; the others only what goes wrong
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     try:

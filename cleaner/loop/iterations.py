@@ -70,7 +70,7 @@ from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import IterationRow
 from cleaner.report.tracking import MetricsLogger, NullLogger
 from cleaner.warehouse import Warehouse
-from cleaner.warehouse.lock import exclusive
+from cleaner.warehouse.lock import RUN_LOCK, exclusive, run_lock
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,6 @@ def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str
     return kept
 
 
-RUN_LOCK = ".run.lock"  # in the run directory: one job drives a run
 # What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
 # default one of `cleaner report -w <run>/warehouse`, the logs.
 RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "warehouse-report", "tensorboard",
@@ -195,8 +194,7 @@ def _run_lock(run_dir: Path, ranks: Ranks, fresh: bool = False) -> Iterator[None
                 check_run_dir(run_dir)  # before a lock file is created in someone's directory
             created.extend(path for path in (run_dir, *run_dir.parents) if not path.exists())
             run_dir.mkdir(parents=True, exist_ok=True)
-            held.enter_context(exclusive(run_dir / RUN_LOCK, f"{run_dir}: another process is running this run",
-                                         "wait for it to end, or choose another --run-dir"))
+            held.enter_context(exclusive(*run_lock(run_dir)))
             if fresh:
                 clear_run(run_dir)
 

@@ -41,6 +41,7 @@ from cleaner.warehouse.parts import WarehouseError
 logger = logging.getLogger(__name__)
 
 LOCKS_DIR = ".locks"  # in a warehouse: the writer locks of its iterations' phases
+RUN_LOCK = ".run.lock"  # in a run directory: one job (its rank 0) drives a run
 # What each phase's writer is doing, and what a refused one can do instead.
 PHASES = {
     "collect": ("collecting", "wait for it to end (then --resume finishes what is left), or collect another --iteration"),
@@ -98,6 +99,29 @@ def refusal(path: Path, what: str, advice: str) -> str:
     holder = holder_of(path)
     held = f"{path.name}: {holder.describe()}" if holder else path.name
     return f"{what} (it holds {held}); {advice}"
+
+
+def run_lock(run_dir: Path) -> tuple[Path, str, str]:
+    """The run directory's lock file, what a refused job is told is busy, and what to do."""
+    return (run_dir / RUN_LOCK, f"{run_dir}: another process is running this run",
+            "wait for it to end, or choose another --run-dir")
+
+
+def refusal_if_held(path: Path, what: str, advice: str) -> str | None:
+    """The line `exclusive` would refuse with if another process holds `path` now, else None: an
+    early answer for a command that loads a model before it takes its lock (which may still be
+    refused then, if another process took it meanwhile)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file: nobody holds it
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return refusal(path, what, advice)
+    finally:
+        os.close(descriptor)  # releases the probe's lock, if it took it
+    return None
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import fcntl
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +69,14 @@ def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(t
                                     "--resume"), capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and "another process is running this run" in result.stderr
         assert "Traceback" not in result.stderr
+        # refused before the model stack loads (a run or a demo on a busy directory answers at once)
+        probe = ("import sys\nfrom cleaner.cli import app\ntry:\n    app(sys.argv[1:])\n"
+                 "except SystemExit as end:\n    print(end.code, 'torch' in sys.modules)")
+        for command in (["run", "--model", str(random_policy), "--resume"], ["demo"]):
+            result = subprocess.run([sys.executable, "-c", probe, *command, "--run-dir", str(tmp_path / "run")],
+                                    capture_output=True, text=True, timeout=120)
+            assert "another process is running this run" in result.stderr
+            assert result.stdout.split() == ["1", "False"], (command, result.stdout)
     # released (as when the holder dies): the run goes on
     rows = run_loop(dataclasses.replace(config, iterations=1), resume=True, progress=False)
     assert [row.iteration for row in rows] == [0]

@@ -7,6 +7,11 @@ and exits with code 1; anything else that escapes is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+from pathlib import Path
+
 
 class CleanerError(Exception):
     """An expected failure; the message says which input and what was expected."""
@@ -14,3 +19,69 @@ class CleanerError(Exception):
 
 class JobError(CleanerError):
     """A job cannot start or finish; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Failed writes: a full disk, a quota, a read-only file system, a permission
+
+
+class WriteError(CleanerError):
+    """A file or directory could not be written; the message names it, why, and what to free."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL_BYTES = 2**20  # a write that failed with less than this free failed for want of space
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def existing_ancestor(path: str | os.PathLike) -> Path:
+    """`path` itself if it exists, else its nearest existing parent directory."""
+    path = Path(path).absolute()
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes this process may still write on the file system that holds (or would hold) `path`."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def mount_point(path: str | os.PathLike) -> Path:
+    path = existing_ancestor(path)
+    return next(p for p in (path, *path.parents) if os.path.ismount(p))
+
+
+def is_disk_full(error: BaseException, path: str | os.PathLike) -> bool:
+    """Whether `error` (from writing under `path`) is a full disk or quota: the first OSError with an
+    errno in its chain says ENOSPC or EDQUOT; without one, whether the file system has (almost)
+    nothing free, which is how torch and safetensors report it (a RuntimeError naming no errno)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno in DISK_FULL
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return free_bytes(path) < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def write_error(path: str | os.PathLike, error: BaseException, needed: int | None = None) -> WriteError:
+    """The one-line error for a failed write of `path`: why, and what to free for a full disk."""
+    if not is_disk_full(error, path):
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return WriteError(f"{path}: cannot write it ({why})")
+    try:
+        where = f"the file system at {mount_point(path)} has {human_bytes(free_bytes(path))} free"
+    except OSError:
+        where = "its file system is full"
+    wanted = f"at least {human_bytes(needed)} " if needed else ""
+    return WriteError(f"{path}: cannot write it, no space left on the device ({where}); free {wanted}space "
+                      "there, or write elsewhere, and run the command again (what was written before stays)")

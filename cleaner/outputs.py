@@ -26,9 +26,12 @@ Design decisions:
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -36,7 +39,9 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
-from cleaner.errors import CleanerError
+from cleaner.errors import CleanerError, is_disk_full, write_error
+
+logger = logging.getLogger(__name__)
 
 MARKER = ".cleaner-output.json"  # in every directory cleaner swaps into place
 CHECKPOINT, REPORT = "checkpoint", "report"  # the kinds of output
@@ -183,16 +188,70 @@ def atomic_directory(out_path: str | Path, kind: str) -> Iterator[Path]:
     """Yield a temporary directory; on clean exit it is marked and atomically becomes `out_path`.
 
     OutputError at once, before the block runs, if `out_path` is not replaceable (module docstring).
+    The temporary directories of writers of `out_path` that died are removed first. A write that
+    fails for want of space (or on an OSError) is a WriteError naming `out_path` and what to free.
     """
     out_path = Path(out_path).resolve()
     check_replaceable(out_path, kind)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out_path)
+        temp_dir = Path(tempfile.mkdtemp(prefix=_temporary_prefix(out_path.name) + _me(), dir=out_path.parent))
+    except OSError as error:
+        raise write_error(out_path, error) from error
     try:
         yield temp_dir
         write_marker(temp_dir, kind)
         _fsync_tree(temp_dir)
         _swap_into_place(temp_dir, out_path, kind)
-    except BaseException:
+    except Exception as error:
+        # an OSError, or any error of a writer on a full disk (measured before the cleanup)
+        failed = not isinstance(error, CleanerError) and (isinstance(error, OSError) or is_disk_full(error, temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if failed:
+            raise write_error(out_path, error) from error
+        raise
+    except BaseException:  # Ctrl-C: nothing half-written stays
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
+
+
+# ---------------------------------------------------------------------------
+# Temporary directories of writers that died
+
+
+def _temporary_prefix(name: str) -> str:
+    return f".{name}.tmp-"
+
+
+def _me() -> str:
+    """The writer part of a temporary directory's name: `<pid>@<host>@` (mkdtemp adds a random tail)."""
+    return f"{os.getpid()}@{socket.gethostname()}@"
+
+
+def remove_stale_temporaries(out_path: Path) -> list[Path]:
+    """Remove the temporary directories beside `out_path` whose writer, a process of this host, is
+    gone (a SIGKILL mid-write leaves a whole checkpoint's size there); those of live processes and
+    of other hosts stay. Returns what was removed."""
+    removed = []
+    prefix = _temporary_prefix(out_path.name)
+    host = socket.gethostname()
+    for entry in out_path.parent.glob(f"{glob.escape(prefix)}*"):
+        pid, at, rest = entry.name[len(prefix):].partition("@")
+        writer_host = rest.rpartition("@")[0]
+        if not (at and pid.isdigit() and writer_host == host) or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        logger.info("removed %s, left by pid %s, which is gone", entry, pid)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -229,6 +229,10 @@ class TrainStepRow:
     lr: float
     tokens: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
+    # Which training wrote the row: the purify config it trained on and the checkpoint it wrote
+    # (absolute path); a rerun of the same pair replaces its rows. None in rows written before.
+    config_id: str | None = None
+    checkpoint: str | None = None
 
 
 

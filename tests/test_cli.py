@@ -58,6 +58,21 @@ def test_sql_table_csv_json(tmp_path):
     assert json.loads(out.read_text()) == [{"rollout_id": "r0", "reward": 1.0}, {"rollout_id": "r1", "reward": 0.0}]
 
 
+def test_sql_csv_writes_nested_cells_as_json_text(tmp_path):
+    """A token list, a struct or a map has no CSV form of its own: its cell is JSON text."""
+    wh = _warehouse(tmp_path)
+    query = ("SELECT seq, token_ids, {'kind': kind, 'ok': tool_status = 'ok'} AS s, map(['n'], [len(token_ids)]) AS m "
+             "FROM segments WHERE rollout_id = 'r0' AND seq IN (0, 2) ORDER BY seq")
+    result = runner.invoke(app, ["sql", query, "-w", str(wh.root), "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "seq,token_ids,s,m",
+        '0,"[1, 2, 3]","{""kind"": ""prompt"", ""ok"": null}","[[""n"", 3]]"',
+        '2,"[7, 8]","{""kind"": ""tool"", ""ok"": false}","[[""n"", 2]]"']
+    result = runner.invoke(app, ["sql", query, "-w", str(wh.root), "--format", "json"])  # JSON keeps them nested
+    assert json.loads(result.output)[0]["token_ids"] == [1, 2, 3]
+
+
 def test_sql_bad_query_exits_nonzero(tmp_path):
     result = runner.invoke(app, ["sql", "SELECT nope FROM rollouts", "-w", str(_warehouse(tmp_path).root)])
     assert result.exit_code != 0

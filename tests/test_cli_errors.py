@@ -47,6 +47,18 @@ def test_collect_with_unreadable_data(tmp_path):
                    "bad.parquet", "not a readable Parquet file")
 
 
+def test_collect_with_text_that_is_not_utf8(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "latin1.parquet"
+    problems = pa.array([b"1+1?", "caf\xe9 + 1?".encode("latin-1")], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"problem": problems, "answer": ["2", "3"], "data_source": ["aime"] * 2}), path)
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--data", str(path), *SMALL],
+                   f"{path}: row 1: column `problem` holds text that is not valid UTF-8 (byte 0xe9 at position 3")
+    assert not (tmp_path / "w").exists()
+
+
 def test_collect_with_data_in_another_layout(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -150,13 +162,22 @@ def test_train_out_never_replaces_a_warehouse_or_a_users_directory(small_run, tm
 
 def test_train_out_replaces_the_checkpoint_it_wrote(small_run, tmp_path):
     warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    steps_before = len(warehouse.read_train_steps(0))  # the run's
     command = ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id, "--policy",
                str(small_run / "checkpoints" / "iteration-1"), "--out", str(tmp_path / "out"),
                "--mini-batch-size", "8"]
+    steps = []  # per training: the rows of its checkpoint
     for _ in range(2):
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
+        steps.append(warehouse.connect().sql(
+            "SELECT config_id, optimizer_step, created_at FROM train_steps WHERE checkpoint = ? ORDER BY 2",
+            params=[str((tmp_path / "out").resolve())]).fetchall())
     assert (tmp_path / "out" / ".cleaner-output.json").is_file()
+    # 16 rows in mini batches of 8: two steps, named by their config and checkpoint; the second
+    # training replaced the first's rows instead of adding two more
+    assert [[(config, step) for config, step, _ in rows] for rows in steps] == [[(config_id, 2), (config_id, 3)]] * 2
+    assert len(warehouse.read_train_steps(0)) == steps_before + 2
 
 
 def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path):

@@ -142,13 +142,21 @@ def words(text: str, name: str) -> list[str]:
 
 
 def call_job(job, *args, **kwargs):
-    """Call a job; its expected failures become CLI errors with exit code 1."""
-    from cleaner.errors import CleanerError
+    """Call a job; its expected failures become CLI errors with exit code 1, and so does a full
+    disk wherever a write meets it (the warehouse and checkpoints say so themselves)."""
+    from cleaner.errors import DISK_FULL, CleanerError, write_error
 
     try:
         return job(*args, **kwargs)
     except CleanerError as exc:
         raise fail(str(exc)) from exc
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        if exc.filename is None:
+            raise fail(f"a write failed: {exc.strerror}; free space where this command writes, and run "
+                       "it again") from exc
+        raise fail(str(write_error(exc.filename, exc))) from exc
 
 
 # Where purify and ablate score: the runtime of their job's request, not part of a purify config

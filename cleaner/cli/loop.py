@@ -64,11 +64,20 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
     return config
 
 
-def _run_and_report(config, resume: bool, metrics=None) -> list:
-    """Run the loop and print each iteration and the table; on several ranks, rank 0 prints."""
+def _run_and_report(config, resume: bool, metrics=None, fresh: bool = False) -> list:
+    """Run the loop and print each iteration and the table; on several ranks, rank 0 prints.
+    `fresh`: delete what a previous run left in the run directory, under its lock (the demo)."""
     from cleaner.errors import CleanerError
-    from cleaner.loop.iterations import run_loop
     from cleaner.loop.ranks import Ranks, RanksError
+    from cleaner.warehouse.lock import refusal_if_held, run_lock
+
+    ranks = Ranks.from_env()
+    # one process: refused at once, before the model stack loads (run_loop takes the lock itself;
+    # on many ranks it does so through rank 0, which a later rank's probe would see as busy)
+    busy = refusal_if_held(*run_lock(Path(config.run_dir))) if ranks.world_size == 1 else None
+    if busy:
+        raise fail(busy)
+    from cleaner.loop.iterations import run_loop
     from cleaner.report.tables import iteration_table
 
     def one_line(row):
@@ -79,11 +88,10 @@ def _run_and_report(config, resume: bool, metrics=None) -> list:
             f"merges {row.n_shallow} shallow / {row.n_deep} deep  failed-call credit {credit}  "
             f"({row.collect_s:.0f}+{row.purify_s:.0f}+{row.train_s:.0f} s)")
 
-    ranks = Ranks.from_env()
     if not ranks.main:  # rank 0 logs what the job does; the others only what goes wrong
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
-        rows = run_loop(config, resume=resume, on_iteration=one_line, metrics=metrics, ranks=ranks)
+        rows = run_loop(config, resume=resume, fresh=fresh, on_iteration=one_line, metrics=metrics, ranks=ranks)
     except RanksError as error:
         raise _fail_job(str(error)) from error
     except CleanerError as error:  # this rank's own
@@ -161,13 +169,9 @@ def demo(
     from cleaner.report.job import report_job
     from cleaner.warehouse import Warehouse
 
-    if not resume:  # the demo always starts clean unless asked to resume
-        from cleaner.loop.iterations import remove_run
-
-        call_job(remove_run, run_dir)
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
                             "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
-    _run_and_report(config, resume)
+    _run_and_report(config, resume, fresh=not resume)  # the demo starts clean unless asked to resume
     warehouse = run_dir / "warehouse"
     written = call_job(report_job, Warehouse(warehouse), run_dir / "report")
     console.print(f"\nreport: {written.page} (every figure as a PNG beside it)\nwarehouse: {warehouse}\nTry:")

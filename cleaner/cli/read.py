@@ -118,7 +118,7 @@ def sql(
     import duckdb
     import polars as pl
 
-    from cleaner.report.tables import result_table
+    from cleaner.report.tables import json_cells, result_table
     from cleaner.warehouse import Warehouse, WarehouseError
 
     try:
@@ -139,8 +139,9 @@ def sql(
             return
         text = _rendered(result_table(table))
     else:
-        frame = pl.from_arrow(table)
-        text = frame.write_csv() if output_format is OutputFormat.csv else frame.write_json()
+        csv = output_format is OutputFormat.csv
+        frame = pl.from_arrow(json_cells(table) if csv else table)  # CSV holds nested cells as JSON text
+        text = frame.write_csv() if csv else frame.write_json()
     if output is None:
         typer.echo(text, nl=False)
         return
@@ -175,12 +176,8 @@ def compact(
     from rich.table import Table
 
     from cleaner.warehouse.compact import compact as compact_warehouse
-    from cleaner.warehouse.parts import WarehouseError
 
-    try:
-        result = compact_warehouse(warehouse, dataset, iteration, int(target_mb * 2**20))
-    except WarehouseError as exc:
-        raise fail(str(exc)) from exc
+    result = call_job(compact_warehouse, warehouse, dataset, iteration, int(target_mb * 2**20))
     table = Table("dataset", "partition", "parts", "rows", "MB before", "MB after")
     for merge in result.merges:
         table.add_row(merge.dataset, merge.partition, str(merge.n_parts), str(merge.n_rows),

@@ -70,7 +70,7 @@ from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import IterationRow
 from cleaner.report.tracking import MetricsLogger, NullLogger
 from cleaner.warehouse import Warehouse
-from cleaner.warehouse.lock import exclusive
+from cleaner.warehouse.lock import RUN_LOCK, exclusive, run_lock
 
 if TYPE_CHECKING:
     import torch
@@ -105,17 +105,15 @@ def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str
     return kept
 
 
-RUN_LOCK = ".run.lock"  # in the run directory: one job drives a run
 # What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
 # default one of `cleaner report -w <run>/warehouse`, the logs.
 RUN_ENTRIES = frozenset({RUN_LOCK, "warehouse", "checkpoints", "report", "warehouse-report", "tensorboard",
                          "wandb"})
 
 
-def remove_run(run_dir: Path) -> None:
-    """Delete a run directory `cleaner run` wrote (it holds the run's lock file and nothing but
-    what a run writes); JobError, and nothing deleted, for any other path."""
-    run_dir = Path(run_dir)
+def check_run_dir(run_dir: Path) -> None:
+    """JobError unless `run_dir` is absent or a run directory `cleaner run` wrote (it holds the
+    run's lock file and nothing but what a run writes): the only kind `clear_run` empties."""
     if not run_dir.exists():
         return
     entries = sorted(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else None
@@ -123,17 +121,31 @@ def remove_run(run_dir: Path) -> None:
         what = "a file" if entries is None else f"holds {', '.join(entries[:4])}"
         raise JobError(f"{run_dir}: not a run directory cleaner wrote ({what}); the demo starts by "
                        "deleting its --run-dir, so give it a new path or a previous demo's")
-    shutil.rmtree(run_dir)
 
 
-def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
+def clear_run(run_dir: Path) -> None:
+    """Delete what a previous run wrote in `run_dir` (`check_run_dir` first), keeping the lock
+    file, which the caller holds: deleting it would let another job lock a new one meanwhile."""
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)
+    for entry in run_dir.iterdir() if run_dir.exists() else ():
+        if entry.name == RUN_LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def run_loop(config: RunConfig, *, resume: bool = False, fresh: bool = False, progress: bool = True,
              on_iteration: Callable[[IterationRow], None] | None = None,
              metrics: MetricsLogger | None = None, ranks: Ranks | None = None) -> list[IterationRow]:
     """Run `config.iterations` iterations; returns the iteration rows of the whole run.
 
-    `ranks` is this process's place in its job (default: the launcher's environment, a world of
-    one without a launcher). `metrics` and `on_iteration` get every iteration completed here, on
-    rank 0 only (module docstring); the caller closes `metrics`."""
+    `fresh` first deletes what a previous run left in the run directory (`clear_run`, the demo),
+    once this job holds its lock. `ranks` is this process's place in its job (default: the
+    launcher's environment, a world of one without a launcher). `metrics` and `on_iteration` get
+    every iteration completed here, on rank 0 only (module docstring); the caller closes `metrics`."""
     ranks = ranks or Ranks.from_env()
     metrics = metrics or NullLogger()
     same_everywhere(ranks, lambda: _check_launch(config, ranks))
@@ -141,7 +153,7 @@ def run_loop(config: RunConfig, *, resume: bool = False, progress: bool = True,
     # a bad backend, device or model fails on every rank before anything is written
     agree(ranks, lambda: _check_inputs(config, ranks))
     run_dir = Path(config.run_dir)
-    with _run_lock(run_dir, ranks):
+    with _run_lock(run_dir, ranks, fresh):
         return _run_iterations(config, run_dir, resume, progress and ranks.main, on_iteration, metrics, ranks)
 
 
@@ -170,17 +182,21 @@ def _check_inputs(config: RunConfig, ranks: Ranks) -> None:
 
 
 @contextlib.contextmanager
-def _run_lock(run_dir: Path, ranks: Ranks) -> Iterator[None]:
+def _run_lock(run_dir: Path, ranks: Ranks, fresh: bool = False) -> Iterator[None]:
     """Rank 0 holds the run directory's lock for the whole job; if another job holds it, every rank
-    fails at once. A job that fails before writing anything removes the directories it created."""
-    busy = (f"{run_dir}: another process is running this run (it holds {RUN_LOCK}); wait for it to end, "
-            "or choose another --run-dir")
+    fails at once. With `fresh`, what a previous run left is deleted once the lock is held (never
+    before: that would delete the files of a run still going). A job that fails before writing
+    anything removes the directories it created."""
     created: list[Path] = []
     with contextlib.ExitStack() as held:
         def take() -> None:
+            if fresh:
+                check_run_dir(run_dir)  # before a lock file is created in someone's directory
             created.extend(path for path in (run_dir, *run_dir.parents) if not path.exists())
             run_dir.mkdir(parents=True, exist_ok=True)
-            held.enter_context(exclusive(run_dir / RUN_LOCK, busy))
+            held.enter_context(exclusive(*run_lock(run_dir)))
+            if fresh:
+                clear_run(run_dir)
 
         from_main(ranks, take)
         try:

@@ -8,6 +8,8 @@ Design decisions:
   a rate reads the same in every table: a share (accuracy, an error rate, pass@k) is a percentage
   with one decimal, a mean or a ratio has three decimals, an advantage its sign, a duration one
   decimal, and a missing value (None, or NaN: a rate whose denominator is empty) is "-" everywhere.
+- A query result as CSV (`cleaner sql --format csv`, the browser's download) holds each nested
+  cell (a token list, a struct, a map) as JSON text, which CSV readers take as one string.
 - A query result's cells are plain text (brackets are not rich markup), with newlines and control
   characters escaped (`visible`): a model's output may hold any of them, and a terminal would obey
   them. Long cells and token lists are abbreviated.
@@ -25,6 +27,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -115,6 +118,23 @@ def result_table(table: pa.Table, title: str | None = None) -> Table:
         out.add_row(*(cell(row[name]) for name in table.column_names))
     out.caption = f"{table.num_rows} row{'s' if table.num_rows != 1 else ''}"
     return out
+
+
+def csv_cell(value: object) -> object:
+    """A value as a CSV cell: a nested one (a list, a struct, a map) as JSON text, a scalar as it is."""
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value, default=str, ensure_ascii=False)
+    return value
+
+
+def json_cells(table: pa.Table) -> pa.Table:
+    """`table` with each nested column (lists, structs, maps) as JSON text, which CSV can hold."""
+    for index, field in enumerate(table.schema):
+        if pa.types.is_nested(field.type):
+            text = pa.array([None if value is None else csv_cell(value) for value in table.column(index).to_pylist()],
+                            pa.string())
+            table = table.set_column(index, field.name, text)
+    return table
 
 
 # ---------------------------------------------------------------------------------------------

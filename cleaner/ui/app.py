@@ -6,8 +6,10 @@ Design decisions (docs/architecture.md §14):
   templates and a test client. uvicorn serves it.
 - Every page is rendered on the server; the only assets are one stylesheet and the SVG figures,
   both served by the app itself: the pages load nothing from the network and run no script.
-- Reads go through one `Browser` snapshot (cleaner.warehouse.browse), whose connection is locked
-  down and whose lock serialises the handlers (DuckDB connections are not thread-safe).
+- Reads go through one `Browser` snapshot (cleaner.warehouse.browse), locked down: each read takes
+  a cursor of its own from a small pool, so pages are served side by side; the SQL box runs on a
+  database of its own (`Browser.sql`), one query at a time, so no page ever waits for it, and a
+  second query while one runs is refused at once (429) instead of queueing.
 - Errors a reader can cause are pages, never tracebacks: an unknown rollout or config is a 404,
   a refused query is said above the query box, anything unexpected is a 500 page naming the
   error type (its traceback goes to the log only).
@@ -24,6 +26,7 @@ import csv
 import hmac
 import io
 import logging
+import threading
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -40,10 +43,11 @@ from starlette.staticfiles import StaticFiles
 
 from cleaner.errors import CleanerError
 from cleaner.report.inspection import Decoder, load_decoder, load_inspection
+from cleaner.report.tables import csv_cell
 from cleaner.ui.overview import Overview
 from cleaner.ui.rollout_view import purified_pane, raw_segments
 from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter
-from cleaner.warehouse.readonly import QueryRefused, run_select
+from cleaner.warehouse.readonly import QueryBusy, QueryRefused
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ TOKEN_COOKIE = "cleaner_ui_token"
 PAGE_SIZE = 50
 SQL_MAX_ROWS = 1000  # rows shown under the query box
 CSV_MAX_ROWS = 1_000_000  # rows of a CSV download
+MAX_OFFSET = 2**62  # the rollout list's largest offset (DuckDB's OFFSET is a 64-bit integer)
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
@@ -65,12 +70,19 @@ class State:
         self.browser = browser
         self.overview: Overview | None = None
         self.decoders: dict[str | None, Decoder] = {}
+        self._overview_lock = threading.Lock()  # the overview is computed once per snapshot
 
     def get_overview(self) -> Overview:
-        with self.browser.lock:
+        with self._overview_lock:
             if self.overview is None:
-                self.overview = Overview(self.browser.connection)
+                with self.browser.cursor() as connection:
+                    self.overview = Overview(connection)
             return self.overview
+
+    def refresh(self) -> None:
+        self.browser.refresh()
+        with self._overview_lock:
+            self.overview = None
 
     def decoder(self, model: str | None) -> Decoder:
         if model not in self.decoders:
@@ -129,6 +141,8 @@ def rollouts_page(request: Request) -> Response:
         offset = max(0, int(request.query_params.get("offset", "0")))
     except ValueError as error:
         raise HTTPException(400, "offset must be an integer") from error
+    if offset > MAX_OFFSET:  # DuckDB's OFFSET is a 64-bit integer
+        raise HTTPException(400, f"offset must be at most {MAX_OFFSET}, got {offset}")
     listing = state.browser.list_rollouts(where, offset, PAGE_SIZE)
     kept = {k: v for k, v in request.query_params.items() if k not in ("offset", "token") and v}
 
@@ -175,38 +189,37 @@ def _config_label(row, config) -> tuple[str, str]:
 def sql_page(request: Request) -> Response:
     state: State = request.app.state.ui
     query = request.query_params.get("q", "")
-    result, error = None, None
+    result, error, status = None, None, 200
     if query.strip():
         try:
-            with state.browser.lock:
-                result = run_select(state.browser.connection, query, SQL_MAX_ROWS)
+            result = state.browser.sql.run(query, SQL_MAX_ROWS)
         except QueryRefused as refused:
-            error = str(refused)
+            error, status = str(refused), _status(refused)
     csv_link = "/sql.csv?" + urlencode({"q": query}) if result is not None else None
     return page(request, "sql.html", query=query, result=result, error=error, csv_link=csv_link,
-                status_code=400 if error else 200)
+                status_code=status)
+
+
+def _status(refused: QueryRefused) -> int:
+    return 429 if isinstance(refused, QueryBusy) else 400
 
 
 def sql_csv(request: Request) -> Response:
     state: State = request.app.state.ui
     try:
-        with state.browser.lock:
-            result = run_select(state.browser.connection, request.query_params.get("q", ""), CSV_MAX_ROWS)
+        result = state.browser.sql.run(request.query_params.get("q", ""), CSV_MAX_ROWS)
     except QueryRefused as refused:
-        return Response(f"error: {refused}\n", status_code=400, media_type="text/plain")
+        return Response(f"error: {refused}\n", status_code=_status(refused), media_type="text/plain")
     sink = io.StringIO()
     writer = csv.writer(sink)
     writer.writerow(result.columns)
-    writer.writerows(result.rows)
+    writer.writerows([csv_cell(value) for value in row] for row in result.rows)
     return Response(sink.getvalue(), media_type="text/csv",
                     headers={"Content-Disposition": 'attachment; filename="query.csv"'})
 
 
 def refresh(request: Request) -> Response:
-    state: State = request.app.state.ui
-    with state.browser.lock:
-        state.browser.refresh()
-        state.overview = None
+    request.app.state.ui.refresh()
     return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
 
 

@@ -23,22 +23,28 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 
 from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import readonly, schema
 from cleaner.warehouse.parts import WarehouseError
-from cleaner.warehouse.store import Warehouse, parts_variable
+from cleaner.warehouse.store import Warehouse, cursor_of, parts_variable
 
 INDEX = "rollout_index"
+POOL_SIZE = 4  # cursors of the pages' database: reads that run at once
 CLASSES = ("clean", "recovered", "unrecovered")
 
 _INDEX_SQL = """
-CREATE TEMP TABLE rollout_index AS
+CREATE TABLE rollout_index AS
 WITH steps AS (
     SELECT rollout_id, step, bool_or(tool_status <> 'ok') AS failed,
            arg_max(tool_status = 'ok', attempt) AS last_ok,
@@ -142,81 +148,94 @@ def _listed(row: tuple) -> ListedRollout:
 
 
 class Browser:
-    """A read-only, locked-down snapshot of a warehouse (module docstring). Not thread-safe: hold
-    `lock` around every use of `connection` and of the reads."""
+    """A read-only, locked-down snapshot of a warehouse (module docstring), safe to use from many
+    threads: every read takes a cursor of its own from a small pool, and the SQL box (`sql`) has a
+    database of its own, so no page ever waits for a query typed into it."""
 
-    def __init__(self, warehouse: Warehouse) -> None:
+    def __init__(self, warehouse: Warehouse, limits: readonly.SqlLimits | None = None,
+                 pool_size: int = POOL_SIZE) -> None:
         if not warehouse.read_only:
             raise ValueError("the browser reads a Warehouse opened with read_only=True")
         self.warehouse = warehouse
-        self.lock = threading.RLock()
-        self.connection = self._open()
+        self.limits, self.pool_size = limits or readonly.SqlLimits(), pool_size
+        self._swap = threading.Lock()  # held only to replace the snapshot
+        self._pages, self.sql = self._open()
 
     @property
     def root(self) -> Path:
         return self.warehouse.root
 
-    def _open(self) -> duckdb.DuckDBPyConnection:
-        connection = self.warehouse.connect()
-        variable = parts_variable(schema.ROLLOUTS)
-        ((has_parts,),) = connection.execute("SELECT count(*) FROM duckdb_variables() WHERE name = ?",
-                                             [variable]).fetchall()
-        columns = ", ".join(schema.ROLLOUTS.columns)
-        rollouts = (f"SELECT {columns}, filename AS part FROM read_parquet(getvariable('{variable}'), "
-                    "hive_partitioning = false, filename = true)" if has_parts
-                    else "SELECT *, NULL::VARCHAR AS part FROM rollouts")
-        connection.execute(_INDEX_SQL.format(rollouts=rollouts))
-        readonly.lock_down(connection, self.root)
-        return connection
+    def _open(self) -> tuple[_Pages, readonly.SqlBox]:
+        pages = _Pages(self.warehouse, self.pool_size)
+        index = pages.index()
+        box = readonly.SqlBox(self.warehouse.connect(settings=readonly.sql_settings(self.limits)), self.root,
+                              self.limits, tables={INDEX: index})
+        return pages, box
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection to the snapshot's views and index for this thread, returned to the pool
+        after the block."""
+        with self._swap:  # a snapshot being replaced is not closed while this read needs it
+            pages = self._pages
+            pages.reserve()
+        with pages.cursor() as cursor:
+            yield cursor
 
     def close(self) -> None:
-        with self.lock:
-            self.connection.close()
+        with self._swap:
+            self.sql.close()
+            self._pages.retire()
 
     def refresh(self) -> None:
-        """A new snapshot: parts written since the last one become visible."""
-        with self.lock:
-            old, self.connection = self.connection, self._open()
-            old.close()
+        """A new snapshot: parts written since the last one become visible. Reads in flight finish
+        on the old one; a query running in the old SQL box is interrupted."""
+        pages, box = self._open()
+        with self._swap:
+            old_pages, old_box = self._pages, self.sql
+            self._pages, self.sql = pages, box
+        old_box.close()
+        old_pages.retire()
 
     # -----------------------------------------------------------------------------------------
     # The list
 
     def list_rollouts(self, where: RolloutFilter, offset: int = 0, limit: int = 50) -> RolloutPage:
         condition, params = where.where()
-        with self.lock:
-            rows = self.connection.execute(
+        with self.cursor() as connection:
+            rows = connection.execute(
                 f"SELECT {_LISTED}, count(*) OVER () FROM {INDEX} WHERE {condition} {_ORDER} LIMIT ? OFFSET ?",
                 [*params, limit, offset]).fetchall()
-            total = rows[0][-1] if rows else self.count(where)
+        total = rows[0][-1] if rows else self.count(where)
         return RolloutPage(tuple(_listed(row[:-1]) for row in rows), total, offset, limit)
 
     def count(self, where: RolloutFilter) -> int:
         condition, params = where.where()
-        with self.lock:
-            ((total,),) = self.connection.execute(f"SELECT count(*) FROM {INDEX} WHERE {condition}", params).fetchall()
+        with self.cursor() as connection:
+            ((total,),) = connection.execute(f"SELECT count(*) FROM {INDEX} WHERE {condition}", params).fetchall()
         return total
 
     def facets(self) -> Facets:
-        def distinct(expression: str) -> tuple:
-            return tuple(row[0] for row in self.connection.execute(
-                f"SELECT DISTINCT {expression} AS value FROM {INDEX} ORDER BY value").fetchall() if row[0] is not None)
+        with self.cursor() as connection:
+            def distinct(expression: str) -> tuple:
+                return tuple(row[0] for row in connection.execute(
+                    f"SELECT DISTINCT {expression} AS value FROM {INDEX} ORDER BY value").fetchall()
+                    if row[0] is not None)
 
-        with self.lock:
             return Facets(distinct("iteration"), distinct("finish_reason"), distinct("unnest(error_types)"),
                           distinct("collect_view"))
 
     def group(self, group_id: str, iteration: int) -> tuple[ListedRollout, ...]:
         """Every indexed rollout of a GRPO group, by sample index."""
-        with self.lock:
-            rows = self.connection.execute(
+        with self.cursor() as connection:
+            rows = connection.execute(
                 f"SELECT {_LISTED} FROM {INDEX} WHERE group_id = ? AND iteration = ? {_ORDER}",
                 [group_id, iteration]).fetchall()
         return tuple(_listed(row) for row in rows)
 
     def listed(self, rollout_id: str) -> ListedRollout | None:
-        with self.lock:
-            rows = self.connection.execute(f"SELECT {_LISTED} FROM {INDEX} WHERE rollout_id = ?",
+        with self.cursor() as connection:
+            rows = connection.execute(f"SELECT {_LISTED} FROM {INDEX} WHERE rollout_id = ?",
                                            [rollout_id]).fetchall()  # fetchall: no result left open
         return _listed(rows[0]) if rows else None
 
@@ -227,32 +246,102 @@ class Browser:
         """The rollout and its segments in seq order, from its two part files when it is indexed;
         an evaluation's through the views. (None, []) if unknown. `connection` is ignored: the
         snapshot's is used."""
-        with self.lock:
-            found = self.connection.execute(f"SELECT part FROM {INDEX} WHERE rollout_id = ?", [rollout_id]).fetchall()
+        with self.cursor() as connection:
+            found = connection.execute(f"SELECT part FROM {INDEX} WHERE rollout_id = ?", [rollout_id]).fetchall()
             if not found or found[0][0] is None:
-                return self.warehouse.read_rollout(rollout_id, self.connection)
+                return self.warehouse.read_rollout(rollout_id, connection)
             part = Path(found[0][0])
             twin = self.root / schema.SEGMENTS.name / part.relative_to(self.root / schema.ROLLOUTS.name)
-            rollouts = self._read(schema.ROLLOUTS, part, rollout_id, "")
-            segments = self._read(schema.SEGMENTS, twin, rollout_id, "ORDER BY seq")
+            rollouts = _read(connection, schema.ROLLOUTS, part, rollout_id, "")
+            segments = _read(connection, schema.SEGMENTS, twin, rollout_id, "ORDER BY seq")
         return (rollouts[0] if rollouts else None), segments
-
-    def _read(self, dataset: schema.Dataset, part: Path, rollout_id: str, order: str) -> list:
-        try:
-            table = self.connection.sql(
-                f"SELECT {', '.join(dataset.columns)} FROM read_parquet(?, hive_partitioning = false) "
-                f"WHERE rollout_id = ? {order}", params=[str(part), rollout_id]).to_arrow_table()
-        except duckdb.Error as error:  # removed since the snapshot, e.g. by a compaction
-            raise WarehouseError(f"{part}: cannot be read ({error}); refresh the browser") from error
-        return schema.from_table(dataset, table)
 
     def read_purified_of(self, rollout_id: str, iteration: int,
                          connection: object = None) -> list[tuple[PurifiedRow, PurifyConfigRow | None]]:
-        with self.lock:
-            return self.warehouse.read_purified_of(rollout_id, iteration, self.connection)
+        with self.cursor() as own:
+            return self.warehouse.read_purified_of(rollout_id, iteration, own)
 
     def collect_config(self, iteration: int) -> str | None:
         return self.warehouse.collect_config(iteration)
 
     def eval_config(self, eval_id: str) -> str | None:
         return self.warehouse.eval_config(eval_id)
+
+
+def _read(connection: duckdb.DuckDBPyConnection, dataset: schema.Dataset, part: Path, rollout_id: str,
+          order: str) -> list:
+    """One rollout's rows of one part file."""
+    try:
+        table = connection.sql(
+            f"SELECT {', '.join(dataset.columns)} FROM read_parquet(?, hive_partitioning = false) "
+            f"WHERE rollout_id = ? {order}", params=[str(part), rollout_id]).to_arrow_table()
+    except duckdb.Error as error:  # removed since the snapshot, e.g. by a compaction
+        raise WarehouseError(f"{part}: cannot be read ({error}); refresh the browser") from error
+    return schema.from_table(dataset, table)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pages' database
+
+
+class _Pages:
+    """One snapshot's database for the pages: the views, the rollout index, and a pool of cursors,
+    each lent to one thread at a time. Its temporary directory (where DuckDB spills) is a private
+    one, never under the warehouse."""
+
+    def __init__(self, warehouse: Warehouse, size: int) -> None:
+        self._temp = tempfile.TemporaryDirectory(prefix="cleaner-ui-", ignore_cleanup_errors=True)
+        self.connection = warehouse.connect(settings={"temp_directory": self._temp.name})
+        variable = parts_variable(schema.ROLLOUTS)
+        ((has_parts,),) = self.connection.execute("SELECT count(*) FROM duckdb_variables() WHERE name = ?",
+                                                  [variable]).fetchall()
+        columns = ", ".join(schema.ROLLOUTS.columns)
+        rollouts = (f"SELECT {columns}, filename AS part FROM read_parquet(getvariable('{variable}'), "
+                    "hive_partitioning = false, filename = true)" if has_parts
+                    else "SELECT *, NULL::VARCHAR AS part FROM rollouts")
+        self.connection.execute(_INDEX_SQL.format(rollouts=rollouts))
+        readonly.lock_down(self.connection, warehouse.root)
+        self._idle: queue.SimpleQueue[duckdb.DuckDBPyConnection] = queue.SimpleQueue()
+        for _ in range(size):
+            self._idle.put(cursor_of(self.connection))
+        self._lent = 0
+        self._retired = False
+        self._count = threading.Lock()  # guards _lent and _retired
+
+    def index(self) -> pa.Table:
+        """The rollout index, for the SQL box's database."""
+        self.reserve()
+        with self.cursor() as cursor:
+            return cursor.sql(f"SELECT * FROM {INDEX}").to_arrow_table()
+
+    def reserve(self) -> None:
+        """Count a read that will take a cursor, so the database stays open for it."""
+        with self._count:
+            self._lent += 1
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor for the block; the caller reserved it."""
+        cursor = self._idle.get()  # waits only for another page's read
+        try:
+            yield cursor
+        finally:
+            with self._count:
+                self._lent -= 1
+                self._idle.put(cursor)
+                if self._retired and self._lent == 0:
+                    self._close()
+
+    def retire(self) -> None:
+        """Close the database once no cursor is lent (now, or when the last one comes back):
+        closing it closes its cursors, so reads in flight finish first."""
+        with self._count:
+            self._retired = True
+            if self._lent == 0:
+                self._close()
+
+    def _close(self) -> None:
+        self.connection.close()  # and every cursor
+        self._temp.cleanup()
+
+    close = retire

@@ -24,8 +24,9 @@ Design decisions:
   candidates are packed in name order into bins of at most `target_bytes`, and each bin of two or
   more becomes one merged part, which is itself a candidate next time while it is small. Rows keep
   their order within each part; parts follow each other in name order.
-- One compaction at a time: an exclusive `flock` on `<warehouse>/.compact.lock`, which the kernel
-  releases if the process dies, so a crash never leaves it held. Writers need no lock: they only add
+- One compaction at a time: an exclusive `flock` on `<warehouse>/.compact.lock` (lock.py), which the
+  kernel releases if the process dies, so a crash never leaves it held; a refused compaction names
+  the holder. Writers need no lock: they only add
   parts, and a compaction merges only the parts it listed. Readers need none for crash safety, but a
   reader that listed parts just before a compaction removed some may fail to open one and must read
   again.
@@ -38,6 +39,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -105,7 +107,7 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
         raise WarehouseError(f"the target part size must be > 0 bytes, got {target_bytes}")
     merges: list[Merge] = []
     leftovers = 0
-    with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running (it holds {LOCK_NAME})"):
+    with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running", "wait for it to end"):
         for partition in _partitions(root, _chosen(dataset, iteration), iteration):
             leftovers += _roll_forward(root, partition)
             for names in _plan(root, partition, target_bytes):
@@ -133,6 +135,26 @@ def _partitions(root: Path, datasets: Sequence[Dataset], iteration: int | None) 
         for relative in sorted({p.parent.relative_to(base) for p in list_parts(root, dataset, selected)}):
             found.append(_Partition(dataset, relative, twins))
     return found
+
+
+@contextlib.contextmanager
+def compaction_paused(root: Path) -> Iterator[None]:
+    """Hold the compaction lock for the block, waiting for a running compaction to end: a writer
+    that replaces parts (`replace_parts`) must not race one that merges them."""
+    with exclusive(root / LOCK_NAME, f"{root}: `cleaner compact` is running", "", wait=True):
+        yield
+
+
+def replace_parts(dataset: Dataset, replaced: Sequence[Path], tables: Sequence[pa.Table]) -> Path:
+    """Write `tables` as one part replacing the parts `replaced` of one partition directory, by a
+    merge's protocol: the new part lists them in its footer, so its rename hides them, then they
+    are removed. The caller holds `compaction_paused` and read `replaced` under it."""
+    directory = replaced[0].parent
+    path = write_merged(directory, new_merged_name(), tables, dataset, [p.name for p in replaced])
+    for part in replaced:
+        _remove(part)
+    fsync_dir(directory)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cleaner.errors import CleanerError
+from cleaner.errors import CleanerError, write_error
 from cleaner.warehouse.schema import COMMITTED_BY, Dataset, upgrade, upgraded
 
 PART_GLOB = "part-*.parquet"  # the glob of every part; hidden temporaries start with a dot
@@ -75,7 +75,12 @@ def temporary_name(name: str) -> str:
 
 
 def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write a part through `write`, atomically; a failed write (a full disk) is a WriteError
+    naming the part, and leaves nothing behind."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise write_error(directory, error) from error
     final = directory / name
     if final.exists():
         raise PartExistsError(f"{final}: part already exists; parts are never overwritten")
@@ -86,6 +91,8 @@ def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], No
             sink.flush()
             os.fsync(sink.fileno())
         _link_into_place(temporary, final)
+    except OSError as error:  # pyarrow's write errors are OSErrors too
+        raise write_error(final, error) from error
     finally:
         temporary.unlink(missing_ok=True)
     fsync_dir(directory)

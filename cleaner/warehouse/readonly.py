@@ -13,11 +13,18 @@ Design decisions:
 - The database is DuckDB's in-memory one: a query cannot write the warehouse's files, and the
   views read the parts through `read_parquet`, which opens them read-only.
 - A result is cut at `max_rows` (said so), and a query running past `timeout_s` is interrupted.
+- The SQL box has a database of its own (`SqlBox`), apart from the one the pages read: its own
+  memory and thread limits (`SqlLimits`), so a runaway query can neither take the pages' memory
+  nor their lock; one query at a time, and a second one is refused at once rather than queued
+  behind it. It never spills to disk: DuckDB lets a connection read its temporary directory
+  whatever `allowed_directories` says, so the box has none (a query past its memory fails, said
+  so).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +57,20 @@ def check_select(query: str) -> str:
         raise QueryRefused(f"{len(statements)} statements: only one SELECT statement is run at a time")
     (statement,) = statements
     if statement.type != duckdb.StatementType.SELECT:
-        kind = str(statement.type).rsplit(".", 1)[-1]
-        raise QueryRefused(f"a {kind} statement: the warehouse is read-only here, only SELECT "
+        kind = _kind(statement)
+        article = "an" if kind[0] in "AEIOU" else "a"
+        raise QueryRefused(f"{article} {kind} statement: the warehouse is read-only here, only SELECT "
                            "(or WITH ... SELECT) statements are run")
     return query
+
+
+def _kind(statement) -> str:
+    """The statement's type as its user wrote it: DuckDB parses INSTALL as a LOAD statement."""
+    kind = str(statement.type).rsplit(".", 1)[-1]
+    words = statement.query.split()
+    if kind == "LOAD" and words and words[0].upper() in ("INSTALL", "FORCE"):
+        return "INSTALL"
+    return kind
 
 
 @dataclass(frozen=True)
@@ -81,3 +98,82 @@ def run_select(connection: duckdb.DuckDBPyConnection, query: str, max_rows: int,
     finally:
         timer.cancel()
     return QueryResult(columns, tuple(rows[:max_rows]), len(rows) > max_rows)
+
+
+class QueryBusy(QueryRefused):
+    """Another query is running in the SQL box."""
+
+
+@dataclass(frozen=True)
+class SqlLimits:
+    """What one query of the SQL box may take."""
+
+    timeout_s: float = 30.0  # interrupted past this
+    memory_mb: int = 2048  # DuckDB's memory limit for the box's database (it never spills to disk)
+    threads: int = 1  # DuckDB's threads for it: the pages keep the rest of the CPU
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.memory_mb <= 0 or self.threads < 1:
+            raise ValueError(f"SQL box limits must be positive, got {self}")
+
+
+def sql_settings(limits: SqlLimits) -> dict[str, object]:
+    """The DuckDB settings the SQL box's database opens with."""
+    return {"threads": limits.threads, "memory_limit": f"{limits.memory_mb}MB", "temp_directory": ""}
+
+
+class SqlBox:
+    """The SQL box: its own database (the warehouse's views, and `tables` copied in), locked down,
+    running one query at a time (module docstring)."""
+
+    def __init__(self, connection: duckdb.DuckDBPyConnection, root: Path, limits: SqlLimits,
+                 tables: dict[str, object] | None = None) -> None:
+        for name, table in (tables or {}).items():
+            connection.register("_copied", table)
+            connection.execute(f"CREATE TABLE {name} AS SELECT * FROM _copied")
+            connection.unregister("_copied")
+        lock_down(connection, root)
+        self.connection, self.limits = connection, limits
+        self._running = threading.Lock()
+        self._since = 0.0  # monotonic start of the running query
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether a query is running."""
+        return self._running.locked()
+
+    def run(self, query: str, max_rows: int) -> QueryResult:
+        """Check and run one SELECT (`run_select`); QueryBusy at once while another runs."""
+        check_select(query)
+        if not self._running.acquire(blocking=False):
+            running_s = time.monotonic() - self._since
+            raise QueryBusy(f"another query is running (for {running_s:.0f} s; it is stopped at "
+                            f"{self.limits.timeout_s:g} s): one query runs at a time, run this one after it")
+        try:
+            if self._closed:
+                raise QueryRefused("the browser took a new snapshot; run the query again")
+            self._since = time.monotonic()
+            return run_select(self.connection, query, max_rows, self.limits.timeout_s)
+        except QueryRefused:
+            if self._closed:
+                raise QueryRefused("the browser took a new snapshot while the query ran; run it again") from None
+            raise
+        finally:
+            self._running.release()
+            if self._closed:
+                self._close_if_idle()
+
+    def close(self) -> None:
+        """Close the database; a running query is interrupted first and closes it when it ends."""
+        self._closed = True
+        if self._running.locked():
+            self.connection.interrupt()
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self._running.acquire(blocking=False):
+            try:
+                self.connection.close()
+            finally:
+                self._running.release()

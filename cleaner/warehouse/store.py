@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cleaner.errors import write_error
 from cleaner.records import (
     EvalRunRow,
     IterationRow,
@@ -42,12 +43,15 @@ from cleaner.records import (
     TrainStepRow,
 )
 from cleaner.warehouse import schema
+from cleaner.warehouse.compact import compaction_paused, replace_parts
+from cleaner.warehouse.lock import phase_lock, remove_if_only_locks
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     PartExistsError,
     WarehouseError,
     new_part_name,
     read_column,
+    read_part,
     read_parts,
     visible_parts,
     write_part,
@@ -91,6 +95,21 @@ class Warehouse:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
         self._checked_writable = True
+
+    @contextlib.contextmanager
+    def writer(self, phase: str, iteration: int, share: tuple[int, int] | None = None) -> Iterator[None]:
+        """Hold the lock a job holds while it writes `phase`'s rows of `iteration` (collect, purify,
+        train), or of one shard (index, count) of it: a second writer gets LockHeld at once, naming
+        the holder (lock.py). A job that fails before writing anything into a warehouse it created
+        (a model that does not load) leaves no directory behind, lock files included."""
+        self.check_writable()
+        created = [path for path in (self.root, *self.root.parents) if not path.exists()]
+        try:
+            with phase_lock(self.root, phase, iteration, share):
+                yield
+        except BaseException:
+            remove_if_only_locks(self.root, created)
+            raise
 
     def _dir(self, dataset: Dataset, **partition: object) -> Path:
         path = self.root / dataset.name
@@ -245,8 +264,27 @@ class Warehouse:
     # Training and the iteration log
 
     def write_train_steps(self, iteration: int, steps: Sequence[TrainStepRow]) -> None:
-        if steps:
+        """Write an iteration's optimiser steps, replacing the rows of an earlier training of the
+        same purify config into the same checkpoint (a rerun): one part holding the new rows and
+        the others of the parts it replaces, by compaction's protocol (compact.replace_parts)."""
+        if not steps:
+            return
+        runs = {(step.config_id, step.checkpoint) for step in steps if step.config_id is not None}
+        if not runs or not self._train_steps_of(iteration, runs):
             self._write(schema.TRAIN_STEPS, steps, iteration=iteration)
+            return
+        self.check_writable()
+        with compaction_paused(self.root):  # listed again under the lock: no compaction merges them meanwhile
+            earlier = self._train_steps_of(iteration, runs)
+            kept = [table.filter(pc.invert(_of_runs(table, runs))) for table in earlier.values()]
+            replace_parts(schema.TRAIN_STEPS, list(earlier), [*kept, schema.to_table(schema.TRAIN_STEPS, steps)])
+
+    def _train_steps_of(self, iteration: int, runs: set[tuple[str | None, str | None]]) -> dict[Path, pa.Table]:
+        """The visible train_steps parts of `iteration` holding rows of `runs` (config id,
+        checkpoint), each with its table."""
+        tables = {part: read_part(part, schema.TRAIN_STEPS)
+                  for part in self._visible(schema.TRAIN_STEPS, iteration=iteration)}
+        return {part: table for part, table in tables.items() if pc.any(_of_runs(table, runs)).as_py()}
 
     def read_train_steps(self, iteration: int) -> list[TrainStepRow]:
         """An iteration's optimiser steps in order."""
@@ -304,11 +342,15 @@ class Warehouse:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
         self.check_writable()
         directory = self.root / "configs"
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{name}.json"
         temporary = directory / f".{name}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"  # shards save at once
-        temporary.write_text(config_json)
-        os.replace(temporary, path)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(config_json)
+            os.replace(temporary, path)
+        except OSError as error:  # a full disk: one line naming the file
+            temporary.unlink(missing_ok=True)
+            raise write_error(path, error) from error
         return path
 
     def load_config(self, name: str) -> str | None:
@@ -358,7 +400,8 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # SQL
 
-    def connect(self, verify_content: bool = False) -> duckdb.DuckDBPyConnection:
+    def connect(self, verify_content: bool = False, settings: dict[str, object] | None = None
+                ) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per dataset plus convenience views.
 
         Every visible part is verified first (`Manifest.verify`): read in full if it is new or its
@@ -368,7 +411,9 @@ class Warehouse:
         architecture.md §3, "Checksums"). A bad file raises WarehouseError naming it, and nothing but
         the manifest (a cache) is ever written, and only when every part passed; a read-only
         warehouse keeps it in memory and writes nothing. Datasets with no parts yet get an empty view
-        with the right columns.
+        with the right columns. `settings` are DuckDB's, given when the database is opened
+        (`cleaner ui`'s temp directory, memory and threads). `cursor_of` gives another thread its own
+        connection to the same views.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
@@ -387,7 +432,7 @@ class Warehouse:
                 self._checked[name] = manifest.checked
             else:
                 manifest.save(complete=True)
-        connection = duckdb.connect(":memory:")
+        connection = duckdb.connect(":memory:", config=settings or {})
         for dataset in DATASETS.values():
             _create_view(connection, dataset, visible[dataset.name])
         for name, query in CONVENIENCE_VIEWS.items():
@@ -403,10 +448,28 @@ def _of_rollouts(table: pa.Table, rollout_ids: Collection[str] | None) -> pa.Tab
     return table.filter(pc.is_in(table.column("rollout_id"), value_set=pa.array(sorted(rollout_ids), pa.string())))
 
 
+def _of_runs(table: pa.Table, runs: set[tuple[str | None, str | None]]) -> pa.ChunkedArray:
+    """Which rows of a train_steps table belong to one of `runs` (config id, checkpoint)."""
+    keys = pc.binary_join_element_wise(pc.fill_null(table["config_id"], ""), pc.fill_null(table["checkpoint"], ""),
+                                       "\n")
+    return pc.is_in(keys, value_set=pa.array(sorted(f"{config}\n{checkpoint}" for config, checkpoint in runs)))
+
+
 def _config_order(config: PurifyConfigRow | None) -> tuple:
     if config is None:
         return ()
     return (config.gamma, config.rollback_prob, config.similarity_on, config.purify_when)
+
+
+def cursor_of(connection: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """A connection of its own to `connection`'s database, for another thread (a DuckDB connection
+    serves one thread at a time), that reads the same views: DuckDB variables (the views' file lists)
+    belong to a connection, so they are copied; tables and views belong to the database."""
+    cursor = connection.cursor()
+    for (name,) in connection.execute("SELECT name FROM duckdb_variables()").fetchall():
+        ((value,),) = connection.execute("SELECT getvariable(?)", [name]).fetchall()
+        cursor.execute(f"SET VARIABLE {name} = ?", [value])
+    return cursor
 
 
 def parts_variable(dataset: Dataset) -> str:
@@ -416,18 +479,25 @@ def parts_variable(dataset: Dataset) -> str:
 
 def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
     if not parts:
-        empty: pa.Table = dataset.schema.empty_table()
-        connection.register(f"_empty_{dataset.name}", empty)
+        _create_empty(connection, dataset)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
     # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
     # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow; parts written before
     # a column was added lack it: matched by name against the empty table, then defaulted.
     if dataset.added:
-        connection.register(f"_empty_{dataset.name}", dataset.schema.empty_table())
+        _create_empty(connection, dataset)
     selects = [_group_select(connection, dataset, index, legacy, group)
                for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items())]
     connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
+
+
+def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> None:
+    """An empty table `_empty_<dataset>` with the dataset's columns: a table of the database, not a
+    registered Arrow object (those belong to one connection), so every cursor's views see it."""
+    connection.register("_empty_arrow", dataset.schema.empty_table())
+    connection.execute(f"CREATE TABLE _empty_{dataset.name} AS SELECT * FROM _empty_arrow")
+    connection.unregister("_empty_arrow")
 
 
 def _group_select(connection: duckdb.DuckDBPyConnection, dataset: Dataset, index: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -40,6 +41,9 @@ def test_purify_job_runs_with_the_collector_paused():
 
         def check_writable(self):
             pass
+
+        def writer(self, phase, iteration, share=None):
+            return contextlib.nullcontext()
 
         def read_rollouts(self, iteration):
             seen.append(gc.isenabled())

@@ -7,6 +7,7 @@ import fcntl
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from cleaner.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.model.loading import policy_version_of
 from cleaner.errors import JobError
-from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, remove_run, run_loop
+from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, clear_run, run_loop
 from cleaner.loop.ranks import Ranks, RanksError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, WarehouseError
@@ -68,6 +69,14 @@ def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(t
                                     "--resume"), capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and "another process is running this run" in result.stderr
         assert "Traceback" not in result.stderr
+        # refused before the model stack loads (a run or a demo on a busy directory answers at once)
+        probe = ("import sys\nfrom cleaner.cli import app\ntry:\n    app(sys.argv[1:])\n"
+                 "except SystemExit as end:\n    print(end.code, 'torch' in sys.modules)")
+        for command in (["run", "--model", str(random_policy), "--resume"], ["demo"]):
+            result = subprocess.run([sys.executable, "-c", probe, *command, "--run-dir", str(tmp_path / "run")],
+                                    capture_output=True, text=True, timeout=120)
+            assert "another process is running this run" in result.stderr
+            assert result.stdout.split() == ["1", "False"], (command, result.stdout)
     # released (as when the holder dies): the run goes on
     rows = run_loop(dataclasses.replace(config, iterations=1), resume=True, progress=False)
     assert [row.iteration for row in rows] == [0]
@@ -247,14 +256,14 @@ def test_run_logs_to_tensorboard_and_a_resumed_run_logs_only_its_new_iterations(
     assert logged["train/iteration"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0)]
 
 
-def test_remove_run_deletes_only_a_run_directory(tmp_path):
+def test_clear_run_deletes_only_what_a_run_wrote_and_keeps_its_lock(tmp_path):
     run_dir = tmp_path / "demo"
     for name in ("warehouse/rollouts", "checkpoints/iteration-1", "report", "warehouse-report"):
         (run_dir / name).mkdir(parents=True)
     (run_dir / RUN_LOCK).touch()
-    remove_run(run_dir)
-    assert not run_dir.exists()
-    remove_run(run_dir)  # nothing to remove
+    clear_run(run_dir)
+    assert [entry.name for entry in run_dir.iterdir()] == [RUN_LOCK]  # held by the caller: kept
+    clear_run(tmp_path / "absent")  # nothing to remove
     mine = tmp_path / "mine"
     (mine / "warehouse").mkdir(parents=True)
     (mine / RUN_LOCK).touch()
@@ -263,5 +272,5 @@ def test_remove_run_deletes_only_a_run_directory(tmp_path):
     for path, why in ((mine, "holds .run.lock, notes.txt, warehouse"), (tmp_path / "file", "a file")):
         before = tree_digest(path)
         with pytest.raises(JobError, match=f"not a run directory cleaner wrote \\({why}\\)"):
-            remove_run(path)
+            clear_run(path)
         assert tree_digest(path) == before

@@ -16,6 +16,8 @@ import json
 import re
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,12 +28,13 @@ from cleaner.cli import app as cli_app
 from cleaner.engine.saar.premise import classify
 from cleaner.engine.saar.walk import RAW, View, render
 from cleaner.records import PurifiedRow, PurifyConfigRow, Segment
+from cleaner.report.inspection import load_inspection
 from cleaner.ui.app import create_app
 from cleaner.ui.rollout_view import StoredLogprobs, purified_pane
 from cleaner.ui.server import UiConfig, UiError, check_host, is_loopback
 from cleaner.warehouse import Warehouse, WarehouseError
 from cleaner.warehouse.browse import Browser, RolloutFilter
-from cleaner.warehouse.readonly import QueryRefused, check_select
+from cleaner.warehouse.readonly import QueryBusy, QueryRefused, SqlLimits, check_select
 from tests.factories import make_eval_run, make_rollout, make_segments
 
 SHALLOW = PurifyConfigRow("cfg-shallow", 0.5, 1.0, "code", "always", json.dumps({"gamma": 0.5}))
@@ -119,11 +122,17 @@ def test_pages_are_limit_offset_windows(warehouse):
     assert [r.rollout_id for r in second.rows] == ["r1", "r2"] and second.total == 4
 
 
-@pytest.mark.parametrize("query", ["iteration=x", "reward_min=high", "class=dirty", "offset=-x"])
+@pytest.mark.parametrize("query", ["iteration=x", "reward_min=high", "class=dirty", "offset=-x",
+                                   "offset=99999999999999999999", f"offset={2**62 + 1}"])
 def test_a_bad_filter_is_a_400_page(client, query):
     response = client.get(f"/rollouts?{query}")
     assert response.status_code == 400 and "Traceback" not in response.text
     assert 'id="error-message"' in response.text
+
+
+def test_an_offset_past_the_last_rollout_is_an_empty_page(client):
+    response = client.get(f"/rollouts?offset={2**62}")
+    assert response.status_code == 200 and listed_ids(response.text) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,8 +240,10 @@ def test_a_select_returns_its_rows_and_a_csv(client):
 
 @pytest.mark.parametrize(("query", "says"), [
     ("DROP VIEW rollouts", "a DROP statement"), ("COPY rollouts TO '/tmp/out.csv'", "a COPY statement"),
-    ("ATTACH '/tmp/other.duckdb'", "a ATTACH statement"), ("INSTALL httpfs", "a LOAD statement"),
-    ("LOAD httpfs", "a LOAD statement"), ("PRAGMA version", "a PRAGMA statement"),
+    ("ATTACH '/tmp/other.duckdb'", "an ATTACH statement"), ("INSTALL httpfs", "an INSTALL statement"),
+    ("FORCE INSTALL httpfs", "an INSTALL statement"), ("LOAD httpfs", "a LOAD statement"),
+    ("INSERT INTO t VALUES (1)", "an INSERT statement"), ("UPDATE t SET a = 1", "an UPDATE statement"),
+    ("PRAGMA version", "a PRAGMA statement"),
     ("SET threads = 1", "a SET statement"), ("CREATE TABLE t AS SELECT 1", "a CREATE statement"),
     ("SELECT 1; DROP VIEW rollouts", "2 statements"), ("", None), ("SELEC 1", "does not parse"),
     ("SELECT * FROM read_csv('/etc/passwd')", "Permission Error"),
@@ -247,6 +258,75 @@ def test_anything_but_one_select_is_refused(client, query, says):
     assert response.status_code == 400 and says in response.text and 'id="sql-error"' in response.text
     assert client.get("/sql.csv", params={"q": query}).status_code == 400
     assert client.get("/sql", params={"q": "SELECT count(*) FROM rollouts"}).status_code == 200  # views intact
+
+
+def test_a_csv_holds_nested_cells_as_json_text(client):
+    query = "SELECT seq, token_ids, {'kind': kind, 'n': len(token_ids)} AS s FROM segments WHERE rollout_id = 'r0' AND seq < 2 ORDER BY seq"
+    csv = client.get("/sql.csv", params={"q": query})
+    assert csv.status_code == 200
+    assert csv.text.splitlines() == ['seq,token_ids,s', '0,"[1, 2, 3]","{""kind"": ""prompt"", ""n"": 3}"',
+                                     '1,"[4, 5, 6]","{""kind"": ""assistant"", ""n"": 3}"']
+
+
+RUNAWAY = "SELECT count(*) FROM range(1000000000000) t(a) WHERE a % 7 = 3"  # hours on one thread
+
+
+def test_a_runaway_query_holds_up_no_page_and_no_second_query_queues(warehouse):
+    """The SQL box runs on a database of its own: while a query runs, every read of the pages
+    answers at once, a second query is refused at once, and the runaway stops at its timeout."""
+    browser = Browser(Warehouse(warehouse, read_only=True), SqlLimits(timeout_s=4))
+    outcome: list[Exception] = []
+    runaway = threading.Thread(target=lambda: outcome.append(_refused(browser.sql.run, RUNAWAY, 10)))
+    started = time.monotonic()
+    runaway.start()
+    while not browser.sql.busy:
+        assert time.monotonic() - started < 10, "the runaway query never started"
+        time.sleep(0.01)
+    before = time.monotonic()
+    assert browser.list_rollouts(RolloutFilter()).total == 4
+    assert load_inspection(browser, "r0").rollout.rollout_id == "r0"
+    assert browser.facets().iterations == (0, 1)
+    assert time.monotonic() - before < 2
+    busy = _refused(browser.sql.run, "SELECT 1", 1)
+    assert isinstance(busy, QueryBusy) and time.monotonic() - before < 2
+    assert re.fullmatch(r"another query is running \(for \d+ s; it is stopped at 4 s\): one query runs at a "
+                        r"time, run this one after it", str(busy))
+    runaway.join(timeout=10)
+    assert str(outcome[0]) == "the query ran past 4 s and was interrupted"
+    assert 4 <= time.monotonic() - started < 15
+    assert browser.sql.run("SELECT count(*) FROM rollouts", 1).rows == ((4,),)  # free again
+    browser.close()
+
+
+def _refused(run, query: str, max_rows: int) -> Exception | None:
+    try:
+        run(query, max_rows)
+    except QueryRefused as refused:
+        return refused
+    return None
+
+
+def test_the_sql_box_has_its_own_limits_and_reads_no_temporary_directory(warehouse, tmp_path, monkeypatch):
+    """DuckDB lets a connection read its temporary directory whatever else it forbids; the box has
+    none, and the pages' is a private one: neither it nor a `.tmp` where the ui started is readable."""
+    monkeypatch.chdir(tmp_path)  # DuckDB's default temporary directory is ./.tmp
+    (tmp_path / ".tmp").mkdir()
+    (tmp_path / ".tmp" / "spill.csv").write_text("secret\n1\n")
+    browser = Browser(Warehouse(warehouse, read_only=True), SqlLimits(memory_mb=100, threads=1))
+    with browser.cursor() as pages:
+        ((pages_temp, pages_memory),) = pages.execute(
+            "SELECT current_setting('temp_directory'), current_setting('memory_limit')").fetchall()
+    assert Path(pages_temp).is_dir() and not Path(pages_temp).is_relative_to(warehouse)
+    assert pages_memory != "95.3 MiB"
+    assert browser.sql.run("SELECT current_setting('temp_directory'), current_setting('memory_limit'), "
+                           "current_setting('threads')", 1).rows == (("", "95.3 MiB", 1),)
+    for path in (tmp_path / ".tmp" / "spill.csv", ".tmp/spill.csv", f"{pages_temp}/x.csv"):
+        with pytest.raises(QueryRefused, match="Permission Error"):
+            browser.sql.run(f"SELECT * FROM read_csv('{path}')", 1)
+    with pytest.raises(QueryRefused, match="Permission Error"):
+        browser.sql.run(f"SELECT * FROM glob('{pages_temp}/*')", 1)
+    browser.close()
+    assert not Path(pages_temp).exists()
 
 
 def test_check_select_parses_with_duckdb():

@@ -296,3 +296,42 @@ def test_purify_configs_from_before_both_changes_read_as_typed_and_replace(tmp_p
     assert [(r.config_id, r.gamma, r.edit) for r in rows] == [("old", 0.3, "replace")]
     assert compact(wh.root, "purify_configs", None, 2**20).merges
     assert wh.connect().sql(query).fetchall() == expected
+
+
+def _steps(config_id: str | None, checkpoint: str | None, losses: list[float]):
+    from cleaner.records import TrainStepRow
+
+    return [TrainStepRow(0, step, step, loss, 0.0, 0.0, 0.0, 1.0, 1e-4, 10, config_id=config_id, checkpoint=checkpoint)
+            for step, loss in enumerate(losses)]
+
+
+def test_a_rerun_of_one_training_replaces_its_train_steps_rows_and_no_others(tmp_path):
+    """Each train_steps row names the purify config it trained and the checkpoint it wrote;
+    training the same pair again replaces that pair's rows, also inside a part a compaction merged
+    with other rows, and rows written before the columns existed read as null and stay."""
+    from cleaner.warehouse.compact import compact
+
+    wh = Warehouse(tmp_path / "wh")
+    legacy = schema.to_table(schema.TRAIN_STEPS, _steps(None, None, [9.0]))
+    write_part(wh.root / "train_steps" / "iteration=0", legacy.drop_columns(["config_id", "checkpoint"]))
+    wh.write_train_steps(0, _steps("cfg-a", "/ckpt/x", [1.0, 2.0]))
+    wh.write_train_steps(0, _steps("cfg-b", "/ckpt/x", [3.0]))
+    wh.write_train_steps(0, _steps("cfg-a", "/ckpt/y", [4.0]))
+
+    def stored() -> list[tuple]:
+        sql = wh.connect().sql("SELECT config_id, checkpoint, loss FROM train_steps ORDER BY loss").fetchall()
+        rows = sorted(wh.read_train_steps(0), key=lambda row: row.loss)
+        assert [(r.config_id, r.checkpoint, r.loss) for r in rows] == sql
+        return sql
+
+    assert stored() == [("cfg-a", "/ckpt/x", 1.0), ("cfg-a", "/ckpt/x", 2.0), ("cfg-b", "/ckpt/x", 3.0),
+                        ("cfg-a", "/ckpt/y", 4.0), (None, None, 9.0)]
+    wh.write_train_steps(0, _steps("cfg-a", "/ckpt/x", [5.0]))  # the rerun: its two rows become one
+    assert stored() == [("cfg-b", "/ckpt/x", 3.0), ("cfg-a", "/ckpt/y", 4.0), ("cfg-a", "/ckpt/x", 5.0),
+                        (None, None, 9.0)]
+    compact(wh.root)  # one part holds every run's rows
+    assert len(list_parts(wh.root, schema.TRAIN_STEPS)) == 1
+    wh.write_train_steps(0, _steps("cfg-b", "/ckpt/x", [6.0, 7.0]))
+    assert stored() == [("cfg-a", "/ckpt/y", 4.0), ("cfg-a", "/ckpt/x", 5.0), ("cfg-b", "/ckpt/x", 6.0),
+                        ("cfg-b", "/ckpt/x", 7.0), (None, None, 9.0)]
+    assert len(list_parts(wh.root, schema.TRAIN_STEPS)) == 1  # the replaced part was removed

@@ -9,7 +9,9 @@ its flags and calls one job per command; `cleaner run` (cleaner/loop/) builds th
 chains the stages' jobs in each process of a run, handing the loaded model from stage to stage.
 
 Idempotence and resume: batches of complete rollouts are committed atomically; `resume` skips
-committed ids.
+committed ids. One writer per iteration (or shard of it): the job holds the warehouse's collect
+lock of the iteration from before it reads what is stored (cleaner.warehouse.lock), so a second
+collect of it is refused at once instead of storing every rollout twice.
 """
 
 from __future__ import annotations
@@ -72,15 +74,28 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
                 progress: bool = True) -> CollectOutcome:
     """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
     finish a partly collected one. The policy is `backend`'s, or loaded as the config says."""
-    config, shard, resume = request.config, request.shard, request.resume
+    config, shard = request.config, request.shard
     started = time.monotonic()
     warehouse.check_writable()
     if backend is None:  # fail on a bad backend, model or device before anything is written
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
         check_model_path(config.model, tokenizer=True)
-    iteration = config.iteration
     tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
+    with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
+        return _collect(warehouse, request, tasks, backend, progress, started)
+
+
+def shard_of(shard: Shard) -> tuple[int, int] | None:
+    """A shard as the warehouse's writer locks take it: (index, count), None for the whole iteration."""
+    return (shard.index, shard.count) if shard.sharded else None
+
+
+def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], backend: Backend | None,
+             progress: bool, started: float) -> CollectOutcome:
+    """The rest of `collect_job`, under the iteration's (or shard's) collect lock."""
+    config, shard, resume = request.config, request.shard, request.resume
+    iteration = config.iteration
     planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
                         for task in tasks for sample in range(config.group_size))
     stored_anywhere = warehouse.rollout_ids(iteration)

@@ -155,9 +155,35 @@ def read_parquet_table(path: str | Path) -> pa.Table:
     if not path.is_file():
         raise DatasetError(f"{path}: no such Parquet file")
     try:
-        return pq.read_table(path)
+        table = pq.read_table(path)
     except Exception as error:  # pyarrow raises several types for a corrupt file  # noqa: BLE001
         raise DatasetError(f"{path}: not a readable Parquet file ({error})") from error
+    _check_values(path, table)
+    return table
+
+
+def _check_values(path: Path, table: pa.Table) -> None:
+    """DatasetError naming the row and column of the first value Python cannot read: Parquet does
+    not check that its strings are UTF-8, pyarrow does only when asked (`validate(full=True)`)."""
+    try:
+        table.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        try:
+            column.validate(full=True)
+            continue
+        except pa.ArrowInvalid as invalid:
+            problem = invalid
+        for index in range(len(column)):
+            try:
+                column[index].as_py()
+            except UnicodeDecodeError as error:
+                raise DatasetError(f"{path}: row {index}: column `{name}` holds text that is not valid UTF-8 "
+                                   f"(byte 0x{error.object[error.start]:02x} at position {error.start} of a string); "
+                                   "the file's text must be UTF-8") from error
+        raise DatasetError(f"{path}: column `{name}` is not valid ({problem})")
 
 
 def verl_tasks(path: Path, table: pa.Table, prompt_style: PromptStyle) -> list[Task]:

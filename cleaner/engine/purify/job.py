@@ -2,7 +2,9 @@
 (docs/architecture.md §4, §6, §7).
 
 Idempotence and resume: a rollout that already has rows under a config is skipped (whole groups are
-written together), so each shard of an iteration resumes on its own.
+written together), so each shard of an iteration resumes on its own. One writer per iteration (or
+shard of it): the job holds the warehouse's purify lock of the iteration while it reads what is
+stored and writes, so two purifies of it never both compute and store the same rows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.config import UNSHARDED, Edit, PurifyConfig, Shard
-from cleaner.engine.collect.job import collected_policy
+from cleaner.engine.collect.job import collected_policy, shard_of
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.base import ScorerStats
@@ -90,12 +92,19 @@ def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend
     requested config. A share is whole GRPO groups, so its advantages equal those of an unsharded
     purify. Python's cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
-    iteration, configs = request.iteration, request.configs
     started = time.monotonic()
     warehouse.check_writable()
     if backend is None:
         require_backend(request.backend_kind, request.sglang_url)
         check_device(request.device)
+    with warehouse.writer("purify", request.iteration, shard_of(request.shard)):  # one writer per iteration (shard)
+        return _purify(warehouse, request, backend, progress, started)
+
+
+def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | None, progress: bool,
+            started: float) -> PurifyOutcome:
+    """The rest of `purify_job`, under the iteration's (or shard's) purify lock."""
+    iteration, configs = request.iteration, request.configs
     rollouts, segments = _share(warehouse, iteration, request.shard)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}

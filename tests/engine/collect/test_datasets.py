@@ -79,6 +79,29 @@ def test_bad_rows_name_the_file_row_and_expectation(tmp_path):
         load_dataset(_write(tmp_path, [uneven], "uneven.parquet"))
 
 
+def test_text_that_is_not_utf8_names_the_row_and_column(tmp_path):
+    """Parquet stores whatever bytes a writer gave a string column; the reader names the first
+    row that is not UTF-8, in a nested column (verl's prompt messages) as in a flat one."""
+    def text(values: list[bytes]) -> pa.Array:
+        return pa.array(values, pa.binary()).view(pa.string())  # written as they are, unchecked
+
+    messages = pa.StructArray.from_arrays([text([b"user"] * 3), text([b"fine", b"also fine", b"bad \xff here"])],
+                                          ["role", "content"])
+    prompt = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3], pa.int32()), messages)
+    reward = pa.StructArray.from_arrays([pa.array(["1", "2", "3"])], ["ground_truth"])
+    verl = tmp_path / "verl.parquet"
+    pq.write_table(pa.table({"prompt": prompt, "reward_model": reward, "data_source": ["toy"] * 3}), verl)
+    with pytest.raises(DatasetError, match=r"^.*verl\.parquet: row 2: column `prompt` holds text that is not valid "
+                                           r"UTF-8 \(byte 0xff at position 4 of a string\); the file's text must be "
+                                           r"UTF-8$"):
+        load_dataset(verl)
+    aime = tmp_path / "aime.parquet"
+    pq.write_table(pa.table({"problem": text([b"\xc3\x28 two"]), "answer": ["2"], "data_source": ["aime"]}), aime)
+    with pytest.raises(DatasetError, match=r"aime\.parquet: row 0: column `problem` holds text that is not valid "
+                                           r"UTF-8 \(byte 0xc3 at position 0 "):
+        load_dataset(aime)
+
+
 def test_limit_takes_the_first_rows(tmp_path):
     path = _write(tmp_path, [ROWS[Layout.AIME2025]] * 5)
     assert len(load_dataset(path, limit=2).tasks) == 2

@@ -11,6 +11,7 @@ import torch
 from cleaner.config import DEFAULT_POLICY
 from cleaner.engine.model.loading import load_policy, load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
+from cleaner.errors import WriteError
 from cleaner.outputs import MARKER, OutputError, atomic_directory, check_replaceable
 from tests.factories import make_rollout, make_segments
 from tests.helpers import tiny_qwen3, tree_digest
@@ -52,7 +53,7 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
         raise OSError("disk full")
 
     monkeypatch.setattr(type(new_model), "save_pretrained", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match=f"^{out_path}: cannot write it \\(disk full\\)$"):
         save_checkpoint_atomic(new_model, None, out_path)
     assert sorted(p.name for p in out_path.iterdir()) == before
     assert _same_weights(load_policy(out_path), old_model)
@@ -176,3 +177,69 @@ def test_a_parent_that_is_a_file_is_named(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="is a file, not a directory"):
         save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "file" / "policy")
+
+
+# ---------------------------------------------------------------------------
+# A writer killed mid-write, and the room a checkpoint needs
+
+
+KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from cleaner.outputs import atomic_directory
+with atomic_directory(Path(sys.argv[1]), "checkpoint") as temp_dir:
+    (temp_dir / "model.safetensors").write_bytes(bytes(2**20))
+    print(temp_dir.name, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_the_next_save_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    """A SIGKILL mid-save leaves its hidden temporary directory (a whole model's size on a real
+    model); the next save to that path removes it, but not a live writer's, nor another host's."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    out_path = tmp_path / "policy"
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out_path)], stdout=subprocess.PIPE, text=True)
+    left = tmp_path / writer.stdout.readline().strip()
+    assert left.name.startswith(f".policy.tmp-{writer.pid}@{socket.gethostname()}@") and left.is_dir()
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    live = tmp_path / f".policy.tmp-{os.getpid()}@{socket.gethostname()}@abc"  # this process: alive
+    elsewhere = tmp_path / f".policy.tmp-{writer.pid}@another-host@abc"  # cannot be checked from here
+    other_output = tmp_path / f".report.tmp-{writer.pid}@{socket.gethostname()}@abc"  # another path's
+    for directory in (live, elsewhere, other_output):
+        directory.mkdir()
+    save_checkpoint_atomic(tiny_qwen3(0), None, out_path)
+    assert not left.exists()
+    assert _siblings(out_path) == sorted([live.name, elsewhere.name, other_output.name, "policy"])
+
+
+def test_the_room_a_checkpoint_needs_is_what_it_takes(tmp_path):
+    """The estimate train checks before training (space.py), against a checkpoint the trainer's
+    way of saving writes: float32 weights, AdamW's two float32 moments, the tokenizer."""
+    from cleaner.engine.train import space
+    from cleaner.engine.train.optim import STATE_PATH
+
+    model = tiny_qwen3(0, vocab_size=512)
+    n = sum(p.numel() for p in model.parameters())
+    # 512 x 32 tied embedding; per layer q, k, v, o (1024 + 512 + 512 + 1024), q and k norms (8 + 8),
+    # MLP (3 x 32 x 64) and two layer norms (32 + 32): 9,296; the final norm 32
+    assert space.model_parameters(model) == n == 16_384 + 2 * 9_296 + 32
+    policy = tmp_path / "policy"
+    save_checkpoint_atomic(model, load_tokenizer_if_present(DEFAULT_POLICY), policy)
+    assert space.stored_parameters(policy) == n
+    moments = {"exp_avg": [torch.zeros_like(p) for p in model.parameters()],
+               "exp_avg_sq": [torch.zeros_like(p) for p in model.parameters()]}
+    out = tmp_path / "out"
+    save_checkpoint_atomic(model, load_tokenizer_if_present(policy), out, state_files={STATE_PATH: moments})
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    estimate = space.checkpoint_bytes(n, "float32", "torch", space.other_bytes(policy))
+    assert n * 12 <= estimate and abs(estimate - written) / written < 0.05
+    assert space.checkpoint_bytes(1000, "bfloat16") == 1000 * (2 + 8 + 4)  # + the float32 master weights
+    assert space.checkpoint_bytes(1000, "float32", "deepspeed") == 1000 * (4 + 12)
+    assert space.stored_parameters(tmp_path / "absent") is None

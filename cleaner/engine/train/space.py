@@ -1,0 +1,83 @@
+"""Room for a checkpoint: what one takes on disk, checked before training (docs/architecture.md §7).
+
+A train job that would only find out after the whole iteration that its checkpoint does not fit
+refuses before it trains instead. A checkpoint holds (`checkpoint.py`, `optim.py`):
+- the weights in the save dtype (`save_dtype`: float32, or bfloat16 at 2 bytes a parameter);
+- the optimiser state in float32: AdamW's two moments (8 bytes a parameter, `optimizer/state.pt`),
+  plus the float32 master weights when the weights are saved rounded (4 more); DeepSpeed's
+  partitions always hold the master weights and both moments (12);
+- what else the policy directory holds (tokenizer, configs), copied as it is.
+Every parameter counts once, as the files hold it (a tied embedding is one tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cleaner.errors import free_bytes, human_bytes, mount_point
+
+SAVE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def checkpoint_bytes(n_parameters: int, save_dtype: str = "float32", engine: str = "torch",
+                     other_bytes: int = 0) -> int:
+    """About what a checkpoint of `n_parameters` takes on disk (module docstring)."""
+    weights = n_parameters * SAVE_DTYPE_BYTES[save_dtype]
+    if engine == "deepspeed":
+        optimizer = n_parameters * 12
+    else:
+        optimizer = n_parameters * (8 if save_dtype == "float32" else 12)
+    return weights + optimizer + other_bytes
+
+
+def stored_parameters(policy: Path) -> int | None:
+    """Parameters in a policy directory's weight files: safetensors headers give each tensor's
+    shape; a pickled .bin is counted as float32. None for a path that is not such a directory."""
+    from safetensors import safe_open  # a dependency of transformers
+
+    policy = Path(policy)
+    files = sorted(policy.glob("*.safetensors")) if policy.is_dir() else []
+    if files:
+        total = 0
+        for file in files:
+            with safe_open(file, framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    total += _numel(weights.get_slice(name).get_shape())
+        return total
+    pickled = sorted(policy.glob("*.bin")) if policy.is_dir() else []
+    return sum(file.stat().st_size for file in pickled) // 4 if pickled else None
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def other_bytes(policy: Path) -> int:
+    """Bytes of a policy directory's files that a checkpoint copies (tokenizer, configs): all but
+    its weights and optimiser state."""
+    policy = Path(policy)
+    if not policy.is_dir():
+        return 0
+    return sum(entry.stat().st_size for entry in policy.iterdir()
+               if entry.is_file() and entry.suffix not in (".safetensors", ".bin"))
+
+
+def model_parameters(model: torch.nn.Module) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())  # shared tensors once
+
+
+def room_error(out: Path, needed: int, n_parameters: int, save_dtype: str) -> str | None:
+    """The one line refusing `out` when its file system has less than `needed` bytes free; None
+    when it has room."""
+    free = free_bytes(out)
+    if free >= needed:
+        return None
+    return (f"{out}: the checkpoint needs about {human_bytes(needed)} ({n_parameters:,} parameters: weights "
+            f"as {save_dtype} and the float32 optimiser state), and the file system at {mount_point(out)} has "
+            f"{human_bytes(free)} free; free {human_bytes(needed - free)} there or choose another --out "
+            "(checked before training)")

@@ -30,7 +30,6 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from cleaner.errors import write_error
 from cleaner.records import (
@@ -482,14 +481,18 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
         _create_empty(connection, dataset)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
-    # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
-    # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow; parts written before
-    # a column was added lack it: matched by name against the empty table, then defaulted.
-    if dataset.added:
+    # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
+    # paths costs DuckDB more than the rest of connect() together.
+    connection.execute(f"SET VARIABLE {parts_variable(dataset)} = ?", [[str(p) for p in parts]])
+    by_name = ", union_by_name = true" if dataset.added else ""
+    source = f"read_parquet(getvariable('{parts_variable(dataset)}'), hive_partitioning = false{by_name})"
+    columns = ", ".join(dataset.columns)
+    if dataset.added:  # a part written before a column was added lacks it: matched by name, defaulted
         _create_empty(connection, dataset)
-    selects = [_group_select(connection, dataset, index, legacy, group)
-               for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items())]
-    connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
+        source = f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME SELECT * FROM {source})"
+        defaults = {name: _literal(value) for name, value in dataset.added if value is not None}
+        columns = ", ".join(f"coalesce({c}, {defaults[c]}) AS {c}" if c in defaults else c for c in dataset.columns)
+    connection.execute(f"CREATE VIEW {dataset.name} AS SELECT {columns} FROM {source}")
 
 
 def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> None:
@@ -500,26 +503,6 @@ def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> No
     connection.unregister("_empty_arrow")
 
 
-def _group_select(connection: duckdb.DuckDBPyConnection, dataset: Dataset, index: int,
-                  legacy: frozenset[str], group: list[Path]) -> str:
-    """The SELECT of one group of parts (same legacy columns) in the dataset's columns."""
-    # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
-    # paths costs DuckDB more than the rest of connect() together.
-    variable = parts_variable(dataset) + (f"_{index}" if index else "")
-    connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in group]])
-    by_name = ", union_by_name = true" if dataset.added else ""
-    source = f"read_parquet(getvariable('{variable}'), hive_partitioning = false{by_name})"
-    if legacy:
-        upgrades = ", ".join(f"CAST(CAST({name} AS VARCHAR) AS DOUBLE) AS {name}" for name in sorted(legacy))
-        source = f"(SELECT * REPLACE ({upgrades}) FROM {source})"
-    columns = ", ".join(dataset.columns)
-    if dataset.added:
-        source = f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME SELECT * FROM {source})"
-        defaults = {name: _literal(value) for name, value in dataset.added if value is not None}
-        columns = ", ".join(f"coalesce({c}, {defaults[c]}) AS {c}" if c in defaults else c for c in dataset.columns)
-    return f"SELECT {columns} FROM {source}"
-
-
 def _literal(value: object) -> str:
     """A default of schema.py as SQL text (strings and numbers only)."""
     if isinstance(value, str):
@@ -527,19 +510,6 @@ def _literal(value: object) -> str:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return repr(value)
     raise TypeError(f"no SQL literal for the column default {value!r}")
-
-
-def _by_legacy_types(dataset: Dataset, parts: list[Path]) -> dict[frozenset[str], list[Path]]:
-    """The parts grouped by the set of their columns in a legacy type (float32 where float64 is
-    expected, the only upgrade there is); one group, and no footer read, for other datasets."""
-    if not dataset.legacy_types:
-        return {frozenset(): parts}
-    groups: dict[frozenset[str], list[Path]] = {}
-    for part in parts:
-        footer = pq.read_schema(part)
-        legacy = frozenset(name for name, type_ in dataset.legacy_types if footer.field(name).type.equals(type_))
-        groups.setdefault(legacy, []).append(part)
-    return groups
 
 
 # Convenience views over the base views.

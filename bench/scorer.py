@@ -1,4 +1,4 @@
-"""Prefix-trie scorer vs naive full forwards, side by side in one run (DESIGN.md 5).
+"""Prefix-trie scorer vs naive full forwards, side by side in one run (docs/architecture.md §6).
 
 Rows are either synthetic (groups of G rows sharing a P-token prompt; a share of the rows copy a
 random-length prefix of an earlier row's response before diverging, as renderings of one rollout

@@ -69,7 +69,7 @@ def probe(path: str, tokens: int, vocab_size: int) -> dict:
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
     from cleaner.engine.train.packing import loss_token_count, pack_rows
     from cleaner.engine.train.policy import TrainablePolicy, training
-    from cleaner.engine.train.stages import forward_micro_batch
+    from cleaner.engine.train.step import forward_micro_batch
 
     torch.set_num_threads(1)
     config = TrainConfig(kl_coef=0.1, **PATHS[path])

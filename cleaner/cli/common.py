@@ -24,7 +24,7 @@ from cleaner.config.layers import name_fields
 class HelpCommand(TyperCommand):
     """A command whose --help is click's plain layout, one section per `rich_help_panel`.
 
-    typer's rich help is a table whose columns rich shrinks to the terminal: at 80 columns it cut
+    typer's rich help is a table whose columns rich shrinks to the terminal: at 80 columns it cuts
     long option names (--rollback-is-threshold, --no-negative-samples) to "--rollback-is-thre…".
     click's layout never cuts a name (a long one gets its own line) and wraps help text to the
     terminal; the panels of `cleaner run` (Collect, Purify, Train, Logging) stay as sections."""

@@ -1,26 +1,20 @@
-"""The config flags of collect, purify, ablate, train, eval and run, as typer options
+"""The config flags as typer options: the one place a config field becomes a command-line option
 (docs/architecture.md §9).
 
-Which flags a command takes, with their names, defaults and help, is `cleaner/config/flags.py`'s
-(one per config field); this module only renders them for typer, which reads a command's
-parameters from `inspect.signature`. `@config_flags("collect")` puts one keyword parameter per
-flag where the command's `flags` parameter stands (a generated `__signature__`), and calls the
-command with `flags`: their values, which build the config (`Flags.build`, an invalid value is one
-error line naming the flag the user typed) or, for `run`, the layer of the flags given.
-
-A field's type makes its option: a bool is `--name/--no-name`; an enum stays a string whose choices
-the metavar shows, so its config names the choices when a value is wrong (exit code 1, as every
-invalid value); a field naming a file is a path the parser checks; ablate's grid axes are
-comma-separated strings; a field whose default follows another flag is optional, its help saying
-which.
+Which flags a command takes (one per field: its name, default and help) is `config/flags.py`'s.
+`@config_flags("collect")` puts one keyword parameter per flag where the command's `flags`
+parameter stands (typer reads the generated `__signature__`) and calls the command with their
+values as `Flags`, which build the config through `config/layers.py`'s `build`, the same road a
+run's layers take. A bool field is `--name/--no-name`; an enum stays a string whose choices the
+metavar shows (its config names the choices when a value is wrong, exit code 1); a field naming a
+file is a path the parser checks; ablate's grid axes are comma-separated strings; a field whose
+default follows another flag is optional, its help saying which.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -29,8 +23,17 @@ from typing import Annotated
 
 import typer
 
-from cleaner.cli.common import build_config
-from cleaner.config.flags import COMMANDS, CommandFlags, Flag, command_flags
+from cleaner.cli.common import fail
+from cleaner.config.flags import (
+    COMMANDS,
+    CommandFlags,
+    Flag,
+    command_flags,
+    flag_layer,
+    flag_names,
+    option_of,
+)
+from cleaner.config.layers import ConfigError, build, merge
 
 CONTEXT = "flags_context"  # the typer context the generated signature adds, to tell given flags from defaults
 PANELS = {"collect": "Collect", "purify": "Purify", "train": "Train"}  # run's help: a section per table
@@ -40,52 +43,36 @@ PANELS = {"collect": "Collect", "purify": "Purify", "train": "Train"}  # run's h
 class Flags:
     """The values of a command's config flags."""
 
-    flags: tuple[Flag, ...]
+    command: str  # a key of config/flags.py's COMMANDS
     values: Mapping[str, object]  # {flag's Python name: value}
     given: frozenset[str]  # the flags the command line gave (the others hold their defaults)
 
     def __getitem__(self, name: str) -> object:
         return self.values[name]
 
+    @property
+    def flags(self) -> tuple[Flag, ...]:
+        return command_flags(self.command)
+
     def build(self, cls: type, names: Mapping[str, str] | None = None, **fixed: object):
         """The config `cls` from the flags, and the top-level fields in `fixed` the command sets
         itself (named `names[field]` in an error, else `--field`); an invalid value exits with one
         error line naming its flag."""
-        values = {path: str(value) if isinstance(value, Path) else value
-                  for flag in self.flags for path in flag.paths for value in [self.values[flag.name]]}
-        values |= {(name,): value for name, value in fixed.items()}
-        flag_of = {path: flag.option for flag in self.flags for path in flag.paths}
-        flag_of |= {(name,): option for name, option in (names or {}).items()}
-        return _build(cls, (), values, flag_of)
+        given_as = flag_names(self.values, self.command)
+        given_as |= {(name,): (names or {}).get(name, option_of(name)) for name in fixed}
+        try:
+            return build(cls, merge(flag_layer(self.values, self.command), fixed), None, given_as)
+        except ConfigError as error:
+            raise fail(str(error)) from error
 
     def given_values(self) -> dict[str, object]:
         """{name: value} of the flags the command line gave (`run` layers them over its file)."""
         return {name: value for name, value in self.values.items() if name in self.given}
 
 
-def _build(cls: type, path: tuple[str, ...], values: Mapping[tuple[str, ...], object],
-           flag_of: Mapping[tuple[str, ...], str]):
-    """`cls` at `path` of the config, nested configs first, each through `build_config`."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = (*path, f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            if any(given[:len(key)] == key for given in values):
-                kwargs[f.name] = _build(hints[f.name], key, values, flag_of)
-        elif key in values:
-            kwargs[f.name] = values[key]
-    names = {key[-1]: option for key, option in flag_of.items() if key[:-1] == path}
-    return build_config(cls, names, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Flags -> typer parameters
-
-
 def config_flags(command: str) -> Callable[[Callable], Callable]:
-    """Decorator: the command takes `command`'s config flags (config/flags.py) in place of its
-    `flags` parameter, and is called with their values as `flags`."""
+    """Decorator: the command takes `command`'s config flags in place of its `flags` parameter,
+    and is called with their values as `flags`."""
     flags, spec = command_flags(command), COMMANDS[command]
 
     def decorate(func: Callable) -> Callable:
@@ -96,14 +83,13 @@ def config_flags(command: str) -> Callable[[Callable], Callable]:
                 parameters += [_parameter(flag, spec) for flag in flags]
             else:  # keyword-only, so typer's order is the signature's wherever the flags stand
                 parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-
         parameters.append(inspect.Parameter(CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
 
         @functools.wraps(func)
         def with_flags(**values: object):
             context = values.pop(CONTEXT)
             given = frozenset(flag.name for flag in flags if _given(context, flag.name))
-            return func(flags=Flags(flags, {flag.name: values.pop(flag.name) for flag in flags}, given), **values)
+            return func(flags=Flags(command, {flag.name: values.pop(flag.name) for flag in flags}, given), **values)
 
         with_flags.__signature__ = signature.replace(parameters=parameters)
         with_flags.__annotations__ = {p.name: p.annotation for p in parameters}

@@ -1,11 +1,16 @@
-"""Every option, declared once: the frozen config dataclasses (stages.py), the commands' flags
-generated from their fields (flags.py) and a run's config from layers (layers.py: defaults < saved
-run < TOML file < flags).
+"""Every option of the phase commands and `cleaner run`, declared once (docs/architecture.md §9).
 
-The dataclasses are re-exported here, so callers write `from cleaner.config import CollectConfig`.
+- settings.py: the frozen config dataclasses. A field is an option: its type, its default, its
+  invariant (`__post_init__`) and its one-line comment, which is the flag's help.
+- flags.py: which flags each command takes (one per field), and what a command does otherwise.
+- layers.py: a config from layers of dicts (for `run`: defaults < saved run < TOML file < flags).
+
+cli/options.py turns the flags into typer options. An option takes effect where its stage reads
+`config.<field>` (under cleaner/engine/, cleaner/loop/ for a run). The dataclasses are re-exported
+here: `from cleaner.config import CollectConfig`.
 """
 
-from cleaner.config.stages import (
+from cleaner.config.settings import (
     ASSETS_DIR,
     DEFAULT_POLICY,
     ENV_POLICY,

@@ -1,20 +1,12 @@
-"""Every config field is a command-line flag: its name, default and help are the field's own
-(docs/architecture.md §9).
+"""Which flags a command takes: one per config field, named after it, with the field's default and
+its one-line comment as help (docs/architecture.md §9), so each is written once, in the dataclass.
 
-A command that uses a config takes one flag per field: `--field-name` (underscores as dashes), the
-field's default, and the field's one-line comment as its help (`field_help` reads it from the
-source), so a field, its default and its help are written once, in the dataclass. The fields of a
-nested config are prefixed with its name (`--sandbox-workers` sets `sandbox.workers`). What a
-command does otherwise is declared here and nowhere else: `RENAMED` (a flag spelled unlike its
-field) and `COMMANDS` (fields a command sets itself, ablate's grid axes, defaults that follow another
-flag, fields naming a file the parser checks). The CLI turns these flags into typer options
-(cleaner/cli/options.py).
-
-`cleaner run` takes the flags of RunConfig's `collect`, `purify` and `train` tables together,
-unprefixed; a flag named in two tables sets both (`--gamma` sets collect's and purify's, which keeps
-the run purifying at its collect config; `--seed` collect's and train's). `RUN_FLAGS` lists them;
-`flag_layer` turns given flags into a config layer (config/layers.py merges it). A run flag shows
-the run's own default (`RUN_BASE_LAYER`), or says what its default follows (`DERIVED`).
+`--field-name` sets a field; a nested config's fields carry its name (`--sandbox-workers`). What a
+command does otherwise is `RENAMED` and `COMMANDS` below. `cleaner run` takes its collect, purify
+and train tables' flags unprefixed, and a flag of two tables sets both (`--gamma`: collect's and
+purify's, so the run purifies at its collect config). cli/options.py makes these flags typer
+options; `flag_layer` turns their values into a config layer, which config/layers.py builds (a
+phase command) or merges over the run's other layers.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
-from cleaner.config.stages import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
+from cleaner.config.settings import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
 
 RENAMED = {"n_prompts": "prompts"}  # field -> its flag's name, on every command
 SECTIONS = ("collect", "purify", "train")  # RunConfig's tables: `run` takes their flags unprefixed
@@ -150,37 +142,33 @@ def command_flags(command: str) -> tuple[Flag, ...]:
 
 
 def _for_command(flag: Flag, spec: CommandFlags, command: str) -> Flag:
-    """The flag with its default on `command`: run's own, or what it follows."""
+    """The flag with its default on `command`: what it follows, or run's own (RUN_BASE_LAYER)."""
     dotted = [".".join(path) for path in flag.paths]
     if all(path in spec.derived for path in dotted):
         return dataclasses.replace(flag, default=None, derived=spec.derived[dotted[0]])
-    if command == "run":
-        base = _lookup(RUN_BASE_LAYER, flag.paths[0])
-        if base is not None:
-            return dataclasses.replace(flag, default=base)
-    return flag
-
-
-def _lookup(layer: Mapping, path: tuple[str, ...]) -> object:
-    for key in path:
-        if not isinstance(layer, Mapping) or key not in layer:
-            return None
-        layer = layer[key]
-    return layer
+    base = RUN_BASE_LAYER if command == "run" else None
+    for key in flag.paths[0]:
+        base = base.get(key) if isinstance(base, Mapping) else None
+    return flag if base is None else dataclasses.replace(flag, default=base)
 
 
 # ---------------------------------------------------------------------------------------------
-# `cleaner run`'s flags -> a config layer
+# Flag values -> a config layer
 
-# Each `cleaner run` flag (its Python name) -> the config fields it sets.
-RUN_FLAGS: dict[str, tuple[tuple[str, ...], ...]] = {flag.name: flag.paths for flag in command_flags("run")}
+@functools.cache
+def flag_paths(command: str) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Each flag of `command` (its Python name) -> the config fields it sets."""
+    return {flag.name: flag.paths for flag in command_flags(command)}
 
 
-def flag_layer(flags: Mapping[str, object]) -> dict:
-    """The config layer of some `cleaner run` flags ({python name: value})."""
+RUN_FLAGS = flag_paths("run")  # `--gamma` -> (("collect", "gamma"), ("purify", "gamma")), ...
+
+
+def flag_layer(flags: Mapping[str, object], command: str = "run") -> dict:
+    """The config layer of some of `command`'s flags ({python name: value}): every field each sets."""
     layer: dict = {}
     for name, value in flags.items():
-        for path in RUN_FLAGS[name]:
+        for path in flag_paths(command)[name]:
             table = layer
             for key in path[:-1]:
                 table = table.setdefault(key, {})
@@ -188,13 +176,13 @@ def flag_layer(flags: Mapping[str, object]) -> dict:
     return layer
 
 
-def flag_names(flags: Iterable[str]) -> dict[tuple[str, ...], str]:
-    """{field path: `--flag`} of the `cleaner run` flags given (their Python names)."""
-    return {path: option_of(name) for name in flags for path in RUN_FLAGS[name]}
+def flag_names(flags: Iterable[str], command: str = "run") -> dict[tuple[str, ...], str]:
+    """{field path: `--flag`} of some of `command`'s flags (their Python names)."""
+    return {path: option_of(name) for name in flags for path in flag_paths(command)[name]}
 
 
 def command_line(flags: Mapping[str, object]) -> str:
-    """The `cleaner run` command that gives these flags."""
+    """The `cleaner run` command that gives these flags (bench/paper_table.py prints each arm's)."""
     words = ["cleaner", "run"]
     for name, value in flags.items():
         option = option_of(name)

@@ -1,25 +1,23 @@
-"""A run's config from layers: defaults < the saved run (on resume) < a TOML file < flags.
+"""Configs from layers of nested dicts: a run's is defaults < the saved run (on resume) < a TOML
+file < flags; a phase command's is its flags alone (`build`).
 
-`cleaner run --config run.toml` reads a file laid out like `RunConfig` itself: top-level `run_dir`
-and `iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys
-are the dataclass fields (stages.py). Flags override the file; `--print-config` prints the resolved
-config as such a file, so `cleaner run ... --print-config > run.toml` round-trips.
+`cleaner run --config run.toml` reads a file laid out like `RunConfig`: top-level `run_dir` and
+`iterations`, then `[collect]`, `[collect.sandbox]`, `[purify]` and `[train]` tables whose keys are
+the fields (settings.py); `--print-config` prints the resolved config as such a file, so
+`cleaner run ... --print-config > run.toml` round-trips.
 
 Design decisions:
-- Layers are nested dicts merged key by key, so a layer says only what it changes.
-- Derived values, filled in only when no layer sets them, keep one run self-consistent:
-  purify's gamma, p, similarity and IS threshold follow collect's (purifying at the collect config is what keeps
-  the purified rows on-policy); with purify's edit `mask`, collection uses the raw view (a masked row
-  is the raw sequence, on-policy only if the agent loop saw it); train's response budget, seed and device follow collect's;
-  the mini batch is a quarter of the iteration's rollouts (4 optimiser steps per iteration, the
-  reference's 128 / 32) and the micro batch min(16, mini batch); collect's response budget is
-  max(768, max_new_tokens).
-- The flags' layer comes from config/flags.py, which generates `cleaner run`'s flags from the
-  fields (a flag that names a field of two tables sets both).
+- Layers merge key by key, so a layer says only what it changes.
+- Values no layer sets are derived, to keep a run self-consistent: purify's SAAR settings follow
+  collect's (purifying at the collect config keeps the purified rows on-policy); with purify's
+  edit `mask`, collection uses the raw view (a masked row is the raw sequence, on-policy only if
+  the agent loop saw it); train's response budget, seed and device follow collect's; the mini
+  batch is a quarter of the iteration's rollouts (4 optimiser steps, the reference's 128 / 32)
+  and the micro batch min(16, mini batch); the response budget is max(768, max_new_tokens).
 - A file's key that is not a field, or a value of the wrong type, is an error naming the file,
   the table and the key. Integers are accepted where a float is expected (TOML writes `lr = 1`).
-- TOML has no null: a field whose value is None is left out of the printed file (every such field
-  defaults to None, so leaving it out means the same).
+- TOML has no null: a None field is left out of the printed file (every such field defaults to
+  None, so leaving it out means the same).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from cleaner.config.stages import RunConfig
+from cleaner.config.settings import RunConfig
 from cleaner.errors import CleanerError
 
 
@@ -92,29 +90,27 @@ def typed_layer(cls: type, data: object, where: str = "config") -> dict:
             else _coerce(value, hints[name], f"{where}.{name}") for name, value in data.items()}
 
 
-def from_dict(cls: type, data: Mapping, where: str = "config",
-              names: Mapping[tuple[str, ...], str] | None = None) -> object:
-    """An instance of the (nested) config dataclass `cls` from a dict; unknown keys are errors.
+def build(cls: type, values: Mapping, where: str | None = None,
+          names: Mapping[tuple[str, ...], str] | None = None, path: tuple[str, ...] = ()) -> object:
+    """An instance of the (nested) config dataclass `cls` from a layer whose values have their
+    fields' types (`typed_layer`, or a command's parsed flags).
 
-    `names` maps a field's path (("train", "lr")) to the name its value was given under (the
-    flag `--lr`): an invalid value is then reported under that name."""
-    return _build(cls, typed_layer(cls, data, where), where, (), names or {})
-
-
-def _build(cls: type, values: Mapping, where: str, path: tuple[str, ...],
-           names: Mapping[tuple[str, ...], str]) -> object:
+    A ValueError of a config becomes a ConfigError: `names` maps a field's path (("train", "lr"))
+    to the flag its value was given as (`--lr`), and an error naming only such fields reads
+    `invalid option: --lr must be > 0, ...`; any other is prefixed `where` (the file, or, with
+    `where=None`, `invalid option` too: every value came from a flag)."""
+    names = names or {}
     hints = typing.get_type_hints(cls)
-    built = {name: _build(hints[name], value, f"{where}.{name}", (*path, name), names)
+    built = {name: build(hints[name], value, where and f"{where}.{name}", names, (*path, name))
              if dataclasses.is_dataclass(hints[name]) else value for name, value in values.items()}
     try:
         return cls(**built)
     except ValueError as error:
-        given = {field.name: names[(*path, field.name)] for field in dataclasses.fields(cls)
-                 if (*path, field.name) in names}
-        message, renamed, others = name_fields(str(error), given, [f.name for f in dataclasses.fields(cls)])
-        if renamed and not others:  # every field it names was given as a flag
-            raise ConfigError(f"invalid option: {message}") from error
-        raise ConfigError(f"{where}: {message}") from error
+        fields = [field.name for field in dataclasses.fields(cls)]
+        given = {name: names[(*path, name)] for name in fields if (*path, name) in names}
+        message, renamed, others = name_fields(str(error), given, fields)
+        prefix = "invalid option" if where is None or (renamed and not others) else where
+        raise ConfigError(f"{prefix}: {message}") from error
 
 
 def name_fields(message: str, names: Mapping[str, str], fields: typing.Iterable[str] = ()) -> tuple[str, bool, bool]:
@@ -220,9 +216,9 @@ def resolve_run_config(*layers: Mapping, where: str = "config",
                        names: Mapping[tuple[str, ...], str] | None = None) -> RunConfig:
     """The RunConfig of the merged layers, derived values filled in where no layer set them.
 
-    The layers are type-checked before anything is derived from them; `names` as in `from_dict`."""
+    The layers are type-checked before anything is derived from them; `names` as in `build`."""
     merged = typed_layer(RunConfig, merge(*layers), where)
-    return from_dict(RunConfig, merge(_derived(merged), merged), where, names)
+    return build(RunConfig, merge(_derived(merged), merged), where, names)
 
 
 def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:

@@ -44,7 +44,6 @@ from cleaner.toys.local_exec import run_snippets
 
 NONE, TYPO, APPROACH, ENVIRONMENT = "none", "typo", "approach", "environment"
 NO_TOOL = "no_tool"  # not a failed call: the trajectory answers without calling the tool
-FAILURE_KINDS = (NONE, TYPO, APPROACH, ENVIRONMENT, NO_TOOL)
 FAILURE_SETS = ("mixed", "environment")  # mixed: typos and approaches; environment: ENVIRONMENT only
 CORPUS_SEED_OFFSET = 1_000_000  # corpus problems never coincide with toy_tasks(n, seed) for small seeds
 

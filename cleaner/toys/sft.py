@@ -15,10 +15,9 @@ Design decisions:
   mask is needed (pad positions only see real tokens and are never trained).
 - Saves are atomic: save_pretrained into a temporary sibling directory, then rename into place.
 - Calibration stage (`init_from`): continue a trained policy, with its tokenizer, on a corpus with
-  another failure mix at a low learning rate. The share of failing first calls the model samples at
-  T=1 drifts a lot during stage 1 (10%-37% between checkpoints 1250 and 2000) and accuracy climbs
-  to ~92%, so the committed policy is stage-1 step 1250 plus 300 calibration steps
-  (bench/calibrate_policy.py measures the rates).
+  another failure mix at a low learning rate. The share of failing first calls the model samples
+  drifts during the first stage, so a committed policy is a chosen stage-1 checkpoint plus a short
+  calibration (the rates that chose it: docs/experiments.md; bench/calibrate_policy.py).
 """
 
 from __future__ import annotations

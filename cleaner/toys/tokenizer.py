@@ -9,8 +9,8 @@ Design decisions:
 - The chat template renders a SHORT system line (unless the messages bring their own), each
   message as `<|im_start|>role\\ncontent<|im_end|>\\n`, and the generation prompt
   `<|im_start|>assistant\\n`. `tools` is accepted and ignored: the tiny model knows its one tool, and
-  a rendered JSON schema would cost ~100 tokens of every prompt. docs/architecture.md §11 speaks of a
-  character-level tokenizer; the BPE keeps sequences ~3x shorter at the same vocabulary budget.
+  a rendered JSON schema would cost ~100 tokens of every prompt.
+- A BPE rather than characters: sequences are several times shorter at the same vocabulary budget.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ import pyarrow as pa
 from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import readonly, schema
 from cleaner.warehouse.parts import WarehouseError
-from cleaner.warehouse.store import Warehouse, cursor_of, parts_variable
+from cleaner.warehouse.store import Warehouse
+from cleaner.warehouse.views import cursor_of, parts_variable
 
 INDEX = "rollout_index"
 POOL_SIZE = 4  # cursors of the pages' database: reads that run at once

@@ -100,7 +100,6 @@ class Manifest:
         self._base = root / dataset.name
         self._known = self._load() if known is None else dict(known)
         self._seen: dict[str, PartEntry] = {}  # entries checked by this manifest
-        self.n_verified = 0  # parts this manifest decoded in full
 
     def _load(self) -> dict[str, PartEntry]:
         try:
@@ -151,7 +150,6 @@ class Manifest:
                 f"{path}: its bytes changed since cleaner verified them (CRC-32 {pin.crc32:08x}, now {crc32:08x}; "
                 f"{pin.identity.size} bytes, now {found.size}); parts are never rewritten: restore it from a copy "
                 f"(if you replaced it on purpose, delete {self.path})")
-        self.n_verified += 1
         return PartEntry(found, crc32, replaces)
 
     def save(self, *, complete: bool = False) -> None:

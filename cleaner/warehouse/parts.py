@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cleaner.errors import CleanerError, write_error
-from cleaner.warehouse.schema import COMMITTED_BY, Dataset, upgrade, upgraded
+from cleaner.warehouse.schema import COMMITTED_BY, Dataset
 
 PART_GLOB = "part-*.parquet"  # the glob of every part; hidden temporaries start with a dot
 MERGED_PREFIX = "part-merged-"
@@ -196,7 +196,7 @@ def check_schema(path: Path, schema: pa.Schema, dataset: Dataset) -> None:
                 continue
             raise WarehouseError(f"{path}: missing column {field.name!r} ({dataset.name} expects {field.type})")
         found = schema.field(field.name).type
-        if not dataset.accepts(field.name, found):
+        if not found.equals(field.type):
             raise WarehouseError(f"{path}: column {field.name!r} has type {found}, expected {field.type}")
 
 
@@ -310,8 +310,7 @@ def read_part(path: Path, dataset: Dataset) -> pa.Table:
     for name, value in dataset.added:
         if name not in names:  # a part written before the column existed reads as its default
             table = table.append_column(name, _filled(dataset, name, value, table.num_rows))
-    table = upgraded(dataset, table.select(list(dataset.columns)))
-    return table.cast(dataset.schema).replace_schema_metadata(None)
+    return table.select(list(dataset.columns)).cast(dataset.schema).replace_schema_metadata(None)
 
 
 def _filled(dataset: Dataset, column: str, value: object, length: int) -> pa.Array:
@@ -327,10 +326,8 @@ def read_column(paths: list[Path], dataset: Dataset, column: str) -> pa.ChunkedA
             if column in added and column not in pq.read_schema(path).names:
                 chunks.append(_filled(dataset, column, added[column], pq.read_metadata(path).num_rows))
                 continue
-            values = pq.read_table(path, columns=[column], partitioning=None,
-                                   page_checksum_verification=True).column(column)
-            type_ = dataset.schema.field(column).type
-            chunks.extend((values if values.type.equals(type_) else upgrade(values, type_)).chunks)
+            chunks.extend(pq.read_table(path, columns=[column], partitioning=None,
+                                        page_checksum_verification=True).column(column).chunks)
         except _READ_ERRORS as exc:
             raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return pa.chunked_array(chunks, dataset.schema.field(column).type)

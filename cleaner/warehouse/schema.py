@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cleaner import records
 
@@ -32,17 +31,10 @@ class Dataset:
     # Columns added after parts were written, with the value a part without them reads as (None:
     # null); every other column is required (docs/architecture.md §3).
     added: tuple[tuple[str, object], ...] = ()
-    # (column, type) that parts written by an earlier version may hold instead; read as today's (upgrade)
-    legacy_types: tuple[tuple[str, pa.DataType], ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
         return tuple(self.schema.names)
-
-    def accepts(self, column: str, found: pa.DataType) -> bool:
-        """Whether a part's `column` of type `found` reads as this dataset's column."""
-        return found.equals(self.schema.field(column).type) or any(
-            name == column and found.equals(legacy) for name, legacy in self.legacy_types)
 
 
 ROLLOUTS = Dataset("rollouts", records.Rollout, pa.schema([
@@ -73,13 +65,12 @@ PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
 ]), ("iteration", "config"))
 
 # gamma and p are parameters a user typed: float64 reads them back exactly (float32 would turn 0.3
-# into 0.30000001192092896). Parts holding them as float32 read as their shortest decimal (upgrade).
+# into 0.30000001192092896).
 PURIFY_CONFIGS = Dataset("purify_configs", records.PurifyConfigRow, pa.schema([
     ("config_id", pa.string()), ("gamma", pa.float64()), ("rollback_prob", pa.float64()),
     ("similarity_on", pa.string()), ("purify_when", pa.string()), ("params_json", pa.string()),
     ("created_at", _TIME), ("edit", pa.string()),
-]), (), added=(("edit", "replace"),),
-   legacy_types=(("gamma", pa.float32()), ("rollback_prob", pa.float32())))
+]), (), added=(("edit", "replace"),))
 
 ITERATIONS = Dataset("iterations", records.IterationRow, pa.schema([
     ("iteration", pa.int32()), ("policy_in", pa.string()), ("policy_out", pa.string()),
@@ -128,9 +119,6 @@ DATASETS: dict[str, Dataset] = {
 # Each segments dataset and the rollouts dataset whose parts commit it (the commit protocol).
 COMMITTED_BY = {SEGMENTS.name: ROLLOUTS, EVAL_SEGMENTS.name: EVAL_ROLLOUTS}
 
-# Hive partition directory names differ from column names for purified's config and the eval id.
-PARTITION_COLUMN = {"iteration": "iteration", "config": "config_id", "eval": "collect_config_id"}
-
 
 def _check_record_fields(dataset: Dataset) -> None:
     fields = tuple(f.name for f in dataclasses.fields(dataset.record))
@@ -177,24 +165,6 @@ def _column(values: list, type_: pa.DataType) -> pa.Array:
         return pa.array(values, type_)
     firsts = list({id(value): value for value in values}.values())  # insertion order = slot order
     return pa.array(firsts, type_).take(pa.array(index, pa.int32()))
-
-
-def upgrade(column: pa.ChunkedArray | pa.Array, type_: pa.DataType) -> pa.ChunkedArray | pa.Array:
-    """A column of a legacy type as `type_`. A float32 becomes the float64 of its shortest decimal
-    (0.3f -> 0.3, as it was typed), not its binary value (0.30000001192092896)."""
-    if pa.types.is_float32(column.type) and pa.types.is_float64(type_):
-        return pc.cast(pc.cast(column, pa.string()), type_)
-    return column.cast(type_)
-
-
-def upgraded(dataset: Dataset, table: pa.Table) -> pa.Table:
-    """`table` with every column in a legacy type upgraded to the dataset's type."""
-    for name, _ in dataset.legacy_types:
-        if name in table.column_names:
-            type_ = dataset.schema.field(name).type
-            if not table.schema.field(name).type.equals(type_):
-                table = table.set_column(table.schema.get_field_index(name), name, upgrade(table[name], type_))
-    return table
 
 
 def from_table(dataset: Dataset, table: pa.Table) -> list:

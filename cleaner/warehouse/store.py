@@ -1,4 +1,5 @@
-"""The warehouse: typed reads and writes of every dataset, and DuckDB views over them.
+"""The warehouse: typed reads and writes of every dataset, and `connect()`, which verifies the parts
+the SQL views (views.py) may read.
 
 Layout (docs/architecture.md §3): `<root>/<dataset>/<key>=<value>/.../part-<uuid>.parquet`.
 
@@ -30,7 +31,6 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from cleaner.errors import write_error
 from cleaner.records import (
@@ -57,6 +57,7 @@ from cleaner.warehouse.parts import (
     write_part,
 )
 from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
+from cleaner.warehouse.views import open_views
 
 __all__ = ["Warehouse", "WarehouseError"]
 
@@ -412,8 +413,8 @@ class Warehouse:
         the manifest (a cache) is ever written, and only when every part passed; a read-only
         warehouse keeps it in memory and writes nothing. Datasets with no parts yet get an empty view
         with the right columns. `settings` are DuckDB's, given when the database is opened
-        (`cleaner ui`'s temp directory, memory and threads). `cursor_of` gives another thread its own
-        connection to the same views.
+        (`cleaner ui`'s temp directory, memory and threads). `views.cursor_of` gives another thread its
+        own connection to the same views.
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
@@ -432,12 +433,7 @@ class Warehouse:
                 self._checked[name] = manifest.checked
             else:
                 manifest.save(complete=True)
-        connection = duckdb.connect(":memory:", config=settings or {})
-        for dataset in DATASETS.values():
-            _create_view(connection, dataset, visible[dataset.name])
-        for name, query in CONVENIENCE_VIEWS.items():
-            connection.execute(f"CREATE VIEW {name} AS {query}")
-        return connection
+        return open_views(visible, settings)
 
 
 def _of_rollouts(table: pa.Table, rollout_ids: Collection[str] | None) -> pa.Table:
@@ -459,106 +455,3 @@ def _config_order(config: PurifyConfigRow | None) -> tuple:
     if config is None:
         return ()
     return (config.gamma, config.rollback_prob, config.similarity_on, config.purify_when)
-
-
-def cursor_of(connection: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
-    """A connection of its own to `connection`'s database, for another thread (a DuckDB connection
-    serves one thread at a time), that reads the same views: DuckDB variables (the views' file lists)
-    belong to a connection, so they are copied; tables and views belong to the database."""
-    cursor = connection.cursor()
-    for (name,) in connection.execute("SELECT name FROM duckdb_variables()").fetchall():
-        ((value,),) = connection.execute("SELECT getvariable(?)", [name]).fetchall()
-        cursor.execute(f"SET VARIABLE {name} = ?", [value])
-    return cursor
-
-
-def parts_variable(dataset: Dataset) -> str:
-    """The DuckDB variable holding the file list of a dataset's view (unset when it has no parts)."""
-    return f"_cleaner_parts_{dataset.name}"
-
-
-def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
-    if not parts:
-        _create_empty(connection, dataset)
-        connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
-        return
-    # DuckDB reads a file list in the first file's types, so parts of a legacy type (schema.py) are
-    # read on their own and upgraded in SQL as `schema.upgrade` does in Arrow; parts written before
-    # a column was added lack it: matched by name against the empty table, then defaulted.
-    if dataset.added:
-        _create_empty(connection, dataset)
-    selects = [_group_select(connection, dataset, index, legacy, group)
-               for index, (legacy, group) in enumerate(_by_legacy_types(dataset, parts).items())]
-    connection.execute(f"CREATE VIEW {dataset.name} AS {' UNION ALL '.join(selects)}")
-
-
-def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> None:
-    """An empty table `_empty_<dataset>` with the dataset's columns: a table of the database, not a
-    registered Arrow object (those belong to one connection), so every cursor's views see it."""
-    connection.register("_empty_arrow", dataset.schema.empty_table())
-    connection.execute(f"CREATE TABLE _empty_{dataset.name} AS SELECT * FROM _empty_arrow")
-    connection.unregister("_empty_arrow")
-
-
-def _group_select(connection: duckdb.DuckDBPyConnection, dataset: Dataset, index: int,
-                  legacy: frozenset[str], group: list[Path]) -> str:
-    """The SELECT of one group of parts (same legacy columns) in the dataset's columns."""
-    # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
-    # paths costs DuckDB more than the rest of connect() together.
-    variable = parts_variable(dataset) + (f"_{index}" if index else "")
-    connection.execute(f"SET VARIABLE {variable} = ?", [[str(p) for p in group]])
-    by_name = ", union_by_name = true" if dataset.added else ""
-    source = f"read_parquet(getvariable('{variable}'), hive_partitioning = false{by_name})"
-    if legacy:
-        upgrades = ", ".join(f"CAST(CAST({name} AS VARCHAR) AS DOUBLE) AS {name}" for name in sorted(legacy))
-        source = f"(SELECT * REPLACE ({upgrades}) FROM {source})"
-    columns = ", ".join(dataset.columns)
-    if dataset.added:
-        source = f"(SELECT * FROM _empty_{dataset.name} UNION ALL BY NAME SELECT * FROM {source})"
-        defaults = {name: _literal(value) for name, value in dataset.added if value is not None}
-        columns = ", ".join(f"coalesce({c}, {defaults[c]}) AS {c}" if c in defaults else c for c in dataset.columns)
-    return f"SELECT {columns} FROM {source}"
-
-
-def _literal(value: object) -> str:
-    """A default of schema.py as SQL text (strings and numbers only)."""
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value)
-    raise TypeError(f"no SQL literal for the column default {value!r}")
-
-
-def _by_legacy_types(dataset: Dataset, parts: list[Path]) -> dict[frozenset[str], list[Path]]:
-    """The parts grouped by the set of their columns in a legacy type (float32 where float64 is
-    expected, the only upgrade there is); one group, and no footer read, for other datasets."""
-    if not dataset.legacy_types:
-        return {frozenset(): parts}
-    groups: dict[frozenset[str], list[Path]] = {}
-    for part in parts:
-        footer = pq.read_schema(part)
-        legacy = frozenset(name for name, type_ in dataset.legacy_types if footer.field(name).type.equals(type_))
-        groups.setdefault(legacy, []).append(part)
-    return groups
-
-
-# Convenience views over the base views.
-CONVENIENCE_VIEWS = {
-    # Every assistant generation with the outcome of the call it made (NULL when it made none).
-    "attempts": """
-        SELECT a.rollout_id, a.iteration, a.seq, a.step, a.attempt,
-               a.call_start IS NOT NULL AS has_call, a.tool_code, len(a.token_ids) AS n_tokens,
-               t.tool_status, t.error_type, t.exec_ms, a.text, t.text AS tool_response
-        FROM segments a
-        LEFT JOIN segments t
-          ON t.rollout_id = a.rollout_id AND t.kind = 'tool' AND t.step = a.step AND t.attempt = a.attempt
-        WHERE a.kind = 'assistant'
-    """,
-    # Tool failures with the rollout they belong to.
-    "failures": """
-        SELECT s.rollout_id, s.iteration, s.step, s.attempt, s.tool_status, s.error_type, s.tool_code,
-               r.correct, r.reward
-        FROM segments s JOIN rollouts r USING (rollout_id)
-        WHERE s.kind = 'tool' AND s.tool_status <> 'ok'
-    """,
-}

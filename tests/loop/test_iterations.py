@@ -82,7 +82,7 @@ def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(t
     assert [row.iteration for row in rows] == [0]
 
 
-def test_several_ranks_train_with_deepspeed_each_on_its_own_gpu_and_rank_0_alone_reports(tmp_path, random_policy):
+def test_several_ranks_without_deepspeed_or_on_a_named_gpu_are_refused_before_any_work_rank_0_printing(tmp_path, random_policy):
     """Checked before the ranks join their group, so a misconfigured job ends at once; the error is
     the same on every rank, so rank 0 prints it and the others exit 0 (a rank exiting non-zero first
     would make torchrun stop rank 0 before it prints); the job fails with rank 0's code."""
@@ -158,7 +158,7 @@ def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_pol
 
 
 @pytest.mark.slow
-def test_sigkill_run_mid_iteration_then_resume(tmp_path, random_policy):
+def test_run_killed_after_purifying_resumes_to_each_iteration_once(tmp_path, random_policy):
     run_dir = tmp_path / "run"
     args = ["run", "--run-dir", str(run_dir), "--iterations", "2", "--prompts", "2", "--group-size", "2",
             "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24"]

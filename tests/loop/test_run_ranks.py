@@ -10,10 +10,9 @@ every process runs with one thread.
 The reference is the plain single-process run (the torch engine). What differs is float32
 rounding only: a rank's scorer packs other rows into its forwards than one process does, which
 moves old log-probs by up to ~1e-5, and Adam turns such noise in a near-zero gradient into a
-weight change of a few percent of the learning rate. Measured with seed 0 (iteration 0 split 1/3):
-7.9e-5 at lr 1e-3, 7.9e-6 at 1e-4, 3.9e-6 at 5e-5; with seed 4 at 5e-5, 6e-7; DeepSpeed on one
-rank against the torch engine, 6e-8 at 1e-3. So the learning rate is 5e-5, and the weights must
-move by more than the tolerance for the comparison to mean something.
+weight change of a few percent of the learning rate (the drift per learning rate: BENCHMARKS.md,
+"One run on many ranks"). So the learning rate is 5e-5, and the weights must move by more than the
+tolerance for the comparison to mean something.
 """
 
 from __future__ import annotations

@@ -170,11 +170,12 @@ def test_random_state_differs_between_executions(sandbox):
 def test_scientific_preload_imports_sympy_and_reseeds_numpy():
     pytest.importorskip("sympy")
     with LocalSandbox(SandboxConfig(workers=1, preload_scientific=True)) as pool:
-        code = "import numpy, sympy\nprint(sympy.factorint(360), numpy.random.randint(10**9))"
+        code = ("import sys\npreloaded = 'sympy' in sys.modules\nimport numpy, sympy\n"
+                "print(preloaded, sympy.factorint(360), numpy.random.randint(10**9))")
         first, second = (run_bounded(pool, code) for _ in range(2))
-    assert first.stdout.startswith("{2: 3, 3: 2, 5: 1} ")
+    # imported by the worker before the fork (what that saves per call: bench/sandbox_latency.py)
+    assert first.stdout.startswith("True {2: 3, 3: 2, 5: 1} ")
     assert first.stdout != second.stdout
-    assert first.exec_ms < 250  # already imported: no 0.3 s `import sympy`
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from cleaner.records import PurifiedRow
 from cleaner.warehouse import Warehouse, WarehouseError, schema
-from cleaner.warehouse.parts import list_parts, read_part, write_part
+from cleaner.warehouse.parts import list_parts, write_part
 from tests.factories import make_purified, make_purify_config, make_rollout, make_segments
 
 
@@ -249,53 +249,6 @@ def test_purify_configs_store_gamma_and_p_as_typed(tmp_path):
     assert wh.connect().sql("SELECT gamma, rollback_prob FROM purify_configs").fetchall() == [(0.3, 1.0)]
     (part,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
     assert pq.read_table(part)["gamma"].to_pylist() == [0.3]
-
-
-def test_purify_configs_written_with_float32_still_read_as_typed(tmp_path):
-    """A part from before gamma and p were float64 reads, in Arrow and in SQL, beside new parts,
-    its float32 values as the decimals they were typed as; compaction rewrites it as float64."""
-    from cleaner.warehouse.compact import compact
-
-    wh = _fill(tmp_path)
-    old_schema = pa.schema([f.with_type(pa.float32()) if f.name in ("gamma", "rollback_prob") else f
-                            for f in schema.PURIFY_CONFIGS.schema])
-    old = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("old", gamma=0.3)]).cast(old_schema)
-    old = old.set_column(2, "rollback_prob", pa.array([0.7], pa.float32()))
-    write_part(tmp_path / "wh" / "purify_configs", old, "part-0-old.parquet")
-    wh.write_purified(0, make_purify_config("new", gamma=0.7), [make_purified("new")])
-    assert wh.purify_config_ids() == {"old", "new"}
-    expected = [("new", 0.7, 1.0), ("old", 0.3, 0.7)]
-    query = "SELECT config_id, gamma, rollback_prob FROM purify_configs ORDER BY 1"
-    assert wh.connect().sql(query).fetchall() == expected
-    configs = [config for _, config in wh.read_purified_of("r0", 0)]
-    assert [(c.config_id, c.gamma) for c in configs] == [("new", 0.7)]
-    assert compact(wh.root, "purify_configs", None, 2**20).merges
-    (merged,) = list_parts(wh.root, schema.PURIFY_CONFIGS)
-    assert pq.read_schema(merged).field("gamma").type == pa.float64()
-    assert wh.connect().sql(query).fetchall() == expected
-
-
-def test_purify_configs_from_before_both_changes_read_as_typed_and_replace(tmp_path):
-    """The oldest purify_configs part (float32 gamma and p, no edit column) beside a new one: the
-    legacy upgrade and the added column's default apply together, in SQL, in Arrow and after a
-    compaction."""
-    from cleaner.warehouse.compact import compact
-
-    wh = _fill(tmp_path)
-    oldest_schema = pa.schema([f.with_type(pa.float32()) if f.name in ("gamma", "rollback_prob") else f
-                               for f in schema.PURIFY_CONFIGS.schema if f.name != "edit"])
-    oldest = schema.to_table(schema.PURIFY_CONFIGS, [make_purify_config("old", gamma=0.3)])
-    write_part(tmp_path / "wh" / "purify_configs", oldest.drop_columns(["edit"]).cast(oldest_schema),
-               "part-0-old.parquet")
-    wh.write_purified(0, make_purify_config("new", gamma=0.7, edit="mask"), [make_purified("new")])
-    expected = [("new", 0.7, "mask"), ("old", 0.3, "replace")]
-    query = "SELECT config_id, gamma, edit FROM purify_configs ORDER BY 1"
-    assert wh.connect().sql(query).fetchall() == expected
-    old_part = tmp_path / "wh" / "purify_configs" / "part-0-old.parquet"
-    rows = schema.from_table(schema.PURIFY_CONFIGS, read_part(old_part, schema.PURIFY_CONFIGS))
-    assert [(r.config_id, r.gamma, r.edit) for r in rows] == [("old", 0.3, "replace")]
-    assert compact(wh.root, "purify_configs", None, 2**20).merges
-    assert wh.connect().sql(query).fetchall() == expected
 
 
 def _steps(config_id: str | None, checkpoint: str | None, losses: list[float]):

@@ -12,24 +12,10 @@ Design decisions:
 - Edges are batched ACROSS nodes, not per parent: pending edges sit on a stack; a window of them
   (window_batches attention batches' worth of tokens) is taken off the top, sorted by length, and
   cut into attention batches of rows x (longest prefix + longest edge) <= max_batch_tokens.
-  Forwarding each node's children on their own would cost one small forward per internal node;
-  across nodes a whole ablation takes a few dozen forwards (BENCHMARKS.md, "Purify").
-- One forward per window, PACKED: all the window's edges go through the model as one unpadded row
-  with explicit positions, so the linear layers, norms and output head never see padding (on a
-  4-7B model the linear layers are nearly all of the cost). Attention is the one step that needs each row's own prefix, so the scorer runs it
-  itself: `_trie_attention` is registered with transformers' `AttentionInterface` and the model is
-  switched to it for the scorer's forwards only (restored in a `finally`; so no other thread may
-  run the same model object during a scoring call). Per attention batch it
-  gathers the rows' queries into a padded batch, writes their keys and values after their
-  prefix caches in the batch's buffer, and attends with a 4-D additive mask that lets each query
-  see its own prefix and its edge's real tokens up to itself: torch SDPA for a model loaded with
-  sdpa, the model's own eager function for one loaded with eager (soft-capping models); flash
-  kernels take no 4-D mask, so those are refused at construction. Sliding-window layers are
-  scored only while every row fits in the window (there they are plain causal attention); a
-  longer row raises NotImplementedError rather than scoring with the wrong mask.
-- Prefix caches are LEFT-padded to the batch's longest prefix, so each row's prefix and edge are
-  contiguous in the buffer after the forward and a child's cache is a view. The mask is float (not
-  transformers' boolean) and SDPA gets `enable_gqa` on CPU: both are faster there, same values.
+  Forwarding each node's children on their own would cost one small forward per internal node.
+- One forward per window, packed: the window's edges go through the model as one unpadded row, and
+  attention runs per batch over each row's own prefix cache (`trie_attention.py`). Flash kernels
+  take no 4-D mask, so a model loaded with them is refused at construction.
 - Sizes: on CPU, pieces of max_edge_tokens = 64 (batches then mix pieces of similar length) and
   attention batches of 2048 tokens (small batches pad less, and 4 of them per forward keep
   activations in cache), the best of the sizes compared in BENCHMARKS.md. On CUDA the defaults
@@ -50,19 +36,14 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
 
 from cleaner.engine.model.base import ScorerStats, check_score_inputs
 from cleaner.engine.model.kv import kv_geometry
@@ -74,6 +55,7 @@ from cleaner.engine.model.radix import (
     path_logprobs,
     tokens_to_forward,
 )
+from cleaner.engine.model.trie_attention import TORCH_GQA, AttentionBatch, packed_attention
 
 SCORER_VERSION = "prefix-trie-1"
 CPU_EDGE_TOKENS = 64  # the best piece size on CPU among those compared in BENCHMARKS.md
@@ -119,7 +101,7 @@ class PrefixTrieScorer:
             raise ValueError(f"PrefixTrieScorer needs a model loaded with attn_implementation 'sdpa' or "
                              f"'eager' (it passes 4-D masks); this one uses {loaded!r}")
         self.geometry = kv_geometry(model)  # (layers, kv heads, head dim) of the model's cache
-        self.grouped_query = on_cpu and _TORCH_GQA  # see _sdpa
+        self.grouped_query = on_cpu and TORCH_GQA  # SDPA with enable_gqa: faster on CPU
         self.dtype = next(model.parameters()).dtype
         self.stats = ScorerStats()
 
@@ -155,11 +137,11 @@ class PrefixTrieScorer:
         """One packed forward of every edge of the window; fills their log-probs, returns their children.
 
         The edges go through the model as ONE unpadded row; attention runs per batch, padded (see
-        the module docstring), in `_trie_attention`.
+        trie_attention.py).
         """
         groups, first_packed = [], 0
         for items in batches:
-            groups.append(_Group.of(items, first_packed, self.geometry, self.dtype, self.device))
+            groups.append(AttentionBatch.of(items, first_packed, self.geometry, self.dtype, self.device))
             first_packed += groups[-1].n_tokens
         batch = [item for group in groups for item in group.items]  # packed order
         lengths = [item.forward_length for item in batch]
@@ -173,9 +155,9 @@ class PrefixTrieScorer:
         plan = _HeadPlan.of(batch)
         positions = self._long(offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True))
         entries, targets = self._long(plan.pick_entries), self._long(plan.pick_targets)
-        with _packed_attention(self.model, groups, self.grouped_query):
+        with packed_attention(self.model, groups, self.grouped_query):
             # a 4-D mask passes through transformers' mask preparation untouched (never an N x N
-            # causal mask); `_trie_attention` ignores it and uses each batch's own
+            # causal mask); `trie_attention` ignores it and uses each batch's own
             logits = self.model(input_ids=input_ids, attention_mask=_PLACEHOLDER_MASK.to(self.device),
                                 position_ids=position_ids, use_cache=False,
                                 logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
@@ -188,10 +170,10 @@ class PrefixTrieScorer:
         return children
 
     def _long(self, values) -> torch.Tensor:
-        """An int64 tensor on the device from Python ints (numpy builds it ~8x faster than torch.tensor)."""
+        """An int64 tensor on the device from Python ints (through numpy: much faster than torch.tensor on a generator)."""
         return torch.from_numpy(np.fromiter(values, dtype=np.int64)).to(self.device)
 
-    def _children(self, group: _Group, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:
+    def _children(self, group: AttentionBatch, plan: _HeadPlan, values: list[float], first_row: int) -> list[_Pending]:
         """Fill the log-probs of a group's edges; the children, each with a view of its path's cache."""
         parents = [row for row, item in enumerate(group.items) if item.node.children]
         if 2 * len(parents) >= len(group.items):  # keep the buffer: every row's path is in it
@@ -215,7 +197,6 @@ class PrefixTrieScorer:
 
 
 _NAN = float("nan")
-_TORCH_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 _PLACEHOLDER_MASK = torch.zeros((1, 1, 1, 1))
 
 
@@ -300,143 +281,3 @@ def _batches(window: list[_Pending], max_batch_tokens: int) -> list[list[_Pendin
             batches.append([item])
             prefix, edge = item.node.depth, item.forward_length
     return batches
-
-
-def _attention_bias(depths: torch.Tensor, lengths: torch.Tensor, prefix_length: int, width: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The batch's 4-D additive mask (C, 1, W, P + W): 0 where a query may look, dtype-min elsewhere.
-
-    A query sees its row's own (left-padded) prefix and the real edge tokens up to itself. Built
-    here rather than by transformers because SDPA on CPU runs faster with an additive float mask
-    than with the boolean one transformers would build from a 2-D mask (same values).
-    """
-    columns = torch.arange(prefix_length + width)  # (P + W,)
-    queries = torch.arange(width)[:, None]  # (W, 1)
-    in_prefix = (columns >= prefix_length - depths[:, None]) & (columns < prefix_length)  # (C, P + W)
-    edge_column = columns - prefix_length  # (P + W,)
-    in_edge = (edge_column >= 0)[None, None, :] & (edge_column[None, None, :] <= queries[None]) \
-        & (edge_column[None, None, :] < lengths[:, None, None])  # (C, W, P + W)
-    allowed = in_prefix[:, None, :] | in_edge  # (C, W, P + W)
-    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias[:, None]  # (C, 1, W, P + W)
-
-
-@dataclass
-class _Group:
-    """Edges of one forward that share an attention call: a padded batch of rows x (prefix + edge).
-
-    `buffer` (layers, 2, C, H_kv, prefix + width, D) holds each row's prefix cache LEFT-padded to
-    `prefix`; `_trie_attention` writes the edges' keys and values after it, layer by layer, so
-    after the forward it holds every row's whole path.
-    """
-
-    items: list[_Pending]
-    prefix: int  # longest prefix
-    width: int  # longest edge
-    buffer: torch.Tensor
-    mask: torch.Tensor  # (C, 1, W, P + W) additive
-    gather: torch.Tensor  # (C * W,) packed index of each (row, column) slot; padding repeats a row's last token
-    real_slots: torch.Tensor  # (n_tokens,) slots holding a real token, in packed order
-    n_tokens: int
-
-    @classmethod
-    def of(cls, items: list[_Pending], first_packed: int, geometry: tuple[int, int, int], dtype: torch.dtype,
-           device: torch.device) -> _Group:
-        """The group of `items`, whose tokens start at packed index `first_packed` of the forward."""
-        layers, kv_heads, head_dim = geometry
-        lengths = [item.forward_length for item in items]
-        depths = [item.node.depth for item in items]
-        prefix, width = max(depths), max(lengths)
-        # zeros: left padding must be finite (masked scores are added to it, and NaN would survive)
-        buffer = torch.zeros((layers, 2, len(items), kv_heads, prefix + width, head_dim), dtype=dtype, device=device)
-        for row, item in enumerate(items):
-            if item.kv is not None:  # plain slice copies: much cheaper than one index_put per parent
-                buffer[:, :, row, :, prefix - item.node.depth : prefix] = item.kv[:, :, 0]
-        length = torch.tensor(lengths)  # (C,)
-        mask = _attention_bias(torch.tensor(depths), length, prefix, width, dtype).to(device)
-        starts = first_packed + torch.cumsum(length, 0) - length  # (C,) packed offset of each row
-        columns = torch.arange(width)[None, :]  # (1, W)
-        gather = (starts[:, None] + torch.minimum(columns, length[:, None] - 1)).flatten()  # padding: last token
-        real_slots = (columns < length[:, None]).flatten().nonzero().squeeze(1)
-        return cls(items, prefix, width, buffer, mask, gather.to(device), real_slots.to(device), sum(lengths))
-
-
-@dataclass
-class _AttentionPlan:
-    groups: list[_Group]
-    eager: bool  # the model was loaded with eager attention: use its own eager function, else SDPA
-    grouped_query: bool  # SDPA with enable_gqa (CPU) rather than K/V repeated per query head
-    longest: int  # the longest path (prefix + edge) of the forward, for sliding-window layers
-
-
-_PLAN: contextvars.ContextVar[_AttentionPlan | None] = contextvars.ContextVar("cleaner_trie_plan", default=None)
-_ATTENTION = "cleaner_trie"
-
-
-def _trie_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one packed forward: per group, gather its rows into a padded batch on top of
-    their prefix caches, attend with the group's mask, scatter back.
-
-    query (1, H, N, D) and key/value (1, H_kv, N, D) hold the forward's N new tokens (no cache:
-    the prefixes live in the groups' buffers); `attention_mask` is the placeholder and is ignored.
-    Returns (1, N, H, D) like every transformers attention function.
-    """
-    plan = _PLAN.get()
-    if plan is None:
-        raise RuntimeError("cleaner_trie attention runs only inside PrefixTrieScorer's forwards")
-    window = kwargs.get("sliding_window")
-    if window is not None and plan.longest > window:  # inside the window it is plain causal attention
-        raise NotImplementedError(f"PrefixTrieScorer: a row reaches {plan.longest} tokens, past the model's "
-                                  f"sliding window of {window}; sliding-window attention is not supported")
-    eager = sys.modules[type(module).__module__].eager_attention_forward if plan.eager else None
-    layer = module.layer_idx
-    queries, keys, values = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (N, heads, D)
-    out, first = queries.new_empty(queries.shape), 0
-    for group in plan.groups:
-        rows, width, prefix, index = len(group.items), group.width, group.prefix, group.gather
-        q = queries.index_select(0, index).view(rows, width, *queries.shape[1:]).transpose(1, 2)
-        group.buffer[layer, 0, :, :, prefix:] = keys.index_select(0, index).view(
-            rows, width, *keys.shape[1:]).transpose(1, 2)
-        group.buffer[layer, 1, :, :, prefix:] = values.index_select(0, index).view(
-            rows, width, *values.shape[1:]).transpose(1, 2)
-        k, v = group.buffer[layer, 0], group.buffer[layer, 1]  # (C, H_kv, P + W, D)
-        if eager is not None:  # the model's own, e.g. for logit soft-capping
-            attended, _ = eager(module, q, k, v, group.mask, scaling=scaling, dropout=0.0, **kwargs)
-        else:
-            attended = _sdpa(q, k, v, group.mask, scaling, plan.grouped_query)
-        out[first : first + group.n_tokens] = attended.reshape(rows * width, *queries.shape[1:])[group.real_slots]
-        first += group.n_tokens
-    return out.unsqueeze(0), None
-
-
-def _sdpa(query, key, value, mask, scaling, grouped_query: bool) -> torch.Tensor:
-    """(C, H, W, D) queries over (C, H_kv, T, D) keys and values -> (C, W, H, D); no dropout (scoring).
-
-    With fewer K/V heads than query heads, `enable_gqa` is faster on CPU; on CUDA a mask with
-    enable_gqa falls back to the math kernel, so there K/V are repeated per query head.
-    """
-    repeat = query.shape[1] // key.shape[1]
-    if repeat > 1 and not grouped_query:
-        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-    extra = {"enable_gqa": True} if repeat > 1 and grouped_query else {}
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **extra)
-    return out.transpose(1, 2)
-
-
-AttentionInterface.register(_ATTENTION, _trie_attention)
-
-
-@contextlib.contextmanager
-def _packed_attention(model: torch.nn.Module, groups: list[_Group], grouped_query: bool):
-    """Route the model's attention through `_trie_attention` for one forward."""
-    config = model.config
-    loaded = config._attn_implementation
-    longest = max(item.node.depth + item.forward_length for group in groups for item in group.items)
-    token = _PLAN.set(_AttentionPlan(groups, eager=loaded == "eager", grouped_query=grouped_query,
-                                     longest=longest))
-    config._attn_implementation = _ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = loaded
-        _PLAN.reset(token)

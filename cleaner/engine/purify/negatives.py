@@ -15,10 +15,10 @@ Design decisions:
 - The log-probs are the rows' old log-probs (the scorer's, under each row's own context), as the
   reference uses its recomputed old_log_probs; the term is a constant added to the advantages,
   not a differentiated loss.
-- cap: `dpo_cap = relative` (the default, as DESIGN and the issue state it) caps at
-  dpo_max_adjustment_ratio * |the purified row's advantage|, so the term never outweighs the
-  outcome signal and vanishes in an all-equal group; `absolute` caps at dpo_max_adjustment_ratio
-  itself, as the reference's code does today (its docstring still says relative).
+- cap: `dpo_cap = relative` (the default) caps at dpo_max_adjustment_ratio * |the purified row's
+  advantage|, so the term never outweighs the outcome signal and vanishes in an all-equal group;
+  `absolute` caps at dpo_max_adjustment_ratio itself, as the reference's code does (its docstring
+  says relative; docs/architecture.md §10).
 - Every failed attempt of a recovered chain gives a pair with that chain's fix (the reference keeps
   the latest failure of a position); a fix paired with several failures gets every push.
 - A negative row has advantage 0 and stays out of every group statistic: its only non-zero

@@ -70,7 +70,7 @@ from cleaner.engine.train.optim import (
 )
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
 from cleaner.engine.train.policy import TrainablePolicy, load_models, training
-from cleaner.engine.train.stages import (
+from cleaner.engine.train.step import (
     StepMetrics,
     TrainResult,
     forward_micro_batch,

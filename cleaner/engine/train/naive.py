@@ -3,7 +3,7 @@
 Rows are right-padded into (B, T) tensors, the whole model runs with an attention mask, and the
 (B, T, V) logits give every position's log-probs and entropy (`loss.token_log_probs`,
 `loss.entropy_from_logits`). It holds about four float32 copies of tokens x vocabulary, so the
-trainer never uses it: tests check the packed, chunked step (`stages.forward_micro_batch`) against
+trainer never uses it: tests check the packed, chunked step (`step.forward_micro_batch`) against
 it, and bench/train_memory.py measures both.
 """
 
@@ -17,7 +17,7 @@ import torch
 from cleaner.config import TrainConfig
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import entropy_from_logits, token_log_probs
-from cleaner.engine.train.stages import MicroLoss, micro_batch_loss
+from cleaner.engine.train.step import MicroLoss, micro_batch_loss
 from cleaner.records import PurifiedRow
 
 PAD_TOKEN_ID = 0  # padding is masked out of attention and loss, so its id does not matter
@@ -64,7 +64,7 @@ def full_logits_outputs(model: torch.nn.Module, batch: PaddedBatch) -> TokenOutp
 def full_logits_micro_batch_loss(model: torch.nn.Module, reference: torch.nn.Module | None,
                                  rows: Sequence[PurifiedRow], config: TrainConfig,
                                  num_loss_tokens: int) -> MicroLoss:
-    """`stages.forward_micro_batch` on padded rows and full logits (entropy differentiable, as the
+    """`step.forward_micro_batch` on padded rows and full logits (entropy differentiable, as the
     chunked step makes it when entropy_coef > 0)."""
     device = next(model.parameters()).device
     batch = collate_rows(rows, device)

@@ -91,10 +91,6 @@ class PackedBatch:
     advantages: torch.Tensor  # (M,) float32: the row's advantage, or its per-token one
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
     def loss_mask(self) -> torch.Tensor:
         """(M,) ones: every gathered position is a loss token (the loss takes masked inputs)."""
         return torch.ones_like(self.old_log_probs)

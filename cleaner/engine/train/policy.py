@@ -95,7 +95,7 @@ def _no_mask(*args, **kwargs) -> None:
 @functools.cache
 def _register_packed_attention() -> None:
     from transformers import AttentionInterface  # CLI start-up time
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface  # CLI start-up time
 
     AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)

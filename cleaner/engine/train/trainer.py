@@ -1,7 +1,7 @@
 """The torch training engine: one iteration on purified rows, a new Hugging Face checkpoint out.
 
-    stages.prepare_rows -> stages.iter_mini_batches -> per mini batch: packing.micro_batches ->
-    per micro batch: pack_rows -> stages.forward_micro_batch -> backward -> StepMetrics
+    step.prepare_rows -> step.iter_mini_batches -> per mini batch: packing.micro_batches ->
+    per micro batch: pack_rows -> step.forward_micro_batch -> backward -> StepMetrics
     -> gradient clipping -> AdamW step -> one TrainStepRow per step
     -> save_checkpoint_atomic (weights in --save-dtype, tokenizer and the optimiser state, in one swap).
 
@@ -36,7 +36,7 @@ from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, load_models, training
-from cleaner.engine.train.stages import (
+from cleaner.engine.train.step import (
     StepMetrics,
     TrainResult,
     forward_micro_batch,

@@ -1,4 +1,4 @@
-"""The agent loop against a scripted fake backend and a fake sandbox (DESIGN.md 3, 4.4, 7).
+"""The agent loop against a scripted fake backend and a fake sandbox (docs/architecture.md §4, §5, §8).
 
 The fakes have exactly the interfaces the loop codes against: a character-level tokenizer with the
 ChatML/tool special tokens wrapped in the real ChatFormat, a backend whose output for a request is
@@ -166,7 +166,7 @@ def segments_of(batch: CollectedBatch, rollout_id: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# The chains of DESIGN.md 4.2 (K = 3)
+# The chains of docs/architecture.md §4 (K = 3)
 
 BASE = CollectConfig(group_size=1, max_turns=8, max_retries=3, max_new_tokens=120,
                      max_response_tokens=2000, batch_rollouts=8, collect_view="purified")

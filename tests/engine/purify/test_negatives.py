@@ -11,7 +11,7 @@ import pytest
 from cleaner.config import DpoCap, PurifyConfig, TrainConfig
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.purify.pipeline import purify_iteration
-from cleaner.engine.train.stages import prepare_rows
+from cleaner.engine.train.step import prepare_rows
 from tests.factories import ROLLOUTS, SEGMENTS, FakeScorer
 
 

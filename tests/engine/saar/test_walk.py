@@ -1,4 +1,4 @@
-"""Renderer tests (DESIGN.md section 4): hand-written chains with exact tokens, then properties.
+"""Renderer tests (docs/architecture.md §4): hand-written chains with exact tokens, then properties.
 
 Token ids are tiny integers. Every assistant token's behaviour logprob is -id / 1000, so a logprob
 that travels with the wrong token is caught.
@@ -84,7 +84,7 @@ def test_retry_that_answers_keeps_last_error_then_rest_raw():
 
 
 # ----------------------------------------------------------------------------------------------
-# similarity_on: code vs call on the measured example (DESIGN.md 4.2)
+# similarity_on: code vs call on the example of docs/architecture.md §10
 
 
 def text_assistant(seq, attempt, reasoning: str, code: str | None, call_code: str) -> Segment:

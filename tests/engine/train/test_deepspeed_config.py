@@ -32,7 +32,7 @@ from cleaner.engine.train.optim import (
 )
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy
-from cleaner.engine.train.stages import forward_micro_batch
+from cleaner.engine.train.step import forward_micro_batch
 from tests.factories import train_batch, train_row
 
 

@@ -20,7 +20,7 @@ from cleaner.engine.train.naive import full_logits_micro_batch_loss
 from cleaner.engine.train.optim import STATE_PATH
 from cleaner.engine.train.packing import loss_token_count, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, UnsupportedModelError, training
-from cleaner.engine.train.stages import forward_micro_batch
+from cleaner.engine.train.step import forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3

@@ -1,4 +1,4 @@
-"""The training iteration on a tiny random Qwen3 (cleaner/engine/train/trainer.py, stages.py)."""
+"""The training iteration on a tiny random Qwen3 (cleaner/engine/train/trainer.py, step.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.naive import collate_rows
 from cleaner.engine.train.packing import pack_rows
 from cleaner.engine.train.policy import TrainablePolicy
-from cleaner.engine.train.stages import forward_micro_batch, iter_mini_batches, prepare_rows
+from cleaner.engine.train.step import forward_micro_batch, iter_mini_batches, prepare_rows
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row
 

@@ -78,7 +78,7 @@ class Edit(StrEnum):
 class IsMode(StrEnum):
     """How the IS gate aggregates a merge's per-token log-ratios (docs/architecture.md §4)."""
 
-    SUM = "sum"  # IS = exp(sum): the design document's definition and the reference's first code
+    SUM = "sum"  # IS = exp(sum): the gate as docs/architecture.md §4 defines it, and the reference's first code
     MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
 
 
@@ -122,7 +122,7 @@ class CollectConfig(_Config):
     rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its draw u < p
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (the design) or mean
+    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (its definition) or mean (the reference's later code)
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
     batch_rollouts: int = 64  # rollouts generated and committed per batch (the unit of resume)
     backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
@@ -166,7 +166,7 @@ class PurifyConfig(_Config):
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts SAAR may purify: all (the paper) or positive ones
     rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (the design) or mean
+    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (its definition) or mean (the reference's later code)
     negative_samples: bool = False  # pair each fixed failure with its fix, push them apart (the reference's DPO)
     dpo_beta: float = 0.1  # beta of the negative-sample term
     dpo_max_adjustment_ratio: float = 0.1  # cap of the negative-sample push per token (see --dpo-cap)

@@ -127,9 +127,7 @@ def evaluate(
                   f"{outcome.seconds:.1f} s -> {warehouse} (`cleaner sql \"FROM eval_runs\"`)")
 
 
-@app.command()
-@config_flags("purify")
-def purify(
+def _purify(
     *,
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     iteration: Annotated[int, typer.Option(help="Iteration to purify.")] = 0,
@@ -139,18 +137,26 @@ def purify(
     device: DeviceOpt = "cpu",
     shard: ShardOpt = "0/1",
 ) -> None:
-    """Replay stored attempts with SAAR, rescore them and compute GRPO advantages.
-
-    With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
-    their rows together equal an unsharded purify's.
-    """
+    """The body of purify (one config from the flags) and ablate (a config per point of the grid)."""
     from cleaner.config import PurifyConfig
     from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.warehouse import Warehouse
 
-    request = PurifyRequest(iteration, (flags.build(PurifyConfig),), parse_shard(shard), backend_kind=backend,
+    configs = _grid(flags) if flags.command == "ablate" else [flags.build(PurifyConfig)]
+    request = PurifyRequest(iteration, tuple(configs), parse_shard(shard), backend_kind=backend,
                             sglang_url=sglang_url, device=device)
     _print_purify(call_job(purify_job, Warehouse(warehouse), request))
+
+
+def _grid(flags: Flags) -> list:
+    """A PurifyConfig per combination of ablate's comma-separated axes, in field order."""
+    from itertools import product
+
+    from cleaner.config import PurifyConfig
+
+    axes = {flag.name: (floats if flag.hint is float else words)(flags[flag.name], flag.option)
+            for flag in flags.flags if flag.name in COMMANDS["ablate"].grid}
+    return [flags.build(PurifyConfig, **dict(zip(axes, values, strict=True))) for values in product(*axes.values())]
 
 
 def _print_purify(outcome) -> None:
@@ -172,36 +178,14 @@ def _print_purify(outcome) -> None:
     console.print(f"{len(outcome.results)} config(s) in {outcome.seconds:.1f} s")
 
 
-@app.command()
-@config_flags("ablate")
-def ablate(
-    *,
-    warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
-    iteration: Annotated[int, typer.Option(help="Iteration to replay.")] = 0,
-    flags: Flags,
-    backend: BackendOpt = "torch",
-    sglang_url: SglangUrlOpt = None,
-    device: DeviceOpt = "cpu",
-    shard: ShardOpt = "0/1",
-) -> None:
-    """Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the configs."""
-    from cleaner.engine.purify.job import PurifyRequest, purify_job
-    from cleaner.warehouse import Warehouse
+# purify and ablate: one signature and body, each command with its own config flags and help
+app.command("purify", help="""Replay stored attempts with SAAR, rescore them and compute GRPO advantages.
 
-    request = PurifyRequest(iteration, _grid(flags), parse_shard(shard), backend_kind=backend, sglang_url=sglang_url,
-                            device=device)
-    _print_purify(call_job(purify_job, Warehouse(warehouse), request))
-
-
-def _grid(flags: Flags) -> list:
-    """A PurifyConfig per combination of ablate's comma-separated axes, in field order."""
-    from itertools import product
-
-    from cleaner.config import PurifyConfig
-
-    axes = {flag.name: (floats if flag.hint is float else words)(flags[flag.name], flag.option)
-            for flag in flags.flags if flag.name in COMMANDS["ablate"].grid}
-    return [flags.build(PurifyConfig, **dict(zip(axes, values, strict=True))) for values in product(*axes.values())]
+    With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
+    their rows together equal an unsharded purify's.
+    """)(config_flags("purify")(_purify))
+app.command("ablate", help="Purify one iteration under a grid of (gamma, p, ...) in one scorer pass; compare the "
+                           "configs.")(config_flags("ablate")(_purify))
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""The stages both training engines share: rows -> mini batches -> micro batches -> loss -> a row.
+"""One training step, shared by both engines: rows -> mini batches -> micro batches -> loss -> a row.
 
     prepare_rows (skip infra-fault rows and rows with no loss tokens, dynamic sampling, overlong
     shaping)

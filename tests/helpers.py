@@ -147,6 +147,8 @@ class StandIn:
 
     def __init__(self, model_path: str, workers: list[str] | None = None, delay_s: float = 0.0) -> None:
         self.model_path, self.workers, self.delay_s = model_path, workers, delay_s
+        self.busy_after_update = False  # SGLang's "weights in, cache not flushed" answer, then a flush
+        self.idle_within_timeout = True  # does a flush that waits for idle find it?
         self.requests: list[tuple[str, dict | None]] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
@@ -185,7 +187,13 @@ class StandIn:
             if "missing" in body["model_path"]:
                 return 400, {"success": False, "message": "no such checkpoint", "num_paused_requests": 0}
             self.model_path = body["model_path"]
+            if self.busy_after_update:  # SGLang 0.5.23's words (weight_updater.py)
+                return 400, {"success": False, "num_paused_requests": 0, "message": (
+                    "Weights were updated, but the cache was not flushed because requests are still running "
+                    "or queued. Retract or finish them, then call /flush_cache.")}
             return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        if path.startswith("/flush_cache?timeout=") and self.workers is None:
+            return (200, "Cache flushed.\n") if self.idle_within_timeout else (400, "Timed out waiting for idle state.")
         return 404, {"detail": "Not Found"}
 
     def _handler(self):

@@ -25,7 +25,9 @@ Design decisions:
   so RadixAttention holds the shared paths (backend_scorer.py); `tokens_computed` counts what the
   engine says it computed (prompt tokens minus `cached_tokens`).
 - New weights: `update_weights_from_disk(path)`, which waits for running requests and flushes the
-  radix cache, so no KV computed with the old weights is reused.
+  radix cache, so no KV computed with the old weights is reused. When the scheduler has not yet
+  retired the last batch, SGLang loads the weights but refuses the flush; a flush that waits for
+  idle then completes it (`weights_in_cache_kept` in sglang_wire.py).
 - Closing: SGLang's `Engine.shutdown` SIGKILLs every child process of this process (the resource
   tracker of multiprocessing included) and is registered to run again at exit. `close` removes
   that registration and restarts the tracker; close the engine after anything else this process
@@ -46,7 +48,13 @@ from typing import Any
 
 from cleaner.engine.model.base import SGLANG_INSTALL_HINT, BackendError
 from cleaner.engine.model.sglang_common import SGLangRequests
-from cleaner.engine.model.sglang_wire import EngineError, batch_body, responses_of
+from cleaner.engine.model.sglang_wire import (
+    FLUSH_WAIT_S,
+    EngineError,
+    batch_body,
+    responses_of,
+    weights_in_cache_kept,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +154,10 @@ class SGLangBackend(SGLangRequests):
     def adopt(self, model_path: str | Path) -> None:
         """Load the weights saved at `model_path` (same architecture) into the running engine."""
         success, message, *_ = self.engine.update_weights_from_disk(str(model_path))
+        if not success and weights_in_cache_kept(message):
+            flushed = self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.flush_cache(timeout_s=FLUSH_WAIT_S))
+            success, message = flushed.success, flushed.message or message
         if not success:
             raise EngineError(f"sglang could not load weights from {model_path}: {message}")
         self._serve(model_path)

@@ -38,11 +38,13 @@ from typing import Any
 
 from cleaner.engine.model.sglang_common import SGLangRequests
 from cleaner.engine.model.sglang_wire import (
+    FLUSH_WAIT_S,
     EngineError,
     error_message,
     responses_of,
     served_model,
     update_weights_body,
+    weights_in_cache_kept,
     worker_urls,
 )
 
@@ -129,9 +131,15 @@ class SGLangServerBackend(SGLangRequests):
         self._serve(model_path)
 
     def _update(self, worker: str, model_path: str | Path) -> None:
-        answer = post_ok(worker + "/update_weights_from_disk", update_weights_body(model_path), self.timeout_s)
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise EngineError(f"{worker} could not load weights from {model_path}: {answer.get('message')}")
+        status, answer = http_json(worker + "/update_weights_from_disk", update_weights_body(model_path),
+                                   self.timeout_s)
+        message = error_message(answer)
+        if not 200 <= status < 300 and weights_in_cache_kept(message):  # weights in, flush when idle
+            status, answer = http_json(f"{worker}/flush_cache?timeout={FLUSH_WAIT_S:g}", {},
+                                       self.timeout_s + FLUSH_WAIT_S)
+            message = error_message(answer)
+        if not 200 <= status < 300 or isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(f"{worker} could not load weights from {model_path}: HTTP {status}: {message}")
         log.info("%s now serves %s", worker, model_path)
 
     def close(self) -> None:

@@ -106,6 +106,19 @@ def update_weights_body(model_path: str | Path) -> dict[str, Any]:
     return {"model_path": str(model_path)}
 
 
+FLUSH_WAIT_S = 120.0  # how long a flush after new weights waits for the scheduler to go idle
+
+
+def weights_in_cache_kept(message: str | None) -> bool:
+    """Did a weight update load the weights but refuse to flush the radix cache?
+
+    SGLang 0.5.23 loads the new weights, then flushes only when its scheduler is fully idle; right
+    after a request returns, the scheduler may not have retired that batch yet (seen under load in
+    CI), and the update fails with this message although the weights are in. A flush that waits
+    for idle (`flush_cache` with a timeout) then completes the update."""
+    return message is not None and "cache was not flushed" in message
+
+
 # ---------------------------------------------------------------------------- responses
 
 

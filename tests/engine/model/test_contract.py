@@ -230,8 +230,8 @@ def test_adopting_new_weights_changes_the_policy(served, checkpoint, tmp_path_fa
     new = tmp_path_factory.mktemp("adopted") / f"{checkpoint.name}-halved"
     halved.save_pretrained(new)
     before, old_rows = backend.policy_version, backend.score(SEQUENCES, STARTS)
-    backend.adopt(new)
     try:
+        backend.adopt(new)
         assert backend.model_path == new and backend.policy_version != before
         assert backend.policy_version.startswith(f"{new.name}@")
         rows = backend.score(SEQUENCES, STARTS)

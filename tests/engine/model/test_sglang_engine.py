@@ -108,3 +108,40 @@ def test_the_scorer_reads_what_the_engine_computed_from_its_cached_tokens(sglang
     assert scorer.stats.tokens_naive == 2 * (10 + 11 + 9)
     assert_rows_close(again, first, atol=1e-6)
     assert_rows_close(first, sglang_engine.score(sequences, [8, 8, 8]), atol=1e-5)
+
+
+@pytest.mark.sglang
+def test_new_weights_whose_flush_was_refused_are_flushed_once_the_engine_is_idle(sglang_engine, tmp_path):
+    """SGLang loads the weights, then refuses the flush while its scheduler still holds the last
+    batch (seen in CI under load). The wrapped update returns exactly that refusal after the real
+    load; adopt must complete it with a real flush, so nothing cached from the old weights is
+    reused and the scores are the new weights'."""
+    import torch
+
+    from cleaner.engine.model.loading import load_policy
+    from tests.helpers import naive_logprobs
+
+    original = sglang_engine.model_path
+    halved = load_policy(original, "cpu", torch.float32)
+    halved.load_state_dict({k: v * 0.5 for k, v in halved.state_dict().items()})
+    halved.save_pretrained(tmp_path / "halved")
+    sequence = [11, 12, 13, 14, 15, 16, 17, 18, 9]
+    sglang_engine.score([sequence], [4])  # cached now, under the old weights
+    real_update = sglang_engine.engine.update_weights_from_disk
+
+    def update_then_refuse_the_flush(path, *args, **kwargs):
+        real_update(path, *args, **kwargs)
+        return False, ("Weights were updated, but the cache was not flushed because requests are still "
+                       "running or queued. Retract or finish them, then call /flush_cache."), 0
+
+    sglang_engine.engine.update_weights_from_disk = update_then_refuse_the_flush
+    try:
+        sglang_engine.adopt(tmp_path / "halved")
+        del sglang_engine.engine.update_weights_from_disk
+        before = sglang_engine.tokens_computed
+        (row,) = sglang_engine.score([sequence], [4])
+        assert sglang_engine.tokens_computed - before == len(sequence)  # the cache was emptied
+        assert row == pytest.approx(naive_logprobs(halved.eval(), sequence)[3:], abs=1e-4)
+    finally:
+        sglang_engine.engine.__dict__.pop("update_weights_from_disk", None)
+        sglang_engine.adopt(original)

@@ -112,6 +112,21 @@ def test_refusals_are_engine_errors_with_the_servers_message(server, model_dir, 
         backend.generate([[1]], SamplingParams(max_new_tokens=1, stop_token_ids=()), [0])
 
 
+def test_weights_loaded_before_the_scheduler_went_idle_are_completed_by_a_flush_that_waits(server, model_dir,
+                                                                                           tmp_path):
+    backend = SGLangServerBackend(server.url, model_dir)
+    server.busy_after_update = True
+    new = tmp_path / "iteration-1"
+    shutil.copytree(model_dir, new)
+    backend.adopt(new)
+    assert backend.model_path == new and server.model_path == str(new)
+    assert [p for p, _ in server.requests][-2:] == ["/update_weights_from_disk", "/flush_cache?timeout=120"]
+    server.idle_within_timeout = False
+    with pytest.raises(EngineError, match="could not load weights from .*: HTTP 400: Timed out waiting for idle"):
+        backend.adopt(model_dir)
+    assert backend.model_path == new  # not recorded as served
+
+
 def test_an_unreachable_server_is_an_engine_error(model_dir):
     stand_in = StandIn(str(model_dir))
     url = stand_in.url

@@ -15,7 +15,7 @@ SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_ROUTER_SPEC ?= sglang-router==0.3.2
 SGLANG_CPU := tools/sglang-cpu
 
-.PHONY: setup demo test test-slow test-gpu test-sglang sglang-cpu test-ui lint bench clean
+.PHONY: setup demo test test-slow test-gpu gpu-check test-sglang sglang-cpu test-ui lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -60,6 +60,13 @@ test-sglang: sglang-cpu
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes.
+# It builds no venv: the device image's python has torch with CUDA, transformers and pyarrow, which
+# is all bench/gpu_check.py needs. Results in $(OUT) (or runs/gpu-check): gpu_check.md and .json.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py
 
 # The browser tests of `cleaner ui`: Debian's Chromium and its driver from apt (root, or sudo),
 # selenium from pip (pointed at /usr/bin/chromedriver: no browser is downloaded at test time).

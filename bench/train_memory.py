@@ -1,19 +1,24 @@
-"""Peak memory of one train micro batch at real shapes: the full-logits step vs cleaner's train step.
+"""Peak memory and time of one train micro batch at real shapes: the full-logits step vs cleaner's.
 
-A Qwen3-architecture proxy with the real vocabulary (151,936 tokens; hidden 256, 2 layers, random
-weights, tied embeddings) trains one micro batch of two rows, T and T/4 tokens, with the KL term on
-(a reference model of the same shape), forward and backward. Each probe runs in a fresh process and
-reports its peak resident memory (ru_maxrss), the loss and the gradient norm, so the paths are
-compared side by side in one run:
-  full        the plain step (`cleaner/engine/train/naive.py`): right-padded rows, (B, T, V) logits
-  chunked     cleaner's step: packed rows, log-probs and entropy from hidden states in chunks
-  chunked+gc  the same with --gradient-checkpointing
-  chunked+bf16  the same with --compute-dtype bfloat16 (`--paths` adds it: this CPU has no
-                bfloat16 matmul, so autocast there is emulated and takes many minutes per probe)
-The full path grows with T x V, so it only runs up to --full-max-tokens (it needs ~8 GB per 1,024
-tokens here); the others run at every T.
+A Qwen3-architecture model with random weights, made in memory, trains one micro batch of two rows,
+T and T/4 tokens, with the KL term on (a reference model of the same shape), forward and backward,
+no optimizer step, through the function `cleaner train` calls per micro batch. Each probe runs in a
+fresh process and prints one JSON line: peak resident memory (ru_maxrss), peak CUDA memory on a GPU,
+seconds, tokens per second, loss and gradient norm, so the paths are compared side by side in one run:
+  full          the plain step (`cleaner/engine/train/naive.py`): right-padded rows, (B, T, V) logits
+  chunked       cleaner's step: packed rows, log-probs and entropy from hidden states in chunks
+  chunked+gc    the same with --gradient-checkpointing
+  chunked+bf16  the same with --compute-dtype bfloat16 (this CPU has no bfloat16 matmul: autocast
+                is emulated there and takes many minutes per probe)
+  chunked+gc+bf16  both (what bench/gpu_check.py runs on a GPU)
+Shapes: `proxy` (hidden 256, intermediate 768, 2 layers, 4 heads, 2 KV heads, head_dim 64, untied
+embeddings) and `qwen3-0.6b` (Qwen3-0.6B's config: hidden 1024, 28 layers, tied embeddings), both
+with the real 151,936-token vocabulary unless --vocab says otherwise. The full path grows with
+T x V; it runs up to --full-max-tokens, under an address-space limit (--full-memory-limit-gb) so that
+a size that does not fit fails in its own process instead of pushing the machine into swap.
 
-    .venv/bin/python bench/train_memory.py --tokens 1024,2048,4096,8192,16384 --write-benchmarks
+    .venv/bin/python bench/train_memory.py --tokens 4096 --path chunked --json
+    .venv/bin/python bench/train_memory.py --tokens 1024,4096,16384,32768 --write-benchmarks
 """
 
 from __future__ import annotations
@@ -27,26 +32,38 @@ import time
 from pathlib import Path
 
 REAL_VOCAB = 151_936
-SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and backward with the KL term on,"
-         " on a Qwen3 proxy with the real 151,936-token vocabulary (hidden 256, 2 layers, float32, CPU),"
-         " each probe in a fresh process; peak = its maximum resident memory, which includes the ~0.5 GB"
-         " of Python, torch and the two models. `full` is the plain step (padded rows, (B, T, V) logits,"
-         " `cleaner/engine/train/naive.py`); `chunked` is cleaner's (packed rows, log-probs from hidden"
-         " states a 1,024-token chunk of the lm_head at a time); `+gc` adds --gradient-checkpointing. The"
-         " loss and gradient norm columns show the two paths computing the same step.")
+SHAPES = {
+    "proxy": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": False},
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "tie_word_embeddings": True},
+}
 PATHS = {"full": {}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": True},
-         "chunked+bf16": {"compute_dtype": "bfloat16"}}
+         "chunked+bf16": {"compute_dtype": "bfloat16"},
+         "chunked+gc+bf16": {"gradient_checkpointing": True, "compute_dtype": "bfloat16"}}
+# the issue's anchor on the proxy, these machines: verl's FusedLinearForPPO (chunk 512), rows unpadded
+VERL_ANCHOR = {4096: (3.47, 34.0), 16384: (3.98, 144.0)}  # T: (max RSS GB, seconds)
+SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and backward with the KL term on,"
+         " on the issue's Qwen3 proxy with the real 151,936-token vocabulary (hidden 256, intermediate 768,"
+         " 2 layers, 4 heads, 2 KV heads, head_dim 64, untied embeddings, float32, CPU, torch's default"
+         " threads: 2), random weights made in memory, each probe in a fresh process; peak = its maximum"
+         " resident memory, which includes the ~0.6 GB of Python, torch and the two models. `full` is the"
+         " plain step (padded rows, (B, T, V) logits, `cleaner/engine/train/naive.py`), run under a"
+         " {limit} GB address-space limit; `chunked` is cleaner's (packed rows, log-probs from hidden"
+         " states a 1,024-token chunk of the lm_head at a time); `+gc` adds --gradient-checkpointing."
+         " Seconds: forward and backward of the micro batch. The loss and gradient norm columns show the"
+         " paths computing the same step.")
 
 
-def proxy(seed: int, vocab_size: int):
+def proxy(seed: int, vocab_size: int, shape: str = "proxy", device: str = "cpu"):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=65536)
-    return Qwen3ForCausalLM(config)
+    config = Qwen3Config(vocab_size=vocab_size, max_position_embeddings=65536, **SHAPES[shape])
+    with torch.device(device):
+        return Qwen3ForCausalLM(config)
 
 
 def rows(tokens: int, vocab_size: int):
@@ -68,88 +85,174 @@ def rows(tokens: int, vocab_size: int):
     return made
 
 
-def probe(path: str, tokens: int, vocab_size: int) -> dict:
-    """One micro batch forward and backward in this process; its peak memory, loss and grad norm."""
-    import torch
-
+def micro_batch_step(path: str, model, reference, batch_rows, device: str):
+    """Forward and backward of one micro batch on `path`; its MicroLoss."""
     from cleaner.config import TrainConfig
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
     from cleaner.engine.train.packing import loss_token_count, pack_rows
     from cleaner.engine.train.policy import TrainablePolicy, training
     from cleaner.engine.train.step import forward_micro_batch
 
-    torch.set_num_threads(1)
-    config = TrainConfig(kl_coef=0.1, **PATHS[path])
-    model, reference = proxy(0, vocab_size), proxy(1, vocab_size).eval().requires_grad_(False)
-    batch_rows = rows(tokens, vocab_size)
+    config = TrainConfig(kl_coef=0.1, device=device, **PATHS[path])
     total = sum(loss_token_count(row) for row in batch_rows)
-    started = time.perf_counter()
     if path == "full":
         model.train()
         part = full_logits_micro_batch_loss(model, reference, batch_rows, config, total)
         part.loss.backward()
-    else:
-        policy = TrainablePolicy(model, config)
-        with training(policy, config):
-            part = forward_micro_batch(policy, TrainablePolicy(reference, config), pack_rows(batch_rows),
-                                       config, total)
-            part.loss.backward()
-    seconds = time.perf_counter() - started
+        return part
+    policy = TrainablePolicy(model, config)
+    with training(policy, config):
+        part = forward_micro_batch(policy, TrainablePolicy(reference, config, entropy=False),
+                                   pack_rows(batch_rows, device), config, total)
+        part.loss.backward()
+    return part
+
+
+def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
+          repeat: int = 1) -> dict:
+    """One micro batch forward and backward in this process (`repeat` times, the last one timed):
+    peak memory, seconds, loss and gradient norm."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:  # float32 means float32 (the equality checks); bfloat16 autocast is unaffected
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = proxy(0, vocab_size, shape, device)
+    reference = proxy(1, vocab_size, shape, device).eval().requires_grad_(False)
+    batch_rows = rows(tokens, vocab_size)
+    for _ in range(repeat):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        part = micro_batch_step(path, model, reference, batch_rows, device)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
-    return {"path": path, "tokens": tokens, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "seconds": seconds, "loss": part.loss.item(), "entropy": part.entropy, "grad_norm": grad_norm}
+    result = {"path": path, "shape": shape, "tokens": tokens, "rows": [len(r.token_ids) for r in batch_rows],
+              "vocab": vocab_size, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "threads": torch.get_num_threads(),
+              "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
+              "tokens_per_s": sum(len(r.token_ids) for r in batch_rows) / seconds, "loss": part.loss.item(),
+              "entropy": part.entropy, "grad_norm": grad_norm}
+    if cuda:
+        result["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return result
 
 
-def run_probe(path: str, tokens: int, vocab_size: int) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--probe", path, "--tokens", str(tokens),
-                           "--vocab-size", str(vocab_size)], capture_output=True, text=True, check=False)
+def run_probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
+              repeat: int = 1, memory_limit_gb: float | None = None, timeout_s: float | None = None) -> dict:
+    """`probe` in a fresh process; a failure (out of memory included) is a row with its error."""
+    command = [sys.executable, __file__, "--probe", path, "--tokens", str(tokens), "--vocab", str(vocab_size),
+               "--shape", shape, "--device", device, "--repeat", str(repeat)]
+    limit = None
+    if memory_limit_gb:
+        size = int(memory_limit_gb * 2**30)
+        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (size, size))  # noqa: E731
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=limit,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"path": path, "shape": shape, "tokens": tokens, "error": f"over {timeout_s:.0f} s"}
     if done.returncode != 0:
-        return {"path": path, "tokens": tokens, "error": done.stderr.strip().splitlines()[-1:]}
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        if memory_limit_gb and ("can't allocate memory" in last or "MemoryError" in last
+                                or "out of memory" in last.lower()):
+            last = f"out of memory under a {memory_limit_gb:g} GB limit"
+        return {"path": path, "shape": shape, "tokens": tokens, "error": last}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(results: list[dict], tokens: list[int]) -> str:
     by = {(r["path"], r["tokens"]): r for r in results}
     paths = list(dict.fromkeys(r["path"] for r in results))
-    lines = ["| T (rows T + T/4) | " + " | ".join(f"{p} peak GB" for p in paths) + " | full / chunked |"
-             + " loss: full, chunked | grad norm: full, chunked |",
-             "| --- |" + " --- |" * (len(paths) + 3)]
+
+    def cell(result: dict | None, key: str, scale: float, digits: int) -> str:
+        if result is None:
+            return "-"
+        if "error" in result:
+            return result["error"]
+        return f"{result[key] / scale:,.{digits}f}"
+
+    lines = ["| T (rows T + T/4) | " + " | ".join(f"{p} peak GB" for p in paths) + " | "
+             + " | ".join(f"{p} s" for p in paths) + " | loss: full, chunked | grad norm: full, chunked |",
+             "| --- |" + " --- |" * (2 * len(paths) + 2)]
     for count in tokens:
-        cells = []
-        for path in paths:
-            result = by.get((path, count))
-            cells.append(f"{result['peak_mb'] / 1024:.2f}" if result and "peak_mb" in result else "-")
+        memory = [cell(by.get((path, count)), "peak_mb", 1024, 2) for path in paths]
+        seconds = [cell(by.get((path, count)), "seconds", 1, 1) for path in paths]
         full, chunked = by.get(("full", count)), by.get(("chunked", count))
-        both = full and chunked and "peak_mb" in full and "peak_mb" in chunked
-        ratio = f"{full['peak_mb'] / chunked['peak_mb']:.1f}x" if both else "-"
+        both = full and chunked and "loss" in full and "loss" in chunked
         losses = f"{full['loss']:.6f}, {chunked['loss']:.6f}" if both else "-"
         norms = f"{full['grad_norm']:.6f}, {chunked['grad_norm']:.6f}" if both else "-"
-        lines.append(f"| {count:,} | " + " | ".join(cells) + f" | {ratio} | {losses} | {norms} |")
+        lines.append(f"| {count:,} | " + " | ".join(memory + seconds) + f" | {losses} | {norms} |")
     return "\n".join(lines)
 
 
 def growth(results: list[dict]) -> str:
-    """Each path's peak growth per 1,024 tokens, between its smallest and largest T."""
+    """Each path's peak growth per 1,024 tokens of T, between its smallest and largest T."""
     parts = []
     for path in dict.fromkeys(r["path"] for r in results):
         runs = sorted((r["tokens"], r["peak_mb"]) for r in results if r["path"] == path and "peak_mb" in r)
         if len(runs) >= 2:
             (t0, m0), (t1, m1) = runs[0], runs[-1]
-            parts.append(f"{path} {(m1 - m0) / (t1 - t0) * 1024 / 1024:.3f} GB (T {t0:,} to {t1:,})")
+            parts.append(f"{path} {(m1 - m0) / (t1 - t0):.3f} GB (T {t0:,} to {t1:,})")
     return "Peak growth per 1,024 tokens of T: " + "; ".join(parts) + "."
+
+
+def targets(results: list[dict]) -> str:
+    """The issue's targets on the proxy, each with what was measured and whether it holds."""
+    by = {(r["path"], r["tokens"]): r for r in results if "peak_mb" in r}
+    lines = []
+
+    def check(name: str, measured: str, holds: bool) -> None:
+        lines.append(f"| {name} | {measured} | {'yes' if holds else 'NO'} |")
+
+    for path in ("chunked", "chunked+gc"):
+        at = {t: by[(path, t)] for t in (1024, 4096, 16384, 32768) if (path, t) in by}
+        if 4096 in at:
+            check(f"{path}: T=4,096 peak <= 3.0 GB", f"{at[4096]['peak_mb'] / 1024:.2f} GB",
+                  at[4096]["peak_mb"] <= 3.0 * 1024)
+        if 16384 in at:
+            check(f"{path}: T=16,384 peak <= 3.6 GB", f"{at[16384]['peak_mb'] / 1024:.2f} GB",
+                  at[16384]["peak_mb"] <= 3.6 * 1024)
+            check(f"{path}: T=16,384 in <= 1.1 x verl's 144 s", f"{at[16384]['seconds']:.0f} s",
+                  at[16384]["seconds"] <= 1.1 * VERL_ANCHOR[16384][1])
+        if 4096 in at and 16384 in at:
+            grown = (at[16384]["peak_mb"] - at[4096]["peak_mb"]) / 1024
+            check(f"{path}: growth T=4,096 to 16,384 < 1 GB", f"{grown:.2f} GB", grown < 1.0)
+        if 32768 in at:
+            check(f"{path}: T=32,768 completes", f"{at[32768]['peak_mb'] / 1024:.2f} GB, "
+                  f"{at[32768]['seconds']:.0f} s", True)
+        full = by.get(("full", 1024))
+        if full and 1024 in at:
+            ours, theirs = at[1024]["seconds"], full["seconds"]
+            check(f"{path}: time per token at T=1,024 no worse than full", f"{ours:.2f} s vs {theirs:.2f} s",
+                  ours <= theirs)
+    return "| target | measured | holds |\n| --- | --- | --- |\n" + "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1024,2048,4096,8192,16384", help="T values, comma-separated")
-    parser.add_argument("--vocab-size", type=int, default=REAL_VOCAB)
-    parser.add_argument("--full-max-tokens", type=int, default=2048, help="largest T the full-logits path runs at")
-    parser.add_argument("--paths", default="full,chunked,chunked+gc")
+    parser.add_argument("--tokens", default="1024,4096,16384,32768", help="T values, comma-separated")
+    parser.add_argument("--vocab", "--vocab-size", dest="vocab", type=int, default=REAL_VOCAB)
+    parser.add_argument("--path", "--paths", dest="paths", default="full,chunked,chunked+gc",
+                        help="comma-separated: " + ", ".join(PATHS))
+    parser.add_argument("--shape", choices=list(SHAPES), default="proxy")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=1, help="steps per probe, the last one timed")
+    parser.add_argument("--full-max-tokens", type=int, default=4096, help="largest T the full-logits path runs at")
+    parser.add_argument("--full-memory-limit-gb", type=float, default=20.0,
+                        help="address-space limit of a full-path probe (0: none)")
+    parser.add_argument("--json", action="store_true", help="print the probes' JSON lines only")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--write-benchmarks", action="store_true", help="replace BENCHMARKS.md's section")
     args = parser.parse_args()
+    unknown = set(args.paths.split(",")) - set(PATHS)
+    if unknown:
+        parser.error(f"unknown path(s) {sorted(unknown)}; choose from {list(PATHS)}")
     if args.probe:
-        print(json.dumps(probe(args.probe, int(args.tokens), args.vocab_size)))
+        print(json.dumps(probe(args.probe, int(args.tokens), args.vocab, args.shape, args.device, args.repeat)))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
     results = []
@@ -157,19 +260,23 @@ def main() -> None:
         for path in args.paths.split(","):
             if path == "full" and count > args.full_max_tokens:
                 continue
-            result = run_probe(path, count, args.vocab_size)
+            limit = args.full_memory_limit_gb if path == "full" else None
+            result = run_probe(path, count, args.vocab, args.shape, args.device, args.repeat, limit)
             print(json.dumps(result), flush=True)
             results.append(result)
-    text = table(results, tokens) + "\n\n" + growth(results)
+    if args.json:
+        return
+    text = "\n\n".join([table(results, tokens), growth(results), targets(results)])
     print(text)
     if args.write_benchmarks:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from benchmarks_md import write_section
 
         heading = "## Training at real shapes: peak memory of one micro batch"
-        command = (f"    .venv/bin/python bench/train_memory.py --tokens {args.tokens} --paths {args.paths}"
+        command = (f"    .venv/bin/python bench/train_memory.py --tokens {args.tokens} --path {args.paths}"
                    f" --full-max-tokens {args.full_max_tokens} --write-benchmarks")
-        write_section(heading, f"{heading}\n\n{command}\n\n{SETUP}\n\n{text}\n")
+        setup = SETUP.format(limit=f"{args.full_memory_limit_gb:g}")
+        write_section(heading, f"{heading}\n\n{command}\n\n{setup}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""The train step on a lent GPU at real shapes, in one short run (`make gpu-check`, under 8 minutes).
+
+1. Equality: cleaner's chunked step against the full-logits step on a Qwen3-0.6B-shaped random
+   model in float32 (TF32 off) at a small T: loss and gradient norm.
+2. Scale: the step in bfloat16 (fp32 master weights) with gradient checkpointing at T = 16,384 and
+   32,768 (rows T and T/4, the KL term on): peak CUDA memory and tokens per second, timed on the
+   second of two steps; the step without checkpointing at 16,384 beside it.
+Every probe is bench/train_memory.py's, in a fresh process. The device image has torch with CUDA,
+transformers and pyarrow, not polars, duckdb, deepspeed or sglang: nothing here imports them
+(tests/bench/test_gpu_check.py runs this script on CPU with them hidden). Results: one JSON line per
+probe on stdout, and gpu_check.json and gpu_check.md in --out ($OUT when set).
+
+    PYTHONPATH=. python bench/gpu_check.py            # what `make gpu-check` runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_memory import REAL_VOCAB, SHAPES, run_probe  # noqa: E402
+
+LOSS_ATOL = 1e-4  # float32 on a GPU, 28 layers: reductions run in another order than the full path's
+GRAD_NORM_RTOL = 1e-3
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(path, T, repeat) of every probe, in order."""
+    probes = [("full", args.small_tokens, 1), ("chunked", args.small_tokens, 1)]
+    for count in args.tokens:
+        probes.append(("chunked+gc+bf16", count, 2))
+    probes.append(("chunked+bf16", args.tokens[0], 2))
+    return probes
+
+
+def markdown(results: list[dict], args: argparse.Namespace, equal: dict) -> str:
+    device = next((r["device"] for r in results if "device" in r), "?")
+    lines = [f"Device: {device}; shape {args.shape} (vocabulary {args.vocab:,}); "
+             f"`PYTHONPATH=. python bench/gpu_check.py {' '.join(sys.argv[1:])}`".rstrip(),
+             "",
+             f"Equality at T={args.small_tokens:,} (float32, TF32 off): loss full {equal.get('full_loss')}, "
+             f"chunked {equal.get('chunked_loss')}; grad norm full {equal.get('full_grad_norm')}, chunked "
+             f"{equal.get('chunked_grad_norm')}: {'equal' if equal.get('holds') else 'NOT equal'} "
+             f"(loss within {LOSS_ATOL:g}, grad norm within {GRAD_NORM_RTOL:g} relative)",
+             "",
+             "| path | T (rows T + T/4) | peak CUDA GB | tokens/s | seconds | loss |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['path']} | {r['tokens']:,} | {r['error']} | - | - | - |")
+            continue
+        lines.append(f"| {r['path']} | {r['tokens']:,} | {r.get('cuda_peak_mb', 0) / 1024:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['seconds']:.2f} | {r['loss']:.6f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--vocab", type=int, default=REAL_VOCAB)
+    parser.add_argument("--tokens", default="16384,32768", help="T of the bfloat16 probes, comma-separated")
+    parser.add_argument("--small-tokens", type=int, default=512, help="T of the equality check")
+    parser.add_argument("--timeout-s", type=float, default=150.0, help="per probe")
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-check"))
+    args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    started = time.perf_counter()
+    results = []
+    for path, count, repeat in plan(args):
+        result = run_probe(path, count, args.vocab, args.shape, args.device, repeat, timeout_s=args.timeout_s)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    full, chunked = results[0], results[1]
+    equal = {"holds": False}
+    if "loss" in full and "loss" in chunked:
+        equal = {"full_loss": full["loss"], "chunked_loss": chunked["loss"],
+                 "full_grad_norm": full["grad_norm"], "chunked_grad_norm": chunked["grad_norm"],
+                 "holds": abs(full["loss"] - chunked["loss"]) <= LOSS_ATOL
+                 and abs(full["grad_norm"] - chunked["grad_norm"]) <= GRAD_NORM_RTOL * abs(full["grad_norm"])}
+    text = markdown(results, args, equal)
+    text += f"\nWall time of the check: {time.perf_counter() - started:.0f} s\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps({"probes": results, "equality": equal}, indent=1) + "\n")
+    (out / "gpu_check.md").write_text(text)
+    failed = [r for r in results if "error" in r]
+    if failed or not equal["holds"]:
+        sys.exit(f"error: gpu check failed: {len(failed)} probe(s) failed, equality {equal['holds']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -134,14 +134,17 @@ def eval_command(config: EvalConfig, warehouse: Path, model: str = "CHECKPOINT")
     return " ".join([*words, "--no-saar", "--saar", "-w", str(warehouse)])
 
 
-def run_evals(warehouse: Path, config: EvalConfig) -> None:
+def run_evals(warehouse: Path, config: EvalConfig) -> list[str]:
+    """Run (or find stored) every evaluation of `config`; their eval ids."""
     logging.info("held-out: %d model(s) -> %s", len(config.models), warehouse)
-    eval_job(Warehouse(warehouse), config, progress=False)
+    return [row.eval_id for row in eval_job(Warehouse(warehouse), config, progress=False).rows]
 
 
-def heldout_frame(warehouse: Path, labels: Mapping[str, tuple[str, int | None]]) -> pl.DataFrame:
+def heldout_frame(warehouse: Path, labels: Mapping[str, tuple[str, int | None]],
+                  eval_ids: Sequence[str] | None = None) -> pl.DataFrame:
     """One row per (model, SAAR setting): its arm and seed from `labels` (model -> (arm, seed)),
-    accuracy (avg@n), failed calls per trajectory and the share of rollouts out of budget."""
+    accuracy (avg@n), failed calls per trajectory and the share of rollouts out of budget. With
+    `eval_ids`, only those evaluations (a warehouse may hold others: other sample counts, budgets)."""
     connection = Warehouse(warehouse).connect()
     runs = pl.from_arrow(connection.sql(
         "SELECT eval_id, model, saar, avg_at_n AS accuracy, failures_per_trajectory, rollouts FROM eval_runs"
@@ -150,6 +153,8 @@ def heldout_frame(warehouse: Path, labels: Mapping[str, tuple[str, int | None]])
         f"SELECT collect_config_id AS eval_id, avg((finish_reason IN {OUT_OF_BUDGET})::DOUBLE) AS truncation_rate "
         "FROM eval_rollouts GROUP BY ALL").to_arrow_table())
     connection.close()
+    if eval_ids is not None:
+        runs = runs.filter(pl.col("eval_id").is_in(list(eval_ids)))
     label = pl.DataFrame([{"model": m, "arm": arm, "seed": seed} for m, (arm, seed) in labels.items()],
                          schema={"model": pl.String, "arm": pl.String, "seed": pl.Int64})
     return runs.join(budget, on="eval_id", how="left").join(label, on="model", how="inner")
@@ -188,7 +193,8 @@ def heldout_markdown(table: pl.DataFrame) -> str:
         cells = []
         for m in HELDOUT_METRICS:
             cells.append(f"{r[m]:.3f}")
-            cells.append("" if r.get(f"d_{m}") is None else f"{r[f'd_{m}']:+.3f} ± {r[f'sd_{m}'] or 0:.3f}")
+            spread = "-" if r.get(f"sd_{m}") is None else f"{r[f'sd_{m}']:.3f}"  # one seed: no spread
+            cells.append("" if r.get(f"d_{m}") is None else f"{r[f'd_{m}']:+.3f} ± {spread}")
             if m == "accuracy":
                 cells.append(f"{r['seeds_above']}/{r['seeds']}" if r["seeds"] else "")
         context = "SAAR" if r["saar"] else "raw"

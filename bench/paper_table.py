@@ -153,7 +153,8 @@ def run_arms(args: argparse.Namespace) -> pl.DataFrame:
                 frames.append(warehouse_metrics(Path(config.run_dir) / "warehouse").with_columns(
                     pl.lit(toy).alias("toy"), pl.lit(arm).alias("arm"), pl.lit(seed).alias("seed")))
     frame = pl.DataFrame(records, infer_schema_length=None).unique(
-        subset=["toy", "arm", "seed", "iteration"], keep="last")
+        subset=["toy", "arm", "seed", "iteration"], keep="last").filter(
+        pl.col("iteration") < args.iterations)  # a run directory of a longer run holds more
     extra = pl.concat(frames).with_columns(pl.col("iteration").cast(frame.schema["iteration"]),
                                            pl.col("seed").cast(frame.schema["seed"]))
     return frame.join(extra, on=["toy", "arm", "seed", "iteration"], how="left")
@@ -207,7 +208,8 @@ def steps_to_target(frame: pl.DataFrame, window: int = 3, final: int = 3) -> pl.
     base = first.filter(pl.col("arm") == "baseline").select("seed", pl.col("steps").alias("baseline_steps"))
     return (frame.select("arm", "seed").unique().join(target, on="seed")
             .join(first, on=["arm", "seed"], how="left").join(base, on="seed", how="left")
-            .with_columns((pl.col("steps") / pl.col("baseline_steps")).alias("ratio"))
+            .with_columns(pl.when(pl.col("baseline_steps") > 0)  # --window 1 can reach it at iteration 0
+                          .then(pl.col("steps") / pl.col("baseline_steps")).alias("ratio"))
             .sort("arm", "seed"))
 
 
@@ -227,7 +229,8 @@ def steps_markdown(steps: pl.DataFrame, arms: list[str], last: int) -> str:
             continue
         each = functools.partial(_joined, rows)
         reached = rows.filter(pl.col("ratio").is_not_null())["ratio"]
-        summary = "-" if reached.is_empty() else f"{reached.mean():.2f} ± {reached.std() or 0:.2f}"
+        spread = "-" if reached.std() is None else f"{reached.std():.2f}"  # one seed: no spread
+        summary = "-" if reached.is_empty() else f"{reached.mean():.2f} ± {spread}"
         lines.append(
             f"| {arm} | {each('target', lambda v: f'{v:.3f}')} | "
             f"{each('steps', lambda v: f'>{last}' if v is None else str(v))} | "
@@ -244,7 +247,8 @@ def paired_markdown(table: pl.DataFrame, last: int) -> str:
         for m in METRICS:
             digits = 1 if m == "tokens_per_trajectory" else 3
             value = "-" if r[m] is None else f"{r[m]:.{digits}f}"
-            delta = "-" if r[f"d_{m}"] is None else f"{r[f'd_{m}']:+.{digits}f} ± {r[f'sd_{m}'] or 0:.{digits}f}"
+            spread = "-" if r[f"sd_{m}"] is None else f"{r[f'sd_{m}']:.{digits}f}"  # one seed: no spread
+            delta = "-" if r[f"d_{m}"] is None else f"{r[f'd_{m}']:+.{digits}f} ± {spread}"
             cells += [value, delta]
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + f" | {r['seeds_above']}/{r['seeds']} |")
     return "\n".join(lines)
@@ -359,8 +363,7 @@ def evaluate_heldout(args: argparse.Namespace, toy: str, frame: pl.DataFrame) ->
     labels |= {row["policy_out"]: (row["arm"], row["seed"]) for row in last.iter_rows(named=True)}
     config = eval_config(list(labels), data, arm_config(args, toy, "baseline", 0).collect, args.heldout_samples)
     warehouse = Path(args.out) / toy / "heldout"
-    run_evals(warehouse, config)
-    rows = heldout_frame(warehouse, labels)
+    rows = heldout_frame(warehouse, labels, run_evals(warehouse, config))
     text = "\n\n".join([
         "## Held-out problems: the last checkpoint of each arm and seed",
         f"{check.text()} Each checkpoint answers each problem {args.heldout_samples} times with the raw context "

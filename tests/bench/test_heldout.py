@@ -6,7 +6,14 @@ import math
 
 import polars as pl
 import pytest
-from heldout import HELDOUT_SEED, corpus_problems, heldout_paired, overlapping, write_heldout
+from heldout import (
+    HELDOUT_SEED,
+    corpus_problems,
+    heldout_markdown,
+    heldout_paired,
+    overlapping,
+    write_heldout,
+)
 
 from cleaner.config import PromptStyle
 from cleaner.engine.collect.datasets import load_dataset
@@ -53,4 +60,6 @@ def test_heldout_paired_differences_are_taken_seed_by_seed():
     assert mask["sd_accuracy"] == pytest.approx(math.sqrt(2 * 0.05**2))
     assert (mask["seeds_above"], mask["seeds"]) == (1, 2)
     assert table["mask", True]["d_accuracy"] == pytest.approx(-0.05)
+    # one seed has no spread: '-', not a false 0
+    assert "| mask | SAAR | 0.600 | -0.050 ± - | 0/1 |" in heldout_markdown(heldout_paired(frame, ["baseline", "mask"]))
     assert list(table) == [("initial", False), ("baseline", False), ("baseline", True), ("mask", False), ("mask", True)]

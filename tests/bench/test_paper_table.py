@@ -46,6 +46,7 @@ def test_steps_to_target_window_and_final_are_parameters():
     steps = {(r["arm"], r["seed"]): r for r in steps_to_target(frame(), window=1, final=1).iter_rows(named=True)}
     assert (steps["baseline", 0]["steps"], steps["fast", 0]["steps"]) == (3, 1)
     assert (steps["baseline", 1]["steps"], steps["fast", 1]["steps"]) == (0, 3)
+    assert steps["fast", 1]["ratio"] is None  # over a baseline that needed 0 iterations: no ratio
 
 
 def test_steps_markdown_reports_seeds_that_never_reach_the_target():

@@ -10,17 +10,28 @@ iterations from the same policy with the same seeds as the baseline. The six arm
   mask-positive   --edit mask --purify-when positive          masked only in above-mean rollouts
 (`--arms` also takes mask-deep and mask-deep-positive, the mask arms with every merge deep
 (`--gamma 1.5`: the failed turn's reasoning is masked too, not only its call), and the earlier
-table's cleaner-code, cleaner-deep, positive, is-gated-sum and negatives.) The toys: mixed (cleaner/assets/tiny-policy: a failed call predicts a wrong answer), env
-(cleaner/assets/tiny-policy-env: it does not) and recover (cleaner/assets/tiny-policy-recover: failed calls get
-positive credit, since the rollouts that answer without the tool are the ones that lose).
+table's cleaner-code, cleaner-deep, positive, is-gated-sum and negatives.) The toys: mixed
+(cleaner/assets/tiny-policy: a failed call predicts a wrong answer), env (cleaner/assets/tiny-policy-env:
+it does not) and recover (cleaner/assets/tiny-policy-recover: failed calls get positive credit, since
+the rollouts that answer without the tool are the ones that lose).
 
-Per toy it writes bench/results/paper_table_<toy>.md and .png: per arm, paired by seed against the
+`--max-response-tokens`, `--max-new-tokens`, `--max-turns` and `--max-retries` give every arm the
+same budget (bench/budget_binding.py measures where one binds). The response budget is measured on
+the context the agent loop renders, so in the arms that collect with SAAR's view (cleaner,
+is-gated) a fixed failure is rolled back out of the budget, as in the reference; the baseline and
+the mask arms collect raw, where it stays in.
+
+Per toy it writes bench/results/<name>_<toy>.md and .png: per arm, paired by seed against the
 baseline (the arm's mean minus the baseline's mean on the same seed, averaged over seeds, ± their
-std), accuracy, failed calls per trajectory, first-call error rate, tokens per trajectory and the
-policy's entropy on the trained tokens; the credit of failed calls (the mean advantage of their
-tokens under the raw view, docs/architecture.md §4) over iterations; where each arm's accuracy
-comes from (clean and recovered rollouts); a per-iteration table; and the iterations as JSON in the
-run directory. Runs are resumable: re-run the same command after an interruption.
+std), accuracy, failed calls per trajectory, the share of rollouts out of budget (finish_reason
+max_tokens or max_turns), first-call error rate, tokens per trajectory and the policy's entropy on
+the trained tokens; the iterations each arm needs to reach the baseline's final accuracy, and the
+ratio to the baseline's own (`steps_to_target`); with `--heldout-problems`, the accuracy of each
+arm's last checkpoint on toy problems no run trained on, through `cleaner eval` (bench/heldout.py);
+the credit of failed calls (the mean advantage of their tokens under the raw view,
+docs/architecture.md §4) over iterations; where each arm's accuracy comes from (clean and recovered
+rollouts); a per-iteration table; and the iterations as JSON in the run directory. Runs and
+evaluations are resumable: re-run the same command after an interruption.
 
     python bench/paper_table.py --toys mixed,env,recover --seeds 3 --iterations 10 --prompts 16 \\
         --out runs/paper_table --results bench/results
@@ -30,15 +41,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import polars as pl
+from heldout import (  # bench/, beside this script
+    check_disjoint,
+    eval_command,
+    eval_config,
+    heldout_frame,
+    heldout_markdown,
+    heldout_paired,
+    run_evals,
+    write_heldout,
+)
+from paper_plot import plot  # bench/, beside this script
 
 from cleaner.config import DEFAULT_POLICY, ENV_POLICY, RECOVER_POLICY, RunConfig
-from cleaner.config.flags import command_line, flag_layer
+from cleaner.config.flags import command_line, flag_layer, option_of
 from cleaner.config.layers import RUN_BASE_LAYER, resolve_run_config
 from cleaner.loop.iterations import run_loop
 from cleaner.warehouse import Warehouse
@@ -65,8 +90,10 @@ PAPER_ARMS = ("baseline", "cleaner", "cleaner-p0.7", "is-gated", "mask", "mask-p
 
 # What the tables compare, per (toy, arm, seed, iteration): {column: heading}.
 METRICS = {"accuracy": "accuracy", "failures_per_trajectory": "failed calls / traj",
-           "first_attempt_error_rate": "first-call errors", "tokens_per_trajectory": "tokens / traj",
-           "entropy": "entropy on trained tokens"}
+           "truncation_rate": "out of budget", "first_attempt_error_rate": "first-call errors",
+           "tokens_per_trajectory": "tokens / traj", "entropy": "entropy on trained tokens"}
+# The budget flags a table may set; unset, every arm runs with `cleaner run`'s defaults.
+BUDGET_FLAGS = ("max_response_tokens", "max_new_tokens", "max_turns", "max_retries")
 
 
 def run_dir(args: argparse.Namespace, toy: str, arm: str, seed: int) -> Path:
@@ -76,7 +103,7 @@ def run_dir(args: argparse.Namespace, toy: str, arm: str, seed: int) -> Path:
 def arm_flags(args: argparse.Namespace, toy: str, arm: str, seed: int) -> dict:
     return {"run_dir": str(run_dir(args, toy, arm, seed)), "iterations": args.iterations,
             "model": str(args.models[toy]), "prompts": args.prompts, "group_size": args.group_size,
-            "lr": args.lr, "seed": seed, **ARMS[arm]}
+            "lr": args.lr, "seed": seed, **args.budget, **ARMS[arm]}
 
 
 def arm_config(args: argparse.Namespace, toy: str, arm: str, seed: int) -> RunConfig:
@@ -89,9 +116,14 @@ def arm_config(args: argparse.Namespace, toy: str, arm: str, seed: int) -> RunCo
 
 
 def warehouse_metrics(path: Path) -> pl.DataFrame:
-    """Per iteration: response tokens per trajectory (the raw trajectory after the prompt) and the
-    policy's mean entropy on the trained tokens over the iteration's optimiser steps."""
+    """Per iteration: response tokens per trajectory (the raw trajectory after the prompt), the
+    share of rollouts that ran out of budget before answering (finish_reason max_tokens or
+    max_turns), and the policy's mean entropy on the trained tokens over the iteration's optimiser
+    steps."""
     connection = Warehouse(path).connect()
+    budget = pl.from_arrow(connection.sql(
+        "SELECT iteration, avg((finish_reason IN ('max_tokens', 'max_turns'))::DOUBLE) AS truncation_rate "
+        "FROM rollouts GROUP BY ALL").to_arrow_table())
     tokens = pl.from_arrow(connection.sql(
         "SELECT iteration, avg(n)::DOUBLE AS tokens_per_trajectory FROM (SELECT iteration, rollout_id, "
         "sum(len(token_ids)) AS n FROM segments WHERE kind <> 'prompt' GROUP BY ALL) GROUP BY ALL").to_arrow_table())
@@ -101,7 +133,8 @@ def warehouse_metrics(path: Path) -> pl.DataFrame:
         "SELECT iteration, sum(advantage * list_sum(loss_mask)) AS push, sum(list_sum(loss_mask))::DOUBLE AS "
         "trained_tokens FROM purified WHERE negative_seq IS NULL AND NOT infra_fault GROUP BY ALL").to_arrow_table())
     connection.close()
-    return tokens.join(entropy, on="iteration", how="left").join(push, on="iteration", how="left")
+    return (tokens.join(budget, on="iteration", how="left").join(entropy, on="iteration", how="left")
+            .join(push, on="iteration", how="left"))
 
 
 def run_arms(args: argparse.Namespace) -> pl.DataFrame:
@@ -120,7 +153,8 @@ def run_arms(args: argparse.Namespace) -> pl.DataFrame:
                 frames.append(warehouse_metrics(Path(config.run_dir) / "warehouse").with_columns(
                     pl.lit(toy).alias("toy"), pl.lit(arm).alias("arm"), pl.lit(seed).alias("seed")))
     frame = pl.DataFrame(records, infer_schema_length=None).unique(
-        subset=["toy", "arm", "seed", "iteration"], keep="last")
+        subset=["toy", "arm", "seed", "iteration"], keep="last").filter(
+        pl.col("iteration") < args.iterations)  # a run directory of a longer run holds more
     extra = pl.concat(frames).with_columns(pl.col("iteration").cast(frame.schema["iteration"]),
                                            pl.col("seed").cast(frame.schema["seed"]))
     return frame.join(extra, on=["toy", "arm", "seed", "iteration"], how="left")
@@ -154,6 +188,57 @@ def paired(frame: pl.DataFrame, arms: list[str], last: int) -> pl.DataFrame:
             .sort(_arm_order(arms)))
 
 
+def steps_to_target(frame: pl.DataFrame, window: int = 3, final: int = 3) -> pl.DataFrame:
+    """Per (arm, seed): how many iterations the arm needs to reach the baseline's final accuracy.
+
+    target: the mean of the baseline's accuracy over its last `final` iterations, seed by seed.
+    steps: the first iteration i (>= window - 1) at which the mean of the arm's accuracy over
+    iterations i - window + 1 .. i reaches the target; null if no window does. The policy that
+    collected iteration i had been trained for i iterations, so i counts training iterations.
+    ratio: steps over the baseline's own steps on the same seed (the paper's "about 1/3").
+    Every (arm, seed) must hold the same consecutive iterations."""
+    last = frame["iteration"].max()
+    target = (frame.filter((pl.col("arm") == "baseline") & (pl.col("iteration") > last - final))
+              .group_by("seed").agg(pl.col("accuracy").mean().alias("target")))
+    windows = frame.sort("iteration").with_columns(
+        pl.col("accuracy").rolling_mean(window).over("arm", "seed").alias("window_accuracy"))
+    # a tolerance, so that the baseline's last window reaches its own target whatever the summation order
+    reached = windows.join(target, on="seed").filter(pl.col("window_accuracy") >= pl.col("target") - 1e-9)
+    first = reached.group_by("arm", "seed").agg(pl.col("iteration").min().alias("steps"))
+    base = first.filter(pl.col("arm") == "baseline").select("seed", pl.col("steps").alias("baseline_steps"))
+    return (frame.select("arm", "seed").unique().join(target, on="seed")
+            .join(first, on=["arm", "seed"], how="left").join(base, on="seed", how="left")
+            .with_columns(pl.when(pl.col("baseline_steps") > 0)  # --window 1 can reach it at iteration 0
+                          .then(pl.col("steps") / pl.col("baseline_steps")).alias("ratio"))
+            .sort("arm", "seed"))
+
+
+def _joined(rows: pl.DataFrame, column: str, spell) -> str:
+    """A column's values, each spelled by `spell`, joined with ' / ' (one per seed)."""
+    return " / ".join(spell(v) for v in rows[column].to_list())
+
+
+def steps_markdown(steps: pl.DataFrame, arms: list[str], last: int) -> str:
+    """Per arm: the iterations to target on each seed (`>last` where never), the baseline's, the
+    ratios and their mean ± std over the seeds on which the arm reached the target."""
+    lines = ["| arm | target per seed | iterations to target per seed | baseline's | ratio per seed | "
+             "ratio, mean ± std | seeds reached |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in arms:
+        rows = steps.filter(pl.col("arm") == arm).sort("seed")
+        if rows.is_empty():
+            continue
+        each = functools.partial(_joined, rows)
+        reached = rows.filter(pl.col("ratio").is_not_null())["ratio"]
+        spread = "-" if reached.std() is None else f"{reached.std():.2f}"  # one seed: no spread
+        summary = "-" if reached.is_empty() else f"{reached.mean():.2f} ± {spread}"
+        lines.append(
+            f"| {arm} | {each('target', lambda v: f'{v:.3f}')} | "
+            f"{each('steps', lambda v: f'>{last}' if v is None else str(v))} | "
+            f"{each('baseline_steps', lambda v: '-' if v is None else str(v))} | "
+            f"{each('ratio', lambda v: '-' if v is None else f'{v:.2f}')} | {summary} | {len(reached)}/{len(rows)} |")
+    return "\n".join(lines)
+
+
 def paired_markdown(table: pl.DataFrame, last: int) -> str:
     headings = " | ".join(f"{h}, last {last} | vs baseline" for h in METRICS.values())
     lines = [f"| arm | {headings} | seeds above (accuracy) |", "| --- |" + " --- | --- |" * len(METRICS) + " --- |"]
@@ -162,7 +247,8 @@ def paired_markdown(table: pl.DataFrame, last: int) -> str:
         for m in METRICS:
             digits = 1 if m == "tokens_per_trajectory" else 3
             value = "-" if r[m] is None else f"{r[m]:.{digits}f}"
-            delta = "-" if r[f"d_{m}"] is None else f"{r[f'd_{m}']:+.{digits}f} ± {r[f'sd_{m}'] or 0:.{digits}f}"
+            spread = "-" if r[f"sd_{m}"] is None else f"{r[f'sd_{m}']:.{digits}f}"  # one seed: no spread
+            delta = "-" if r[f"d_{m}"] is None else f"{r[f'd_{m}']:+.{digits}f} ± {spread}"
             cells += [value, delta]
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + f" | {r['seeds_above']}/{r['seeds']} |")
     return "\n".join(lines)
@@ -212,74 +298,89 @@ def premise_markdown(frame: pl.DataFrame, arms: list[str], last: int) -> str:
 
 def per_iteration_markdown(frame: pl.DataFrame, arms: list[str]) -> str:
     mean = frame.group_by("arm", "iteration").agg(pl.col("accuracy").mean(), pl.col("accuracy").std().alias("sd"),
-                                                  pl.col("failures_per_trajectory").mean())
-    lines = ["| iteration | " + " | ".join(f"{arm} acc | {arm} fail/traj" for arm in arms) + " |",
-             "| --- |" + " --- | --- |" * len(arms)]
+                                                  pl.col("failures_per_trajectory").mean(),
+                                                  pl.col("truncation_rate").mean())
+    lines = ["| iteration | " + " | ".join(f"{arm} acc | {arm} fail/traj | {arm} out of budget" for arm in arms) + " |",
+             "| --- |" + " --- | --- | --- |" * len(arms)]
     for i in sorted(frame["iteration"].unique().to_list()):
         cells = []
         for arm in arms:
             row = mean.filter((pl.col("arm") == arm) & (pl.col("iteration") == i))
             if row.is_empty():
-                cells += ["-", "-"]
+                cells += ["-", "-", "-"]
                 continue
             r = row.row(0, named=True)
-            cells += [f"{r['accuracy']:.3f} ± {r['sd'] or 0:.3f}", f"{r['failures_per_trajectory']:.3f}"]
+            cells += [f"{r['accuracy']:.3f} ± {r['sd'] or 0:.3f}", f"{r['failures_per_trajectory']:.3f}",
+                      "-" if r["truncation_rate"] is None else f"{r['truncation_rate']:.3f}"]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def toy_markdown(frame: pl.DataFrame, args: argparse.Namespace, toy: str) -> str:
+def toy_markdown(frame: pl.DataFrame, args: argparse.Namespace, toy: str, heldout: str = "") -> str:
     commands = "\n".join(f"{arm}: {command_line(arm_flags(args, toy, arm, 0))}" for arm in args.arms)
     seeds = frame["seed"].n_unique()
-    return "\n\n".join([
-        f"# {toy}: {args.models[toy]}, {seeds} seed(s) x {frame['iteration'].max() + 1} iterations, "
-        f"{args.prompts} x {args.group_size} rollouts per iteration",
-        f"One `cleaner run` per arm (seed 0; the other seeds differ only by `--seed`):\n\n```\n{commands}\n```",
+    last_iteration = frame["iteration"].max()
+    budget = ", ".join(f"`{option_of(k)} {v}`" for k, v in args.budget.items()) or "`cleaner run`'s defaults"
+    sections = [
+        f"# {toy}: {args.models[toy]}, {seeds} seed(s) x {last_iteration + 1} iterations, "
+        f"{args.prompts} x {args.group_size} rollouts per iteration; budget: {budget}",
+        f"One `cleaner run` per arm (seed 0; the other seeds differ only by `--seed`), all run by\n\n"
+        f"```\n{args.command}\n```\n\n```\n{commands}\n```",
         "## Paired by seed against the baseline\n\n" + paired_markdown(paired(frame, args.arms, args.last), args.last),
+        f"## Iterations to the baseline's final accuracy\n\nTarget: the baseline's mean accuracy over iterations "
+        f"{last_iteration - args.final + 1}-{last_iteration}, seed by seed. Iterations to target: the last iteration "
+        f"of the first {args.window}-iteration window whose mean accuracy reaches it (`>{last_iteration}`: never); "
+        "the ratio is to the baseline's own on the same seed.\n\n"
+        + steps_markdown(steps_to_target(frame, args.window, args.final), args.arms, last_iteration),
+    ]
+    if heldout:
+        sections.append(heldout)
+    sections += [
         "## The credit of failed calls per iteration: mean advantage of their tokens (raw view), and the "
         "share of them in positive-advantage rollouts\n\n" + credit_markdown(frame, args.arms),
         "## Where the accuracy comes from\n\n" + premise_markdown(frame, args.arms, args.last),
-        "## Accuracy and failed calls per trajectory per iteration (mean ± std over seeds)\n\n"
-        + per_iteration_markdown(frame, args.arms),
-    ]) + "\n"
+        "## Accuracy, failed calls per trajectory and the share out of budget per iteration (mean ± std over "
+        "seeds)\n\n" + per_iteration_markdown(frame, args.arms),
+    ]
+    return "\n\n".join(sections) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
-# Plot
+# Held-out problems (bench/heldout.py)
+
+
+def evaluate_heldout(args: argparse.Namespace, toy: str, frame: pl.DataFrame) -> tuple[pl.DataFrame, str]:
+    """The initial policy and each (arm, seed)'s last checkpoint on the held-out problems, checked
+    disjoint from every prompt the runs trained on; the rows and the table's section."""
+    data = Path(args.out) / "heldout_toy.parquet"
+    write_heldout(data, args.heldout_problems)
+    check = check_disjoint(args.heldout_problems, [run_dir(args, toy, arm, seed) / "warehouse"
+                                                   for arm in args.arms for seed in range(args.seeds)])
+    if check.in_training or check.in_corpus:
+        raise SystemExit(f"error: held-out problems were trained on: {check.text()}")
+    last = frame.filter(pl.col("iteration") == pl.col("iteration").max())
+    labels = {str(args.models[toy]): ("initial", None)}
+    labels |= {row["policy_out"]: (row["arm"], row["seed"]) for row in last.iter_rows(named=True)}
+    config = eval_config(list(labels), data, arm_config(args, toy, "baseline", 0).collect, args.heldout_samples)
+    warehouse = Path(args.out) / toy / "heldout"
+    rows = heldout_frame(warehouse, labels, run_evals(warehouse, config))
+    text = "\n\n".join([
+        "## Held-out problems: the last checkpoint of each arm and seed",
+        f"{check.text()} Each checkpoint answers each problem {args.heldout_samples} times with the raw context "
+        "(a failed call uses up budget, for every arm alike) and with SAAR's (the paper's test time: a fixed "
+        "failure is rolled back out of the context); `initial` is the policy every arm started from. Paired by "
+        "seed as above. The problems are written by bench/heldout.py (`write_heldout`); one checkpoint's "
+        f"evaluation:\n\n```\n{eval_command(config, warehouse)}\n```",
+        heldout_markdown(heldout_paired(rows, args.arms)),
+    ])
+    return rows, text
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot (bench/paper_plot.py)
 
 
 PANELS = {**METRICS, "failed_call_advantage": "failed-call credit (mean advantage)"}
-
-
-def plot(frame: pl.DataFrame, arms: list[str], path: Path, title: str) -> None:
-    import matplotlib  # matplotlib costs start-up time: loaded only to plot
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # (start-up time, as above)
-    from matplotlib.ticker import MaxNLocator  # (start-up time, as above)
-
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    summary = frame.group_by("arm", "iteration").agg(
-        *(pl.col(c).mean().alias(f"{c}_mean") for c in PANELS), *(pl.col(c).std().alias(f"{c}_std") for c in PANELS))
-    for axis, (column, heading) in zip(axes.flat, PANELS.items(), strict=True):
-        for arm in arms:
-            data = summary.filter(pl.col("arm") == arm).sort("iteration")
-            x = data["iteration"].to_list()
-            mean = data[f"{column}_mean"].cast(pl.Float64).fill_null(float("nan")).to_numpy()
-            std = data[f"{column}_std"].cast(pl.Float64).fill_null(0).to_numpy()
-            style = {"color": "black", "linestyle": "--", "zorder": 5} if arm == "baseline" else {}
-            axis.plot(x, mean, marker="o", markersize=3, label=arm, **style)
-            axis.fill_between(x, mean - std, mean + std, alpha=0.12)
-        axis.set_title(heading)
-        axis.set_xlabel("iteration")
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.grid(alpha=0.3)
-    axes.flat[-1].axhline(0, color="grey", linewidth=1)
-    axes.flat[0].legend(fontsize=8)
-    figure.suptitle(title + " (mean ± std over seeds)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,10 +396,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
+    for name in BUDGET_FLAGS:
+        parser.add_argument(option_of(name), type=int, default=None, help="as `cleaner run`'s; unset: its default")
     parser.add_argument("--out", default="runs/paper_table", help="run directories: <out>/<toy>/<arm>/seed-<s>")
-    parser.add_argument("--results", default="bench/results", help="where paper_table_<toy>.md and .png go")
+    parser.add_argument("--results", default="bench/results", help="where <name>_<toy>.md and .png go")
+    parser.add_argument("--name", default="paper_table", help="the results' file names: <name>_<toy>.md and .png")
     parser.add_argument("--last", type=int, default=5, help="iterations averaged in the paired table")
+    parser.add_argument("--window", type=int, default=3, help="iterations averaged to decide a target is reached")
+    parser.add_argument("--final", type=int, default=3, help="the baseline's last iterations that make the target")
+    parser.add_argument("--heldout-problems", type=int, default=0,
+                        help="held-out toy problems each last checkpoint answers (bench/heldout.py); 0: none")
+    parser.add_argument("--heldout-samples", type=int, default=2, help="samples per held-out problem")
     args = parser.parse_args()
+    args.command = "python " + " ".join(shlex.quote(word) for word in sys.argv)
     args.arms = [arm for arm in args.arms.split(",") if arm]
     if set(args.arms) - set(ARMS) or "baseline" not in args.arms:
         parser.error(f"arms must include baseline and come from {list(ARMS)}; got {args.arms}")
@@ -312,6 +422,7 @@ def parse_args() -> argparse.Namespace:
     # a path under the working directory is written relative to it, so the printed commands are portable
     args.models = {toy: Path(os.path.relpath(path)) if Path.cwd() in path.resolve().parents else path
                    for toy, path in args.models.items()}
+    args.budget = {name: getattr(args, name) for name in BUDGET_FLAGS if getattr(args, name) is not None}
     args.last = min(args.last, args.iterations)
     return args
 
@@ -329,9 +440,10 @@ def main() -> None:
         mine = frame.filter(pl.col("toy") == toy)
         Path(args.out, toy).mkdir(parents=True, exist_ok=True)
         mine.write_json(Path(args.out) / toy / "iterations.json")
-        text = toy_markdown(mine, args, toy)
-        (results / f"paper_table_{toy}.md").write_text(text)
-        plot(mine, args.arms, results / f"paper_table_{toy}.png", f"{toy}: {args.models[toy]}")
+        heldout, section = evaluate_heldout(args, toy, mine) if args.heldout_problems else (None, "")
+        text = toy_markdown(mine, args, toy, section)
+        (results / f"{args.name}_{toy}.md").write_text(text)
+        plot(mine, PANELS, args.arms, results / f"{args.name}_{toy}.png", f"{toy}: {args.models[toy]}", heldout)
         print(text)
 
 

@@ -319,3 +319,25 @@ def train_batch(model) -> list[PurifiedRow]:
         train_row("r3", "g1", ids(10), 3, 0.0, -1.0),
     ]
     return with_old_logprobs(model, rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Budgeted rollouts (bench tests): one rollout's tool calls at step 0, then its end
+
+
+def budget_rollout(rollout_id: str, finish_reason: str = "answer", correct: bool = True) -> Rollout:
+    return dataclasses.replace(make_rollout(rollout_id, reward=1.0 if correct else 0.0),
+                               finish_reason=finish_reason, correct=correct)
+
+
+def tool_chain(rollout_id: str, statuses: tuple[str, ...]) -> list[Segment]:
+    """A prompt, then one call per status at step 0 (attempt 0, 1, ...), each answered with it."""
+    segments = [Segment(rollout_id, 0, 0, SegmentKind.PROMPT, None, None, (1, 2), None, "")]
+    for attempt, status in enumerate(statuses):
+        segments += [
+            Segment(rollout_id, 0, 2 * attempt + 1, SegmentKind.ASSISTANT, 0, attempt, (3, 4), (-0.1, -0.1), "",
+                    call_start=1, tool_code="print(1)"),
+            Segment(rollout_id, 0, 2 * attempt + 2, SegmentKind.TOOL, 0, attempt, (5,), None, "",
+                    tool_code="print(1)", tool_status=status),
+        ]
+    return segments

@@ -51,7 +51,7 @@ SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and bac
          " resident memory, which includes the ~0.6 GB of Python, torch and the two models. `full` is the"
          " plain step (padded rows, (B, T, V) logits, `cleaner/engine/train/naive.py`), run under a"
          " {limit} GB address-space limit; `chunked` is cleaner's (packed rows, log-probs from hidden"
-         " states a 1,024-token chunk of the lm_head at a time); `+gc` adds --gradient-checkpointing."
+         " states a 512-token chunk of the lm_head at a time, the default); `+gc` adds --gradient-checkpointing."
          " Seconds: forward and backward of the micro batch. The loss and gradient norm columns show the"
          " paths computing the same step.")
 

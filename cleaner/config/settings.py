@@ -213,7 +213,7 @@ class TrainConfig(_Config):
     mini_batch_size: int = 64  # sequences per optimiser step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     max_tokens_per_micro_batch: int | None = None  # pack micro batches by tokens, at most this many (a longer row alone); replaces micro_batch_size
-    logits_chunk_tokens: int = 1024  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
+    logits_chunk_tokens: int = 512  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant): activations grow with layers x tokens x hidden only
     compute_dtype: str = "float32"  # float32 | bfloat16: autocast compute; weights, optimiser and log-softmax stay float32
     save_dtype: str = "float32"  # float32 | bfloat16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-DEFAULT_CHUNK_TOKENS = 1024  # tokens per lm_head chunk: 1,024 x 151,936 x 4 B = 0.6 GB a copy
+DEFAULT_CHUNK_TOKENS = 512  # tokens per lm_head chunk: 512 x 151,936 x 4 B = 0.31 GB a copy, two at once
 
 
 class TokenOutputs(NamedTuple):

@@ -45,7 +45,7 @@ PATHS = {"full": {}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": Tru
 # the issue's anchor on the proxy, these machines: verl's FusedLinearForPPO (chunk 512), rows unpadded
 VERL_ANCHOR = {4096: (3.47, 34.0), 16384: (3.98, 144.0)}  # T: (max RSS GB, seconds)
 SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and backward with the KL term on,"
-         " on the issue's Qwen3 proxy with the real 151,936-token vocabulary (hidden 256, intermediate 768,"
+         " on a Qwen3-architecture proxy with the real 151,936-token vocabulary (hidden 256, intermediate 768,"
          " 2 layers, 4 heads, 2 KV heads, head_dim 64, untied embeddings, float32, CPU, torch's default"
          " threads: 2), random weights made in memory, each probe in a fresh process; peak = its maximum"
          " resident memory, which includes the ~0.6 GB of Python, torch and the two models. `full` is the"
@@ -53,7 +53,9 @@ SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and bac
          " {limit} GB address-space limit; `chunked` is cleaner's (packed rows, log-probs from hidden"
          " states a 512-token chunk of the lm_head at a time, the default); `+gc` adds --gradient-checkpointing."
          " Seconds: forward and backward of the micro batch. The loss and gradient norm columns show the"
-         " paths computing the same step.")
+         " paths computing the same step. GB here are GiB (2^30 bytes of ru_maxrss). The targets compare with"
+         " verl's FusedLinearForPPO (chunk 512, rows unpadded) measured on the same proxy and machines: 3.47 GB"
+         " and 34 s at T=4,096, 3.98 GB and 144 s at T=16,384.")
 
 
 def proxy(seed: int, vocab_size: int, shape: str = "proxy", device: str = "cpu"):

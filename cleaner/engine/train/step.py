@@ -75,8 +75,7 @@ class TrainResult:
 def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
     """Rewards with DAPO's overlong penalty and their group advantages, for the rows that are not
     negative samples (those keep their pushes and stay out of the groups)."""
-    # imported here: it needs polars, which the step itself runs without (bench/gpu_check.py)
-    from cleaner.engine.purify.advantages import grpo_advantages
+    from cleaner.engine.purify.advantages import grpo_advantages  # polars: the step runs without it
 
     shaped = [row for row in rows if not row.is_negative]
     if not shaped:

@@ -154,8 +154,8 @@ def test_the_sql_box_returns_rows_and_refuses_writes(driver, served, connection)
 
     run("SELECT count(*) AS n FROM rollouts WHERE correct")
     assert [c.text for c in driver.find_elements("css selector", "#sql-result td")] == [str(expected)]
-    for query, kind in (("DROP VIEW rollouts", "DROP"), ("COPY rollouts TO 'out.csv'", "COPY"),
-                        ("ATTACH 'other.duckdb'", "ATTACH")):
+    for query, refusal in (("DROP VIEW rollouts", "a DROP"), ("COPY rollouts TO 'out.csv'", "a COPY"),
+                           ("ATTACH 'other.duckdb'", "an ATTACH")):
         run(query)
-        assert f"a {kind} statement" in driver.find_element("id", "sql-error").text
+        assert f"{refusal} statement" in driver.find_element("id", "sql-error").text
         assert not driver.find_elements("id", "sql-result")

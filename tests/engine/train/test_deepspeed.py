@@ -92,11 +92,11 @@ REAL_SHAPE_FLAGS = ("--max-tokens-per-micro-batch", "16", "--gradient-checkpoint
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, extra, mini, micro", [
     (2, (), MINI, MICRO),
-    # mini batches of 3 on 2 ranks, micro batches of 2: one rank's micro batch holds two rows, the
-    # other's one, and ZeRO-3's per-layer gathers must still pair up across ranks
-    (3, (), 3, 2),
-    (3, REAL_SHAPE_FLAGS, MINI, MICRO),
-], ids=["zero2", "zero3-uneven-rows", "zero3-token-budget-checkpointing"])
+    # ZeRO-3 with mini batches of 3 on 2 ranks packed by a token budget, with checkpointing: the
+    # ranks hold unequal rows and tokens, yet ZeRO-3's per-layer gathers (again in checkpointing's
+    # recomputation) must pair up across them
+    (3, REAL_SHAPE_FLAGS, 3, 2),
+], ids=["zero2", "zero3-uneven-rows-token-budget-checkpointing"])
 def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows, tmp_path, stage, extra, mini,
                                                                 micro):
     from transformers import AutoModelForCausalLM

@@ -70,7 +70,13 @@ from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import IterationRow
 from cleaner.report.tracking import MetricsLogger, NullLogger
 from cleaner.warehouse import Warehouse
-from cleaner.warehouse.lock import RUN_LOCK, exclusive, run_lock
+from cleaner.warehouse.lock import (
+    RUN_LOCK,
+    exclusive,
+    missing_directories,
+    remove_directories,
+    run_lock,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +198,7 @@ def _run_lock(run_dir: Path, ranks: Ranks, fresh: bool = False) -> Iterator[None
         def take() -> None:
             if fresh:
                 check_run_dir(run_dir)  # before a lock file is created in someone's directory
-            created.extend(path for path in (run_dir, *run_dir.parents) if not path.exists())
+            created.extend(missing_directories(run_dir))
             run_dir.mkdir(parents=True, exist_ok=True)
             held.enter_context(exclusive(*run_lock(run_dir)))
             if fresh:
@@ -213,11 +219,7 @@ def _remove_if_unused(run_dir: Path, created: list[Path]) -> None:
     if not created or [entry.name for entry in run_dir.iterdir()] != [RUN_LOCK]:
         return
     (run_dir / RUN_LOCK).unlink()
-    for directory in created:  # innermost first; rmdir only removes what is empty
-        try:
-            directory.rmdir()
-        except OSError:
-            return
+    remove_directories(created)
 
 
 def _start(config: RunConfig, warehouse: Warehouse, resume: bool, ranks: Ranks) -> dict[int, str]:

@@ -344,5 +344,3 @@ class _Pages:
     def _close(self) -> None:
         self.connection.close()  # and every cursor
         self._temp.cleanup()
-
-    close = retire

@@ -216,7 +216,18 @@ def remove_if_only_locks(root: Path, created: list[Path]) -> None:
     for path in files:
         path.unlink()
     locks.rmdir()
-    for directory in created:  # rmdir only removes what is empty
+    remove_directories(created)
+
+
+def missing_directories(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, innermost first: what creating it
+    creates."""
+    return [directory for directory in (path, *path.parents) if not directory.exists()]
+
+
+def remove_directories(created: list[Path]) -> None:
+    """Remove `created` (innermost first) as long as each is empty; stop at the first that is not."""
+    for directory in created:
         try:
             directory.rmdir()
         except OSError:

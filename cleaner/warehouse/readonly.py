@@ -31,6 +31,7 @@ from pathlib import Path
 import duckdb
 
 from cleaner.errors import CleanerError
+from cleaner.warehouse.views import copy_table
 
 
 class QueryRefused(CleanerError):
@@ -129,9 +130,7 @@ class SqlBox:
     def __init__(self, connection: duckdb.DuckDBPyConnection, root: Path, limits: SqlLimits,
                  tables: dict[str, object] | None = None) -> None:
         for name, table in (tables or {}).items():
-            connection.register("_copied", table)
-            connection.execute(f"CREATE TABLE {name} AS SELECT * FROM _copied")
-            connection.unregister("_copied")
+            copy_table(connection, name, table)
         lock_down(connection, root)
         self.connection, self.limits = connection, limits
         self._running = threading.Lock()

@@ -32,7 +32,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cleaner.errors import write_error
+from cleaner.errors import existing_ancestor, write_error
 from cleaner.records import (
     EvalRunRow,
     IterationRow,
@@ -44,7 +44,7 @@ from cleaner.records import (
 )
 from cleaner.warehouse import schema
 from cleaner.warehouse.compact import compaction_paused, replace_parts
-from cleaner.warehouse.lock import phase_lock, remove_if_only_locks
+from cleaner.warehouse.lock import missing_directories, phase_lock, remove_if_only_locks
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     PartExistsError,
@@ -88,10 +88,9 @@ class Warehouse:
             raise WarehouseError(f"{self.root}: opened read-only; nothing may be written")
         if self._checked_writable:
             return
-        root = self.root.absolute()
-        existing = next(path for path in (root, *root.parents) if path.exists())
+        existing = existing_ancestor(self.root)
         if not existing.is_dir():
-            where = "is a file, not a warehouse directory" if existing == root else f"{existing} is a file"
+            where = "is a file, not a warehouse directory" if existing == self.root.absolute() else f"{existing} is a file"
             raise WarehouseError(f"{self.root}: {where}; a warehouse is a directory (created if missing)")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
@@ -104,7 +103,7 @@ class Warehouse:
         the holder (lock.py). A job that fails before writing anything into a warehouse it created
         (a model that does not load) leaves no directory behind, lock files included."""
         self.check_writable()
-        created = [path for path in (self.root, *self.root.parents) if not path.exists()]
+        created = missing_directories(self.root)
         try:
             with phase_lock(self.root, phase, iteration, share):
                 yield

@@ -64,11 +64,17 @@ def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts:
 
 
 def _create_empty(connection: duckdb.DuckDBPyConnection, dataset: Dataset) -> None:
-    """An empty table `_empty_<dataset>` with the dataset's columns: a table of the database, not a
-    registered Arrow object (those belong to one connection), so every cursor's views see it."""
-    connection.register("_empty_arrow", dataset.schema.empty_table())
-    connection.execute(f"CREATE TABLE _empty_{dataset.name} AS SELECT * FROM _empty_arrow")
-    connection.unregister("_empty_arrow")
+    """An empty table `_empty_<dataset>` with the dataset's columns."""
+    copy_table(connection, f"_empty_{dataset.name}", dataset.schema.empty_table())
+
+
+def copy_table(connection: duckdb.DuckDBPyConnection, name: str, table: object) -> None:
+    """`table` (Arrow, or anything DuckDB registers) copied into the database as table `name`: a
+    table of the database, not a registered object (those belong to one connection), so every
+    cursor sees it."""
+    connection.register("_copied", table)
+    connection.execute(f"CREATE TABLE {name} AS SELECT * FROM _copied")
+    connection.unregister("_copied")
 
 
 def _literal(value: object) -> str:

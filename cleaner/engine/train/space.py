@@ -12,19 +12,19 @@ Every parameter counts once, as the files hold it (a tied embedding is one tenso
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
+from cleaner.engine.train.checkpoint import SAVE_DTYPES
 from cleaner.errors import free_bytes, human_bytes, mount_point
-
-SAVE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def checkpoint_bytes(n_parameters: int, save_dtype: str = "float32", engine: str = "torch",
                      other_bytes: int = 0) -> int:
     """About what a checkpoint of `n_parameters` takes on disk (module docstring)."""
-    weights = n_parameters * SAVE_DTYPE_BYTES[save_dtype]
+    weights = n_parameters * SAVE_DTYPES[save_dtype].itemsize
     if engine == "deepspeed":
         optimizer = n_parameters * 12
     else:
@@ -44,17 +44,10 @@ def stored_parameters(policy: Path) -> int | None:
         for file in files:
             with safe_open(file, framework="pt") as weights:
                 for name in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    total += _numel(weights.get_slice(name).get_shape())
+                    total += math.prod(weights.get_slice(name).get_shape())
         return total
     pickled = sorted(policy.glob("*.bin")) if policy.is_dir() else []
     return sum(file.stat().st_size for file in pickled) // 4 if pickled else None
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def other_bytes(policy: Path) -> int:

@@ -26,18 +26,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from heldout import OUT_OF_BUDGET  # bench/, beside this script
+
 from cleaner.config import ENV_POLICY, RECOVER_POLICY, CollectConfig
-from cleaner.config.flags import option_of
+from cleaner.config.flags import command_line
 from cleaner.engine.collect.job import CollectRequest, collect_job
 from cleaner.engine.purify.pipeline import infra_fault
 from cleaner.engine.saar.premise import RolloutClass, classify
-from cleaner.records import CollectView, FinishReason, Rollout, Segment
+from cleaner.records import CollectView, Rollout, Segment
 from cleaner.warehouse import Warehouse
 
 # a path under the working directory is written relative to it, so the printed commands are portable
 TOYS = {toy: Path(os.path.relpath(path)) if Path.cwd() in path.resolve().parents else path
         for toy, path in {"recover": RECOVER_POLICY, "env": ENV_POLICY}.items()}
-OUT_OF_BUDGET = frozenset({FinishReason.MAX_TOKENS, FinishReason.MAX_TURNS})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def command(config: CollectConfig, warehouse: Path) -> str:
     for name in ("max_new_tokens", "max_turns", "max_retries"):
         if getattr(config, name) != getattr(defaults, name):
             flags[name] = getattr(config, name)
-    return " ".join(["cleaner", "collect", *(f"{option_of(name)} {value}" for name, value in flags.items())])
+    return command_line(flags, "collect")
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cleaner.config import ASSETS_DIR, CollectConfig, EvalConfig, PromptStyle
-from cleaner.config.flags import option_of
+from cleaner.config.flags import command_line
 from cleaner.engine.collect.tasks import toy_problem, toy_tasks
 from cleaner.engine.eval.job import eval_job
+from cleaner.records import FinishReason
 from cleaner.toys.corpus import CORPUS_SEED_OFFSET
 from cleaner.warehouse import Warehouse
 
 HELDOUT_SEED = 2**32  # no iteration draws it: iteration seeds are 32-bit
 DATA_SOURCE = "AIME2024"  # the layout's source: graded on the last \boxed{}
-OUT_OF_BUDGET = ("max_tokens", "max_turns")
+# finish reasons of a rollout that ran out of budget before answering; as SQL: IN {OUT_OF_BUDGET}
+OUT_OF_BUDGET = (FinishReason.MAX_TOKENS.value, FinishReason.MAX_TURNS.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +132,7 @@ def eval_command(config: EvalConfig, warehouse: Path, model: str = "CHECKPOINT")
              "max_turns": config.max_turns, "max_retries": config.max_retries,
              "max_new_tokens": config.max_new_tokens, "max_response_tokens": config.max_response_tokens,
              "gamma": config.gamma, "similarity_on": config.similarity_on.value, "seed": config.seed}
-    words = ["cleaner", "eval", *(f"{option_of(name)} {value}" for name, value in flags.items())]
-    return " ".join([*words, "--no-saar", "--saar", "-w", str(warehouse)])
+    return f"{command_line(flags, 'eval')} --no-saar --saar -w {warehouse}"
 
 
 def run_evals(warehouse: Path, config: EvalConfig) -> list[str]:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import polars as pl
 from heldout import (  # bench/, beside this script
+    OUT_OF_BUDGET,
     check_disjoint,
     eval_command,
     eval_config,
@@ -122,7 +123,7 @@ def warehouse_metrics(path: Path) -> pl.DataFrame:
     steps."""
     connection = Warehouse(path).connect()
     budget = pl.from_arrow(connection.sql(
-        "SELECT iteration, avg((finish_reason IN ('max_tokens', 'max_turns'))::DOUBLE) AS truncation_rate "
+        f"SELECT iteration, avg((finish_reason IN {OUT_OF_BUDGET})::DOUBLE) AS truncation_rate "
         "FROM rollouts GROUP BY ALL").to_arrow_table())
     tokens = pl.from_arrow(connection.sql(
         "SELECT iteration, avg(n)::DOUBLE AS tokens_per_trajectory FROM (SELECT iteration, rollout_id, "

@@ -181,9 +181,9 @@ def flag_names(flags: Iterable[str], command: str = "run") -> dict[tuple[str, ..
     return {path: option_of(name) for name in flags for path in flag_paths(command)[name]}
 
 
-def command_line(flags: Mapping[str, object]) -> str:
-    """The `cleaner run` command that gives these flags (bench/paper_table.py prints each arm's)."""
-    words = ["cleaner", "run"]
+def command_line(flags: Mapping[str, object], command: str = "run") -> str:
+    """The `cleaner <command>` command line that gives these flags (the benches print theirs)."""
+    words = ["cleaner", command]
     for name, value in flags.items():
         option = option_of(name)
         if isinstance(value, bool):

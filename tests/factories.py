@@ -341,3 +341,32 @@ def tool_chain(rollout_id: str, statuses: tuple[str, ...]) -> list[Segment]:
                     tool_code="print(1)", tool_status=status),
         ]
     return segments
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripted backends and sandboxes of the agent loop's tests (collect, hostile output): the request
+# methods the loop awaits, over a fake's batch methods
+
+
+class RequestsOverBatch:
+    """The Backend's request methods (`generate_async`, `score_async`) as one-request calls of the
+    fake's own `generate` / `score`, answered at once; any event loop will do."""
+
+    event_loop = None
+
+    async def generate_async(self, prompt, params, seed, session=None):
+        (generation,) = self.generate([prompt], params, [seed])
+        return generation
+
+    async def score_async(self, sequences, starts, session=None):
+        return self.score(sequences, starts)
+
+    async def close_requests(self):
+        pass
+
+
+class RunAsync:
+    """The sandbox's `run_async` over the fake's `run`."""
+
+    async def run_async(self, code, stdin=None):
+        return self.run(code, stdin)

@@ -13,14 +13,15 @@ from collections import Counter, defaultdict
 import pytest
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig
-from cleaner.engine.collect.agent import collect
-from cleaner.engine.collect.job import CollectRequest, collect_job
+from cleaner.engine.collect.schedule import collect
+from cleaner.engine.collect.job import CollectRequest, collect_job, iteration_seed
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.saar.walk import render, view_for
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
+from tests.helpers import assert_same_collection
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +85,49 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
     assert merged > 0 and gated > 0, "the sample should contain merges the gate kept and rejected"
 
 
-def test_same_seed_same_warehouse(tmp_path, backend):
-    def dump(root):
-        warehouse = Warehouse(root)
-        collect_job(warehouse, CollectRequest(dataclasses.replace(CONFIG, n_prompts=3)), backend=backend, progress=False)
-        connection = warehouse.connect()
-        rollouts = connection.sql("SELECT * EXCLUDE (created_at) FROM rollouts ORDER BY rollout_id").fetchall()
-        segments = connection.sql("SELECT * EXCLUDE (exec_ms) FROM segments ORDER BY rollout_id, seq").fetchall()
-        return rollouts, segments
+def _stored(warehouse: Warehouse) -> tuple[list, list]:
+    """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
+    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in warehouse.read_rollouts(0)),
+                      key=lambda r: r.rollout_id)
+    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in warehouse.read_segments(0)),
+                      key=lambda s: (s.rollout_id, s.seq))
+    return rollouts, segments
 
-    first, second = dump(tmp_path / "a"), dump(tmp_path / "b")
-    assert first == second
-    assert len(first[0]) == 12 and any(row[-1] > 0 for row in first[0])  # some failed calls
+
+def _collect_interrupted(root, backend, config: CollectConfig, parts: int) -> Warehouse:
+    """Commit the first `parts` parts of a collection, drop the rest (the rollouts then in flight
+    included), and finish it with `resume`."""
+    warehouse = Warehouse(root)
+    chat = ChatFormat(backend.tokenizer)
+    warehouse.save_collect_config(0, config.to_json())
+    with make_sandbox(config.sandbox) as sandbox:
+        stream = collect(toy_tasks(config.n_prompts, seed=iteration_seed(config)), config, backend, sandbox, chat,
+                         progress=False)
+        for _, part in zip(range(parts), stream, strict=False):
+            warehouse.write_rollouts(0, part.rollouts, part.segments)
+        stream.close()  # cancels what is still in flight
+    assert 0 < len(warehouse.rollout_ids(0)) < config.n_prompts * config.group_size
+    collect_job(warehouse, CollectRequest(config, resume=True), backend=backend, progress=False)
+    return warehouse
+
+
+def test_the_schedule_never_changes_the_warehouse(tmp_path, backend):
+    """Lock step and each rollout on its own clock, parts and resumes cut anywhere: the same rollouts,
+    token for token; the behaviour log-probs within the torch backend's batching tolerance
+    (tests/helpers.py's BATCH_ATOL: its batched forwards are not batch-invariant)."""
+    config = dataclasses.replace(CONFIG, n_prompts=5)
+    reference = Warehouse(tmp_path / "lockstep")
+    collect_job(reference, CollectRequest(dataclasses.replace(config, schedule="lockstep", batch_rollouts=64)),
+                backend=backend, progress=False)
+    expected = _stored(reference)
+    assert len(expected[0]) == 20 and any(r.n_failed_calls > 0 for r in expected[0])  # some failed calls
+    again = Warehouse(tmp_path / "again")
+    collect_job(again, CollectRequest(dataclasses.replace(config, batch_rollouts=5, max_concurrent_rollouts=7)),
+                backend=backend, progress=False)
+    assert_same_collection(_stored(again), expected)
+    resumed = _collect_interrupted(tmp_path / "resumed", backend,
+                                   dataclasses.replace(config, batch_rollouts=3, max_concurrent_rollouts=6), parts=2)
+    assert_same_collection(_stored(resumed), expected)
+    resumed_lockstep = _collect_interrupted(tmp_path / "resumed-lockstep", backend,
+                                            dataclasses.replace(config, batch_rollouts=6, schedule="lockstep"), parts=1)
+    assert_same_collection(_stored(resumed_lockstep), expected)

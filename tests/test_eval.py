@@ -22,7 +22,7 @@ from cleaner.engine.eval.job import eval_job
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
-from tests.helpers import scalars
+from tests.helpers import assert_same_collection, scalars
 
 runner = CliRunner()
 
@@ -123,7 +123,7 @@ def test_same_seed_same_results(tmp_path, toy_aime, backend):
     second = eval_job(Warehouse(tmp_path / "b"), config, backends={config.models[0]: backend}, progress=False)
     (row_a,), (row_b,) = first.rows, second.rows
     assert row_a.eval_id == row_b.eval_id
-    assert _stored(Warehouse(tmp_path / "a"), row_a.eval_id) == _stored(Warehouse(tmp_path / "b"), row_b.eval_id)
+    assert_same_collection(_stored(Warehouse(tmp_path / "a"), row_a.eval_id), _stored(Warehouse(tmp_path / "b"), row_b.eval_id))
     assert (row_a.avg_at_n, row_a.pass_at_k, row_a.maj_at_n) == (row_b.avg_at_n, row_b.pass_at_k, row_b.maj_at_n)
     assert _config(toy_aime, seed=8).collect_config(str(DEFAULT_POLICY), str(toy_aime), True, 2).config_id != row_a.eval_id
 
@@ -156,7 +156,7 @@ def test_an_interrupted_eval_resumes_to_exactly_the_uninterrupted_rollouts(tmp_p
     resumed = eval_job(broken, config, backends=backends, progress=False)
     (after,) = resumed.rows
     assert resumed.computed == [before.eval_id] == [after.eval_id]
-    assert _stored(Warehouse(tmp_path / "whole"), before.eval_id) == _stored(broken, after.eval_id)
+    assert_same_collection(_stored(broken, after.eval_id), _stored(Warehouse(tmp_path / "whole"), before.eval_id))
     assert (after.avg_at_n, after.pass_at_k, after.maj_at_n, after.failures_per_trajectory) == (
         before.avg_at_n, before.pass_at_k, before.maj_at_n, before.failures_per_trajectory)
     assert (before.rollouts_generated, after.rollouts_generated) == (4, 2)

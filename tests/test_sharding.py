@@ -1,6 +1,6 @@
 """Sharded collect and purify (docs/architecture.md §5): shares are disjoint sets of whole prompts,
-and the shards of an iteration together write exactly what one unsharded run writes, also when a
-shard is SIGKILLed and resumed on its own."""
+and the shards of an iteration together write what one unsharded run writes (token for token; the
+log-probs within float rounding), also when a shard is SIGKILLed and resumed on its own."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from cleaner.engine.purify.job import PurifyRequest, purify_job
 from cleaner.errors import JobError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
-from tests.helpers import cli, sigkill_when
+from tests.helpers import BATCH_ATOL, assert_same_collection, cli, sigkill_when
 
 # ---------------------------------------------------------------------------------------------
 # The shard itself
@@ -70,9 +70,9 @@ def _collected(warehouse: Warehouse) -> tuple[list, list]:
     return rollouts, segments
 
 
-def _without_old_logprobs(row) -> dict:
+def _without_logprobs(row) -> dict:
     fields = dataclasses.asdict(row)
-    del fields["old_logprobs"]
+    del fields["old_logprobs"], fields["behavior_logprobs"]
     return fields
 
 
@@ -96,7 +96,7 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
     outcomes = [collect_job(warehouse, CollectRequest(config, Shard(i, 2)), backend=backend, progress=False) for i in range(2)]
     assert [(o.n_planned, o.n_written) for o in outcomes] == [(2, 2), (10, 10)]
     assert [o.summary.rollouts for o in outcomes] == [2, 10]  # each summary is of its share
-    assert _collected(warehouse) == _collected(unsharded)
+    assert_same_collection(_collected(warehouse), _collected(unsharded))
     assert sum(len(s.token_ids) for s in _collected(warehouse)[1]) > 0
     assert warehouse.collect_config(0) == unsharded.collect_config(0)
     assert sorted(p.name for p in (warehouse.root / "configs").iterdir()) == ["collect-iteration=0.json"]
@@ -111,12 +111,13 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
         expected = sorted(unsharded.read_purified(0, config.config_id), key=lambda r: r.rollout_id)
         assert len(expected) == 12
         rows = sorted(warehouse.read_purified(0, config.config_id), key=lambda r: r.rollout_id)
-        # Everything but the scorer's old log-probs is equal exactly: the same tokens, masks and
-        # group advantages. The scorer packs another set of rows into its forwards, which moves a
-        # float32 log-prob by rounding only (docs/architecture.md §6).
-        assert [_without_old_logprobs(r) for r in rows] == [_without_old_logprobs(r) for r in expected]
+        # Everything but the log-probs is equal exactly: the same tokens, masks and group advantages.
+        # The scorer packs another set of rows into its forwards, and collection decoded another set
+        # of rollouts together, which moves a float32 log-prob by rounding only (docs/architecture.md §6).
+        assert [_without_logprobs(r) for r in rows] == [_without_logprobs(r) for r in expected]
         for row, reference in zip(rows, expected, strict=True):
             assert row.old_logprobs == pytest.approx(reference.old_logprobs, abs=1e-5)
+            assert row.behavior_logprobs == pytest.approx(reference.behavior_logprobs, abs=BATCH_ATOL)
     assert whole.results[0].stats.n_rollouts == 12
     again = purify_job(warehouse, PurifyRequest(0, purify, Shard(0, 2)), backend=backend, progress=False)
     assert again.computed == [] and again.scorer_stats is None  # the shard's rows are stored
@@ -141,7 +142,7 @@ def test_purify_resumes_a_share_whose_groups_are_partly_stored(tmp_path, random_
 def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, random_policy, backend, unsharded):
     warehouse = tmp_path / "wh"
     args = ["collect", "-w", str(warehouse), "--prompts", "6", "--group-size", "2", "--batch-rollouts", "2",
-            "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24",
+            "--max-concurrent-rollouts", "3", "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "24",
             "--max-response-tokens", "48", "--sandbox-workers", "1"]
     # A forward's float rounding depends on the thread count: the subprocesses use this process's.
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -157,7 +158,7 @@ def test_sigkill_one_shard_then_resume_it_has_every_rollout_once(tmp_path, rando
     assert refused.exit_code == 1 and "shard 1/2 already holds" in output and "--resume" in output
     finished = subprocess.run(cli(*args, "--shard", "1/2", "--resume"), capture_output=True, text=True, env=env)
     assert finished.returncode == 0, finished.stderr
-    assert _collected(Warehouse(warehouse)) == _collected(unsharded)
+    assert_same_collection(_collected(Warehouse(warehouse)), _collected(unsharded))
     connection = Warehouse(warehouse).connect()
     assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(12, 12)]
     assert connection.sql(

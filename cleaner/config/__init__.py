@@ -26,6 +26,7 @@ from cleaner.config.settings import (
     PurifyWhen,
     RunConfig,
     SandboxConfig,
+    Schedule,
     Shard,
     SimilarityOn,
     TrainConfig,
@@ -33,4 +34,4 @@ from cleaner.config.settings import (
 
 __all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "DpoCap",
            "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
-           "Shard", "SimilarityOn", "TrainConfig"]
+           "Schedule", "Shard", "SimilarityOn", "TrainConfig"]

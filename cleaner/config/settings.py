@@ -82,6 +82,13 @@ class IsMode(StrEnum):
     MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
 
 
+class Schedule(StrEnum):
+    """How collect runs its rollouts (docs/architecture.md §5)."""
+
+    ASYNC = "async"  # each rollout on its own clock, up to max_concurrent_rollouts in flight (the default)
+    LOCKSTEP = "lockstep"  # a batch's rollouts turn by turn together: debugging and the benchmarks' baseline
+
+
 class PromptStyle(StrEnum):
     """How a dataset's problem becomes the user message (docs/architecture.md §12)."""
 
@@ -124,12 +131,35 @@ class CollectConfig(_Config):
     rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
     rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (its definition) or mean (the reference's later code)
     seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
-    batch_rollouts: int = 64  # rollouts generated and committed per batch (the unit of resume)
+    batch_rollouts: int = 64  # finished rollouts committed per part (the unit of resume; lock step: per batch)
+    max_concurrent_rollouts: int = 1024  # rollouts in flight, each on its own clock: enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools
+    schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
     backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
     sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
+    sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
+
+    # Fields that decide how rollouts are run, not what they contain: not part of the config's
+    # identity (its id, and what resuming an iteration must match).
+    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule"})
+
+    @functools.cached_property
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of every parameter that decides what a rollout contains."""
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    def identity(self) -> dict:
+        """The parameters that decide what a rollout contains (every field but SCHEDULING's)."""
+        return {key: value for key, value in self.to_dict().items() if key not in self.SCHEDULING}
+
+    @classmethod
+    def identity_of(cls, saved_json: str) -> dict:
+        """The identity of a config saved as JSON; a field it predates takes its default."""
+        saved = {key: value for key, value in json.loads(saved_json).items() if key not in cls.SCHEDULING}
+        return json.loads(json.dumps({**cls().identity(), **saved}, sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
@@ -151,6 +181,11 @@ class CollectConfig(_Config):
                f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
         _enum_field(self, "rollback_is_mode", IsMode)
         _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
+        _check(self.max_concurrent_rollouts >= 1,
+               f"max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}")
+        _enum_field(self, "schedule", Schedule)
+        _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
+               f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
         _check(self.sglang_url is None or self.backend == "sglang",
                f"sglang_url is for backend sglang, got backend {self.backend!r}")
@@ -330,9 +365,13 @@ class EvalConfig(_Config):
     gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma, in the purified context
     similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
     seed: int = 0  # base seed; per-rollout seeds derive from (prompt_id, sample_index)
-    batch_rollouts: int = 64  # rollouts generated and committed per batch (the unit of resume)
+    batch_rollouts: int = 64  # finished rollouts committed per part (the unit of resume; lock step: per batch)
+    max_concurrent_rollouts: int = 1024  # rollouts in flight, each on its own clock: enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools
+    schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
     backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
     sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
+    sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
@@ -358,6 +397,8 @@ class EvalConfig(_Config):
             temperature=self.temperature, top_p=self.top_p,
             collect_view=CollectView.PURIFIED if saar else CollectView.RAW, gamma=self.gamma,
             rollback_prob=1.0, similarity_on=self.similarity_on, seed=self.seed,
-            batch_rollouts=self.batch_rollouts, backend=self.backend, sglang_url=self.sglang_url, device=self.device,
-            sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
+            batch_rollouts=self.batch_rollouts, max_concurrent_rollouts=self.max_concurrent_rollouts,
+            schedule=self.schedule, backend=self.backend, sglang_url=self.sglang_url,
+            deterministic_inference=self.deterministic_inference, sglang_mem_fraction=self.sglang_mem_fraction,
+            device=self.device, sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
         )

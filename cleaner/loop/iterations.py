@@ -97,7 +97,8 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
 def _load_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
     collect = config.collect
     return load_backend(collect.backend, policy, device=ranks.device(collect.device), sglang_url=collect.sglang_url,
-                        seed=collect.seed)
+                        seed=collect.seed, deterministic=collect.deterministic_inference,
+                        mem_fraction=collect.sglang_mem_fraction)
 
 
 def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str) -> torch.nn.Module | None:

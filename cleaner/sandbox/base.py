@@ -7,6 +7,8 @@ the docker backend, which needs the interface.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,12 +21,33 @@ class SandboxError(RuntimeError):
 
 
 class Sandbox:
-    """Runs Python snippets; a context manager. Subclasses implement `run` and `close`."""
+    """Runs Python snippets; a context manager. Subclasses implement `run` and `close`.
+
+    `run` is thread-safe; `run_async` awaits it on one of `config.workers` threads, so an event loop
+    (the agent loop's) hands each call to the pool the moment it has one and the pool's workers are
+    the only limit on how many run at once."""
 
     config: SandboxConfig
+    _executor: ThreadPoolExecutor | None = None
+    _executor_lock = threading.Lock()
 
     def run(self, code: str, stdin: str | None = None) -> ExecResult:
         raise NotImplementedError
+
+    async def run_async(self, code: str, stdin: str | None = None) -> ExecResult:
+        """`run`, awaited."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="sandbox")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.run, code, stdin)
+
+    def shutdown_executor(self) -> None:
+        """Cancel `run_async`'s waiting calls; its threads end with the calls they run (subclasses'
+        `close` calls it first, so a close never waits on them)."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def run_many(self, codes: Sequence[str]) -> list[ExecResult]:
         """Run every snippet, concurrently across the pool; results in input order."""

@@ -127,4 +127,5 @@ class DockerSandbox(Sandbox):
         return parse_docker_output(stdout, stderr, timed_out, self.config, exec_ms)
 
     def close(self) -> None:
+        self.shutdown_executor()
         self._client.close()

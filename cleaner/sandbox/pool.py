@@ -204,5 +204,6 @@ class LocalSandbox(Sandbox):
         if self._closed.is_set():
             return
         self._closed.set()
+        self.shutdown_executor()
         for worker in self._workers:
             worker.stop()

@@ -21,7 +21,7 @@ from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, clear_run, run_loo
 from cleaner.loop.ranks import Ranks, RanksError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, WarehouseError
-from tests.helpers import cli, sigkill_when, tree_digest
+from tests.helpers import assert_same_collection, cli, sigkill_when, tree_digest
 
 
 def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
@@ -136,18 +136,22 @@ def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each
 
 def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_policy):
     warehouse = tmp_path / "wh"
-    args = ["collect", "-w", str(warehouse), "--prompts", "4", "--group-size", "2", "--batch-rollouts", "2",
-            "--model", str(random_policy), "--max-turns", "2", "--max-new-tokens", "48",
-            "--max-response-tokens", "96", "--sandbox-workers", "1"]
+    # three rollouts in flight, parts of two: parts are committed while others still run
+    args = ["collect", "-w", str(warehouse), "--prompts", "6", "--group-size", "2", "--batch-rollouts", "2",
+            "--max-concurrent-rollouts", "3", "--model", str(random_policy), "--max-turns", "2",
+            "--max-new-tokens", "48", "--max-response-tokens", "96", "--sandbox-workers", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float rounding
     rollouts_dir = warehouse / "rollouts" / "iteration=0"
-    sigkill_when(cli(*args), lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120)
-    assert len(Warehouse(warehouse).rollout_ids(0)) < 8, "killed too late to test resume"
-    refused = subprocess.run(cli(*args), capture_output=True, text=True)
+    sigkill_when(cli(*args), lambda: len(list(rollouts_dir.glob("part-*.parquet"))) >= 1, 120, env)
+    assert len(Warehouse(warehouse).rollout_ids(0)) < 12, "killed too late to test resume"
+    refused = subprocess.run(cli(*args), capture_output=True, text=True, env=env)
     assert refused.returncode == 1 and "--resume" in refused.stderr
-    finished = subprocess.run(cli(*args, "--resume"), capture_output=True, text=True)
+    # resumed with another schedule: how rollouts are scheduled is not part of the config
+    finished = subprocess.run(cli(*args, "--max-concurrent-rollouts", "5", "--batch-rollouts", "3", "--resume"),
+                              capture_output=True, text=True, env=env)
     assert finished.returncode == 0, finished.stderr
     connection = Warehouse(warehouse).connect()
-    assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(8, 8)]
+    assert connection.sql("SELECT count(*), count(DISTINCT rollout_id) FROM rollouts").fetchall() == [(12, 12)]
     # Every visible segment belongs to a committed rollout, and no rollout has two copies of a seq.
     assert connection.sql(
         "SELECT count(*) FROM segments WHERE rollout_id NOT IN (SELECT rollout_id FROM rollouts)"
@@ -155,6 +159,19 @@ def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_pol
     assert connection.sql(
         "SELECT count(*) FROM (SELECT rollout_id, seq FROM segments GROUP BY 1, 2 HAVING count(*) > 1)"
     ).fetchall() == [(0,)]
+    uninterrupted = tmp_path / "whole"
+    whole = subprocess.run(cli(*args[:2], str(uninterrupted), *args[3:]), capture_output=True, text=True, env=env)
+    assert whole.returncode == 0, whole.stderr
+    assert_same_collection(_collected(Warehouse(warehouse)), _collected(Warehouse(uninterrupted)))
+
+
+def _collected(warehouse: Warehouse) -> tuple[list, list]:
+    """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
+    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in warehouse.read_rollouts(0)),
+                      key=lambda r: r.rollout_id)
+    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in warehouse.read_segments(0)),
+                      key=lambda s: (s.rollout_id, s.seq))
+    return rollouts, segments
 
 
 @pytest.mark.slow

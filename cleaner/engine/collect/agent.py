@@ -1,17 +1,19 @@
-"""The agent loop of `cleaner collect` (docs/architecture.md §5).
+"""The agent loop of `cleaner collect`: one rollout's story (docs/architecture.md §5).
 
-Every rollout of a batch advances in lock step: one `backend.generate` call per turn for all active
-rollouts, then one `sandbox.run_many` call for all the tool calls of that turn. Each rollout's record
-is a list of raw `Segment`s (prompt, assistant, tool, ...) in generation order; nothing is ever
-dropped, so any (gamma, p) can be replayed later.
+A rollout is a small state machine, as verl's ToolAgentLoop is: it renders its context, generates
+its next turn, runs the turn's tool call, records both and decides what comes next (stop, retry,
+next step), awaiting only its own requests (`run_rollout`). Which rollouts run at once, and when
+finished ones are committed, is schedule.py's business; nothing a rollout records depends on it.
+Each rollout's record is a list of raw `Segment`s (prompt, assistant, tool, ...) in generation
+order; nothing is ever dropped, so any (gamma, p) can be replayed later.
 
 Design decisions:
 - Context = `render(segments so far, view).token_ids`, the SAME renderer purify uses. With the IS
-  gate (rollback_is_threshold > 0) the backend scores each new retry under the context without the
-  error before the next turn, so purifying at the collect config renders the same contexts. With the
-  purified collect view a retry sees merged(a_0..a_{i-1}) + t_{i-1}, as in the reference agent loop;
-  with the raw view (or a rollout whose draw u >= p) it is the plain concatenation. `collect_view`
-  on the Rollout records which one was actually applied.
+  gate (rollback_is_threshold > 0) the rollout's own task scores each new retry under the context
+  without the error before the next turn, so purifying at the collect config renders the same
+  contexts. With the purified collect view a retry sees merged(a_0..a_{i-1}) + t_{i-1}, as in the
+  reference agent loop; with the raw view (or a rollout whose draw u >= p) it is the plain
+  concatenation. `collect_view` on the Rollout records which one was actually applied.
 - step/attempt: a generation after a failed call is the next attempt of the same step, up to
   K = max_retries retries; after attempt K fails the next generation opens a new step. A tool
   segment carries the step/attempt of the call it answers.
@@ -26,43 +28,45 @@ Design decisions:
   reference's note ("This approach has been attempted N times ...", N = retries made). It is part
   of the stored tool segment, so a replay renders exactly what the model saw.
 - Seeds: every sampling seed and the rollback draw u are hashes of (seed, iteration, prompt_id,
-  sample_index[, turn]), so a rollout does not depend on which batch it landed in: a resumed run
-  (skip_rollout_ids) reproduces exactly the rollouts it had not yet written. u is a multiple of
-  2^-24 so it survives the float32 warehouse column exactly.
+  sample_index[, turn]), so a rollout does not depend on which rollouts ran beside it, in what
+  order they finished, or which part it was committed in: a resumed run (skip_rollout_ids)
+  reproduces exactly the rollouts it had not yet written. u is a multiple of 2^-24 so it survives
+  the float32 warehouse column exactly.
 - Response budget: measured on the CONTEXT the model sees (rendered length minus prompt length), as
-  the reference measures its (rolled-back) response. One generate call per turn carries the largest
-  per-rollout limit; a generation is then cut to its own limit (a prefix of a sample is a sample of
-  the shorter request) and marked LENGTH. No generation runs past the model's context: prompts are
-  checked against it first (context.py), and a limit never exceeds what the context has left.
+  the reference measures its (rolled-back) response. Each request asks for at most its own
+  rollout's limit; a generation longer than it (a lock-step turn asks for the largest limit of its
+  batch) is cut to it (a prefix of a sample is a sample of the shorter request) and marked LENGTH.
+  No generation runs past the model's context: prompts are checked against it first (context.py),
+  and a limit never exceeds what the context has left.
 - max_turns: as in the reference, a call opening the last allowed step is not executed; a retry
   is always executed (the reference regenerates it with its termination checks off).
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
-- Faults: a backend exception ends the affected rollouts with finish_reason `error` (reward 0); a
-  sandbox exception is retried call by call, and a call that still raises gets `infra_error`.
+- Faults: a backend exception ends that rollout with finish_reason `error` (reward 0), and no
+  other; a sandbox exception is retried once, and a call that still raises gets `infra_error`.
 - Model text never ends a collection: a call that cannot be read (any JSON, any depth, any size,
   code that is not valid text) is a `format_error` row, since `parse_tool_call` never raises. Text
   columns hold valid UTF-8: assistant text is decoded from token ids (a byte-level tokenizer writes
   invalid bytes as U+FFFD; the ids stay the record), and the two texts that are not, the parsed
   code and the sandbox's output, are checked (`chat.parse_tool_call`) or made valid (`_from_result`)
   where they enter the trajectory.
-- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`.
-No disk I/O here: the caller (warehouse writer) stores each yielded batch.
+- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`, on a thread
+  (a program-graded reward runs tests in a sandbox), so the other rollouts go on meanwhile.
+No disk I/O here: schedule.py hands finished rollouts to the caller, which stores them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from tqdm import tqdm
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 from cleaner.config import CollectConfig
 from cleaner.engine.collect.context import fit_prompts
-from cleaner.engine.grading.answers import compute_reward
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import (
     ChatFormat,
@@ -84,6 +88,7 @@ from cleaner.records import (
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
+    from cleaner.sandbox import ExecResult
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +135,22 @@ def rollback_draw(base_seed: int, iteration: int, prompt_id: str, sample_index: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-rollout state (private, mutable while the batch runs)
+# Per-rollout state (mutable while the rollout runs)
+
+
+class Phase(StrEnum):
+    """Where a rollout is in its story (what the progress bar counts)."""
+
+    PENDING = "pending"  # rendering its context (and scoring its IS gate)
+    GENERATING = "generating"  # waiting for its turn from the backend
+    TOOL = "tool"  # waiting for its call's outcome
+    DONE = "done"
 
 
 @dataclass
-class _State:
+class RolloutState:
+    """One rollout's record and counters while it runs."""
+
     task: Task
     iteration: int
     sample_index: int
@@ -148,6 +164,7 @@ class _State:
     turns: int = 0  # generations so far (indexes the sampling seeds)
     steps: int = 0  # steps opened so far: generations at attempt 0 (bounded by max_turns)
     finish_reason: FinishReason | None = None
+    phase: Phase = Phase.PENDING
 
     def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
@@ -168,8 +185,10 @@ class _Outcome:
     response: str
 
 
-def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_rollout_ids: frozenset[str],
-          rollout_prefix: str, context_length: int | None, strict_context: bool) -> list[_State]:
+def plan_rollouts(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_rollout_ids: frozenset[str],
+                  rollout_prefix: str, context_length: int | None, strict_context: bool) -> list[RolloutState]:
+    """Every rollout still to generate, in plan order (prompt by prompt, sample by sample), with its
+    prompt segment; prompts are checked against the context first (context.py)."""
     prompts = [chat.prompt_ids(task.messages) for task in tasks]  # the same for every sample of a group
     prompts = fit_prompts(tasks, prompts, config, context_length, strict=strict_context)
     states = []
@@ -183,7 +202,7 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_r
             view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
                             config.rollback_prob, config.similarity_on, config.rollback_is_threshold,
                             config.rollback_is_mode)
-            state = _State(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
+            state = RolloutState(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
             state.add(SegmentKind.PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
                       logprobs=None)
             states.append(state)
@@ -191,117 +210,107 @@ def _plan(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_r
 
 
 # ---------------------------------------------------------------------------------------------
-# The collection
+# One rollout's story
 
 
-def collect(
-    tasks: Sequence[Task],
-    config: CollectConfig,
-    backend,
-    sandbox,
-    chat: ChatFormat,
-    *,
-    reward_fn: Callable = compute_reward,
-    skip_rollout_ids: frozenset[str] = frozenset(),
-    on_context: Callable[[str, list[int]], None] | None = None,
-    progress: bool = True,
-    rollout_prefix: str = "",
-    strict_context: bool = True,
-) -> Iterator[CollectedBatch]:
-    """Run config.group_size rollouts per task; yield batches of config.batch_rollouts complete ones.
+class Requests(Protocol):
+    """What a rollout awaits: its generations and scores from the backend, its calls' runs from the
+    sandbox (schedule.py gives each rollout one: straight through, or held for a lock step)."""
 
-    `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
-    apart from every other's); seeds do not depend on it. Before anything is generated, every prompt
-    is checked against the backend's context length (`context.fit_prompts`): with `strict_context`
-    (collect, run) a prompt that leaves less than the response budget is a ContextError (or is
-    truncated, with `config.truncate_prompts`); without it (eval) that is a warning, and
-    generations stop at the context's end.
-    """
-    states = _plan(tasks, config, chat, skip_rollout_ids, rollout_prefix, backend.context_length, strict_context)
-    logger.info("collecting %d rollouts (%d skipped as already stored)", len(states),
-                len(tasks) * config.group_size - len(states))
-    with tqdm(total=len(states), desc="collect", unit="rollout", disable=not progress) as bar:
-        for start in range(0, len(states), config.batch_rollouts):
-            batch = states[start:start + config.batch_rollouts]
-            _run_batch(batch, config, backend, sandbox, chat, on_context)
-            rollouts = [_finish(state, config, backend, reward_fn) for state in batch]
-            segments = [segment for state in batch for segment in state.segments]
-            bar.update(len(batch))
-            yield CollectedBatch(rollouts, segments)
+    async def generate(self, state: RolloutState, context: list[int], params: SamplingParams,
+                       seed: int) -> Generation: ...
+
+    async def score(self, state: RolloutState, sequences: Sequence[Sequence[int]],
+                    starts: Sequence[int]) -> list[list[float]]: ...
+
+    async def run_code(self, code: str) -> ExecResult: ...
 
 
-def _run_batch(states: list[_State], config: CollectConfig, backend, sandbox, chat: ChatFormat,
-               on_context: Callable[[str, list[int]], None] | None) -> None:
-    active, cache, context_length = list(states), ScoreCache(), backend.context_length
-    while active:
-        renderings = _render_contexts(active, backend, chat, cache)
-        if renderings is None:
-            for state in active:
-                state.finish_reason = FinishReason.ERROR
-            return
-        contexts, limits = [], []
-        for state, rendered in zip(active, renderings, strict=True):
-            remaining = config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
-            if context_length is not None:  # binds only where the budget exceeds it (eval)
-                remaining = min(remaining, context_length - len(rendered.token_ids))
-            if remaining <= 0:
-                state.finish_reason = FinishReason.MAX_TOKENS
-                continue
-            contexts.append(list(rendered.token_ids))
-            limits.append(min(config.max_new_tokens, remaining))
-        active = [state for state in active if state.finish_reason is None]
-        if not active:
-            return
-        if on_context is not None:
-            for state, context in zip(active, contexts, strict=True):
-                on_context(state.rollout_id, context)
-        generations = _generate(active, contexts, limits, config, backend, chat)
-        if generations is None:
-            for state in active:
-                state.finish_reason = FinishReason.ERROR
-            return
-        calls = [_record_generation(s, g, config, chat) for s, g in zip(active, generations, strict=True)]
-        pending = [(state, call) for state, call in zip(active, calls, strict=True) if call is not None]
-        outcomes = _execute([call for _, call in pending], sandbox)
-        for (state, call), outcome in zip(pending, outcomes, strict=True):
-            _record_tool(state, call, outcome, config, chat)
-        active = [state for state in active if state.finish_reason is None]
+@dataclass(frozen=True)
+class Story:
+    """What every rollout of a collection shares: its config, format, context and reward."""
+
+    config: CollectConfig
+    chat: ChatFormat
+    context_length: int | None  # the model's, or None if unknown
+    reward_fn: Callable
+    policy_version: str
+    on_context: Callable[[str, list[int]], None] | None = None  # sees every context before it is generated on
 
 
-def _render_contexts(states: list[_State], backend, chat: ChatFormat, cache: ScoreCache) -> list[Rendered] | None:
-    """Each rollout's context. An IS-gated view needs the old policy's log-probs of a retry under the
-    context without the error: the backend scores every pending request of the turn in one call
-    and the contexts are rendered again. None if the backend failed."""
+async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> Rollout:
+    """Generate one rollout to its end, turn after turn: render, generate, record, run the call,
+    record its outcome, decide. Returns its row; its segments are on `state`."""
+    cache = ScoreCache()  # the IS gate's scores of this rollout's retries
+    while state.finish_reason is None:
+        state.phase = Phase.PENDING
+        rendered = await _render_context(state, story, requests, cache)
+        if rendered is None:
+            state.finish_reason = FinishReason.ERROR
+            break
+        limit = _turn_limit(rendered, story)
+        if limit <= 0:
+            state.finish_reason = FinishReason.MAX_TOKENS
+            break
+        context = list(rendered.token_ids)
+        if story.on_context is not None:
+            story.on_context(state.rollout_id, context)
+        state.phase = Phase.GENERATING
+        generation = await _generate(state, context, limit, story, requests)
+        if generation is None:
+            state.finish_reason = FinishReason.ERROR
+            break
+        call = _record_generation(state, generation, story.config, story.chat)
+        if call is None:
+            break  # answered, out of tokens, or the last step's call, which is not run
+        state.phase = Phase.TOOL
+        outcome = await _execute(call, requests)
+        _record_tool(state, call, outcome, story.config, story.chat)
+    state.phase = Phase.DONE
+    return await _finish(state, story)
+
+
+async def _render_context(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rendered | None:
+    """The rollout's context. An IS-gated view needs the old policy's log-probs of a retry under the
+    context without the error: they are scored (this rollout's requests, in one call) and the
+    context rendered again. None if the backend failed."""
     while True:
-        renderings = [render(state.segments, state.view, chat.decode, oracle=cache) for state in states]
-        if not any(rendered.provisional for rendered in renderings):
-            return renderings
+        rendered = render(state.segments, state.view, story.chat.decode, oracle=cache)
+        if not rendered.provisional:
+            return rendered
         try:
-            cache.fill(backend.score)
-        except Exception:  # a model fault ends these rollouts, never the whole collection
-            logger.exception("backend failed scoring the IS gate of %d rollouts; they end with 'error'",
-                             len(states))
+            await cache.fill_async(lambda sequences, starts: requests.score(state, sequences, starts))
+        except Exception as error:  # a model fault ends this rollout, never the collection
+            logger.warning("rollout %s: the backend failed scoring its IS gate (%r); it ends with 'error'",
+                           state.rollout_id, error)
             return None
 
 
-def _generate(states: list[_State], contexts: list[list[int]], limits: list[int],
-              config: CollectConfig, backend, chat: ChatFormat) -> list[Generation] | None:
-    """One generate call for the turn; None if the backend failed."""
-    params = SamplingParams(max_new_tokens=max(limits), stop_token_ids=tuple(chat.stop_token_ids),
+def _turn_limit(rendered: Rendered, story: Story) -> int:
+    """Tokens the next turn may take: the response budget left, within the context."""
+    remaining = story.config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
+    if story.context_length is not None:  # binds only where the budget exceeds it (eval)
+        remaining = min(remaining, story.context_length - len(rendered.token_ids))
+    return min(story.config.max_new_tokens, remaining)
+
+
+async def _generate(state: RolloutState, context: list[int], limit: int, story: Story,
+                    requests: Requests) -> Generation | None:
+    """The rollout's next turn; None if the backend failed."""
+    config = story.config
+    params = SamplingParams(max_new_tokens=limit, stop_token_ids=tuple(story.chat.stop_token_ids),
                             temperature=config.temperature, top_p=config.top_p)
-    seeds = [turn_seed(config.seed, config.iteration, s.task.prompt_id, s.sample_index, s.turns)
-             for s in states]
+    seed = turn_seed(config.seed, config.iteration, state.task.prompt_id, state.sample_index, state.turns)
     try:
-        generations = list(backend.generate(contexts, params, seeds))
-        if len(generations) != len(contexts):
-            raise RuntimeError(f"backend returned {len(generations)} generations for {len(contexts)} prompts")
-    except Exception:  # a model fault ends these rollouts, never the whole collection
-        logger.exception("backend failed on a turn of %d rollouts; they end with 'error'", len(states))
+        generation = await requests.generate(state, context, params, seed)
+    except Exception as error:  # a model fault ends this rollout, never the collection
+        logger.warning("rollout %s: the backend failed on turn %d (%r); it ends with 'error'",
+                       state.rollout_id, state.turns, error)
         return None
-    return [_cut(generation, limit) for generation, limit in zip(generations, limits, strict=True)]
+    return cut_generation(generation, limit)
 
 
-def _cut(generation: Generation, limit: int) -> Generation:
+def cut_generation(generation: Generation, limit: int) -> Generation:
     if len(generation.token_ids) <= limit:
         return generation
     return Generation(generation.token_ids[:limit], generation.logprobs[:limit], LENGTH)
@@ -317,7 +326,7 @@ class _Call:
     parsed: ToolCall  # code, or why it does not parse
 
 
-def _record_generation(state: _State, generation: Generation, config: CollectConfig,
+def _record_generation(state: RolloutState, generation: Generation, config: CollectConfig,
                        chat: ChatFormat) -> _Call | None:
     """Append the assistant segment; return its call if it is to be executed."""
     text = chat.decode(generation.token_ids)
@@ -339,7 +348,7 @@ def _record_generation(state: _State, generation: Generation, config: CollectCon
     return _Call(segment, parsed)
 
 
-def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectConfig,
+def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: CollectConfig,
                  chat: ChatFormat) -> None:
     """Append the tool segment and move (step, attempt) on for the next generation."""
     step, attempt = call.segment.step, call.segment.attempt
@@ -364,44 +373,21 @@ def _record_tool(state: _State, call: _Call, outcome: _Outcome, config: CollectC
 # Tool execution
 
 
-def _execute(calls: list[_Call], sandbox) -> list[_Outcome]:
-    """Outcomes aligned with calls: one run_many for every well-formed call of the turn."""
-    outcomes: list[_Outcome | None] = [None] * len(calls)
-    runnable = []
-    for index, call in enumerate(calls):
-        if call.parsed.code is None:
-            response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
-            outcomes[index] = _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
-        else:
-            runnable.append(index)
-    results = _run_codes([calls[index].parsed.code for index in runnable], sandbox)
-    for index, outcome in zip(runnable, results, strict=True):
-        outcomes[index] = outcome
-    return [outcome for outcome in outcomes if outcome is not None]
-
-
-def _run_codes(codes: list[str], sandbox) -> list[_Outcome]:
-    if not codes:
-        return []
-    try:
-        results = list(sandbox.run_many(codes))
-        if len(results) != len(codes):
-            raise RuntimeError(f"sandbox returned {len(results)} results for {len(codes)} codes")
-        return [_from_result(result) for result in results]
-    except Exception:  # find the call at fault: run them one by one
-        logger.exception("sandbox failed on a batch of %d calls; retrying them one by one", len(codes))
-    return [_run_one(code, sandbox) for code in codes]
-
-
-def _run_one(code: str, sandbox) -> _Outcome:
-    try:
-        (result,) = sandbox.run_many([code])
-        return _from_result(result)
-    except Exception as error:  # an infrastructure fault, a row value for this call only
-        logger.warning("sandbox failed on one call: %r", error)
-        reason = f"the sandbox failed ({type(error).__name__}); this is not an error in your code"
-        response = format_tool_response(False, "", reason, ToolStatus.INFRA_ERROR)
-        return _Outcome(ToolStatus.INFRA_ERROR, type(error).__name__, None, response)
+async def _execute(call: _Call, requests: Requests) -> _Outcome:
+    """What the call produced: a format error without running it, or the sandbox's outcome."""
+    if call.parsed.code is None:
+        response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
+        return _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
+    error: Exception | None = None
+    for attempt in range(2):  # the sandbox retries its own faults; one more try for a raise
+        try:
+            return _from_result(await requests.run_code(call.parsed.code))
+        except Exception as raised:  # an infrastructure fault, a row value for this call only
+            error = raised
+            logger.warning("sandbox failed on a call (try %d of 2): %r", attempt + 1, raised)
+    reason = f"the sandbox failed ({type(error).__name__}); this is not an error in your code"
+    response = format_tool_response(False, "", reason, ToolStatus.INFRA_ERROR)
+    return _Outcome(ToolStatus.INFRA_ERROR, type(error).__name__, None, response)
 
 
 def _from_result(result) -> _Outcome:
@@ -424,17 +410,19 @@ def _from_result(result) -> _Outcome:
 # Finishing a rollout
 
 
-def _finish(state: _State, config: CollectConfig, backend, reward_fn: Callable) -> Rollout:
+async def _finish(state: RolloutState, story: Story) -> Rollout:
+    config = story.config
     assistants = [segment for segment in state.segments if segment.kind == SegmentKind.ASSISTANT]
     tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
     reward, correct, answer = 0.0, False, None
     if state.finish_reason != FinishReason.ERROR and assistants:
-        result = reward_fn(assistants[-1].text, state.task.ground_truth, state.task.data_source)
+        result = await asyncio.to_thread(story.reward_fn, assistants[-1].text, state.task.ground_truth,
+                                         state.task.data_source)
         reward, correct, answer = float(result.reward), bool(result.correct), result.answer
     return Rollout(
         rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,
         prompt_id=state.task.prompt_id, sample_index=state.sample_index,
-        policy_version=str(backend.policy_version), data_source=state.task.data_source,
+        policy_version=str(story.policy_version), data_source=state.task.data_source,
         ground_truth=state.task.ground_truth, answer=answer, reward=reward, correct=correct,
         finish_reason=state.finish_reason or FinishReason.ERROR, rollback_draw=state.draw,
         collect_view=CollectView.PURIFIED if state.view.purified else CollectView.RAW,

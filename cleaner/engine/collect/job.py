@@ -8,8 +8,8 @@ loaded backend or model, rows read) and whether to show progress. The CLI builds
 its flags and calls one job per command; `cleaner run` (cleaner/loop/) builds the same requests and
 chains the stages' jobs in each process of a run, handing the loaded model from stage to stage.
 
-Idempotence and resume: batches of complete rollouts are committed atomically; `resume` skips
-committed ids. One writer per iteration (or shard of it): the job holds the warehouse's collect
+Idempotence and resume: parts of finished rollouts are committed atomically as they finish;
+`resume` skips committed ids, and may schedule differently (the schedule is not the config's identity). One writer per iteration (or shard of it): the job holds the warehouse's collect
 lock of the iteration from before it reads what is stored (cleaner.warehouse.lock), so a second
 collect of it is refused at once instead of storing every rollout twice.
 """
@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 
 from cleaner.config import UNSHARDED, CollectConfig, Shard
-from cleaner.engine.collect.agent import collect, rollout_key
+from cleaner.engine.collect.agent import rollout_key
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
@@ -110,7 +111,9 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
     n_written = 0
     if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
-                                 sglang_url=config.sglang_url, seed=iteration_seed(config))
+                                 sglang_url=config.sglang_url, seed=iteration_seed(config),
+                                 deterministic=config.deterministic_inference,
+                                 mem_fraction=config.sglang_mem_fraction)
         with serving_backend(backend, load) as serving:
             if serving.tokenizer is None:
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
@@ -132,9 +135,10 @@ def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match:
     """An iteration holds the rollouts of one config: resuming it, or adding a shard to rollouts
     that are already there, needs the config it was started with."""
     saved = warehouse.collect_config(config.iteration)
-    if must_match and saved is not None and json.loads(saved) != json.loads(config.to_json()):
+    if must_match and saved is not None and CollectConfig.identity_of(saved) != CollectConfig.identity_of(config.to_json()):
         raise JobError(f"iteration {config.iteration} was collected with another config; "
-                       "resuming it or collecting another shard of it needs the same options")
+                       "resuming it or collecting another shard of it needs the same options (how rollouts "
+                       "are scheduled may differ: --batch-rollouts, --max-concurrent-rollouts, --schedule)")
 
 
 def collected_policy(warehouse: Warehouse, iteration: int) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cleaner.config import EvalConfig
-from cleaner.engine.collect.agent import collect
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.eval.metrics import eval_metrics
@@ -64,7 +64,9 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
         with make_sandbox(config.sandbox) as sandbox, grading as grader:
             for model in dict.fromkeys(plan.model for plan in todo):  # one model served at a time
                 load = functools.partial(load_backend, config.backend, model, device=config.device,
-                                         sglang_url=config.sglang_url)
+                                         sglang_url=config.sglang_url,
+                                         deterministic=config.deterministic_inference,
+                                         mem_fraction=config.sglang_mem_fraction)
                 with serving_backend(backends.get(model), load) as serving:
                     if serving.tokenizer is None:
                         raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "
@@ -86,7 +88,8 @@ def _warm_up(backend: Backend, sandbox, task: Task) -> None:
 
 def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, grader: Grader,
               progress: bool) -> None:
-    """Generate an evaluation's missing rollouts in committed batches, then write its eval_runs row."""
+    """Generate an evaluation's missing rollouts, committed in parts as they finish, then write its
+    eval_runs row."""
     config, eval_id = plan.collect_config, plan.eval_id
     warehouse.save_eval_config(eval_id, config.to_json())
     stored = warehouse.eval_rollout_ids(eval_id)

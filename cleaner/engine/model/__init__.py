@@ -33,14 +33,16 @@ def require_backend(kind: str, sglang_url: str | None = None) -> None:
 
 
 def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: str | None = None,
-                 sglang_url: str | None = None, seed: int = 0) -> Backend:
+                 sglang_url: str | None = None, seed: int = 0, *, deterministic: bool = True,
+                 mem_fraction: float | None = None) -> Backend:
     """A ready backend serving `model_path`.
 
     dtype is a torch dtype name (float32, bfloat16, float16); None means float32 for torch and for
     an SGLang engine on CPU, and the checkpoint's own dtype for one on a GPU. `device` is the torch
     backend's device or the SGLang engine's (cpu, or its first GPU); a server ignores it. `seed` is
     an SGLang engine's random seed (what makes its sampling reproducible where per-request seeds
-    are not honoured); the other backends take one seed per request instead.
+    are not honoured); the other backends take one seed per request instead. `deterministic` and
+    `mem_fraction` are an SGLang engine's on a GPU (sglang_engine.py); the others ignore them.
     """
     require_backend(kind, sglang_url)
     if kind == "torch":
@@ -56,7 +58,8 @@ def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: 
         return SGLangServerBackend(sglang_url, model_path)
     from cleaner.engine.model.sglang_engine import SGLangBackend  # (start-up time)
 
-    return SGLangBackend(model_path, device=device, dtype=dtype, seed=seed)
+    return SGLangBackend(model_path, device=device, dtype=dtype, seed=seed, deterministic=deterministic,
+                         mem_fraction=mem_fraction)
 
 
 @contextlib.contextmanager

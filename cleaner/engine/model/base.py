@@ -18,12 +18,22 @@ Design decisions:
   backend forwards each radix-tree edge once on its own model (trie_scorer.py); a remote engine
   sends one request per edge and lets its own prefix cache hold the shared paths
   (backend_scorer.py).
+- Two ways to ask: the batch methods (`generate`, `score`: lists in, lists out) for purify, eval's
+  warm-up and tests, and the request methods (`generate_async`, `score_async`: one request,
+  awaited) for the agent loop, in which every rollout awaits its own turns (docs/architecture.md
+  §5). A request carries its `session` (the rollout's id), so a backend with several servers sends
+  all of a rollout's requests to one of them and its prefix cache keeps the rollout's context. A
+  request that fails raises for its caller alone. `event_loop` names the loop the request methods
+  must be awaited on where the engine has one of its own (SGLang's in-process engine), else None.
+- `release_memory` / `resume_memory`: what an engine on the trainer's GPU gives up while `cleaner
+  run` trains (docs/architecture.md §9); a no-op where nothing is held beyond the model.
 - Expected failures (an optional extra not installed, a server that refuses a request) are
   `BackendError`s, which the CLI prints as one line.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,12 +140,42 @@ class Backend(Protocol):
         """
         ...
 
+    async def generate_async(
+        self, prompt: Sequence[int], params: SamplingParams, seed: int, session: str | None = None
+    ) -> Generation:
+        """`generate` for one prompt, awaited; the engine batches it with whatever else is running."""
+        ...
+
+    async def score_async(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int], session: str | None = None
+    ) -> list[list[float]]:
+        """`score`, awaited (the IS gate's requests of one rollout)."""
+        ...
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the request methods must run on; None: any."""
+        ...
+
+    async def close_requests(self) -> None:
+        """Close what the request methods opened on the running loop (a connection pool), before
+        the caller's loop ends."""
+        ...
+
     def scorer(self, progress: bool = False) -> RowScorer:
         """The scorer purify uses for this backend's weights (`progress`: a progress bar)."""
         ...
 
     def adopt(self, model_path: str | Path) -> None:
         """Serve the checkpoint just saved at `model_path` from now on (a new policy version)."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give up the GPU memory generation holds (weights, KV cache) until `resume_memory`."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take back what `release_memory` gave up; `adopt` then loads the weights to serve."""
         ...
 
     def close(self) -> None:

@@ -1,13 +1,15 @@
 """What both SGLang backends share (docs/architecture.md §6): the checkpoint they serve, and
 generation and scoring built on one way to send request bodies.
 
-The in-process engine (`sglang_engine.py`) sends a batch to `Engine.generate`; the server client
-(`sglang_server.py`) POSTs each body to `/generate`. Everything else, from the request bodies to the
-checks on what comes back, is the same, and lives here over `_send`.
+The in-process engine (`sglang_engine.py`) sends a batch to `Engine.generate`, or awaits
+`Engine.async_generate`; the server client (`sglang_server.py`) POSTs each body to `/generate`.
+Everything else, from the request bodies to the checks on what comes back, is the same, and lives
+here over `_send` (a batch, blocking) and `_send_async` (one rollout's bodies, awaited).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,23 @@ class SGLangRequests:
         """The responses to `bodies`, in order; none for none."""
         raise NotImplementedError
 
+    async def _send_async(self, bodies: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
+        """`_send`, awaited; `session` keeps one rollout's requests on one server."""
+        raise NotImplementedError
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        return None
+
+    async def close_requests(self) -> None:
+        """Close what the request methods opened on the running loop (none here)."""
+
+    def release_memory(self) -> None:
+        """Nothing is held here (an engine in this process overrides it)."""
+
+    def resume_memory(self) -> None:
+        """See `release_memory`."""
+
     @property
     def model_path(self) -> Path:
         return self._model_path
@@ -85,10 +104,28 @@ class SGLangRequests:
         bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
         return [generation_from_response(r) for r in self._send(bodies)]
 
+    async def generate_async(self, prompt: Sequence[int], params: SamplingParams, seed: int,
+                             session: str | None = None) -> Generation:
+        check_generate_inputs([prompt], [seed])
+        (response,) = await self._send_async([generate_body(prompt, params, seed)], session)
+        return generation_from_response(response)
+
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         check_score_inputs(sequences, starts)
         asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
-        responses = self._send([score_body(sequences[i], starts[i]) for i in asked])
+        return self._read_scores(sequences, starts, asked,
+                                 self._send([score_body(sequences[i], starts[i]) for i in asked]))
+
+    async def score_async(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                          session: str | None = None) -> list[list[float]]:
+        check_score_inputs(sequences, starts)
+        asked = [i for i, (s, p) in enumerate(zip(sequences, starts, strict=True)) if p < len(s)]
+        bodies = [score_body(sequences[i], starts[i]) for i in asked]
+        responses = await self._send_async(bodies, session) if bodies else []
+        return self._read_scores(sequences, starts, asked, responses)
+
+    def _read_scores(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], asked: list[int],
+                     responses: list[dict[str, Any]]) -> list[list[float]]:
         results: list[list[float]] = [[] for _ in sequences]
         for i, response in zip(asked, responses, strict=True):
             results[i] = input_logprobs_from_response(response, sequences[i], starts[i], self.vocab_size)

@@ -15,13 +15,23 @@ Design decisions:
   work there (`CPU_ENGINE_OPTIONS`: PyTorch-native attention and sampling, no CUDA graphs, no
   overlap schedule, a fixed KV budget because the automatic memory fraction resolves to a negative
   number on a small machine, float32). Options passed as keyword arguments win.
-- Seeds. On a GPU, deterministic inference is on by default: SGLang honours per-request seeds only
-  with it, and the project's seeds and `--resume` rely on a seed giving the same rollout. It
+- Seeds. On a GPU, deterministic inference (`deterministic=True`, the default; docs/running.md says
+  why) makes SGLang honour per-request seeds with batch-invariant kernels, so a rollout is the same
+  whatever ran beside it and a resumed or sharded collection writes what one uninterrupted run
+  writes. `deterministic=False` trades that for SGLang's faster kernels. Deterministic inference
   refuses PyTorch-native attention, so on CPU it is off and per-request seeds are ignored; the
-  engine's `random_seed` (`seed`) then makes a whole run reproducible from one start, and greedy
-  decoding is deterministic.
+  engine's `random_seed` (`seed`) then makes a run reproducible only where the requests arrive in
+  the same order (lock step), and greedy decoding is deterministic.
 - One `Engine.generate` call per `generate` or `score`, with per-request lists: the engine batches
-  them itself. Purify's scorer is `BackendScorer` over `score`: one request per radix-tree edge,
+  them itself. The agent loop's requests go through `Engine.async_generate` on the engine's own
+  event loop (`event_loop`), where SGLang's tokenizer manager receives its results: each rollout
+  awaits its own request and the engine's scheduler batches whatever is running.
+- Memory (`release_memory`, `resume_memory`): on a GPU the engine starts with SGLang's memory saver
+  (`enable_memory_saver`, which needs the `torch_memory_saver` package), so `cleaner run` on one
+  GPU hands the weights' and KV cache's memory to the trainer and takes it back after
+  (`release_memory_occupation` / `resume_memory_occupation`); `adopt` then loads the new weights
+  into the resumed memory. `mem_fraction_static` (None: SGLang's default) is the share of the
+  GPU the engine takes for weights and KV cache while it serves. Purify's scorer is `BackendScorer` over `score`: one request per radix-tree edge,
   so RadixAttention holds the shared paths (backend_scorer.py); `tokens_computed` counts what the
   engine says it computed (prompt tokens minus `cached_tokens`).
 - New weights: `update_weights_from_disk(path)`, which waits for running requests and flushes the
@@ -86,7 +96,8 @@ def engine_device(device: str) -> tuple[str, int]:
                        "pass --sglang-url for a running server")
 
 
-def engine_options(device: str, dtype: str | None, seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def engine_options(device: str, dtype: str | None, seed: int, overrides: dict[str, Any], *,
+                   deterministic: bool = True, mem_fraction: float | None = None) -> dict[str, Any]:
     """The keyword arguments of `sglang.Engine` (besides model_path) for `device`."""
     kind, index = engine_device(device)
     options: dict[str, Any] = {"skip_tokenizer_init": True, "random_seed": int(seed), "log_level": "warning"}
@@ -94,7 +105,10 @@ def engine_options(device: str, dtype: str | None, seed: int, overrides: dict[st
         options.update(CPU_ENGINE_OPTIONS, device="cpu", dtype=dtype or "float32",
                        enable_deterministic_inference=False)
     else:
-        options.update(base_gpu_id=index, dtype=dtype or "auto", enable_deterministic_inference=True)
+        options.update(base_gpu_id=index, dtype=dtype or "auto", enable_deterministic_inference=deterministic,
+                       enable_memory_saver=True)
+        if mem_fraction is not None:
+            options["mem_fraction_static"] = mem_fraction
     options.update(overrides)
     return options
 
@@ -143,8 +157,11 @@ class SGLangBackend(SGLangRequests):
     """Generation and scoring on an in-process `sglang.Engine`."""
 
     def __init__(self, model_path: str | Path, device: str = "cuda", dtype: str | None = None,
-                 seed: int = 0, **engine_kwargs: Any) -> None:
-        options = engine_options(device, dtype, seed, engine_kwargs)  # a bad device fails first
+                 seed: int = 0, *, deterministic: bool = True, mem_fraction: float | None = None,
+                 **engine_kwargs: Any) -> None:
+        options = engine_options(device, dtype, seed, engine_kwargs, deterministic=deterministic,
+                                 mem_fraction=mem_fraction)  # a bad device fails first
+        self.memory_saver = bool(options.get("enable_memory_saver"))
         sglang = import_sglang(device)
         self._read_checkpoint(model_path)
         logging.getLogger("sglang").setLevel(options["log_level"].upper())  # its loggers in this process
@@ -163,6 +180,23 @@ class SGLangBackend(SGLangRequests):
         self._serve(model_path)
         log.info("sglang engine now serves %s as %s", model_path, self._policy_version)
 
+    @property
+    def event_loop(self):
+        """SGLang's tokenizer manager receives results on the loop the engine was started with."""
+        return self.engine.loop
+
+    def release_memory(self) -> None:
+        """Free the weights' and the KV cache's GPU memory (memory saver); a no-op without it."""
+        if self.memory_saver:
+            self.engine.release_memory_occupation()
+            log.info("sglang engine released its GPU memory")
+
+    def resume_memory(self) -> None:
+        """Take the memory back; the weights in it are stale until `adopt` loads a checkpoint."""
+        if self.memory_saver:
+            self.engine.resume_memory_occupation()
+            log.info("sglang engine resumed its GPU memory")
+
     def close(self) -> None:
         self.engine.shutdown()  # SIGKILLs every child process of this process (SGLang's way) ...
         atexit.unregister(self.engine.shutdown)  # ... and would again at exit, registered at start
@@ -172,3 +206,9 @@ class SGLangBackend(SGLangRequests):
     def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One batch to the engine."""
         return responses_of(self.engine.generate(**batch_body(bodies)), len(bodies)) if bodies else []
+
+    async def _send_async(self, bodies: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
+        """One batch, awaited on the engine's loop (one engine: no server to choose)."""
+        if not bodies:
+            return []
+        return responses_of(await self.engine.async_generate(**batch_body(bodies)), len(bodies))

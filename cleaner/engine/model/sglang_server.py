@@ -4,11 +4,17 @@ Run against real SGLang 0.5.23 servers on CPU and sglang-router 0.3.2 in front o
 127.0.0.1 (`make test-sglang`: the contract suite on a server, `cleaner run` through the router).
 
 Design decisions:
-- Standard library only (urllib, json, a thread pool): a client machine needs nothing installed
-  beyond cleaner itself, and no sglang.
-- Every request is a single `/generate` body, sent concurrently (`max_concurrency` in flight).
-  A router takes per-request seeds and starts only one request at a time (sglang_wire.py) and
-  spreads single requests over its workers; a plain server batches concurrent requests itself.
+- HTTP through httpx (a client machine needs nothing beyond cleaner's own dependencies, and no
+  sglang): the control plane (workers, model info, weight updates) with a blocking client, the
+  requests with an `AsyncClient` per event loop and its connection pool (`max_concurrency`
+  connections, kept alive; a request beyond them waits for a free one).
+- Every request is a single `/generate` body. A router takes per-request seeds and starts only
+  one request at a time (sglang_wire.py); a server batches concurrent requests itself.
+- Where several servers serve (a router's workers), the agent loop's requests go straight to them,
+  each rollout to one (`StickyRoutes`: a rollout's first request goes to the server with the fewest
+  requests in flight, every later one to the same server), so the rollout's growing context stays in
+  one radix cache, as verl's server manager keeps a request id on its server. The batch requests
+  (purify's scorer, eval's warm-up) go to the URL given, whose router spreads them by its own policy.
 - Weights: `POST /update_weights_from_disk` with the checkpoint path, which every server must see
   at the same path (a shared filesystem). A router has no such endpoint, so the workers are found
   once, at start: `GET /workers` (the model gateway, sglang-router >= 0.2) or `GET /list_workers`
@@ -27,14 +33,16 @@ Design decisions:
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
 import os
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from cleaner.engine.model.sglang_common import SGLangRequests
 from cleaner.engine.model.sglang_wire import (
@@ -50,32 +58,41 @@ from cleaner.engine.model.sglang_wire import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONCURRENCY = 64  # requests in flight; enough to keep a few servers' batches full
+# Connections to the servers, all together: enough to keep several servers' running batches full
+# (SGLang runs up to a few hundred requests at once on a GPU); requests beyond it wait for one.
+DEFAULT_CONCURRENCY = 512
+MAX_REMEMBERED_SESSIONS = 100_000  # rollouts whose server is remembered (least recently used go)
 
 
 # ---------------------------------------------------------------------------- HTTP
 
 
+def _parsed(response: httpx.Response) -> tuple[int, Any]:
+    """(status, parsed JSON body, or its text when it is not JSON)."""
+    if not response.content:
+        return response.status_code, None
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, response.text
+
+
 def http_json(url: str, body: dict[str, Any] | None, timeout_s: float) -> tuple[int, Any]:
     """GET (body None) or POST JSON; (status, parsed body or text). Unreachable -> EngineError."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as error:
-        status, raw = error.code, error.read()
-    except (urllib.error.URLError, OSError) as error:
+        response = (httpx.get(url, timeout=timeout_s) if body is None
+                    else httpx.post(url, json=body, timeout=timeout_s))
+    except httpx.HTTPError as error:
         raise EngineError(f"cannot reach sglang at {url}: {error}") from error
-    try:
-        return status, json.loads(raw) if raw else None
-    except json.JSONDecodeError:
-        return status, raw.decode(errors="replace")
+    return _parsed(response)
 
 
-def post_ok(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
     """POST and return the parsed answer; a non-2xx status is an EngineError with SGLang's message."""
-    status, payload = http_json(url, body, timeout_s)
+    try:
+        status, payload = _parsed(await client.post(url, json=body))
+    except httpx.HTTPError as error:
+        raise EngineError(f"cannot reach sglang at {url}: {error!r}") from error
     if not 200 <= status < 300:
         raise EngineError(f"POST {url}: HTTP {status}: {error_message(payload)}")
     return payload
@@ -103,6 +120,36 @@ def served_checkpoint(worker: str, timeout_s: float) -> str | None:
     return None
 
 
+class StickyRoutes:
+    """Which server each rollout's requests go to: the least busy for its first request, the same
+    one after (see the module's notes)."""
+
+    def __init__(self, servers: list[str]) -> None:
+        self.in_flight = dict.fromkeys(servers, 0)
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+
+    def server_for(self, session: str | None) -> str:
+        if session is not None and session in self.sessions:
+            self.sessions.move_to_end(session)
+            return self.sessions[session]
+        server = min(self.in_flight, key=self.in_flight.__getitem__)  # the first of the least busy
+        if session is not None:
+            self.sessions[session] = server
+            if len(self.sessions) > MAX_REMEMBERED_SESSIONS:
+                self.sessions.popitem(last=False)
+        return server
+
+    @contextlib.contextmanager
+    def request(self, session: str | None) -> Iterator[str]:
+        """The server for `session`, counted as busy while the request runs."""
+        server = self.server_for(session)
+        self.in_flight[server] += 1
+        try:
+            yield server
+        finally:
+            self.in_flight[server] -= 1
+
+
 # ---------------------------------------------------------------------------- backend
 
 
@@ -118,6 +165,8 @@ class SGLangServerBackend(SGLangRequests):
         self.timeout_s = timeout_s
         self._read_checkpoint(model_path)
         self.workers = discover_workers(self.url, timeout_s)
+        self.routes = StickyRoutes(self.workers)
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
         self._serve(model_path)
         for worker in self.workers:
@@ -148,14 +197,40 @@ class SGLangServerBackend(SGLangRequests):
     # ------------------------------------------------------------------------ requests
 
     def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """POST every body to `/generate`, `max_concurrency` at a time; responses in body order."""
-        def one(body: dict[str, Any]) -> dict[str, Any]:
-            (response,) = responses_of(post_ok(self.url + "/generate", body, self.timeout_s), 1)
-            return response
+        """POST every body to the URL's `/generate` at once (at most `max_concurrency` connections);
+        responses in body order."""
+        async def send_all() -> list[dict[str, Any]]:
+            async with self._new_client() as client:
+                return await asyncio.gather(*[self._post(client, self.url, body) for body in bodies])
 
-        if not bodies:
-            return []
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
-            return list(pool.map(one, bodies))
+        return asyncio.run(send_all()) if bodies else []
+
+    async def _send_async(self, bodies: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
+        """POST one rollout's bodies to its server (`StickyRoutes`), on this loop's connection pool."""
+        client = self._client()
+        with self.routes.request(session) as server:
+            return list(await asyncio.gather(*[self._post(client, server, body) for body in bodies]))
+
+    async def close_requests(self) -> None:
+        """Close the running loop's connection pool."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    async def _post(self, client: httpx.AsyncClient, server: str, body: dict[str, Any]) -> dict[str, Any]:
+        (response,) = responses_of(await post_ok_async(client, server + "/generate", body), 1)
+        return response
+
+    def _client(self) -> httpx.AsyncClient:
+        """The running loop's client (an httpx client belongs to the loop it first ran on)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            client = self._clients[loop] = self._new_client()
+        return client
+
+    def _new_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s, pool=None))
 
 

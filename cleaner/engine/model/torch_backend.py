@@ -1,11 +1,13 @@
 """Generation and naive scoring with a transformers causal LM, on CPU or one GPU.
 
 Design decisions:
-- `generate` batches every prompt: left padding, a 2-D attention mask and position ids that start
-  at 0 on each row's first real token, one prefill, then one decode step per token with the KV
-  cache. Finished rows (stop token emitted or `max_new_tokens` reached) are dropped from the batch
-  and its cache, so they cost nothing afterwards.
-- Each row samples with its own CPU `torch.Generator` seeded with `seeds[i]`: the row draws one
+- Generation is continuous batching (torch_batching.py): left padding, a 2-D attention mask and
+  position ids that start at 0 on each row's first real token; rows that end leave the batch and
+  its cache at once. `generate` (a list of prompts) runs one batch to its end in the caller's
+  thread; `generate_async` (one prompt, the agent loop's) joins the batch a decoding thread keeps
+  running, at the next step, so the rollouts that wait for a turn always decode together however
+  their tools and turns interleave.
+- Each row samples with its own CPU `torch.Generator` seeded with its seed: the row draws one
   uniform per step and the token is found by inverse CDF on the device. A row's random stream
   therefore does not depend on which other prompts share the batch, and the RNG never leaves CPU.
 - The behaviour log-prob of a sampled token is its log-prob under the distribution actually
@@ -13,32 +15,34 @@ Design decisions:
   0 (greedy) the sampling distribution is a point mass, so we report the plain log-softmax of the
   raw logits instead (the informative number, and what a T=1 scorer would give).
 - `score` is the NAIVE reference: one full forward per sequence (right-padded batches). The
-  prefix-reusing scorer lives in `trie_scorer.py` and is tested against this.
+  prefix-reusing scorer lives in `trie_scorer.py` and is tested against this. `score_async` runs it
+  on the decoding thread between two steps, so two forwards never share the model at once.
 - `policy_version` = checkpoint dir name + short content hash of the weight files
   (`cleaner.engine.model.loading.policy_version_of`).
 - The in-memory model is this backend's own, beyond the Backend protocol: purify's scorer
   (`scorer()`, the prefix-trie scorer) runs on it, and `cleaner run` trains it in place
   (`train_in_place()`), so no phase reloads weights. `adopt(path)` after such training only takes
   the saved checkpoint's name and version; after anything else it loads the weights from `path`.
+  The decoding thread starts a new batch on whatever `self.model` is when its batch is empty, so
+  weights change only between collections (the run loop trains and adopts while nothing decodes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from cleaner.engine.model.base import (
-    LENGTH,
-    STOP,
     Generation,
     SamplingParams,
     check_generate_inputs,
     check_score_inputs,
 )
-from cleaner.engine.model.kv import causal_forward, kv_select, target_logprobs
+from cleaner.engine.model.kv import causal_forward, target_logprobs
 from cleaner.engine.model.loading import (
     check_device,
     context_length,
@@ -46,50 +50,17 @@ from cleaner.engine.model.loading import (
     load_tokenizer_if_present,
     policy_version_of,
 )
+from cleaner.engine.model.torch_batching import (
+    DEFAULT_MAX_ROWS,
+    DEFAULT_MAX_TOKENS,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeServer,
+    run_to_end,
+)
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------- sampling
-
-
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Log-probs of the distribution a row is sampled from. logits (B, V) -> (B, V) float32.
-
-    temperature 0 returns the raw log-softmax (greedy reports its token's untempered log-prob).
-    """
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    if temperature > 0 and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
-        outside = mass_before >= top_p  # the first token is always kept
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits.log_softmax(dim=-1)
-
-
-def draw_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling. logprobs (B, V), uniforms (B,) in [0, 1) -> token ids (B,)."""
-    cdf = logprobs.exp().cumsum(dim=-1)  # (B, V)
-    targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
-    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # (B,)
-    return tokens.clamp(max=cdf.shape[-1] - 1)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
-    """Left-padded ids (B, T), attention mask (B, T) and position ids (B, T)."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt):] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return input_ids.to(device), attention_mask.to(device), position_ids.to(device)
-
 
 # ---------------------------------------------------------------------------- backend
 
@@ -103,6 +74,8 @@ class TorchBackend:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         max_batch_tokens: int = 8192,  # naive score: rows x padded length per forward
+        max_running_rows: int = DEFAULT_MAX_ROWS,  # generate_async: rows decoding at once
+        max_running_tokens: int = DEFAULT_MAX_TOKENS,  # generate_async: rows x padded cache width
     ) -> None:
         self.device = check_device(device)
         self.dtype = dtype
@@ -113,6 +86,7 @@ class TorchBackend:
         self._policy_version = ""
         self._trained_in_place = False  # train_in_place() handed the model out since the last adopt
         self.reload(model_path)
+        self._server = DecodeServer(self._new_batch, max_running_rows, max_running_tokens)
 
     @property
     def model_path(self) -> Path:
@@ -165,8 +139,28 @@ class TorchBackend:
         """The prefix-trie scorer on this backend's model (the model must use sdpa or eager)."""
         return PrefixTrieScorer(self.model, device=self.device, progress=progress)
 
+    @property
+    def event_loop(self) -> None:
+        """Any event loop will do: results come back from the decoding thread thread-safely."""
+        return None
+
+    @property
+    def decode_stats(self) -> tuple[int, int]:
+        """(decode steps, rows over those steps) of the decoding thread: the mean batch it ran."""
+        return self._server.steps, self._server.rows_stepped
+
+    async def close_requests(self) -> None:
+        """Nothing is opened per event loop."""
+
+    def release_memory(self) -> None:
+        """Nothing held beyond the model, which `cleaner run` trains in place."""
+
+    def resume_memory(self) -> None:
+        """See `release_memory`."""
+
     def close(self) -> None:
-        """Nothing to release: the model is freed with the backend."""
+        """Stop the decoding thread; the model is freed with the backend."""
+        self._server.close()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor], policy_version: str) -> None:
         """Copy new weights in place (same architecture); the caller names the new version.
@@ -183,63 +177,43 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------ generate
 
-    @torch.inference_mode()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[Generation]:
-        """Sample one continuation per prompt, all prompts in one left-padded batch."""
+        """Sample one continuation per prompt, all prompts admitted to one batch at once."""
         check_generate_inputs(prompts, seeds)
-        if not prompts:
-            return []
-        generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
-        stop_ids = set(params.stop_token_ids)
-        outputs: list[list[tuple[int, float]]] = [[] for _ in prompts]
-        finish = [LENGTH] * len(prompts)
+        results: list[Generation | BaseException | None] = [None] * len(prompts)
 
-        input_ids, attention_mask, position_ids = left_pad(prompts, self.pad_id, self.device)
-        step = causal_forward(self.model, input_ids, attention_mask, position_ids, logits_to_keep=1)
-        active = list(range(len(prompts)))  # original index of each batch row
-        next_positions = position_ids[:, -1:] + 1  # (B, 1)
-        for _ in range(params.max_new_tokens):
-            tokens, token_logprobs = self._sample(step.logits[:, -1], params, [generators[i] for i in active])
-            keep = []
-            sampled = zip(tokens.tolist(), token_logprobs.tolist(), strict=True)  # one device sync
-            for row, (index, token_and_logprob) in enumerate(zip(active, sampled, strict=True)):
-                outputs[index].append(token_and_logprob)
-                if outputs[index][-1][0] in stop_ids:
-                    finish[index] = STOP
-                elif len(outputs[index]) < params.max_new_tokens:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):  # drop finished rows from the batch and the cache
-                rows = torch.tensor(keep, device=self.device)
-                step_kv, tokens = kv_select(step.kv, rows), tokens[rows]
-                attention_mask, next_positions = attention_mask[rows], next_positions[rows]
-                active = [active[row] for row in keep]
-            else:
-                step_kv = step.kv
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
-            step = causal_forward(
-                self.model, tokens.unsqueeze(-1), attention_mask, next_positions, past=step_kv
-            )
-            next_positions = next_positions + 1
-        return [
-            Generation(tuple(t for t, _ in out), tuple(lp for _, lp in out), reason)
-            for out, reason in zip(outputs, finish, strict=True)
-        ]
+        def keep(index: int) -> Callable[[Generation | BaseException], None]:
+            return lambda result: results.__setitem__(index, result)
 
-    def _sample(
-        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits (B, V) -> sampled tokens (B,) and their behaviour log-probs (B,)."""
-        logprobs = sampling_logprobs(logits, params.temperature, params.top_p)  # (B, V)
-        if params.temperature == 0:
-            tokens = logits.argmax(dim=-1)
-        else:
-            uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])  # (B,)
-            tokens = draw_tokens(logprobs, uniforms)
-        return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        requests = [DecodeRequest(tuple(int(t) for t in prompt), params, int(seed), keep(index))
+                    for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))]
+        run_to_end(self._new_batch(), requests)
+        return [result for result in results]  # run_to_end ends every request
+
+    async def generate_async(self, prompt: Sequence[int], params: SamplingParams, seed: int,
+                             session: str | None = None) -> Generation:
+        """One continuation, sampled in the running batch of the decoding thread (torch_batching.py)."""
+        check_generate_inputs([prompt], [seed])
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(result: Generation | BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        self._server.submit(DecodeRequest(tuple(int(t) for t in prompt), params, int(seed), done,
+                                          cancelled=future.cancelled))
+        return await future
+
+    async def score_async(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                          session: str | None = None) -> list[list[float]]:
+        """`score`, run on the decoding thread between two of its steps."""
+        check_score_inputs(sequences, starts)
+        return await asyncio.wrap_future(self._server.call(lambda: self.score(sequences, starts)))
+
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self.model, self.device, self.pad_id)
 
     # ------------------------------------------------------------------------ score (naive)
 
@@ -265,6 +239,16 @@ class TorchBackend:
         logprobs = target_logprobs(logits[:, :-1], input_ids[:, 1:]).cpu()  # (B, T-1)
         for row, (seq, index) in enumerate(zip(rows, indices, strict=True)):
             results[index] = logprobs[row, starts[index] - 1 : len(seq) - 1].tolist()
+
+
+def _settle(future: asyncio.Future, result: Generation | BaseException) -> None:
+    """Hand a decoding thread's result to its waiter (on the waiter's loop), unless it gave up."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -20,7 +20,7 @@ Design decisions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,7 @@ class Gate:
 
 
 ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[int]], list[list[float]]]
+AsyncScoreFn = Callable[[Sequence[Sequence[int]], Sequence[int]], Awaitable[list[list[float]]]]
 
 
 class ScoreCache:
@@ -86,9 +87,18 @@ class ScoreCache:
     def fill(self, score: ScoreFn) -> int:
         """Score every pending request in one call; returns how many were scored."""
         keys = list(self.pending)
-        if not keys:
-            return 0
-        results = score([key[0] for key in keys], [key[1] for key in keys])
+        if keys:
+            self._store(keys, score([key[0] for key in keys], [key[1] for key in keys]))
+        return len(keys)
+
+    async def fill_async(self, score: AsyncScoreFn) -> int:
+        """`fill` with a scorer that is awaited (the agent loop's, one rollout's requests)."""
+        keys = list(self.pending)
+        if keys:
+            self._store(keys, await score([key[0] for key in keys], [key[1] for key in keys]))
+        return len(keys)
+
+    def _store(self, keys: list[tuple[tuple[int, ...], int]], results: list[list[float]]) -> None:
         if len(results) != len(keys):
             raise ValueError(f"scorer returned {len(results)} results for {len(keys)} sequences")
         for key, result in zip(keys, results, strict=True):
@@ -96,5 +106,4 @@ class ScoreCache:
                 raise ValueError(f"scorer returned {len(result)} logprobs for {len(key[0]) - key[1]} "
                                  f"tokens after position {key[1]}")
             self.scores[key] = tuple(float(value) for value in result)
-        self.pending.clear()
-        return len(keys)
+            self.pending.pop(key, None)

@@ -4,20 +4,25 @@ The fakes have exactly the interfaces the loop codes against: a character-level 
 ChatML/tool special tokens wrapped in the real ChatFormat, a backend whose output for a request is
 looked up by its seed (the loop's own `turn_seed`, so a script says "rollout r, turn t writes X"),
 and a sandbox whose outcome is read from the code: `oops` -> NameError, `CRASH` -> the sandbox
-itself raises, anything else succeeds and prints the code.
+itself raises, anything else succeeds and prints the code. Both answer the loop's awaited requests;
+`waves` records how many requests arrived together (within one turn of the event loop), which is
+what tells lock step from each rollout on its own clock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 
 from cleaner.config import CollectConfig, PurifyConfig
-from cleaner.engine.collect.agent import CollectedBatch, collect, rollback_draw, turn_seed
+from cleaner.engine.collect.agent import CollectedBatch, rollback_draw, turn_seed
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.model.base import LENGTH, STOP, Generation
 from cleaner.engine.model.chat import (
@@ -30,6 +35,7 @@ from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, render, view_for
 from cleaner.sandbox import ExecResult, ExecStatus
+from tests.factories import RequestsOverBatch, RunAsync
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
             "</tool_response>")
@@ -78,7 +84,25 @@ def fake_score(sequences, starts):
             for s, start in zip(sequences, starts, strict=True)]
 
 
-class ScriptedBackend:
+class Waves:
+    """Counts the requests that arrive together: each waits one turn of the event loop, and the
+    first to wake closes its wave."""
+
+    def __init__(self):
+        self.sizes: list[int] = []  # requests per wave, in order
+        self.limits: list[set[int]] = []  # the max_new_tokens asked for in each wave
+        self._open: list[int] = []
+
+    async def arrive(self, limit: int = 0) -> None:
+        self._open.append(limit)
+        await asyncio.sleep(0)
+        if self._open:
+            self.sizes.append(len(self._open))
+            self.limits.append(set(self._open))
+            self._open = []
+
+
+class ScriptedBackend(RequestsOverBatch):
     """Request with seed s writes script[s]; logprob of token k of any request is -(k + 1) / 100."""
 
     policy_version = "fake-policy@1"
@@ -93,11 +117,14 @@ class ScriptedBackend:
                 self.texts[seed] = text
         for prompt_id, sample_index, turn in raise_on:
             self.raise_seeds.add(turn_seed(config.seed, config.iteration, prompt_id, sample_index, turn))
-        self.calls: list[tuple[int, int]] = []  # (number of prompts, max_new_tokens) per call
+        self.waves = Waves()
         self.scored: list[int] = []  # sequences per score call
 
+    async def generate_async(self, prompt, params, seed, session=None):
+        await self.waves.arrive(params.max_new_tokens)
+        return await super().generate_async(prompt, params, seed, session)
+
     def generate(self, prompts, params, seeds):
-        self.calls.append((len(prompts), params.max_new_tokens))
         if self.raise_seeds & set(seeds):
             raise RuntimeError("CUDA error: device-side assert triggered")
         return [self._one(self.texts[seed], params) for seed in seeds]
@@ -117,18 +144,19 @@ class ScriptedBackend:
         return Generation(tuple(ids), tuple(-(k + 1) / 100 for k in range(len(ids))), reason)
 
 
-class FakeSandbox:
+class FakeSandbox(RunAsync):
     def __init__(self):
-        self.batches: list[list[str]] = []
+        self.codes: list[str] = []  # every run, in order
+        self.waves = Waves()
 
-    def run_many(self, codes):
-        self.batches.append(list(codes))
-        if any("CRASH" in code for code in codes):
+    async def run_async(self, code, stdin=None):
+        await self.waves.arrive()
+        return await super().run_async(code, stdin)
+
+    def run(self, code, stdin=None):
+        self.codes.append(code)
+        if "CRASH" in code:
             raise ConnectionError("worker lost")
-        return [self._one(code) for code in codes]
-
-    @staticmethod
-    def _one(code):
         if "oops" in code:
             stderr = "NameError: name 'oops' is not defined"
             return ExecResult(ExecStatus.ERROR, "NameError", "", stderr, 1.5)
@@ -152,7 +180,7 @@ def task(prompt_id: str) -> Task:
 
 
 def run(scripts, config, sandbox=None, raise_on=frozenset(), **kwargs) -> CollectedBatch:
-    """Collect every scripted prompt (sample 0 only unless group_size says otherwise); merge batches."""
+    """Collect every scripted prompt (sample 0 only unless group_size says otherwise); merge parts."""
     prompt_ids = list(dict.fromkeys(prompt_id for prompt_id, _ in scripts))
     backend = ScriptedBackend(scripts, config, raise_on)
     batches = list(collect([task(p) for p in prompt_ids], config, backend, sandbox or FakeSandbox(),
@@ -311,11 +339,40 @@ def test_segment_fields():
     assert rollout.rollback_draw == rollback_draw(BASE.seed, 0, "shallow", 0)
 
 
-def test_one_generate_and_one_sandbox_call_per_turn():
+def test_lock_step_sends_one_wave_of_requests_per_turn():
     sandbox = FakeSandbox()
-    run(CHAINS, BASE, sandbox=sandbox)
-    assert [n for n, _ in run.backend.calls] == [4, 4, 3, 2, 1, 1]  # active rollouts per turn
-    assert [len(codes) for codes in sandbox.batches] == [4, 3, 2, 1, 1]
+    run(CHAINS, dataclasses.replace(BASE, schedule="lockstep"), sandbox=sandbox)
+    assert run.backend.waves.sizes == [4, 4, 3, 2, 1, 1]  # active rollouts per turn
+    assert sandbox.waves.sizes == [4, 3, 2, 1, 1]
+
+
+class GatedSandbox(FakeSandbox):
+    """`print('slow')` returns only once the rollout `fast` has ended (its answer generated)."""
+
+    def __init__(self, backend_ready: asyncio.Event):
+        super().__init__()
+        self.fast_done = backend_ready
+
+    async def run_async(self, code, stdin=None):
+        if code == "print('slow')":
+            await asyncio.wait_for(self.fast_done.wait(), timeout=10)
+        return await super().run_async(code, stdin)
+
+
+def test_a_rollout_never_waits_for_another_ones_tool():
+    # In lock step `fast` could not take its second turn before `slow`'s call returns; on its own
+    # clock it answers while that call is still running, which is what lets the call return.
+    scripts = {("slow", 0): [call("A.", "print('slow')"), answer("42")],
+               ("fast", 0): [call("A.", "print(1)"), call("B.", "print(2)"), answer("42")]}
+    fast_answered = asyncio.Event()
+
+    def on_context(rollout_id, context):
+        if rollout_id == "it0-fast-s0" and context.count(SPECIALS.index("</tool_response>")) == 2:
+            fast_answered.set()  # fast's third turn (its answer) is being generated
+
+    batch = run(scripts, BASE, sandbox=GatedSandbox(fast_answered), on_context=on_context)
+    assert {r.prompt_id: r.finish_reason for r in batch.rollouts} == {"slow": "answer", "fast": "answer"}
+    assert [s.tool_status for s in batch.segments if s.kind == "tool"] == ["ok"] * 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +461,7 @@ def test_response_budget_cuts_the_turn_then_ends():
     used = len(segments[1].token_ids) + len(segments[2].token_ids)  # the call and its response
     assert 0 < 150 - used < 80  # so the second turn is limited by the budget, not max_new_tokens
     assert len(segments[3].token_ids) == 150 - used
-    assert run.backend.calls == [(2, 80), (1, 150 - used)]
+    assert run.backend.waves.limits == [{80}, {150 - used}]  # each rollout asks for its own limit
     assert batch.rollouts[0].finish_reason == "max_tokens"
 
 
@@ -412,30 +469,48 @@ def test_response_budget_cuts_the_turn_then_ends():
 # Seeds and resume
 
 
-class RandomBackend:
-    """Samples one of a few turns from random.Random(seed): the output depends on the seed only."""
+class RandomBackend(RequestsOverBatch):
+    """Samples one of a few turns from random.Random(seed): the output depends on the seed only.
+    With `jitter`, every answer comes after a random delay, so rollouts finish in a shuffled order."""
 
     policy_version = "random@1"
     context_length = None
+
+    def __init__(self, jitter: random.Random | None = None):
+        self.jitter = jitter
+        self.in_flight = self.most_in_flight = 0
+
+    async def generate_async(self, prompt, params, seed, session=None):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.jitter is not None:
+            await asyncio.sleep(self.jitter.random() * 0.003)
+        self.in_flight -= 1
+        return await super().generate_async(prompt, params, seed, session)
 
     def generate(self, prompts, params, seeds):
         turns = [call("T.", "print(oops)"), call("T.", "print(1)"), answer("42"), answer("7")]
         return [ScriptedBackend._one(random.Random(seed).choice(turns), params) for seed in seeds]
 
 
-def collect_random(config, skip=frozenset()):
-    tasks = [task(f"p{i}") for i in range(3)]
-    batches = list(collect(tasks, config, RandomBackend(), FakeSandbox(), CHAT, reward_fn=fake_reward,
+def collect_random(config, skip=frozenset(), jitter=None, prompts=3):
+    """Parts, then the rollouts and segments sorted by rollout (plan order: the ids sort so)."""
+    tasks = [task(f"p{i}") for i in range(prompts)]
+    backend = RandomBackend(jitter)
+    batches = list(collect(tasks, config, backend, FakeSandbox(), CHAT, reward_fn=fake_reward,
                            skip_rollout_ids=skip, progress=False))
-    rollouts = [dataclasses.replace(r, created_at=None) for b in batches for r in b.rollouts]
-    return batches, rollouts, [s for b in batches for s in b.segments]
+    collect_random.backend = backend
+    rollouts = sorted((dataclasses.replace(r, created_at=None) for b in batches for r in b.rollouts),
+                      key=lambda r: r.rollout_id)
+    segments = sorted((s for b in batches for s in b.segments), key=lambda s: (s.rollout_id, s.seq))
+    return batches, rollouts, segments
 
 
 def test_same_seed_same_records_and_resume():
     config = dataclasses.replace(BASE, group_size=4, batch_rollouts=5, rollback_prob=0.5)
     batches, rollouts, segments = collect_random(config)
     assert [len(b.rollouts) for b in batches] == [5, 5, 2]
-    assert [r.rollout_id for r in rollouts][:5] == [f"it0-p0-s{i}" for i in range(4)] + ["it0-p1-s0"]
+    assert [r.rollout_id for r in rollouts] == [f"it0-p{p}-s{i}" for p in range(3) for i in range(4)]
     assert {r.group_id for r in rollouts} == {"it0-p0", "it0-p1", "it0-p2"}
     assert len({r.n_assistant_segments for r in rollouts}) > 1  # the samples really differ
     assert {r.collect_view for r in rollouts} == {"raw", "purified"}  # u < p = 0.5 for some only
@@ -444,24 +519,70 @@ def test_same_seed_same_records_and_resume():
     assert again == rollouts and again_segments == segments
     _, other, _ = collect_random(dataclasses.replace(config, seed=1))
     assert [r.rollback_draw for r in other] != [r.rollback_draw for r in rollouts]
-    done = frozenset(r.rollout_id for r in rollouts[:7])
+    done = frozenset(r.rollout_id for r in batches[0].rollouts + batches[1].rollouts[:2])
     resumed_batches, resumed, resumed_segments = collect_random(config, skip=done)
     assert [len(b.rollouts) for b in resumed_batches] == [5]
-    assert resumed == rollouts[7:]
+    assert resumed == [r for r in rollouts if r.rollout_id not in done]
     assert resumed_segments == [s for s in segments if s.rollout_id not in done]
+
+
+def test_a_part_holds_its_rollouts_in_plan_order():
+    config = dataclasses.replace(BASE, group_size=4, batch_rollouts=5)
+    batches, _, _ = collect_random(config, jitter=random.Random(1), prompts=4)
+    for batch in batches:
+        assert [r.rollout_id for r in batch.rollouts] == sorted(r.rollout_id for r in batch.rollouts)
+        ids = list(dict.fromkeys(s.rollout_id for s in batch.segments))
+        assert ids == [r.rollout_id for r in batch.rollouts]
+
+
+@pytest.mark.parametrize(("schedule", "batch_rollouts", "max_concurrent", "jitter", "resume_after"), [
+    ("async", 64, 1024, None, 0),
+    ("async", 3, 1024, 1, 0),  # parts of 3, in a shuffled finishing order
+    ("async", 7, 5, 2, 0),  # five in flight at most
+    ("async", 4, 2, 3, 9),  # two in flight, resumed after 9 stored rollouts
+    ("lockstep", 5, 1024, 4, 0),
+    ("lockstep", 6, 1024, None, 12),
+])
+def test_the_schedule_never_changes_what_a_rollout_contains(schedule, batch_rollouts, max_concurrent, jitter,
+                                                            resume_after):
+    reference = dataclasses.replace(BASE, group_size=6, rollback_prob=0.5, schedule="lockstep", batch_rollouts=64)
+    _, expected, expected_segments = collect_random(reference, prompts=5)
+    config = dataclasses.replace(reference, schedule=schedule, batch_rollouts=batch_rollouts,
+                                 max_concurrent_rollouts=max_concurrent)
+    jitter = None if jitter is None else random.Random(jitter)
+    first, _, _ = collect_random(config, jitter=jitter, prompts=5)
+    stored = [r.rollout_id for b in first for r in b.rollouts][:resume_after]  # as committed, in parts
+    batches, got, got_segments = collect_random(config, skip=frozenset(stored), jitter=jitter, prompts=5)
+    assert all(len(b.rollouts) == batch_rollouts for b in batches[:-1])
+    assert [r for r in got if r.rollout_id not in stored] == [r for r in expected if r.rollout_id not in stored]
+    assert got_segments == [s for s in expected_segments if s.rollout_id not in stored]
+    assert len(got) == 30 - len(stored)
+    if schedule == "async" and jitter is not None:  # without jitter no request waits: none overlap
+        assert collect_random.backend.most_in_flight == min(max_concurrent, 30 - len(stored))
+
+
+def test_thousands_of_rollouts_in_flight():
+    config = dataclasses.replace(BASE, group_size=500, batch_rollouts=256, max_concurrent_rollouts=2000)
+    batches, rollouts, segments = collect_random(config, jitter=random.Random(5), prompts=4)
+    assert collect_random.backend.most_in_flight == 2000
+    assert [len(b.rollouts) for b in batches] == [256] * 7 + [208]
+    assert len({r.rollout_id for r in rollouts}) == 2000
+    assert {s.rollout_id for s in segments} == {r.rollout_id for r in rollouts}
 
 
 # ---------------------------------------------------------------------------------------------
 # Faults
 
 
-def test_backend_failure_ends_only_the_affected_rollouts():
-    config = dataclasses.replace(BASE, batch_rollouts=2)
+@pytest.mark.parametrize("schedule", ["async", "lockstep"])
+def test_backend_failure_ends_only_the_affected_rollouts(schedule):
+    # c's second turn fails; d shares c's lock-step batch and still answers: a request fails alone
+    config = dataclasses.replace(BASE, batch_rollouts=2, schedule=schedule)
     scripts = {(p, 0): [call("A.", "print(1)"), answer("42")] for p in ("a", "b", "c", "d")}
     batch = run(scripts, config, raise_on={("c", 0, 1)})
     reasons = {r.prompt_id: (r.finish_reason, r.reward) for r in batch.rollouts}
     assert reasons == {"a": ("answer", 1.0), "b": ("answer", 1.0), "c": ("error", 0.0),
-                       "d": ("error", 0.0)}
+                       "d": ("answer", 1.0)}
     assert [s.kind for s in segments_of(batch, "it0-c-s0")] == ["prompt", "assistant", "tool"]
 
 
@@ -476,7 +597,7 @@ def test_sandbox_failure_is_infra_error_for_that_call_only():
     assert "reason: infra_error" in crash[2].text
     assert crash[3].attempt == 1  # an infra failure is still a failed call: the model retries
     assert [s.tool_status for s in segments_of(batch, "it0-fine-s0") if s.kind == "tool"] == ["ok"]
-    assert sandbox.batches[:3] == [["print('CRASH')", "print(1)"], ["print('CRASH')"], ["print(1)"]]
+    assert Counter(sandbox.codes) == {"print('CRASH')": 2, "print(1)": 1, "print(42)": 1}  # raised, tried once more
     assert {r.finish_reason for r in batch.rollouts} == {"answer"}
 
 
@@ -515,7 +636,7 @@ def test_malformed_call_is_a_format_error_and_not_run():
         "format_error", "FormatError", None, None)
     assert tool.text == tool_response_text(format_tool_response(
         False, "", 'the call needs "arguments": {"code": "..."}', "format_error"))
-    assert sandbox.batches == [["print(42)"]]
+    assert sandbox.codes == ["print(42)"]
     assert (segments[3].step, segments[3].attempt) == (0, 1)
     assert batch.rollouts[0].n_failed_calls == 1 and batch.rollouts[0].correct
 

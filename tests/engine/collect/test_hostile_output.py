@@ -31,6 +31,7 @@ from cleaner.engine.model.base import LENGTH, STOP, Generation
 from cleaner.engine.model.chat import format_call
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse
+from tests.factories import RequestsOverBatch
 
 SOURCE = "hostile"
 ANSWER = "So the answer is \\boxed{42}.<|im_end|>"
@@ -49,7 +50,7 @@ def tokenizer():
 # A scripted policy
 
 
-class ScriptedBackend:
+class ScriptedBackend(RequestsOverBatch):
     """The request with the seed of (prompt, sample 0, turn t) writes script[prompt][t]: a text,
     encoded by the real tokenizer, or token ids as they are. Generation stops as a model's does: after
     a stop token (kept), or at max_new_tokens (LENGTH)."""

@@ -66,11 +66,21 @@ def test_engine_options_on_cpu_are_the_measured_recipe():
     assert engine_options("cpu", "bfloat16", 0, {})["dtype"] == "bfloat16"
 
 
-def test_engine_options_on_a_gpu_turn_deterministic_inference_on():
+def test_engine_options_on_a_gpu_turn_deterministic_inference_and_the_memory_saver_on():
     assert engine_options("cuda:2", None, 5, {"tp_size": 2}) == {
         "skip_tokenizer_init": True, "random_seed": 5, "log_level": "warning", "base_gpu_id": 2,
-        "dtype": "auto", "enable_deterministic_inference": True, "tp_size": 2,
+        "dtype": "auto", "enable_deterministic_inference": True, "enable_memory_saver": True, "tp_size": 2,
     }
+
+
+def test_engine_options_on_a_gpu_take_determinism_off_and_a_memory_fraction():
+    options = engine_options("cuda", "bfloat16", 0, {}, deterministic=False, mem_fraction=0.6)
+    assert (options["enable_deterministic_inference"], options["mem_fraction_static"], options["dtype"]) == (
+        False, 0.6, "bfloat16")
+    # on CPU neither applies: the CPU path's own KV budget and no deterministic kernels
+    cpu = engine_options("cpu", None, 0, {}, deterministic=True, mem_fraction=0.6)
+    assert (cpu["enable_deterministic_inference"], cpu["mem_fraction_static"]) == (False, 0.05)
+    assert "enable_memory_saver" not in cpu
 
 
 # ---------------------------------------------------------------------------- the real engine

@@ -9,12 +9,8 @@ import torch
 
 from cleaner.engine.model import load_backend
 from cleaner.engine.model.base import LENGTH, STOP, SamplingParams
-from cleaner.engine.model.torch_backend import (
-    TorchBackend,
-    draw_tokens,
-    sampling_logprobs,
-    token_budget_batches,
-)
+from cleaner.engine.model.torch_backend import TorchBackend, token_budget_batches
+from cleaner.engine.model.torch_batching import draw_tokens, sampling_logprobs
 from tests.helpers import naive_logprobs
 
 PROMPTS = [[1, 5, 9, 13, 2], [3, 4], [7, 7, 7, 8, 9, 10, 11, 12, 20]]

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from transformers.cache_utils import Cache, DynamicLayer
+
 from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
-from cleaner.engine.model.kv import KV, causal_forward, kv_select
+from cleaner.engine.model.kv import KV, causal_forward
 
 log = logging.getLogger(__name__)
 
@@ -111,24 +113,74 @@ class DecodeRequest:
 # ---------------------------------------------------------------------------- the batch
 
 
+class _BufferLayer(DynamicLayer):
+    """One layer's keys and values in buffers with room to grow: a forward writes its new columns
+    in place (transformers' DynamicLayer concatenates, copying the whole cache at every step)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.buffer_keys, self.buffer_values, self.length = keys, values, length  # (B, H, capacity, D)
+        self.is_initialized = True
+        self._views()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.buffer_keys.shape[2]:  # double the room
+            self.buffer_keys = _widen(self.buffer_keys, 2 * end)
+            self.buffer_values = _widen(self.buffer_values, 2 * end)
+        self.buffer_keys[:, :, self.length:end] = key_states
+        self.buffer_values[:, :, self.length:end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def _views(self) -> None:
+        self.keys = self.buffer_keys[:, :, :self.length]
+        self.values = self.buffer_values[:, :, :self.length]
+
+
+def _widen(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`buffer` (B, H, W, D) copied into a buffer of `capacity` columns (the new ones zero)."""
+    wider = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[3]))
+    wider[:, :, :buffer.shape[2]] = buffer
+    return wider
+
+
+HEADROOM = 128  # columns a rebuilt cache has free for the steps to come before it must grow
+
+
 class DecodeBatch:
-    """Rows decoding together on one model; see the module's notes."""
+    """Rows decoding together on one model; see the module's notes.
+
+    The cache's columns are right-aligned: every row's latest position is the last used column, a
+    row of n tokens uses the last n columns, the rest of its row is padding (mask 0). A row that
+    ends is only marked (`rows[i] is None`) and keeps its place until a quarter of the rows are
+    marked or new rows join; then the cache is rebuilt with the live rows only, cut to the columns
+    they use."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_id: int) -> None:
         self.model, self.device, self.pad_id = model, device, pad_id
-        self.rows: list[DecodeRequest] = []
-        self.kv: KV = ()
+        self.rows: list[DecodeRequest | None] = []  # None: a row that ended, still in the cache
+        self.layers: list[_BufferLayer] = []
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)  # (B, W), 1 = real token
         self.next_positions = torch.zeros((0, 1), dtype=torch.long, device=device)  # (B, 1)
         self.logits: torch.Tensor | None = None  # (B, V): each row's next-token distribution
 
     @property
+    def live(self) -> list[DecodeRequest]:
+        return [row for row in self.rows if row is not None]
+
+    @property
     def width(self) -> int:
-        return self.mask.shape[1]
+        """Columns the live rows use (the longest live row's tokens in the cache)."""
+        return max((len(row.prompt) + len(row.token_ids) for row in self.live), default=0)
 
     def cost_with(self, prompt_len: int, extra_rows: int = 1) -> int:
         """Padded cache positions once `extra_rows` more rows of `prompt_len` tokens have joined."""
-        return (len(self.rows) + extra_rows) * max(self.width, prompt_len)
+        return (len(self.live) + extra_rows) * max(self.width, prompt_len)
 
     @torch.inference_mode()
     def admit(self, requests: Sequence[DecodeRequest]) -> None:
@@ -143,95 +195,121 @@ class DecodeBatch:
             return
         input_ids, mask, positions = left_pad([r.prompt for r in ready], self.pad_id, self.device)
         out = causal_forward(self.model, input_ids, mask, positions, logits_to_keep=1)
-        self._join(ready, out.kv, mask, positions[:, -1:] + 1, out.logits[:, -1])
+        self._rebuild(ready, out.kv, mask, positions[:, -1:] + 1, out.logits[:, -1])
 
-    def _join(self, rows: list[DecodeRequest], kv: KV, mask: torch.Tensor, next_positions: torch.Tensor,
-              logits: torch.Tensor) -> None:
-        if not self.rows:
-            self.rows, self.kv, self.mask, self.next_positions, self.logits = rows, kv, mask, next_positions, logits
-            return
+    def _rebuild(self, new_rows: list[DecodeRequest], kv: KV, mask: torch.Tensor, next_positions: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+        """The cache of the live rows then `new_rows` (their prefill's kv, mask, positions, logits),
+        each right-aligned in the columns the longest of them needs."""
+        keep = [index for index, row in enumerate(self.rows) if row is not None]
         width = max(self.width, mask.shape[1])
-        self.kv = tuple((torch.cat([_pad_left(ko, width), _pad_left(kn, width)]),
-                         torch.cat([_pad_left(vo, width), _pad_left(vn, width)]))
-                        for (ko, vo), (kn, vn) in zip(self.kv, kv, strict=True))
-        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), F.pad(mask, (width - mask.shape[1], 0))])
-        self.next_positions = torch.cat([self.next_positions, next_positions])
-        self.logits = torch.cat([self.logits, logits])
-        self.rows = self.rows + rows
+        old_width, new_width = self.width, mask.shape[1]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        layers = []
+        for layer_index, (keys, values) in enumerate(kv):
+            buffers = []
+            for new, old in ((keys, "buffer_keys"), (values, "buffer_values")):
+                buffer = new.new_zeros((len(keep) + len(new_rows), new.shape[1], width + HEADROOM, new.shape[3]))
+                if keep:
+                    used = getattr(self.layers[layer_index], old)[index, :, self.used - old_width:self.used]
+                    buffer[:len(keep), :, width - old_width:width] = used
+                buffer[len(keep):, :, width - new_width:width] = new
+                buffers.append(buffer)
+            layers.append(_BufferLayer(*buffers, width))
+        rebuilt = torch.zeros((len(keep) + len(new_rows), width), dtype=torch.long, device=self.device)
+        if keep:
+            rebuilt[:len(keep), width - old_width:] = self.mask[index, self.used - old_width:]
+        rebuilt[len(keep):, width - new_width:] = mask
+        self.layers, self.mask = layers, rebuilt
+        self.next_positions = torch.cat([self.next_positions[index], next_positions])
+        self.logits = logits if not keep else torch.cat([self.logits[index], logits])
+        self.rows = [self.rows[i] for i in keep] + list(new_rows)
+
+    @property
+    def used(self) -> int:
+        """Columns of the cache in use (live and ended rows)."""
+        return self.mask.shape[1]
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Sample one token for every row; rows that end leave, the rest move one position on."""
+        """Sample one token for every live row; rows that end leave, the rest move one position on."""
         if not self.rows:
             return
-        tokens, logprobs = sample_rows(self.logits, self.rows)
-        keep = []
-        for index, (row, token, logprob) in enumerate(zip(self.rows, tokens, logprobs, strict=True)):
+        live = [index for index, row in enumerate(self.rows) if row is not None]
+        tokens, logprobs = sample_rows(self.logits, self.rows, live)
+        next_tokens = [self.pad_id] * len(self.rows)
+        for index, token, logprob in zip(live, tokens, logprobs, strict=True):
+            row = self.rows[index]
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            next_tokens[index] = token
             if token in row.params.stop_token_ids:
                 row.finish(STOP)
             elif len(row.token_ids) >= row.params.max_new_tokens:
                 row.finish(LENGTH)
             elif not row.cancelled():
-                keep.append(index)
-        if not keep:
+                continue
+            self.rows[index] = None
+        n_live = sum(row is not None for row in self.rows)
+        if n_live == 0:
             self.clear()
             return
-        if len(keep) < len(self.rows):
-            rows = torch.tensor(keep, device=self.device)
-            self.kv, self.mask = kv_select(self.kv, rows), self.mask[rows]
-            self.next_positions = self.next_positions[rows]
-            self.rows = [self.rows[index] for index in keep]
-        next_tokens = torch.tensor([self.rows[i].token_ids[-1] for i in range(len(self.rows))],
-                                   device=self.device).unsqueeze(-1)  # (B, 1)
+        if len(self.rows) - n_live > n_live // 4:  # enough rows have ended: rebuild without them
+            keep = [index for index, row in enumerate(self.rows) if row is not None]
+            self._compact(keep)
+            next_tokens = [next_tokens[index] for index in keep]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
-        out = causal_forward(self.model, next_tokens, self.mask, self.next_positions, past=self.kv)
-        self.kv, self.logits = out.kv, out.logits[:, -1]
+        cache = Cache(layers=self.layers)
+        out = self.model(input_ids=torch.tensor(next_tokens, device=self.device).unsqueeze(-1),
+                         attention_mask=self.mask, position_ids=self.next_positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        self.logits = out.logits[:, -1]
         self.next_positions = self.next_positions + 1
-        self._trim()
 
-    def _trim(self) -> None:
-        """Cut the leading columns that are padding in every row."""
-        used = self.mask.any(dim=0)  # (W,)
-        first = int(used.int().argmax())
-        if first > 0:
-            self.kv = tuple((keys[:, :, first:], values[:, :, first:]) for keys, values in self.kv)
-            self.mask = self.mask[:, first:]
+    def _compact(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (live), cut to the columns they use."""
+        width = max(len(self.rows[i].prompt) + len(self.rows[i].token_ids) - 1 for i in keep)  # in the cache
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        start = self.used - width
+        self.layers = [_BufferLayer(_widen(layer.buffer_keys[index, :, start:self.used], width + HEADROOM),
+                                    _widen(layer.buffer_values[index, :, start:self.used], width + HEADROOM), width)
+                       for layer in self.layers]
+        self.mask = self.mask[index, start:]
+        self.next_positions, self.logits = self.next_positions[index], self.logits[index]
+        self.rows = [self.rows[i] for i in keep]
 
     def fail(self, error: BaseException) -> None:
-        """Every row ends with `error`."""
-        for row in self.rows:
+        """Every live row ends with `error`."""
+        for row in self.live:
             row.done(error)
         self.clear()
 
     def clear(self) -> None:
-        self.rows, self.kv, self.logits = [], (), None
+        self.rows, self.layers, self.logits = [], [], None
         self.mask = self.mask[:0, :0]
         self.next_positions = self.next_positions[:0]
 
 
-def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, W0, D) -> (B, H, width, D), zeros before."""
-    return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
-
-
-def sample_rows(logits: torch.Tensor, rows: Sequence[DecodeRequest]) -> tuple[list[int], list[float]]:
-    """Each row's next token (from its own generator) and its behaviour log-prob; rows are sampled in
-    groups of equal (temperature, top_p). logits (B, V)."""
+def sample_rows(logits: torch.Tensor, rows: Sequence[DecodeRequest | None],
+                live: Sequence[int]) -> tuple[list[int], list[float]]:
+    """The next token of each row of `live` (from its own generator) and its behaviour log-prob, in
+    the order of `live`; rows are sampled in groups of equal (temperature, top_p). logits (B, V)."""
     groups: dict[tuple[float, float], list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault((row.params.temperature, row.params.top_p), []).append(index)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    picked = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
-    for (temperature, top_p), indices in groups.items():
-        index = torch.tensor(indices, device=logits.device) if len(indices) < len(rows) else slice(None)
-        group_logits = logits[index]
+    for position, index in enumerate(live):
+        params = rows[index].params
+        groups.setdefault((params.temperature, params.top_p), []).append(position)
+    tokens = torch.empty(len(live), dtype=torch.long, device=logits.device)
+    picked = torch.empty(len(live), dtype=torch.float32, device=logits.device)
+    every = len(live) == logits.shape[0]
+    for (temperature, top_p), positions in groups.items():
+        whole = every and len(positions) == len(live)
+        index = slice(None) if whole else torch.tensor(positions, device=logits.device)
+        group_logits = logits if whole else logits[torch.tensor([live[p] for p in positions], device=logits.device)]
         logprobs = sampling_logprobs(group_logits, temperature, top_p)  # (G, V)
         if temperature == 0:
             drawn = group_logits.argmax(dim=-1)
         else:
-            uniforms = torch.cat([torch.rand(1, generator=rows[i].generator) for i in indices])  # (G,)
+            uniforms = torch.cat([torch.rand(1, generator=rows[live[p]].generator) for p in positions])  # (G,)
             drawn = draw_tokens(logprobs, uniforms)
         tokens[index] = drawn
         picked[index] = logprobs.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
@@ -299,27 +377,29 @@ class DecodeServer:
                 self._thread.start()
 
     def _serve(self) -> None:
-        batch, waiting = self.new_batch(), deque()
+        batch: DecodeBatch | None = None
+        waiting: deque[DecodeRequest] = deque()
         while True:
-            stop = self._take(block=not batch.rows and not waiting, waiting=waiting)
-            if stop:
+            idle = batch is None or not batch.rows
+            if self._take(block=idle and not waiting, waiting=waiting):  # stop
                 error = RuntimeError("the torch backend was closed")
-                batch.fail(error)
+                if batch is not None:
+                    batch.fail(error)
                 for request in waiting:
                     request.done(error)
                 return
-            if not batch.rows:
-                batch = self.new_batch()  # picks up weights adopted since the last batch
+            if batch is None or not batch.rows:
+                batch = self.new_batch()  # on the model as it is now (weights adopted since the last batch)
             admitted = self._admissible(batch, waiting)
             try:
                 batch.admit(admitted)
                 self.steps += bool(batch.rows)
-                self.rows_stepped += len(batch.rows)
+                self.rows_stepped += len(batch.live)
                 batch.step()
             except Exception as error:  # every row of this batch shared the forward that failed
-                log.exception("torch decode step failed; its %d requests end with the error", len(batch.rows))
+                log.exception("torch decode step failed; its %d requests end with the error", len(batch.live))
                 for request in admitted:
-                    if request not in batch.rows:
+                    if request not in batch.live:
                         request.done(error)
                 batch.fail(error)
 
@@ -341,9 +421,9 @@ class DecodeServer:
     def _admissible(self, batch: DecodeBatch, waiting: deque) -> list[DecodeRequest]:
         """The waiting requests that fit now, oldest first (one always, into an empty batch)."""
         admitted: list[DecodeRequest] = []
-        while waiting and len(batch.rows) + len(admitted) < self.max_rows:
+        while waiting and len(batch.live) + len(admitted) < self.max_rows:
             longest = max([len(waiting[0].prompt)] + [len(r.prompt) for r in admitted])
-            if (batch.rows or admitted) and batch.cost_with(longest, len(admitted) + 1) > self.max_tokens:
+            if (batch.live or admitted) and batch.cost_with(longest, len(admitted) + 1) > self.max_tokens:
                 break
             admitted.append(waiting.popleft())
         return admitted

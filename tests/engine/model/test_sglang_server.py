@@ -133,3 +133,78 @@ def test_an_unreachable_server_is_an_engine_error(model_dir):
     stand_in.close()
     with pytest.raises(EngineError, match=f"cannot reach sglang at {url}"):
         SGLangServerBackend(url, model_dir)
+
+
+# ---------------------------------------------------------------------------- the agent loop's requests
+
+
+def test_sticky_routes_keep_a_session_on_its_server_and_spread_new_ones():
+    from cleaner.engine.model.sglang_server import StickyRoutes
+
+    routes = StickyRoutes(["a", "b"])
+    with routes.request("r1") as first:  # both idle: the first listed
+        assert first == "a"
+        with routes.request("r2") as second:  # a is busy: the least busy
+            assert second == "b"
+            with routes.request("r1") as again:  # r1 stays on a, busy or not
+                assert again == "a"
+    assert routes.in_flight == {"a": 0, "b": 0}
+    assert routes.server_for("r2") == "b" and routes.server_for(None) == "a"
+
+
+def test_requests_go_straight_to_the_routers_workers_each_rollout_to_one(model_dir):
+    import asyncio
+
+    workers = [StandIn(str(model_dir), delay_s=0.02) for _ in range(2)]
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    try:
+        backend = SGLangServerBackend(router.url, model_dir)
+        params = SamplingParams(max_new_tokens=2, stop_token_ids=())
+
+        async def rollout(name: str, first: int) -> list[tuple[int, ...]]:
+            turns = []
+            for turn in range(3):  # a rollout's turns one after the other, as the agent loop sends them
+                generation = await backend.generate_async([first + turn], params, seed=turn, session=name)
+                turns.append(generation.token_ids)
+            scored = await backend.score_async([[5, 6, 7]], [1], session=name)
+            assert scored == [[-0.6, -0.7]]
+            return turns
+
+        async def main():
+            try:
+                return await asyncio.gather(*[rollout(f"r{i}", 10 * i) for i in range(6)])
+            finally:
+                await backend.close_requests()
+
+        turns = asyncio.run(main())
+        assert turns[1] == [(11, 12), (12, 13), (13, 14)]
+        assert router.paths("/generate") == []  # nothing through the router itself
+        served = [{body["input_ids"][0] // 10 for body in w.paths("/generate") if len(body["input_ids"]) == 1}
+                  for w in workers]
+        assert served[0] and served[1] and not served[0] & served[1]  # both used, no rollout on both
+        assert sum(len(w.paths("/generate")) for w in workers) == 6 * 4
+    finally:
+        for stand_in in (*workers, router):
+            stand_in.close()
+
+
+def test_a_refused_request_fails_alone(server, model_dir):
+    import asyncio
+
+    from cleaner.engine.model.sglang_wire import score_body
+
+    backend = SGLangServerBackend(server.url, model_dir)
+    params = SamplingParams(max_new_tokens=2, stop_token_ids=())
+    past_the_end = score_body([3, 4, 5], 3) | {"logprob_start_len": 3}  # the stand-in answers 400, as SGLang
+
+    async def main():
+        try:
+            return await asyncio.gather(backend.generate_async([1, 2], params, 1, session="a"),
+                                        backend._send_async([past_the_end], "b"),
+                                        backend.score_async([[3, 4]], [1], session="c"), return_exceptions=True)
+        finally:
+            await backend.close_requests()
+
+    generation, refused, scored = asyncio.run(main())
+    assert generation.token_ids == (3, 4) and scored == [[-0.4]]
+    assert isinstance(refused, EngineError) and "HTTP 400" in str(refused)

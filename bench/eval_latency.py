@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cleaner.config import DEFAULT_POLICY, EvalConfig
-from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.grading.programs import Grader
 from cleaner.engine.model import load_backend

@@ -5,6 +5,9 @@
 2. Scale: the step in bfloat16 (fp32 master weights) with gradient checkpointing at T = 16,384 and
    32,768 (rows T and T/4, the KL term on): peak CUDA memory and tokens per second, timed on the
    second of two steps; the step without checkpointing at 16,384 beside it.
+3. Co-located: collect -> train -> collect with the SGLang engine and the trainer on the one GPU
+   (bench/gpu_colocated.py): peak memory of each phase, tokens/s of each collection. It needs sglang,
+   duckdb and polars; where they are missing (the lent device's image) it says so in the report.
 Every probe is bench/train_memory.py's, in a fresh process. The device image has torch with CUDA,
 transformers and pyarrow, not polars, duckdb, deepspeed or sglang: nothing here imports them
 (tests/bench/test_gpu_check.py runs this script on CPU with them hidden). Results: one JSON line per
@@ -59,6 +62,22 @@ def markdown(results: list[dict], args: argparse.Namespace, equal: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def colocated(args: argparse.Namespace) -> str:
+    """bench/gpu_colocated.py in a process of its own; its report, or why it failed."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "gpu_colocated.py"
+    try:
+        done = subprocess.run([sys.executable, str(script), "--device", args.device, "--out", str(args.out)],
+                              capture_output=True, text=True, timeout=args.colocated_timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"Co-located collect -> train -> collect: timed out after {args.colocated_timeout_s:.0f} s.\n"
+    report = Path(args.out) / "gpu_colocated.md"
+    if done.returncode != 0 or not report.exists():
+        return f"Co-located collect -> train -> collect: failed ({done.returncode}): {done.stderr[-1500:]}\n"
+    return report.read_text()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -67,6 +86,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="16384,32768", help="T of the bfloat16 probes, comma-separated")
     parser.add_argument("--small-tokens", type=int, default=512, help="T of the equality check")
     parser.add_argument("--timeout-s", type=float, default=150.0, help="per probe")
+    parser.add_argument("--colocated-timeout-s", type=float, default=240.0, help="the co-located run")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-check"))
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -84,6 +104,7 @@ def main() -> None:
                  "holds": abs(full["loss"] - chunked["loss"]) <= LOSS_ATOL
                  and abs(full["grad_norm"] - chunked["grad_norm"]) <= GRAD_NORM_RTOL * abs(full["grad_norm"])}
     text = markdown(results, args, equal)
+    text += "\n" + colocated(args)
     text += f"\nWall time of the check: {time.perf_counter() - started:.0f} s\n"
     print(text)
     out = Path(args.out)

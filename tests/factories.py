@@ -364,6 +364,9 @@ class RequestsOverBatch:
     async def close_requests(self):
         pass
 
+    def occupies(self, device):
+        return False
+
 
 class RunAsync:
     """The sandbox's `run_async` over the fake's `run`."""

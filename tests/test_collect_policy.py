@@ -13,8 +13,8 @@ from collections import Counter, defaultdict
 import pytest
 
 from cleaner.config import DEFAULT_POLICY, CollectConfig
-from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.job import CollectRequest, collect_job, iteration_seed
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.torch_backend import TorchBackend

@@ -1,15 +1,18 @@
 """`cleaner collect` and `cleaner purify` with the real in-process SGLang engine on CPU, from the
 command line of .venv-sglang with no SGLang variable set by hand (`make test-sglang`):
 
-- collecting twice with the same seed gives the same rollouts: per-request seeds are ignored on
-  SGLang's CPU path, and the engine's random seed (cleaner derives it from --seed and the
-  iteration) is what makes a collection reproducible across engine starts;
+- the two schedules write the same warehouse: lock step, then each rollout on its own clock with
+  other parts, then a collection resumed after losing its last parts. Per-request seeds are ignored
+  on SGLang's CPU path (they need deterministic inference, which refuses its attention), so a
+  sampled rollout depends on what ran beside it there: these collections are greedy, and equal token
+  for token, the behaviour log-probs within 1e-4 (batches of other shapes round otherwise);
 - purifying the iteration through SGLang gives the old log-probs the torch prefix-trie scorer gives
   for the same rows, within 1e-4 on every row, and says how many tokens the engine computed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,6 +26,7 @@ from cleaner.engine.model.backend_scorer import SCORER_VERSION as BACKEND_SCORER
 from cleaner.engine.model.sglang_engine import CPU_ENGINE_ENV
 from cleaner.engine.model.trie_scorer import SCORER_VERSION as TRIE_SCORER
 from cleaner.warehouse import Warehouse
+from tests.helpers import assert_same_collection
 
 pytestmark = pytest.mark.sglang
 
@@ -39,9 +43,14 @@ def cleaner(*args: str | Path) -> subprocess.CompletedProcess:
     return result
 
 
-def _rollouts(warehouse: Path) -> list[tuple]:
-    segments = Warehouse(warehouse).read_segments(0)
-    return sorted((s.rollout_id, s.seq, tuple(s.token_ids)) for s in segments)
+def _collection(warehouse: Path) -> tuple[list, list]:
+    """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
+    stored = Warehouse(warehouse)
+    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in stored.read_rollouts(0)),
+                      key=lambda r: r.rollout_id)
+    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in stored.read_segments(0)),
+                      key=lambda s: (s.rollout_id, s.seq))
+    return rollouts, segments
 
 
 def _purified(warehouse: Path) -> dict[tuple, tuple]:
@@ -52,24 +61,33 @@ def _purified(warehouse: Path) -> dict[tuple, tuple]:
 
 
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory) -> tuple[Path, Path]:
-    """The same iteration collected twice through the engine, into two warehouses."""
+def collected(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The same iteration collected greedily three ways: lock step; each rollout on its own clock,
+    in parts of 5, 7 in flight; and that collection with its last parts lost, resumed."""
     root = tmp_path_factory.mktemp("sglang-cli")
-    for name in ("a", "b"):
-        output = cleaner(*COLLECT, "-w", root / name).stdout
-        assert "32 rollouts written (32 planned)" in output
-    return root / "a", root / "b"
+    greedy = [*COLLECT, "--temperature", "0"]
+    output = cleaner(*greedy, "-w", root / "a", "--schedule", "lockstep").stdout
+    assert "32 rollouts written (32 planned)" in output
+    cleaner(*greedy, "-w", root / "b", "--batch-rollouts", "5", "--max-concurrent-rollouts", "7")
+    kept = sorted(Warehouse(root / "b").read_rollouts(0), key=lambda r: r.created_at)[:20]  # the first parts
+    lost = Warehouse(root / "c")
+    lost.save_collect_config(0, Warehouse(root / "b").collect_config(0))
+    ids = {r.rollout_id for r in kept}
+    lost.write_rollouts(0, kept, [s for s in Warehouse(root / "b").read_segments(0) if s.rollout_id in ids])
+    output = cleaner(*greedy, "-w", root / "c", "--resume", "--batch-rollouts", "3").stdout
+    assert "12 rollouts written (32 planned)" in output
+    return root / "a", root / "b", root / "c"
 
 
-def test_the_engine_seed_makes_a_collection_reproducible(collected):
-    a, b = collected
-    first, second = _rollouts(a), _rollouts(b)
-    assert len({rollout for rollout, _, _ in first}) == 32
-    assert first == second
+def test_the_schedule_never_changes_a_greedy_collection(collected):
+    lockstep, on_their_own, resumed = (_collection(path) for path in collected)
+    assert len(lockstep[0]) == 32 and all(r.n_tool_calls > 0 for r in lockstep[0])  # multi-turn rollouts
+    assert_same_collection(on_their_own, lockstep)
+    assert_same_collection(resumed, lockstep)
 
 
 def test_purify_through_sglang_equals_the_torch_trie_scorer(collected, tmp_path):
-    a, _ = collected
+    a = collected[0]
     through_torch = tmp_path / "torch"
     shutil.copytree(a, through_torch)
     output = cleaner("purify", "--backend", "sglang", "-w", a).stdout

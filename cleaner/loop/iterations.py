@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from cleaner.config import CollectConfig, RunConfig
 from cleaner.engine.collect.job import CollectOutcome, CollectRequest, collect_job
 from cleaner.engine.model import load_backend, require_backend
@@ -79,8 +81,6 @@ from cleaner.warehouse.lock import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from cleaner.engine.model import Backend
     from cleaner.engine.saar.premise import PremiseStats
     from cleaner.engine.train.optim import Optimization
@@ -110,6 +110,47 @@ def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str
     if isinstance(backend, TorchBackend):
         return backend.train_in_place()
     return kept
+
+
+@contextlib.contextmanager
+def _engine_aside(backend: Backend, train_device: str, kept: torch.nn.Module | None,
+                  optimization: Optimization | None) -> Iterator[list[TrainResult]]:
+    """While training, an engine on the trainer's GPU gives its memory up (docs/architecture.md §9).
+
+    Where the backend holds memory on `train_device` (an SGLang engine in this process on that GPU),
+    it is released before training and resumed after it; the model the trainer keeps from iteration
+    to iteration, and its optimiser's state, wait on the host meanwhile, so the engine's weights and
+    KV cache and the trainer's weights, gradients and AdamW moments never share the GPU. The caller
+    appends what it trained to the list it gets, to go to the host with it. Elsewhere, nothing."""
+    trained: list[TrainResult] = []
+    if not backend.occupies(train_device):
+        yield trained
+        return
+    backend.release_memory()
+    if kept is not None:
+        move_training_state(kept, optimization, train_device)
+    try:
+        yield trained
+    finally:
+        for result in trained:
+            move_training_state(result.model, result.optimization, "cpu")
+        if kept is not None and not trained:
+            move_training_state(kept, optimization, "cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the allocator's cache goes back to the device for the engine
+        backend.resume_memory()
+
+
+def move_training_state(model: torch.nn.Module, optimization: Optimization | None, device: str) -> None:
+    """The model's parameters and its optimiser's state tensors to `device`, in place (the optimiser
+    keeps its references to the same parameters)."""
+    model.to(device)
+    if optimization is None:
+        return
+    for state in optimization.optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:  # the step counter stays where AdamW wants it
+                state[key] = value.to(device)
 
 
 # What a run directory holds: the lock, the warehouse, the checkpoints, the demo's report and the
@@ -346,8 +387,10 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     trained, train_s = None, 0.0
     if needs_training:
         request = TrainRequest(iteration, config.purify.config_id, policy, out, config.train)
-        outcome = train_job(warehouse, request, model=_policy_to_train(backend, kept, config.train.engine),
-                            rows=whole.result.rows, optimization=optimization, progress=progress)
+        with _engine_aside(backend, ranks.device(config.train.device), kept, optimization) as trained_here:
+            outcome = train_job(warehouse, request, model=_policy_to_train(backend, kept, config.train.engine),
+                                rows=whole.result.rows, optimization=optimization, progress=progress)
+            trained_here.append(outcome.result)
         trained, train_s = outcome.result, outcome.seconds
     if not ranks.main:
         return None, trained

@@ -38,3 +38,16 @@ def test_gpu_check_runs_without_polars_duckdb_deepspeed_or_sglang(tmp_path):
     # checkpointing recomputes the same bfloat16 forward: the same loss as without it
     assert abs(probes[2]["loss"] - probes[3]["loss"]) < 1e-6
     assert "| chunked+gc+bf16 | 96 |" in (out / "gpu_check.md").read_text()
+
+
+def test_the_colocated_check_runs_its_loop_on_cpu_and_reports_each_phase(tmp_path):
+    """On CPU the co-located check runs `cleaner run` on the torch backend (no GPU memory to watch):
+    two iterations, each collection's tokens/s, and the phases it went through."""
+    import gpu_colocated
+
+    report = gpu_colocated.main(["--device", "cpu", "--shape", "small", "--prompts", "2", "--out", str(tmp_path)])
+    assert report["backend"] == "torch" and [c["iteration"] for c in report["collects"]] == [0, 1]
+    assert all(c["tokens"] > 0 and c["tokens_per_s"] > 0 for c in report["collects"])
+    text = (tmp_path / "gpu_colocated.md").read_text()
+    assert "| collect of iteration | seconds | generated tokens | tokens/s |" in text
+    assert gpu_colocated.missing("cuda") is not None  # no sglang or CUDA here: the GPU run says why

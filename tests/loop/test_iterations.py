@@ -134,6 +134,50 @@ def test_a_backend_in_other_processes_trains_a_model_of_its_own_and_reloads_each
     assert steps == list(range(len(steps))) and len(steps) >= 2  # one optimiser for the run
 
 
+def test_an_engine_on_the_trainers_gpu_gives_its_memory_up_while_the_trainer_trains(tmp_path, random_policy,
+                                                                                     monkeypatch):
+    """The sequence of a run on one GPU, with the engine's device stood in for: before each train step
+    the engine releases its memory and the model kept from the last iteration comes to the train
+    device with its optimiser; after it, both go to the host, then the engine resumes and adopts the
+    new checkpoint. The training itself is the same as without (the same checkpoints)."""
+    import cleaner.loop.iterations as iterations
+    from cleaner.engine.model.sglang_server import SGLangServerBackend
+    from tests.helpers import StandIn
+
+    events: list[tuple] = []
+    original_move, original_train = iterations.move_training_state, iterations.train_job
+    monkeypatch.setattr(SGLangServerBackend, "occupies", lambda self, device: True)
+    monkeypatch.setattr(SGLangServerBackend, "release_memory", lambda self: events.append(("release",)))
+    monkeypatch.setattr(SGLangServerBackend, "resume_memory", lambda self: events.append(("resume",)))
+    monkeypatch.setattr(iterations, "move_training_state", lambda model, optimization, device: (
+        events.append(("move", device, optimization is not None)), original_move(model, optimization, device)))
+    monkeypatch.setattr(iterations, "train_job", lambda *args, **kwargs: (
+        events.append(("train", kwargs["model"] is not None)), original_train(*args, **kwargs))[1])
+
+    def run(run_dir):
+        server = StandIn(str(random_policy))
+        try:
+            config = _config(run_dir, random_policy)
+            config = dataclasses.replace(config, collect=dataclasses.replace(
+                config.collect, backend="sglang", sglang_url=server.url))
+            rows = run_loop(config, progress=False)
+        finally:
+            server.close()
+        adopted = server.paths("/update_weights_from_disk")
+        return rows, adopted
+
+    rows, adopted = run(tmp_path / "aside")
+    assert events == [("release",), ("train", False), ("move", "cpu", True), ("resume",),
+                      ("release",), ("move", "cpu", True), ("train", True), ("move", "cpu", True), ("resume",)]
+    assert len(adopted) == 2  # each resume is followed by the new checkpoint's load
+    monkeypatch.setattr(SGLangServerBackend, "occupies", lambda self, device: False)
+    events.clear()
+    plain, _ = run(tmp_path / "plain")
+    assert [e[0] for e in events] == ["train", "train"]
+    assert [policy_version_of(r.policy_out).split("@")[1] for r in rows] == [
+        policy_version_of(r.policy_out).split("@")[1] for r in plain]
+
+
 def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_policy):
     warehouse = tmp_path / "wh"
     # three rollouts in flight, parts of two: parts are committed while others still run

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from cleaner.config import UNSHARDED, CollectConfig, Shard
 from cleaner.engine.collect.agent import rollout_key
-from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
 from cleaner.engine.grading.programs import grader_for

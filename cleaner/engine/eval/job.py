@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cleaner.config import EvalConfig
-from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row

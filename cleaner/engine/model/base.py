@@ -170,6 +170,11 @@ class Backend(Protocol):
         """Serve the checkpoint just saved at `model_path` from now on (a new policy version)."""
         ...
 
+    def occupies(self, device: str) -> bool:
+        """Does this backend hold memory on `device` that a trainer there needs while it trains
+        (an engine in this process on that GPU)? Then `cleaner run` releases it around the train step."""
+        ...
+
     def release_memory(self) -> None:
         """Give up the GPU memory generation holds (weights, KV cache) until `resume_memory`."""
         ...

@@ -74,6 +74,10 @@ class SGLangRequests:
     async def close_requests(self) -> None:
         """Close what the request methods opened on the running loop (none here)."""
 
+    def occupies(self, device: str) -> bool:
+        """No: the servers' GPUs are theirs (an engine in this process overrides it)."""
+        return False
+
     def release_memory(self) -> None:
         """Nothing is held here (an engine in this process overrides it)."""
 

@@ -162,6 +162,7 @@ class SGLangBackend(SGLangRequests):
         options = engine_options(device, dtype, seed, engine_kwargs, deterministic=deterministic,
                                  mem_fraction=mem_fraction)  # a bad device fails first
         self.memory_saver = bool(options.get("enable_memory_saver"))
+        self.device = engine_device(device)
         sglang = import_sglang(device)
         self._read_checkpoint(model_path)
         logging.getLogger("sglang").setLevel(options["log_level"].upper())  # its loggers in this process
@@ -184,6 +185,12 @@ class SGLangBackend(SGLangRequests):
     def event_loop(self):
         """SGLang's tokenizer manager receives results on the loop the engine was started with."""
         return self.engine.loop
+
+    def occupies(self, device: str) -> bool:
+        """On a GPU with the memory saver: the engine holds memory on its GPU (`device` the same GPU)."""
+        kind, index = self.device
+        return self.memory_saver and kind == "cuda" and str(device).startswith("cuda") and \
+            engine_device(str(device))[1] == index
 
     def release_memory(self) -> None:
         """Free the weights' and the KV cache's GPU memory (memory saver); a no-op without it."""

@@ -152,6 +152,10 @@ class TorchBackend:
     async def close_requests(self) -> None:
         """Nothing is opened per event loop."""
 
+    def occupies(self, device: str) -> bool:
+        """No: the model it holds is the one `cleaner run` trains (in place)."""
+        return False
+
     def release_memory(self) -> None:
         """Nothing held beyond the model, which `cleaner run` trains in place."""
 

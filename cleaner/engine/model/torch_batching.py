@@ -33,8 +33,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-
 from transformers.cache_utils import Cache, DynamicLayer
 
 from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams

@@ -193,6 +193,57 @@ def test_generated_logprobs_equal_scoring_the_tokens_afterwards(served):
         assert list(generation.logprobs) == pytest.approx(row, abs=atol)
 
 
+# ---------------------------------------------------------------------------- the agent loop's requests
+
+
+def _awaited(backend, requests):
+    """Run `requests(backend)` (a coroutine function) on the backend's event loop, or a new one."""
+    import asyncio
+
+    async def main():
+        try:
+            return await requests(backend)
+        finally:
+            await backend.close_requests()
+
+    loop = backend.event_loop
+    if loop is None:
+        return asyncio.run(main())
+    return loop.run_until_complete(main())
+
+
+def test_requests_awaited_together_equal_the_batch_call(served):
+    import asyncio
+
+    backend, case = served
+    greedy = SamplingParams(max_new_tokens=6, stop_token_ids=(), temperature=0.0)
+    expected = backend.generate(PROMPTS, greedy, seeds=[1, 2, 3])
+    got = _awaited(backend, lambda b: asyncio.gather(*[
+        b.generate_async(prompt, greedy, seed, session=f"rollout-{seed}") for seed, prompt in zip([1, 2, 3], PROMPTS,
+                                                                                                  strict=True)]))
+    for generation, reference in zip(got, expected, strict=True):
+        assert generation.token_ids == reference.token_ids and generation.finish_reason == reference.finish_reason
+        assert list(generation.logprobs) == pytest.approx(reference.logprobs, abs=case.atol)
+    scored = _awaited(backend, lambda b: b.score_async(SEQUENCES, STARTS, session="rollout-1"))
+    for row, reference in zip(scored, backend.score(SEQUENCES, STARTS), strict=True):
+        assert row == pytest.approx(reference, abs=case.atol)
+
+
+def test_each_awaited_request_stops_at_its_own_limit(served, request):
+    import asyncio
+
+    backend, case = served
+    if not case.seeds_honoured:
+        request.applymarker(pytest.mark.xfail(reason=SEEDS_IGNORED, strict=True))
+    sampled = [SamplingParams(max_new_tokens=limit, stop_token_ids=()) for limit in (2, 9, 5)]
+    got = _awaited(backend, lambda b: asyncio.gather(*[
+        b.generate_async(PROMPTS[0], params, 17, session=str(index)) for index, params in enumerate(sampled)]))
+    longest = backend.generate([PROMPTS[0]], sampled[1], seeds=[17])[0]
+    assert [len(g.token_ids) for g in got] == [2, 9, 5]
+    for generation in got:  # a shorter request is a prefix of the same sample
+        assert generation.token_ids == longest.token_ids[: len(generation.token_ids)]
+
+
 # ---------------------------------------------------------------------------- score
 
 

@@ -291,6 +291,11 @@ def test_run_resume_keeps_the_saved_config(tmp_path):
     assert "lr = 0.0003" in resumed.output and "iterations = 9" in resumed.output
     changed = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--lr", "1e-3"])
     assert changed.exit_code == 1 and "train.lr: 0.0003 -> 0.001" in changed.output
+    # how rollouts are scheduled is not what they contain: a resumed run may schedule them otherwise
+    rescheduled = runner.invoke(app, ["run", "--run-dir", str(run_dir), "--resume", "--max-concurrent-rollouts", "8",
+                                      "--batch-rollouts", "5", "--schedule", "lockstep", "--print-config"])
+    assert rescheduled.exit_code == 0, rescheduled.output
+    assert "max_concurrent_rollouts = 8" in rescheduled.output and 'schedule = "lockstep"' in rescheduled.output
 
 
 def test_run_edit_mask_collects_raw_unless_told_otherwise():

@@ -132,6 +132,20 @@ class _Killed(Exception):
     pass
 
 
+def test_an_evaluation_an_earlier_version_stored_is_not_run_again(tmp_path, toy_aime, backend):
+    """Ids hashed every field before (how rollouts were batched included): a complete evaluation
+    stored under such an id is found by it."""
+    config = _config(toy_aime)
+    (row,) = eval_job(Warehouse(tmp_path / "new"), config, backends={config.models[0]: backend},
+                      progress=False).rows
+    legacy = config.collect_config(config.models[0], config.datasets[0][1], True, 2).legacy_config_id
+    assert legacy != row.eval_id
+    old = Warehouse(tmp_path / "old")
+    old.write_eval_run(dataclasses.replace(row, eval_id=legacy))
+    again = eval_job(old, config, backends={config.models[0]: backend}, progress=False)
+    assert again.computed == [] and [r.eval_id for r in again.rows] == [legacy]
+
+
 def test_an_interrupted_eval_resumes_to_exactly_the_uninterrupted_rollouts(tmp_path, toy_aime, backend, monkeypatch):
     config = _config(toy_aime, batch_rollouts=2)  # two batches; the second one is lost
     backends = {config.models[0]: backend}

@@ -37,7 +37,9 @@ def _fail_job(message: str) -> typer.Exit:
 
 def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | None = None):
     """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
-    and nothing but `iterations` may differ from it. `names`: the flag of each field a flag set."""
+    and nothing but `iterations` and the collection's scheduling may differ from it. `names`: the
+    flag of each field a flag set."""
+    from cleaner.config import CollectConfig
     from cleaner.config.layers import (
         RUN_BASE_LAYER,
         ConfigError,
@@ -57,10 +59,12 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
     except ConfigError as error:
         raise _fail_job(str(error)) from error
-    changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=("iterations",))
+    free = ("iterations", *(f"collect.{name}" for name in CollectConfig.SCHEDULING))  # not what a rollout contains
+    changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=free)
     if changed:
         raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it "
-                        f"was (only --iterations may change). Differs: {'; '.join(changed)}")
+                        f"was (only --iterations and how rollouts are scheduled may change). Differs: "
+                        f"{'; '.join(changed)}")
     return config
 
 

@@ -222,14 +222,15 @@ def resolve_run_config(*layers: Mapping, where: str = "config",
 
 
 def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:
-    """`key: before -> after` for every leaf that differs (nested keys joined with dots)."""
+    """`key: before -> after` for every leaf that differs (nested keys joined with dots), but the
+    keys of `ignore` (dotted paths)."""
     changed = []
     for key in sorted(set(before) | set(after)):
-        if key in ignore:
+        if f"{prefix}{key}" in ignore:
             continue
         old, new = before.get(key), after.get(key)
         if isinstance(old, Mapping) and isinstance(new, Mapping):
-            changed += differences(old, new, prefix=f"{prefix}{key}.")
+            changed += differences(old, new, ignore, prefix=f"{prefix}{key}.")
         elif old != new:
             changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
     return changed

@@ -30,6 +30,11 @@ ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
 RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 
+def _digest(fields: dict) -> str:
+    """12 hex digits of the sha256 of the fields as sorted JSON."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -142,24 +147,42 @@ class CollectConfig(_Config):
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
 
-    # Fields that decide how rollouts are run, not what they contain: not part of the config's
-    # identity (its id, and what resuming an iteration must match).
-    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule"})
+    # How rollouts are run, not what they contain: not part of the config's identity (its id, and
+    # what resuming an iteration must match).
+    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction"})
+    # Fields the saved configs of earlier versions lack: part of the identity only away from their
+    # default, so such a config read back keeps its identity.
+    ADDED = frozenset({"deterministic_inference"})
 
     @functools.cached_property
     def config_id(self) -> str:
         """Stable 12-hex-digit hash of every parameter that decides what a rollout contains."""
-        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return _digest(self.identity())
+
+    @property
+    def legacy_config_id(self) -> str:
+        """The id an earlier version gave this config (every field it had, `batch_rollouts` included):
+        eval finds the evaluations it stored by it."""
+        fields = {key: value for key, value in self.to_dict().items()
+                  if key not in (self.SCHEDULING | self.ADDED) - {"batch_rollouts"}}
+        return _digest(fields)
 
     def identity(self) -> dict:
-        """The parameters that decide what a rollout contains (every field but SCHEDULING's)."""
-        return {key: value for key, value in self.to_dict().items() if key not in self.SCHEDULING}
+        """The parameters that decide what a rollout contains (module notes: SCHEDULING, ADDED)."""
+        defaults = {name: getattr(CollectConfig, name, None) for name in self.ADDED}
+        return {key: value for key, value in self.to_dict().items()
+                if key not in self.SCHEDULING and not (key in self.ADDED and value == defaults[key])}
 
     @classmethod
     def identity_of(cls, saved_json: str) -> dict:
-        """The identity of a config saved as JSON; a field it predates takes its default."""
-        saved = {key: value for key, value in json.loads(saved_json).items() if key not in cls.SCHEDULING}
-        return json.loads(json.dumps({**cls().identity(), **saved}, sort_keys=True, default=str))
+        """The identity of a config saved as JSON, as this version reads it back (a field it
+        predates takes its default)."""
+        saved = json.loads(saved_json)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {key: value for key, value in saved.items() if key in fields}
+        sandbox = {**dataclasses.asdict(SandboxConfig()), **known.get("sandbox", {})}
+        config = cls(**{**known, "sandbox": SandboxConfig(**sandbox)})
+        return json.loads(json.dumps(config.identity(), sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")

@@ -49,8 +49,10 @@ Design decisions:
   invalid bytes as U+FFFD; the ids stay the record), and the two texts that are not, the parsed
   code and the sandbox's output, are checked (`chat.parse_tool_call`) or made valid (`_from_result`)
   where they enter the trajectory.
-- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`, on a thread
-  (a program-graded reward runs tests in a sandbox), so the other rollouts go on meanwhile.
+- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`. A program's
+  (code data sources) runs its tests in a sandbox, on a thread, so the other rollouts go on
+  meanwhile; any other is a few milliseconds of math-verify, called on the loop's thread, the main
+  one, where math-verify's own timeouts (SIGALRM) hold against an answer that would hang sympy.
 No disk I/O here: schedule.py hands finished rollouts to the caller, which stores them.
 """
 
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cleaner.config import CollectConfig
 from cleaner.engine.collect.context import fit_prompts
+from cleaner.engine.grading.programs import is_code_source
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import (
     ChatFormat,
@@ -225,6 +228,9 @@ class Requests(Protocol):
 
     async def run_code(self, code: str) -> ExecResult: ...
 
+    def leave(self, state: RolloutState) -> None:
+        """The rollout needs no more turns (a lock step stops waiting for it)."""
+
 
 @dataclass(frozen=True)
 class Story:
@@ -267,6 +273,7 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
         outcome = await _execute(call, requests)
         _record_tool(state, call, outcome, story.config, story.chat)
     state.phase = Phase.DONE
+    requests.leave(state)
     return await _finish(state, story)
 
 
@@ -416,8 +423,11 @@ async def _finish(state: RolloutState, story: Story) -> Rollout:
     tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
     reward, correct, answer = 0.0, False, None
     if state.finish_reason != FinishReason.ERROR and assistants:
-        result = await asyncio.to_thread(story.reward_fn, assistants[-1].text, state.task.ground_truth,
-                                         state.task.data_source)
+        args = (assistants[-1].text, state.task.ground_truth, state.task.data_source)
+        if is_code_source(state.task.data_source):  # tests run in a sandbox, each under its timeout
+            result = await asyncio.to_thread(story.reward_fn, *args)
+        else:  # here, on the loop's thread: math-verify's own timeouts need the main thread
+            result = story.reward_fn(*args)
         reward, correct, answer = float(result.reward), bool(result.correct), result.answer
     return Rollout(
         rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,

@@ -165,7 +165,7 @@ class _Run:
             try:
                 return await run_rollout(state, self.story, requests)
             finally:
-                requests.leave()
+                requests.leave(state)  # if its story did not say so itself (an error)
 
         self.running[asyncio.get_running_loop().create_task(story(), name=state.rollout_id)] = state
 
@@ -181,11 +181,13 @@ class _Run:
     async def stop(self) -> None:
         """Cancel what is still running (an interrupted collection) and close the backend's
         connections on this loop."""
-        tasks = [*self.running, *(task for requests in self.lock_steps for task in requests.sent)]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.running.clear()
+        for requests in self.lock_steps:
+            requests.closed = True  # the cancelled stories' leaving releases nothing more
+        while tasks := [*self.running, *(task for requests in self.lock_steps for task in requests.sent)]:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.running.clear()
         await self.backend.close_requests()
 
 
@@ -217,8 +219,8 @@ class DirectRequests:
     async def run_code(self, code: str) -> ExecResult:
         return await self.sandbox.run_async(code)
 
-    def leave(self) -> None:
-        """A rollout's story has ended (nothing to do when nobody waits for it)."""
+    def leave(self, state: RolloutState) -> None:
+        """A rollout needs no more turns (nothing to do when nobody waits for it)."""
 
 
 class LockstepRequests(DirectRequests):
@@ -229,6 +231,8 @@ class LockstepRequests(DirectRequests):
     def __init__(self, backend, sandbox, tokens: TokenCounter, live: int) -> None:
         super().__init__(backend, sandbox, tokens)
         self.live = live
+        self.left: set[str] = set()  # rollouts that need no more turns
+        self.closed = False  # the collection is stopping: nothing more is released
         self.sent: set[asyncio.Task] = set()  # requests released and not yet answered
         self.generations: list[tuple[RolloutState, list[int], SamplingParams, int, asyncio.Future]] = []
         self.calls: list[tuple[str, asyncio.Future]] = []
@@ -246,12 +250,15 @@ class LockstepRequests(DirectRequests):
         self._release()
         return await future
 
-    def leave(self) -> None:
+    def leave(self, state: RolloutState) -> None:
+        if state.rollout_id in self.left:
+            return
+        self.left.add(state.rollout_id)
         self.live -= 1
         self._release()
 
     def _release(self) -> None:
-        if len(self.generations) + len(self.calls) < self.live:
+        if self.closed or len(self.generations) + len(self.calls) < self.live:
             return
         if self.calls:
             calls, self.calls = self.calls, []

@@ -6,6 +6,7 @@ it again continues an interrupted one (no flag needed: its id is its whole confi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Mapping
@@ -56,7 +57,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     for _, loaded in datasets:
         if not loaded.tasks:
             raise JobError(f"{loaded.path}: the dataset has no rows")
-    plans = eval_plans(config, datasets)
+    plans = [_as_stored(warehouse, plan) for plan in eval_plans(config, datasets)]
     todo = [plan for plan in plans if warehouse.read_eval_run(plan.eval_id) is None]
     if todo:
         tasks = [task for _, loaded in datasets for task in loaded.tasks]
@@ -76,6 +77,15 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
                         _evaluate(warehouse, model_plan, serving, sandbox, grader, progress)
     rows = [warehouse.read_eval_run(plan.eval_id) for plan in plans]
     return EvalOutcome(rows, [plan.eval_id for plan in todo], time.monotonic() - started)
+
+
+def _as_stored(warehouse: Warehouse, plan: EvalPlan) -> EvalPlan:
+    """The plan under the id an earlier version stored its complete evaluation by, if it did."""
+    legacy = plan.collect_config.legacy_config_id
+    if legacy != plan.eval_id and warehouse.read_eval_run(plan.eval_id) is None \
+            and warehouse.read_eval_run(legacy) is not None:
+        return dataclasses.replace(plan, stored_id=legacy)
+    return plan
 
 
 def _warm_up(backend: Backend, sandbox, task: Task) -> None:

@@ -5,7 +5,9 @@ Design decisions:
   iteration 0 with n samples per problem. The config's id is the evaluation's id: it names the
   warehouse partition of its rollouts and segments, prefixes their rollout ids (so `cleaner show`
   finds each one uniquely) and is their `collect_config_id` (so SQL joins `eval_runs` to them).
-  Running the same evaluation again therefore finds its committed rollouts and continues.
+  Running the same evaluation again therefore finds its committed rollouts and continues. A
+  complete evaluation stored by an earlier version, whose ids hashed every field then (how rollouts
+  were batched included), is found by that id (`CollectConfig.legacy_config_id`) and not run again.
 - Seeds derive from the prompt id and sample index, not from the evaluation, so the SAAR and raw
   settings sample the same first turn of every rollout: the two differ only after a failed call.
 - `seconds` is the wall time of the session that completed the evaluation and `rollouts_generated`
@@ -30,10 +32,11 @@ class EvalPlan:
     dataset: str  # the name given on the command line
     data: LoadedDataset
     collect_config: CollectConfig
+    stored_id: str | None = None  # the id an earlier version stored this evaluation under, if it did
 
     @property
     def eval_id(self) -> str:
-        return self.collect_config.config_id
+        return self.stored_id or self.collect_config.config_id
 
     @property
     def saar(self) -> bool:

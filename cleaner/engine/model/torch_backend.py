@@ -204,7 +204,8 @@ class TorchBackend:
         future = loop.create_future()
 
         def done(result: Generation | BaseException) -> None:
-            loop.call_soon_threadsafe(_settle, future, result)
+            if not loop.is_closed():  # a collection that was stopped closed its loop: nobody waits
+                loop.call_soon_threadsafe(_settle, future, result)
 
         self._server.submit(DecodeRequest(tuple(int(t) for t in prompt), params, int(seed), done,
                                           cancelled=future.cancelled))

@@ -100,12 +100,23 @@ class DecodeRequest:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator = field(init=False)
+    settled: bool = False  # `done` has been called
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator().manual_seed(int(self.seed))
 
     def finish(self, reason: str) -> None:
-        self.done(Generation(tuple(self.token_ids), tuple(self.logprobs), reason))
+        self.settle(Generation(tuple(self.token_ids), tuple(self.logprobs), reason))
+
+    def settle(self, result: Generation | BaseException) -> None:
+        """Hand `result` to `done`, once; a waiter that is gone (its loop closed) is not our fault."""
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            self.done(result)
+        except Exception as error:  # the waiter's side failed: nothing to hand the result to
+            log.debug("a decode request's result had nowhere to go: %r", error)
 
 
 # ---------------------------------------------------------------------------- the batch
@@ -185,6 +196,8 @@ class DecodeBatch:
         """Prefill `requests` in one forward and join them to the batch."""
         ready = []
         for request in requests:
+            if request.cancelled():
+                continue
             if request.params.max_new_tokens <= 0:
                 request.finish(LENGTH)
             else:
@@ -241,11 +254,13 @@ class DecodeBatch:
             row.token_ids.append(token)
             row.logprobs.append(logprob)
             next_tokens[index] = token
-            if token in row.params.stop_token_ids:
+            if row.cancelled():  # nobody waits for it any more: it leaves without an answer
+                pass
+            elif token in row.params.stop_token_ids:
                 row.finish(STOP)
             elif len(row.token_ids) >= row.params.max_new_tokens:
                 row.finish(LENGTH)
-            elif not row.cancelled():
+            else:
                 continue
             self.rows[index] = None
         n_live = sum(row is not None for row in self.rows)
@@ -279,7 +294,7 @@ class DecodeBatch:
     def fail(self, error: BaseException) -> None:
         """Every live row ends with `error`."""
         for row in self.live:
-            row.done(error)
+            row.settle(error)
         self.clear()
 
     def clear(self) -> None:
@@ -346,31 +361,41 @@ class DecodeServer:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.steps = 0  # decode steps taken (one token for every row of the batch)
         self.rows_stepped = 0  # sum over steps of the rows in the batch: mean batch = rows / steps
 
     def submit(self, request: DecodeRequest) -> None:
+        if self._closed:
+            request.settle(RuntimeError("the torch backend was closed"))
+            return
         self._ensure_running()
         self._inbox.put(request)
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the decoding thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closed:
+            future.set_exception(RuntimeError("the torch backend was closed"))
+            return future
         self._ensure_running()
         self._inbox.put(_Call(fn, future))
         return future
 
     def close(self) -> None:
-        """End the thread; requests still waiting or running fail."""
+        """End the thread; requests and calls still waiting or running fail."""
         with self._lock:
+            self._closed = True
             thread, self._thread = self._thread, None
+            if thread is not None:
+                self._inbox.put(_STOP)
         if thread is not None:
-            self._inbox.put(_STOP)
             thread.join()
+        self._take(block=False, waiting=deque(), closing=True)  # what came in after the stop
 
     def _ensure_running(self) -> None:
         with self._lock:
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._serve, name="torch-decode", daemon=True)
                 self._thread.start()
 
@@ -384,7 +409,8 @@ class DecodeServer:
                 if batch is not None:
                     batch.fail(error)
                 for request in waiting:
-                    request.done(error)
+                    request.settle(error)
+                self._take(block=False, waiting=deque(), closing=True)
                 return
             if batch is None or not batch.rows:
                 batch = self.new_batch()  # on the model as it is now (weights adopted since the last batch)
@@ -397,12 +423,12 @@ class DecodeServer:
             except Exception as error:  # every row of this batch shared the forward that failed
                 log.exception("torch decode step failed; its %d requests end with the error", len(batch.live))
                 for request in admitted:
-                    if request not in batch.live:
-                        request.done(error)
+                    request.settle(error)  # once: those already answered are left alone
                 batch.fail(error)
 
-    def _take(self, block: bool, waiting: deque) -> bool:
-        """Move what the inbox holds to `waiting` (requests) or run it (calls); True to stop."""
+    def _take(self, block: bool, waiting: deque, closing: bool = False) -> bool:
+        """Move what the inbox holds to `waiting` (requests) or run it (calls); True to stop.
+        `closing`: fail everything instead (the thread has stopped)."""
         while True:
             try:
                 item = self._inbox.get(block=block)
@@ -411,7 +437,14 @@ class DecodeServer:
             block = False
             if item is _STOP:
                 return True
-            if isinstance(item, _Call):
+            if closing:
+                error = RuntimeError("the torch backend was closed")
+                if isinstance(item, _Call):
+                    if item.future.set_running_or_notify_cancel():
+                        item.future.set_exception(error)
+                else:
+                    item.settle(error)
+            elif isinstance(item, _Call):
                 _run_call(item)
             elif not item.cancelled():
                 waiting.append(item)
@@ -419,6 +452,8 @@ class DecodeServer:
     def _admissible(self, batch: DecodeBatch, waiting: deque) -> list[DecodeRequest]:
         """The waiting requests that fit now, oldest first (one always, into an empty batch)."""
         admitted: list[DecodeRequest] = []
+        while waiting and waiting[0].cancelled():
+            waiting.popleft()
         while waiting and len(batch.live) + len(admitted) < self.max_rows:
             longest = max([len(waiting[0].prompt)] + [len(r.prompt) for r in admitted])
             if (batch.live or admitted) and batch.cost_with(longest, len(admitted) + 1) > self.max_tokens:

@@ -23,9 +23,12 @@ Design decisions:
 - The boundary: the log-prob of an edge's first token comes from the LAST position of its parent
   edge; the rest come from the edge's own positions. The very first token of a row has no
   log-prob (starts are >= 1). A leaf's last token is context for nothing and is not forwarded.
-- Only the positions someone needs go through the output head (transformers' `logits_to_keep`
-  with a tensor of positions, so heads that scale or cap logits stay the model's own): from the
-  smallest start among the rows below a node, never the prompt.
+- Only the positions someone needs go through the output head, from the smallest start among the
+  rows below a node, never the prompt, and `chunk_tokens` of them at a time (head.py): the decoder
+  gives the last hidden states, the lm_head turns a chunk into logits, keeps log pi(target) and
+  frees them, so the peak is one chunk's logits (0.3 GB at Qwen's vocabulary), not positions x
+  vocabulary (18.5 GiB of float32 for a 32,768-position window). A model whose logits are not a
+  plain linear head (soft-capped, scaled) is refused, as the train step refuses it.
 - Memory: the stack is walked last-in first-out, so the pending caches are those of about one
   window per tree level; a forward holds about window_batches x max_batch_tokens of cache plus the
   activations of the window's tokens. A batch whose rows are mostly leaves hands its few parents a
@@ -46,6 +49,12 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.engine.model.base import ScorerStats, check_score_inputs
+from cleaner.engine.model.head import (
+    DEFAULT_CHUNK_TOKENS,
+    check_attention,
+    check_plain_head,
+    target_logprobs,
+)
 from cleaner.engine.model.kv import kv_geometry
 from cleaner.engine.model.radix import (
     Node,
@@ -79,6 +88,7 @@ class PrefixTrieScorer:
         max_edge_tokens: int | None = None,  # longer edges go in pieces; None: 64 on CPU, else 2048
         window_batches: int = 4,  # attention batches' worth of tokens per forward
         progress: bool = False,  # a tqdm bar over the tokens to forward
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,  # positions per lm_head chunk
     ) -> None:
         device = torch.device(device)
         on_cpu = device.type == "cpu"  # CPU and CUDA want different sizes; see the module docstring
@@ -90,7 +100,12 @@ class PrefixTrieScorer:
             raise ValueError("max_edge_tokens must be <= max_batch_tokens")
         if window_batches < 1:
             raise ValueError("window_batches must be >= 1")
+        check_plain_head(model)
+        check_attention(model)  # sinks; a sliding window is checked against the rows in score_rows
         self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.chunk_tokens = chunk_tokens
         self.device = device
         self.max_batch_tokens = max_batch_tokens
         self.max_edge_tokens = max_edge_tokens
@@ -109,6 +124,7 @@ class PrefixTrieScorer:
     def score_rows(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         """Same contract as Backend.score; see the module docstring."""
         check_score_inputs(sequences, starts)
+        check_attention(self.model, max((len(s) for s in sequences), default=0))
         began = time.perf_counter()
         root = build_radix_tree(sequences, self.max_edge_tokens)
         mark_first_scored(root, starts)
@@ -153,15 +169,15 @@ class PrefixTrieScorer:
         self.stats.tokens_forwarded += offsets[-1]
         self.stats.n_forwards += 1
         plan = _HeadPlan.of(batch)
-        positions = self._long(offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True))
-        entries, targets = self._long(plan.pick_entries), self._long(plan.pick_targets)
+        positions = [offsets[r] + c for r, c in zip(plan.rows, plan.cols, strict=True)]
+        predictors = self._long(positions[entry] for entry in plan.pick_entries)  # (M,): the position before each
         with packed_attention(self.model, groups, self.grouped_query):
             # a 4-D mask passes through transformers' mask preparation untouched (never an N x N
             # causal mask); `trie_attention` ignores it and uses each batch's own
-            logits = self.model(input_ids=input_ids, attention_mask=_PLACEHOLDER_MASK.to(self.device),
-                                position_ids=position_ids, use_cache=False,
-                                logits_to_keep=positions).logits[0].float()  # (N', V): needed positions only
-        values = (logits[entries, targets] - torch.logsumexp(logits, -1)[entries]).tolist()  # (M,)
+            hidden = self.decoder(input_ids=input_ids, attention_mask=_PLACEHOLDER_MASK.to(self.device),
+                                  position_ids=position_ids, use_cache=False).last_hidden_state[0]  # (N, H)
+        values = target_logprobs(hidden.index_select(0, predictors), self.head.weight, self.head.bias,
+                                 self._long(plan.pick_targets), self.chunk_tokens, self.dtype).tolist()  # (M,)
         children: list[_Pending] = []
         first_row = 0
         for group in groups:

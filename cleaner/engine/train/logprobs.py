@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-DEFAULT_CHUNK_TOKENS = 512  # tokens per lm_head chunk: 512 x 151,936 x 4 B = 0.31 GB a copy, two at once
+from cleaner.engine.model.head import DEFAULT_CHUNK_TOKENS, chunk_logits, head_in
 
 
 class TokenOutputs(NamedTuple):
@@ -38,21 +38,6 @@ class TokenOutputs(NamedTuple):
 
     log_probs: torch.Tensor  # (M,) float32: log pi(target) of each loss token
     entropy: torch.Tensor  # (M,) float32: entropy of the distribution that predicted it
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """The head on one chunk: (C, H) -> (C, V) float32, the matmul in `dtype` (weight and bias
-    already in it)."""
-    logits = hidden.to(dtype) @ weight.t()  # (C, V)
-    if bias is not None:
-        logits = logits + bias
-    return logits.float()
-
-
-def _in(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The head's weight and bias in the compute dtype, cast once per pass (no copy if they are)."""
-    return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 class ChunkedLogProbs(torch.autograd.Function):
@@ -67,11 +52,11 @@ class ChunkedLogProbs(torch.autograd.Function):
         log_probs = torch.empty(count, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros_like(log_probs)
         log_norm = torch.empty_like(log_probs)  # lse per token, reused by backward
-        head_weight, head_bias = _in(dtype, weight, bias)
+        head_weight, head_bias = head_in(dtype, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, count, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                logits = _chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V)
+                logits = chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V)
                 lse = torch.logsumexp(logits, dim=-1)  # (C,)
                 log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
                 if with_entropy:
@@ -95,11 +80,11 @@ class ChunkedLogProbs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
-        head_weight, head_bias = _in(dtype, weight, bias)
+        head_weight, head_bias = head_in(dtype, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                grad_logits = _chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V), becomes dL/dz
+                grad_logits = chunk_logits(hidden[rows], head_weight, head_bias, dtype)  # (C, V), becomes dL/dz
                 grad_logits.sub_(log_norm[rows, None])  # log p
                 probs = grad_logits.exp()  # (C, V)
                 if use_entropy:

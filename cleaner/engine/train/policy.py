@@ -38,35 +38,14 @@ from pathlib import Path
 import torch
 
 from cleaner.config import TrainConfig
+from cleaner.engine.model.head import check_plain_head
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.logprobs import TokenOutputs, chunked_token_outputs
 from cleaner.engine.train.packing import PackedBatch
-from cleaner.errors import CleanerError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Config attributes of models whose logits are not just lm_head(last hidden state).
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale",
-                    "dim_model_base")
 PACKED_ATTENTION = "cleaner_packed_sdpa"  # the name packed_sdpa_attention is registered under
 FLASH_ATTENTION = "flash_attention_2"
-
-
-class UnsupportedModelError(CleanerError):
-    """A policy whose logits the chunked head cannot reproduce."""
-
-
-def check_plain_head(policy: torch.nn.Module) -> None:
-    """UnsupportedModelError unless the policy's logits are a linear lm_head on its last hidden state."""
-    config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
-    for name in LOGIT_TRANSFORMS:
-        value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
-            raise UnsupportedModelError(
-                f"model type {config.model_type!r} sets {name} = {value}: its logits are not a plain "
-                "linear lm_head on the last hidden state, which the chunked train step computes")
-    if not isinstance(policy.get_output_embeddings(), torch.nn.Linear):
-        raise UnsupportedModelError(f"model type {config.model_type!r}: its output embedding is not "
-                                    "a torch.nn.Linear lm_head")
 
 
 # ---------------------------------------------------------------------------

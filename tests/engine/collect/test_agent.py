@@ -24,7 +24,7 @@ from cleaner.config import CollectConfig, PurifyConfig
 from cleaner.engine.collect.agent import CollectedBatch, rollback_draw, turn_seed
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
-from cleaner.engine.model.base import LENGTH, STOP, Generation
+from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
 from cleaner.engine.model.chat import (
     ChatFormat,
     format_call,
@@ -568,6 +568,50 @@ def test_thousands_of_rollouts_in_flight():
     assert [len(b.rollouts) for b in batches] == [256] * 7 + [208]
     assert len({r.rollout_id for r in rollouts}) == 2000
     assert {s.rollout_id for s in segments} == {r.rollout_id for r in rollouts}
+
+
+def test_a_stopped_lock_step_releases_nothing_more():
+    """Cancelled stories leave the barrier as they end; a stopping collection must not let that
+    release the turns the others were holding."""
+    from cleaner.engine.collect.schedule import LockstepRequests, TokenCounter
+
+    backend = RandomBackend()
+    sent = []
+    backend.generate = lambda prompts, params, seeds: sent.extend(seeds) or []
+    requests = LockstepRequests(backend, FakeSandbox(), TokenCounter(), live=3)
+    states = [type("State", (), {"rollout_id": f"r{i}"})() for i in range(3)]
+    params = SamplingParams(4, ())
+
+    async def main():
+        waiting = [asyncio.create_task(requests.generate(state, [1], params, index))
+                   for index, state in enumerate(states[:2])]  # the third has not come yet
+        await asyncio.sleep(0)
+        requests.closed = True
+        for task, state in zip(waiting, states, strict=False):
+            task.cancel()
+            requests.leave(state)
+        requests.leave(states[2])  # all three gone: would release the two held turns if not closed
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return requests.sent
+
+    assert asyncio.run(main()) == set() and sent == []
+
+
+@pytest.mark.parametrize(("data_source", "on_main"), [("toy", True), ("livecodebench", False)])
+def test_a_reward_runs_on_the_main_thread_unless_it_runs_programs(data_source, on_main):
+    import threading
+
+    threads = []
+
+    def reward(text, ground_truth, source):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return fake_reward(text, ground_truth, source)
+
+    scripts = {("main", 0): [answer("42")]}
+    tasks = [Task("main", ({"role": "user", "content": "Q?"},), "42", data_source)]
+    list(collect(tasks, BASE, ScriptedBackend(scripts, BASE), FakeSandbox(), CHAT, reward_fn=reward,
+                 progress=False))
+    assert threads == [on_main]  # math-verify's timeouts need the main thread; tests do not
 
 
 # ---------------------------------------------------------------------------------------------

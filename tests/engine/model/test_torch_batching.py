@@ -143,6 +143,31 @@ def test_requests_from_an_event_loop_and_scoring_between_steps(backend):
     assert steps >= 10 and rows >= 40  # every request decoded 10 tokens on the thread
 
 
+def test_a_collection_that_stopped_leaves_the_thread_serving_the_next(tiny_qwen3_dir):
+    """Requests whose loop was closed under them (an interrupted collection) finish or leave
+    without their answers; the decoding thread serves the next loop's requests."""
+    backend = TorchBackend(tiny_qwen3_dir)
+    params = SamplingParams(40, ())
+    loop = asyncio.new_event_loop()
+
+    async def abandon():
+        pending = [asyncio.create_task(backend.generate_async(p, params, seed)) for seed, p in enumerate(PROMPTS)]
+        await asyncio.sleep(0.01)
+        return pending
+
+    loop.run_until_complete(abandon())
+    loop.close()  # with its tasks still waiting, as an interrupted collect leaves them
+    try:
+        generation = asyncio.run(backend.generate_async(PROMPTS[0], SamplingParams(5, ()), 9))
+        assert len(generation.token_ids) == 5
+        assert backend._server._thread.is_alive()
+    finally:
+        backend.close()
+    late = backend._server.call(lambda: 1)  # after close: answered with an error, never left hanging
+    with pytest.raises(RuntimeError, match="closed"):
+        late.result(timeout=10)
+
+
 def test_a_forward_that_raises_fails_its_batch_only(backend):
     class Exploding(torch.nn.Module):
         def forward(self, **kwargs):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
+from cleaner.engine.model.head import UnsupportedModelError
 from cleaner.engine.model.radix import build_radix_tree, tokens_to_forward
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
@@ -146,8 +147,8 @@ def test_sliding_window_layers_work_inside_the_window_and_refuse_beyond_it(backe
     short = [SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [3, 9]]  # at most 11 tokens: attention is plain causal
     got = PrefixTrieScorer(model, max_batch_tokens=64, max_edge_tokens=4).score_rows(short, [8, 8])
     assert_rows_close(got, [unpadded_reference(model, s, 8) for s in short])
-    with pytest.raises(NotImplementedError, match="sliding window of 12"):
-        PrefixTrieScorer(model).score_rows([SCORED_PROMPT + list(range(3, 13))], [8])
+    with pytest.raises(UnsupportedModelError, match="sliding window of 12 tokens .config layer_types, sliding_window."):
+        PrefixTrieScorer(model).score_rows([SCORED_PROMPT + list(range(3, 13))], [8])  # before any forward
     assert model.config._attn_implementation == "sdpa"
 
 

@@ -15,11 +15,12 @@ import torch
 from safetensors import safe_open
 
 from cleaner.config import TrainConfig
+from cleaner.engine.model.head import UnsupportedModelError
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.naive import full_logits_micro_batch_loss
 from cleaner.engine.train.optim import STATE_PATH
 from cleaner.engine.train.packing import loss_token_count, pack_rows
-from cleaner.engine.train.policy import TrainablePolicy, UnsupportedModelError, training
+from cleaner.engine.train.policy import TrainablePolicy, training
 from cleaner.engine.train.step import forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row, with_old_logprobs

@@ -220,7 +220,9 @@ try:
     from cleaner.engine.collect.schedule import collect
 except ImportError:  # the loop before: agent.collect
     from cleaner.engine.collect.agent import collect
+import cleaner
 schedule, repeats = sys.argv[1], int(sys.argv[2])
+print(json.dumps({"source": cleaner.__file__.rsplit("/", 1)[0]}), flush=True)
 fields = {} if schedule == "before" else {"schedule": schedule}
 backend = TorchBackend(DEFAULT_POLICY)
 chat = ChatFormat(backend.tokenizer)
@@ -240,13 +242,15 @@ with make_sandbox(config.sandbox) as sandbox:
 
 def torch_section(baseline_src: Path | None, repeats: int = 3) -> str:
     here = Path(__file__).resolve().parents[1]
-    probes = [("async", here), ("lockstep", here)] + ([("before", baseline_src)] if baseline_src else [])
+    probes = [("async", here), ("lockstep", here)] + ([("before", baseline_src.resolve())] if baseline_src else [])
     rows = []
     for schedule, source in probes:
         env = {**os.environ, "PYTHONPATH": str(source)}
+        # cwd: a directory without a `cleaner` of its own (`python -c` puts the cwd first on sys.path)
         done = subprocess.run([sys.executable, "-c", TORCH_PROBE, schedule, str(repeats)], env=env,
-                              capture_output=True, text=True, check=True)
-        results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+                              capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+        assert json.loads(done.stdout.splitlines()[0])["source"] == str(source / "cleaner"), "the wrong tree ran"
+        results = [json.loads(line) for line in done.stdout.splitlines()[1:] if line.startswith("{")]
         seconds = sorted(r["seconds"] for r in results)[len(results) // 2]  # the median repeat
         rows.append((schedule, results[0]["rollouts"], sum(r["tokens"] for r in results) / len(results), seconds))
     lines = ["### The torch backend on the toy", "",

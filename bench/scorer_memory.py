@@ -21,12 +21,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PROBE = """
 import json, random, resource, sys, time, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
+import cleaner
 rows, tokens, sizes, vocab, check = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 torch.manual_seed(0)
 config = Qwen3Config(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
@@ -42,7 +44,7 @@ started = time.perf_counter()
 scored = scorer.score_rows(sequences, [512] * rows)
 seconds = time.perf_counter() - started
 peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-out = {"rows": rows, "tokens": tokens, "sizes": sizes, "peak_gib": peak_gib, "seconds": seconds,
+out = {"tree": cleaner.__file__.rsplit("/", 2)[0], "rows": rows, "tokens": tokens, "sizes": sizes, "peak_gib": peak_gib, "seconds": seconds,
        "scored": sum(len(r) for r in scored), "first": scored[0][:3], "last": scored[-1][-3:]}
 if check:  # a naive forward of the last row, its logits whole (only where that fits)
     with torch.inference_mode():
@@ -56,8 +58,9 @@ print(json.dumps(out))
 
 def probe(rows: int, tokens: int, sizes: str, vocab: int, source: Path | None, check: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": str(source or Path(__file__).resolve().parents[1])}
+    # cwd: a directory without a `cleaner` of its own (`python -c` puts the cwd first on sys.path)
     done = subprocess.run([sys.executable, "-c", PROBE, str(rows), str(tokens), sizes, str(vocab), str(int(check))],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if done.returncode != 0:
         return {"rows": rows, "tokens": tokens, "sizes": sizes, "error": done.stderr.strip().splitlines()[-1][:200]}
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -88,7 +88,8 @@ def rows(tokens: int, vocab_size: int):
 
 
 def micro_batch_step(path: str, model, reference, batch_rows, device: str):
-    """Forward and backward of one micro batch on `path`; its MicroLoss."""
+    """Forward and backward of one micro batch on `path`; its MicroLoss. `reference`: the reference
+    model (full path), or its log-probs computed before (cleaner's step: step.ReferenceLogProbs)."""
     from cleaner.config import TrainConfig
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
     from cleaner.engine.train.packing import loss_token_count, pack_rows
@@ -104,10 +105,23 @@ def micro_batch_step(path: str, model, reference, batch_rows, device: str):
         return part
     policy = TrainablePolicy(model, config)
     with training(policy, config):
-        part = forward_micro_batch(policy, TrainablePolicy(reference, config, entropy=False),
-                                   pack_rows(batch_rows, device), config, total)
+        part = forward_micro_batch(policy, reference, batch_rows, pack_rows(batch_rows, device), config, total)
         part.loss.backward()
     return part
+
+
+def reference_for(path: str, reference, batch_rows, device: str):
+    """What `micro_batch_step` takes as its reference on `path`: the model itself (full), or its
+    log-probs, computed in the compute dtype as the train step does before it trains."""
+    if path == "full":
+        return reference
+    from cleaner.config import TrainConfig
+    from cleaner.engine.train.policy import COMPUTE_DTYPES, TrainablePolicy
+    from cleaner.engine.train.step import ReferenceLogProbs
+
+    config = TrainConfig(kl_coef=0.1, device=device, **PATHS[path])
+    frozen = TrainablePolicy(reference.to(COMPUTE_DTYPES[config.compute_dtype]), config, entropy=False)
+    return ReferenceLogProbs.compute(frozen, batch_rows, config, device)
 
 
 def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
@@ -120,8 +134,10 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
     if cuda:  # float32 means float32 (the equality checks); bfloat16 autocast is unaffected
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     model = proxy(0, vocab_size, shape, device)
-    reference = proxy(1, vocab_size, shape, device).eval().requires_grad_(False)
     batch_rows = rows(tokens, vocab_size)
+    # cleaner's step computes the reference's log-probs before it trains and frees the reference
+    reference = reference_for(path, proxy(1, vocab_size, shape, device).eval().requires_grad_(False),
+                              batch_rows, device)
     for _ in range(repeat):
         model.zero_grad(set_to_none=True)
         if cuda:
@@ -137,7 +153,7 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
               "threads": torch.get_num_threads(),
               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
               "tokens_per_s": sum(len(r.token_ids) for r in batch_rows) / seconds, "loss": part.loss.item(),
-              "entropy": part.entropy, "grad_norm": grad_norm}
+              "entropy": float(part.entropy), "grad_norm": grad_norm}
     if cuda:
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return result

@@ -250,6 +250,19 @@ def test_train_takes_the_config_id_as_purify_prints_it(small_run, tmp_path):
     assert len(warehouse.read_train_steps(0)) == 2 * steps_before  # trained again on the same 16 rows
 
 
+def test_a_token_budget_makes_the_micro_batch_row_count_irrelevant(small_run, tmp_path):
+    """With --max-tokens-per-micro-batch the rows of a micro batch are packed by tokens, so a mini
+    batch smaller than --micro-batch-size (8 by default) is no contradiction."""
+    warehouse, config_id = _run_warehouse_copy(small_run, tmp_path)
+    result = runner.invoke(app, ["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id,
+                                 "--policy", str(small_run / "checkpoints" / "iteration-1"), "--out",
+                                 str(tmp_path / "out"), "--mini-batch-size", "2", "--max-tokens-per-micro-batch",
+                                 "16384"])
+    assert result.exit_code == 0, result.output
+    steps = [s for s in warehouse.read_train_steps(0) if s.checkpoint == str(tmp_path / "out")]
+    assert len(steps) == 16 // 2  # 16 rows, 2 per optimiser step
+
+
 def _broken_policy(tmp_path, broken: str):
     """A copy of the tiny policy without its weights or tokenizer, or with a damaged weight file."""
     import shutil

@@ -297,7 +297,7 @@ class TrainConfig(_Config):
                "overlong_buffer must be <= max_response_tokens")
         _check(self.mini_batch_size >= 1, f"mini_batch_size must be >= 1, got {self.mini_batch_size}")
         _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        _check(self.mini_batch_size >= self.micro_batch_size,
+        _check(self.max_tokens_per_micro_batch is not None or self.mini_batch_size >= self.micro_batch_size,
                f"mini_batch_size ({self.mini_batch_size}) must be >= micro_batch_size ({self.micro_batch_size})")
         _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
         _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}")

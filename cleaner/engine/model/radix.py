@@ -1,7 +1,10 @@
 """The radix tree the prefix-trie scorer walks (docs/architecture.md §6).
 
 Each node holds an edge of tokens that every row below it shares; the root's edge is empty. Long
-edges become chains of nodes of at most max_edge_tokens, so a forward never exceeds its budget.
+edges become chains of nodes, so a forward never exceeds its budget: pieces of max_edge_tokens near
+the root, longer ones deep in a row (a sixteenth of their depth, at most 8 x max_edge_tokens),
+because the scorer copies a piece's whole prefix cache into its attention batch: with pieces of a
+fixed size that copying grows with the square of a row's length, with these about linearly.
 The scorer writes each node's log-probs in place, and `path_logprobs` reads a row back.
 """
 
@@ -29,7 +32,8 @@ class Node:
         return len(self.edge) if self.children else len(self.edge) - 1
 
 
-def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int) -> Node:
+def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int,
+                     max_piece_tokens: int | None = None) -> Node:
     """Radix tree over the rows (root has an empty edge); long edges become chains of nodes."""
     root = Node(edge=(), depth=0)
     order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))
@@ -40,7 +44,7 @@ def build_radix_tree(sequences: Sequence[Sequence[int]], max_edge_tokens: int) -
         for group in _runs_by_token(sequences, rows, depth):
             first, last = sequences[group[0]], sequences[group[-1]]
             shared = _common_prefix_length(first, last, depth)  # sorted: LCP(all) = LCP(first, last)
-            node = _add_chain(parent, tuple(first[depth:shared]), depth, max_edge_tokens)
+            node = _add_chain(parent, tuple(first[depth:shared]), depth, max_edge_tokens, max_piece_tokens)
             node.ending_rows = [i for i in group if len(sequences[i]) == shared]
             below = [i for i in group if len(sequences[i]) > shared]
             if below:
@@ -67,13 +71,26 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int], start: int) -> int
     return end
 
 
-def _add_chain(parent: Node, edge: tuple[int, ...], depth: int, max_edge_tokens: int) -> Node:
-    """Attach `edge` under `parent` as nodes of at most max_edge_tokens; returns the last one."""
-    for offset in range(0, len(edge), max_edge_tokens):
-        piece = edge[offset : offset + max_edge_tokens]
-        node = Node(edge=piece, depth=depth + offset, parent=parent)
+DEPTH_PER_PIECE_TOKEN = 16  # a piece deep in a row is up to 1/16 of its depth (module notes)
+MAX_PIECE_FACTOR = 8  # and at most this many times max_edge_tokens
+
+
+def piece_tokens(depth: int, max_edge_tokens: int, max_piece_tokens: int | None = None) -> int:
+    """The longest piece that starts at `depth` (at most `max_piece_tokens`, default 8 x max_edge_tokens)."""
+    cap = MAX_PIECE_FACTOR * max_edge_tokens if max_piece_tokens is None else max(max_piece_tokens, max_edge_tokens)
+    return min(max(max_edge_tokens, depth // DEPTH_PER_PIECE_TOKEN), cap)
+
+
+def _add_chain(parent: Node, edge: tuple[int, ...], depth: int, max_edge_tokens: int,
+               max_piece_tokens: int | None) -> Node:
+    """Attach `edge` under `parent` as a chain of pieces (`piece_tokens`); returns the last one."""
+    offset = 0
+    while offset < len(edge):
+        size = piece_tokens(depth + offset, max_edge_tokens, max_piece_tokens)
+        node = Node(edge=edge[offset : offset + size], depth=depth + offset, parent=parent)
         parent.children.append(node)
         parent = node
+        offset += size
     return parent
 
 

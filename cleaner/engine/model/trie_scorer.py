@@ -16,7 +16,10 @@ Design decisions:
 - One forward per window, packed: the window's edges go through the model as one unpadded row, and
   attention runs per batch over each row's own prefix cache (`trie_attention.py`). Flash kernels
   take no 4-D mask, so a model loaded with them is refused at construction.
-- Sizes: on CPU, pieces of max_edge_tokens = 64 (batches then mix pieces of similar length) and
+- Sizes: on CPU, pieces of max_edge_tokens = 64 near the root, longer deep in a row (radix.py: a
+  sixteenth of the depth, up to 8x, never past an attention batch), so copying each piece's prefix
+  cache into its batch grows about linearly with a row, not with its square (batches then mix
+  pieces of similar length) and
   attention batches of 2048 tokens (small batches pad less, and 4 of them per forward keep
   activations in cache), the best of the sizes compared in BENCHMARKS.md. On CUDA the defaults
   are 2048 and 8192, larger because a GPU wants bigger kernels; they have not been compared there.
@@ -57,6 +60,7 @@ from cleaner.engine.model.head import (
 )
 from cleaner.engine.model.kv import kv_geometry
 from cleaner.engine.model.radix import (
+    MAX_PIECE_FACTOR,
     Node,
     build_radix_tree,
     mark_first_scored,
@@ -126,7 +130,8 @@ class PrefixTrieScorer:
         check_score_inputs(sequences, starts)
         check_attention(self.model, max((len(s) for s in sequences), default=0))
         began = time.perf_counter()
-        root = build_radix_tree(sequences, self.max_edge_tokens)
+        root = build_radix_tree(sequences, self.max_edge_tokens,
+                                min(MAX_PIECE_FACTOR * self.max_edge_tokens, self.max_batch_tokens))
         mark_first_scored(root, starts)
         stack = [_Pending(child, kv=None, first_logprob=float("nan")) for child in root.children]
         with tqdm(total=tokens_to_forward(root), desc="score", unit="tok", disable=not self.progress,

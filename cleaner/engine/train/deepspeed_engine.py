@@ -52,6 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.config import TrainConfig
+from cleaner.engine.model.head import check_attention
 from cleaner.engine.model.loading import load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_pretrained_as
 from cleaner.engine.train.deepspeed_config import (
@@ -69,12 +70,14 @@ from cleaner.engine.train.optim import (
     other_engine_error,
 )
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
-from cleaner.engine.train.policy import TrainablePolicy, load_models, training
+from cleaner.engine.train.policy import load_trainable, training
 from cleaner.engine.train.step import (
+    ReferenceLogProbs,
     StepMetrics,
     TrainResult,
     forward_micro_batch,
     iter_mini_batches,
+    longest_row,
     prepare_rows,
 )
 from cleaner.outputs import CHECKPOINT, atomic_directory
@@ -86,6 +89,13 @@ STATE_TAG = "state"  # the one save_checkpoint tag a checkpoint holds
 STATE_FORMAT = 2  # 2: DeepSpeed's module is the TrainablePolicy (parameter names start with "policy.")
 POLICY_PREFIX = "policy."  # the TrainablePolicy's name for the Hugging Face model inside it
 GATHERED_WEIGHTS = ".gathered/pytorch_model.bin"  # ZeRO-3's gathered weights, removed after use
+
+
+def _rank_device() -> torch.device:
+    """This rank's device as DeepSpeed will take it: the GPU of its LOCAL_RANK, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _comm():
@@ -187,7 +197,7 @@ def rank_loss_scale(weight: float, world_size: int) -> float:
     return weight * world_size
 
 
-def _deepspeed_step(engine, optimization: Optimization, reference: TrainablePolicy | None,
+def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogProbs | None,
                     mini_rows: Sequence[PurifiedRow], config: TrainConfig, iteration: int,
                     step: int) -> TrainStepRow:
     """One optimiser step across the ranks: this rank's micro batches, DeepSpeed's step at the
@@ -200,7 +210,7 @@ def _deepspeed_step(engine, optimization: Optimization, reference: TrainablePoli
     micro = rank_micro_batches(mini_rows, rank, world_size, config)
     for index, (rows, weight) in enumerate(micro):
         engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
-        part = forward_micro_batch(engine, reference, pack_rows(rows, engine.device), config, total_tokens)
+        part = forward_micro_batch(engine, reference, rows, pack_rows(rows, engine.device), config, total_tokens)
         engine.backward(part.loss * rank_loss_scale(weight, world_size), scale_wrt_gas=False)
         engine.step()
         metrics.add(part, weight)
@@ -288,12 +298,16 @@ def train_iteration_deepspeed(
     ds_config = deepspeed_config_for(config, comm.get_world_size())
     step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
     train_rows = prepare_rows(rows, config)
+    # the reference's log-probs of the rows this rank trains on, before the policy's engine exists
+    mine = [row for mini in iter_mini_batches(train_rows, config, iteration)
+            for micro, _ in rank_micro_batches(mini, comm.get_rank(), comm.get_world_size(), config) for row in micro]
+    reference = ReferenceLogProbs.of_checkpoint(policy_path, mine, config, _rank_device())
     # on the CPU until DeepSpeed places (and under ZeRO-3 partitions) the policy
-    models = load_models(policy_path, config, policy_device="cpu", reference_device="cpu", model=model)
-    engine, optimization = _initialize(models.policy, config, ds_config, step or 0)
+    policy = load_trainable(policy_path, config, "cpu", model)
+    check_attention(policy.policy, longest_row(train_rows))  # a sliding window every row fits in
+    engine, optimization = _initialize(policy, config, ds_config, step or 0)
     if step is not None:
         _resume(engine, optimization, policy_path, config)
-    reference = models.reference.to(engine.device) if models.reference is not None else None
     main = comm.get_rank() == 0
     steps: list[TrainStepRow] = []
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))

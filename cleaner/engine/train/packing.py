@@ -91,6 +91,11 @@ class PackedBatch:
     advantages: torch.Tensor  # (M,) float32: the row's advantage, or its per-token one
 
     @property
+    def row_bounds(self) -> tuple[int, ...]:
+        """Where each row starts, then N: `cu_seq_lens` on the host, for attention to read without a sync."""
+        return (0, *itertools.accumulate(self.row_lengths))
+
+    @property
     def loss_mask(self) -> torch.Tensor:
         """(M,) ones: every gathered position is a loss token (the loss takes masked inputs)."""
         return torch.ones_like(self.old_log_probs)

@@ -5,8 +5,8 @@ tokens out (docs/architecture.md §7, "Memory at real shapes").
 packed rows, and `logprobs.chunked_token_outputs` applies the lm_head only at the positions that
 predict a loss token, a chunk at a time. Both engines train this module (DeepSpeed initialises
 with it, so under ZeRO-3 the head's weight is gathered as a parameter of the module whose forward
-reads it), and the KL reference is the same wrapper under no_grad. `load_models` is the one loader
-of both.
+reads it), and the KL reference is the same wrapper under no_grad, loaded in the compute dtype
+(`load_reference`) for the one pass that computes its log-probs (step.ReferenceLogProbs).
 
 Design decisions:
 - Padding-free, one decoder call per micro batch: the rows run as one sequence whose position ids
@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cleaner.config import TrainConfig
-from cleaner.engine.model.head import check_plain_head
+from cleaner.engine.model.head import UnsupportedModelError, check_attention, check_plain_head
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.logprobs import TokenOutputs, chunked_token_outputs
 from cleaner.engine.train.packing import PackedBatch
@@ -52,17 +51,27 @@ FLASH_ATTENTION = "flash_attention_2"
 # Packed attention
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, row_bounds=None,
+                          sliding_window=None, s_aux=None, **kwargs):
     """Causal SDPA within each packed row; query (1, heads, N, D), key and value (1, kv heads, N, D)
-    -> (1, N, heads, D), as transformers' attention functions return."""
+    -> (1, N, heads, D), as transformers' attention functions return. `row_bounds` are the rows'
+    bounds on the host (the micro batch's, passed down by `hidden_states`), so no call reads them
+    back from the device; a layer's sliding window must hold every row, and sinks are refused."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # CLI start-up time
 
-    if cu_seq_lens_q is None:
-        raise RuntimeError(f"{PACKED_ATTENTION} runs packed rows only: the call passed no cu_seq_lens_q")
-    bounds = cu_seq_lens_q.tolist()
+    if row_bounds is None:
+        if cu_seq_lens_q is None:
+            raise RuntimeError(f"{PACKED_ATTENTION} runs packed rows only: the call passed no row bounds")
+        row_bounds = tuple(cu_seq_lens_q.tolist())
+    if s_aux is not None:
+        raise UnsupportedModelError("the packed attention does not compute attention sinks")
+    longest = max(end - start for start, end in zip(row_bounds, row_bounds[1:], strict=False))
+    if sliding_window is not None and longest > sliding_window:
+        raise UnsupportedModelError(f"a packed row of {longest:,} tokens is longer than the layer's sliding window "
+                                    f"of {sliding_window}, which the packed attention does not apply")
     spans = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
                                     value[:, :, start:end], None, is_causal=True, **kwargs)[0]
-             for start, end in zip(bounds, bounds[1:], strict=False)]
+             for start, end in zip(row_bounds, row_bounds[1:], strict=False)]
     return torch.cat(spans, dim=1), None
 
 
@@ -117,6 +126,7 @@ class TrainablePolicy(torch.nn.Module):
                  entropy: bool = True):
         super().__init__()
         check_plain_head(policy)
+        check_attention(policy)  # sinks; a sliding window is checked against the rows (check_rows)
         self.policy = policy
         self.chunk_tokens = config.logits_chunk_tokens
         self.compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
@@ -141,26 +151,24 @@ class TrainablePolicy(torch.nn.Module):
             out = self.policy.get_decoder()(
                 input_ids=batch.token_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                 cu_seq_lens_q=batch.cu_seq_lens, cu_seq_lens_k=batch.cu_seq_lens, max_length_q=longest,
-                max_length_k=longest)
+                max_length_k=longest, row_bounds=batch.row_bounds)
         return out.last_hidden_state[0]
 
 
-@dataclass(frozen=True)
-class Models:
-    policy: TrainablePolicy  # trained
-    reference: TrainablePolicy | None  # the frozen KL reference; None when kl_coef is 0
+def load_trainable(policy_path: str | Path, config: TrainConfig, device: str | torch.device,
+                   model: torch.nn.Module | None = None) -> TrainablePolicy:
+    """The policy to train (`model` if given, else loaded from `policy_path`), in float32 (its
+    master weights) on `device`; the one loader of both engines."""
+    model = load_policy(policy_path, device) if model is None else model.to(device)
+    return TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0)
 
 
-def load_models(policy_path: str | Path, config: TrainConfig, *, policy_device: str | torch.device,
-                reference_device: str | torch.device, model: torch.nn.Module | None = None) -> Models:
-    """The policy to train (`model` if given, else loaded from `policy_path`) and, when kl_coef > 0,
-    the frozen reference: the policy at `policy_path` as saved, loaded once for the iteration."""
-    model = load_policy(policy_path, policy_device) if model is None else model.to(policy_device)
-    reference = None
-    if config.kl_coef > 0:
-        frozen = load_policy(policy_path, reference_device).eval().requires_grad_(False)
-        reference = TrainablePolicy(frozen, config, entropy=False)
-    return Models(TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0), reference)
+def load_reference(policy_path: str | Path, config: TrainConfig, device: str | torch.device) -> TrainablePolicy:
+    """The frozen KL reference: the policy at `policy_path` as saved, in the compute dtype (bfloat16
+    under --compute-dtype bfloat16: half the memory, the precision its no-grad forward runs in
+    anyway), for step.ReferenceLogProbs to compute its log-probs once and free it."""
+    frozen = load_policy(policy_path, device, COMPUTE_DTYPES[config.compute_dtype]).eval().requires_grad_(False)
+    return TrainablePolicy(frozen, config, entropy=False)
 
 
 @contextlib.contextmanager

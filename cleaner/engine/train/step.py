@@ -50,8 +50,8 @@ from cleaner.engine.train.loss import (
     truncated_is_weights,
 )
 from cleaner.engine.train.optim import Optimization
-from cleaner.engine.train.packing import PackedBatch, loss_token_count
-from cleaner.engine.train.policy import TrainablePolicy
+from cleaner.engine.train.packing import PackedBatch, loss_token_count, micro_batches, pack_rows
+from cleaner.engine.train.policy import TrainablePolicy, load_reference
 from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,11 @@ def _with_advantage(row: PurifiedRow, reward: float, advantage: float) -> Purifi
     if tokens is not None:
         tokens = tuple(value - row.advantage + advantage for value in tokens)
     return dataclasses.replace(row, reward=reward, advantage=advantage, token_advantages=tokens)
+
+
+def longest_row(rows: Sequence[PurifiedRow]) -> int:
+    """Tokens of the longest row."""
+    return max((len(row.token_ids) for row in rows), default=0)
 
 
 def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
@@ -152,10 +157,13 @@ class LossTokens(Protocol):
 
 @dataclass(frozen=True)
 class MicroLoss:
-    loss: torch.Tensor  # scalar, differentiable; already divided by the mini batch's loss tokens
-    clip_fraction: float  # this micro batch's share of the mini-batch value (they add up)
-    approx_kl: float  # likewise
-    entropy: float  # likewise
+    """A micro batch's loss and its shares of the reported values, all 0-dim tensors on the device:
+    nothing is read back to the host before the optimiser step's row (StepMetrics)."""
+
+    loss: torch.Tensor  # differentiable; already divided by the mini batch's loss tokens
+    clip_fraction: torch.Tensor  # this micro batch's share of the mini-batch value (they add up)
+    approx_kl: torch.Tensor  # likewise
+    entropy: torch.Tensor  # likewise
 
 
 def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | None, tokens: LossTokens,
@@ -176,52 +184,108 @@ def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | 
     entropy = (outputs.entropy * tokens.loss_mask).sum() / max(num_loss_tokens, 1)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * entropy
-    return MicroLoss(loss=loss, clip_fraction=out.clip_fraction.item(), approx_kl=out.approx_kl.item(),
-                     entropy=entropy.item())
+    return MicroLoss(loss=loss, clip_fraction=out.clip_fraction.detach(), approx_kl=out.approx_kl.detach(),
+                     entropy=entropy.detach())
 
 
-def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: TrainablePolicy | None,
-                        batch: PackedBatch, config: TrainConfig, num_loss_tokens: int) -> MicroLoss:
-    """Forward one packed micro batch through the policy (a TrainablePolicy, or the DeepSpeed engine
-    over one) and the reference, and its loss."""
+def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: ReferenceLogProbs | None,
+                        rows: Sequence[PurifiedRow], batch: PackedBatch, config: TrainConfig,
+                        num_loss_tokens: int) -> MicroLoss:
+    """Forward one packed micro batch (`rows`, packed) through the policy (a TrainablePolicy, or the
+    DeepSpeed engine over one), and its loss against the reference's log-probs computed before."""
     outputs = policy(batch)  # (M,) each
     reference_log_probs = None
     if reference is not None and config.kl_coef > 0:
-        with torch.no_grad():
-            reference_log_probs = reference(batch).log_probs  # (M,)
+        reference_log_probs = reference.of(rows, batch.target_ids.device)  # (M,)
     return micro_batch_loss(outputs, reference_log_probs, batch, config, num_loss_tokens)
+
+
+# ---------------------------------------------------------------------------
+# The KL reference: its log-probs once per iteration
+
+
+class ReferenceLogProbs:
+    """The frozen reference's log-probs at every loss token of the rows an iteration trains on,
+    computed once before the policy trains (in the compute dtype, micro batches packed by tokens)
+    and kept on the host: no epoch or micro batch forwards the reference again, and its weights are
+    freed before the policy's optimiser state is built, so the two never share the device."""
+
+    def __init__(self, values: dict[int, torch.Tensor]) -> None:
+        self.values = values  # id(row) -> (M_row,) float32 on the host
+
+    def of(self, rows: Sequence[PurifiedRow], device: str | torch.device) -> torch.Tensor:
+        """The log-probs of `rows`' loss tokens, in pack_rows' order. (M,)"""
+        return torch.cat([self.values[id(row)] for row in rows]).to(device)
+
+    @classmethod
+    @torch.no_grad()
+    def compute(cls, reference: TrainablePolicy, rows: Sequence[PurifiedRow], config: TrainConfig,
+                device: str | torch.device) -> ReferenceLogProbs:
+        budget = config.max_tokens_per_micro_batch or max(config.micro_batch_size * longest_row(rows), 1)
+        unique = list({id(row): row for row in rows}.values())
+        values: dict[int, torch.Tensor] = {}
+        for micro_rows in micro_batches(unique, config.micro_batch_size, budget):
+            log_probs = reference(pack_rows(micro_rows, device)).log_probs.float().cpu()  # (M,)
+            for row, part in zip(micro_rows, log_probs.split([loss_token_count(r) for r in micro_rows]),
+                                 strict=True):
+                values[id(row)] = part
+        return cls(values)
+
+    @classmethod
+    def of_checkpoint(cls, policy_path: str | Path, rows: Sequence[PurifiedRow], config: TrainConfig,
+                      device: str | torch.device) -> ReferenceLogProbs | None:
+        """Load the reference saved at `policy_path`, compute, free it; None when kl_coef is 0."""
+        if config.kl_coef <= 0:
+            return None
+        reference = load_reference(policy_path, config, device)
+        try:
+            return cls.compute(reference, rows, config, device)
+        finally:
+            del reference
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # its blocks go back before the policy's optimiser state is built
 
 
 # ---------------------------------------------------------------------------
 # Micro losses -> the step's row
 
 
-@dataclass
 class StepMetrics:
-    """The reported values of one optimiser step, summed over its micro batches (and ranks)."""
+    """The reported values of one optimiser step, summed over its micro batches (and ranks) on the
+    device, and read back once, for its row."""
 
-    loss: float = 0.0
-    clip_fraction: float = 0.0
-    approx_kl: float = 0.0
-    entropy: float = 0.0
+    def __init__(self, sums: torch.Tensor | None = None) -> None:
+        self.sums = sums  # (4,) float64: loss, clip fraction, approx KL, entropy; None before any
 
     def add(self, part: MicroLoss, weight: float = 1.0) -> None:
-        self.loss += weight * part.loss.item()
-        self.clip_fraction += weight * part.clip_fraction
-        self.approx_kl += weight * part.approx_kl
-        self.entropy += weight * part.entropy
+        values = torch.stack([part.loss.detach(), part.clip_fraction, part.approx_kl, part.entropy]).double()
+        self.sums = weight * values if self.sums is None else self.sums + weight * values
 
     def tensor(self, device: str | torch.device) -> torch.Tensor:
         """The four sums as one float64 tensor, for an all-reduce over ranks; `from_tensor` reads it back."""
-        values = [self.loss, self.clip_fraction, self.approx_kl, self.entropy]
-        return torch.tensor(values, dtype=torch.float64, device=device)
+        return torch.zeros(4, dtype=torch.float64, device=device) if self.sums is None else self.sums.to(device)
 
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> StepMetrics:
-        return cls(*values.tolist())
+        return cls(values)
+
+    @classmethod
+    def of_checkpoint(cls, policy_path: str | Path, rows: Sequence[PurifiedRow], config: TrainConfig,
+                      device: str | torch.device) -> ReferenceLogProbs | None:
+        """Load the reference saved at `policy_path`, compute, free it; None when kl_coef is 0."""
+        if config.kl_coef <= 0:
+            return None
+        reference = load_reference(policy_path, config, device)
+        try:
+            return cls.compute(reference, rows, config, device)
+        finally:
+            del reference
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # its blocks go back before the policy's optimiser state is built
 
     def row(self, iteration: int, step: int, optimizer_step: int, grad_norm: float, lr: float,
             tokens: int) -> TrainStepRow:
-        return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=self.loss,
-                            clip_fraction=self.clip_fraction, approx_kl=self.approx_kl, entropy=self.entropy,
+        loss, clip_fraction, approx_kl, entropy = self.tensor("cpu").tolist()  # the step's one read
+        return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=loss,
+                            clip_fraction=clip_fraction, approx_kl=approx_kl, entropy=entropy,
                             grad_norm=grad_norm, lr=lr, tokens=tokens)

@@ -30,17 +30,20 @@ import torch
 from tqdm.auto import tqdm
 
 from cleaner.config import TrainConfig
+from cleaner.engine.model.head import check_attention
 from cleaner.engine.model.loading import load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
-from cleaner.engine.train.policy import TrainablePolicy, load_models, training
+from cleaner.engine.train.policy import TrainablePolicy, load_trainable, training
 from cleaner.engine.train.step import (
+    ReferenceLogProbs,
     StepMetrics,
     TrainResult,
     forward_micro_batch,
     iter_mini_batches,
+    longest_row,
     prepare_rows,
 )
 from cleaner.records import PurifiedRow, TrainStepRow
@@ -50,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 def _optimizer_step(
     policy: TrainablePolicy,
-    reference: TrainablePolicy | None,
+    reference: ReferenceLogProbs | None,
     optimization: Optimization,
     mini_rows: Sequence[PurifiedRow],
     config: TrainConfig,
@@ -62,7 +65,7 @@ def _optimizer_step(
     optimization.optimizer.zero_grad(set_to_none=True)
     metrics = StepMetrics()
     for micro_rows in micro_batches(mini_rows, config.micro_batch_size, config.max_tokens_per_micro_batch):
-        part = forward_micro_batch(policy, reference, pack_rows(micro_rows, config.device), config,
+        part = forward_micro_batch(policy, reference, micro_rows, pack_rows(micro_rows, config.device), config,
                                    total_tokens)
         part.loss.backward()
         metrics.add(part)
@@ -100,17 +103,18 @@ def train_iteration(
     train_rows = prepare_rows(rows, config)
     if not train_rows:
         logger.warning("iteration %d: no rows to train on; saving the policy unchanged", iteration)
-    models = load_models(policy_path, config, policy_device=config.device, reference_device=config.device,
-                         model=model)
-    model = models.policy.policy
+    reference = ReferenceLogProbs.of_checkpoint(policy_path, train_rows, config, config.device)
+    policy = load_trainable(policy_path, config, config.device, model)
+    model = policy.policy
+    check_attention(model, longest_row(train_rows))  # a sliding window every row fits in, or one line
     if optimization is None:
         optimization = load_optimization(model, config, policy_path)
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     steps: list[TrainStepRow] = []
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not progress)
-    with training(models.policy, config):
+    with training(policy, config):
         for step, mini_rows in enumerate(bar):
-            row = _optimizer_step(models.policy, models.reference, optimization, mini_rows, config,
+            row = _optimizer_step(policy, reference, optimization, mini_rows, config,
                                   iteration, step)
             steps.append(row)
             bar.set_postfix(loss=f"{row.loss:.4f}", clip=f"{row.clip_fraction:.3f}")

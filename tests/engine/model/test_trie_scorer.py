@@ -49,6 +49,22 @@ def test_radix_tree_shares_prefixes_and_splits_long_edges():
     assert edges == [((1, 2), 0), ((3, 4), 2), ((5,), 4)]
 
 
+def test_pieces_grow_with_depth_so_copying_prefixes_stays_about_linear():
+    """Each piece's attention batch copies its prefix cache: with pieces of a fixed 8 tokens, a 3,000
+    token row copies 3,000^2 / 16 = 562k prefix tokens; pieces of a sixteenth of their depth (at most
+    64) copy a small fraction of that."""
+    root = build_radix_tree([list(range(3000))], max_edge_tokens=8)
+    pieces, node = [], root
+    while node.children:
+        (node,) = node.children
+        pieces.append((node.depth, len(node.edge)))
+    assert pieces[0] == (0, 8) and all(size == 8 for depth, size in pieces if depth < 144)
+    assert all(size == min(max(8, depth // 16), 64) for depth, size in pieces[:-1])
+    assert sum(size for _, size in pieces) == 3000
+    copied = sum(depth for depth, _ in pieces)
+    assert copied < 562_000 / 5
+
+
 # ---------------------------------------------------------------------------- equivalence
 
 
@@ -150,6 +166,36 @@ def test_sliding_window_layers_work_inside_the_window_and_refuse_beyond_it(backe
     with pytest.raises(UnsupportedModelError, match="sliding window of 12 tokens .config layer_types, sliding_window."):
         PrefixTrieScorer(model).score_rows([SCORED_PROMPT + list(range(3, 13))], [8])  # before any forward
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_chunked_head_equals_a_naive_forward_at_the_real_vocabulary(monkeypatch):
+    """At Qwen's 151,936-token vocabulary the head runs 64 positions at a time (never all the
+    positions' logits at once) and the log-probs equal a naive float32 forward's within 1e-5."""
+    import cleaner.engine.model.head as head
+    from tests.helpers import tiny_qwen3
+
+    model = tiny_qwen3(seed=3, vocab_size=151_936).eval()
+    rng = random.Random(1)
+    prompt = [rng.randrange(151_936) for _ in range(40)]
+    rows = [prompt + [rng.randrange(151_936) for _ in range(length)] for length in (260, 300, 120)]
+    rows.append(rows[1][:200] + [rng.randrange(151_936) for _ in range(50)])  # shares a prefix with row 1
+    chunks = []
+    original = head.chunk_logits
+    monkeypatch.setattr(head, "chunk_logits", lambda hidden, *a: chunks.append(hidden.shape[0]) or original(hidden, *a))
+    got = PrefixTrieScorer(model, max_batch_tokens=512, max_edge_tokens=64, chunk_tokens=64).score_rows(
+        rows, [40] * len(rows))
+    # each needed position once: the last row shares 200 tokens (160 of them scored) with row 1
+    assert max(chunks) == 64 and sum(chunks) == sum(len(r) for r in got) - 160 == 730
+    assert_rows_close(got, [unpadded_reference(model, row, 40) for row in rows], atol=1e-5)
+
+
+def test_rejects_a_model_whose_logits_are_not_a_plain_head(backend):
+    backend.model.config.final_logit_softcapping = 30.0
+    try:
+        with pytest.raises(UnsupportedModelError, match="final_logit_softcapping = 30.0"):
+            PrefixTrieScorer(backend.model)
+    finally:
+        del backend.model.config.final_logit_softcapping
 
 
 def test_rejects_a_model_whose_attention_takes_no_4d_mask(backend):

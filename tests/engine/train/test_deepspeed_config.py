@@ -179,14 +179,14 @@ def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_g
     total = sum(loss_token_count(row) for row in rows)
     model.zero_grad()
     for micro in micro_batches(rows, 1, None):
-        forward_micro_batch(policy, None, pack_rows(micro), config, total).loss.backward()
+        forward_micro_batch(policy, None, micro, pack_rows(micro), config, total).loss.backward()
     expected = _gradients(model)
 
     averaged, loss = [torch.zeros_like(g) for g in expected], 0.0
     for rank in range(world_size):
         model.zero_grad()
         for micro, weight in rank_micro_batches(rows, rank, world_size, config):
-            part = forward_micro_batch(policy, None, pack_rows(micro), config, total)
+            part = forward_micro_batch(policy, None, micro, pack_rows(micro), config, total)
             (part.loss * rank_loss_scale(weight, world_size)).backward()
             loss += weight * part.loss.item()
         averaged = [a + g / world_size for a, g in zip(averaged, _gradients(model), strict=True)]

@@ -21,7 +21,7 @@ from cleaner.engine.train.naive import full_logits_micro_batch_loss
 from cleaner.engine.train.optim import STATE_PATH
 from cleaner.engine.train.packing import loss_token_count, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, training
-from cleaner.engine.train.step import forward_micro_batch
+from cleaner.engine.train.step import ReferenceLogProbs, forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3
@@ -43,9 +43,10 @@ def _step(model, reference, rows, config, chunked: bool):
     model.zero_grad(set_to_none=True)
     if chunked:
         policy = TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0)
-        ref = TrainablePolicy(reference, config) if reference is not None else None
+        ref = (ReferenceLogProbs.compute(TrainablePolicy(reference, config, entropy=False), rows, config, "cpu")
+               if reference is not None else None)
         with training(policy, config):
-            part = forward_micro_batch(policy, ref, pack_rows(rows), config, total)
+            part = forward_micro_batch(policy, ref, rows, pack_rows(rows), config, total)
             part.loss.backward()
     else:
         model.train()
@@ -60,7 +61,7 @@ def _assert_same_step(model, reference, rows, config, baseline=None):
     chunked, chunked_grads = _step(model, reference, rows, config, chunked=True)
     assert chunked.loss.item() == pytest.approx(full.loss.item(), abs=TOLERANCE)
     for metric in ("clip_fraction", "approx_kl", "entropy"):
-        assert getattr(chunked, metric) == pytest.approx(getattr(full, metric), abs=TOLERANCE), metric
+        assert float(getattr(chunked, metric)) == pytest.approx(float(getattr(full, metric)), abs=TOLERANCE), metric
     assert chunked_grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, atol=TOLERANCE, rtol=1e-4, msg=name)
@@ -130,6 +131,97 @@ def test_packed_rows_never_attend_across_rows(tiny):
     torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
 
 
+def _alone(model, row) -> torch.Tensor:
+    """The model's own forward of one row, unpacked: log pi of its loss tokens. (M,)"""
+    with torch.no_grad():
+        ids = torch.tensor([row.token_ids])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        picked = logits.gather(-1, ids[0, 1:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    return picked[torch.tensor(row.loss_mask[1:], dtype=torch.bool)]
+
+
+def test_positions_restart_at_each_packed_row():
+    """A model whose output depends on the absolute position (GPT-2's learned position embeddings):
+    packed rows give each row's own log-probs only because positions restart per row, and globally
+    numbered positions would not (checked, so this test can fail)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                       eos_token_id=0, bos_token_id=0)).eval()
+    rows = train_batch(tiny_qwen3(seed=0))[:3]
+    policy = TrainablePolicy(model, TrainConfig())
+    packed = pack_rows(rows)
+    with torch.no_grad():
+        together = policy(packed).log_probs
+        globally = policy(dataclasses.replace(packed, position_ids=torch.arange(len(packed.token_ids)))).log_probs
+    alone = torch.cat([_alone(model, row) for row in rows])
+    torch.testing.assert_close(together, alone, atol=TOLERANCE, rtol=0)
+    assert (globally - alone).abs().max() > 1e-2  # the model does read absolute positions
+
+
+def test_a_sliding_window_model_is_packed_exactly_within_its_window_and_refused_beyond():
+    """Within its window sliding attention is causal attention: packed rows of at most 8 tokens give
+    the model's own unpacked log-probs; a row past the window is refused by name before training."""
+    from cleaner.engine.model.head import check_attention
+
+    model = tiny_qwen3(seed=2, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                       use_sliding_window=True).eval()
+    assert model.model.layers[1].self_attn.sliding_window == 8
+    rows = [train_row(f"r{i}", "g", [3 + i, 5, 7, 9, 11, 13, 15, 17][: 6 + i % 3], 2, 1.0, 0.5) for i in range(4)]
+    policy = TrainablePolicy(model, TrainConfig())
+    with torch.no_grad():
+        together = policy(pack_rows(rows)).log_probs
+    torch.testing.assert_close(together, torch.cat([_alone(model, row) for row in rows]), atol=TOLERANCE, rtol=0)
+    long_rows = rows + [train_row("long", "g", list(range(1, 13)), 2, 1.0, 0.5)]
+    with pytest.raises(UnsupportedModelError, match=r"sliding window of 8 tokens \(config layer_types, sliding_window\)"):
+        check_attention(model, max(len(r.token_ids) for r in long_rows))
+    with pytest.raises(UnsupportedModelError, match="longer than the layer's sliding window of 8"):
+        with torch.no_grad():
+            policy(pack_rows(long_rows))  # and the attention itself refuses, should a caller skip the check
+
+
+def test_gradient_checkpointing_really_recomputes_the_layers(tiny):
+    """With --gradient-checkpointing each decoder layer runs again in backward; without it, never."""
+    model, reference, rows = tiny
+    calls = []
+    # on the layer's first submodule, with a pre hook: transformers checkpoints a layer's forward
+    # (its own hooks stay outside), and a recomputation stops once it has what backward needs
+    hooks = [layer.input_layernorm.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+             for layer in model.model.layers]
+    try:
+        for checkpointing in (False, True):
+            calls.clear()
+            config = TrainConfig(gradient_checkpointing=checkpointing)
+            policy = TrainablePolicy(model, config)
+            with training(policy, config):
+                out = policy(pack_rows(rows))
+                forwards = len(calls)
+                out.log_probs.sum().backward()
+            assert forwards == len(model.model.layers)
+            assert len(calls) - forwards == (len(model.model.layers) if checkpointing else 0), checkpointing
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+
+
+def test_bfloat16_chunked_gradients_equal_bfloat16_full_logits_ones(tiny):
+    """The chunked head in bfloat16 against the full-logits step in bfloat16 autocast: loss and every
+    gradient, the head's weight included, within bfloat16's rounding (a dropped head gradient or a
+    float32 head would be far outside it)."""
+    model, reference, rows = tiny
+    config = TrainConfig(compute_dtype="bfloat16")
+    chunked, chunked_grads = _step(model, reference, rows, config, chunked=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, full_grads = _step(model, reference, rows, config, chunked=False)
+    assert chunked.loss.item() == pytest.approx(full.loss.item(), abs=2e-2)
+    assert "lm_head.weight" in chunked_grads or "model.embed_tokens.weight" in chunked_grads
+    for name, grad in full_grads.items():
+        scale = grad.abs().max().item()
+        assert (chunked_grads[name] - grad).abs().max().item() <= 0.05 * scale + 1e-6, name
+
+
 def test_bfloat16_compute_stays_close_and_keeps_float32_weights_and_log_softmax(tiny):
     model, reference, rows = tiny
     config = TrainConfig(**ALL_TERMS)
@@ -138,7 +230,7 @@ def test_bfloat16_compute_stays_close_and_keeps_float32_weights_and_log_softmax(
                         chunked=True)
     assert bf16.loss.dtype == torch.float32 and bf16.loss.item() != fp32.loss.item()  # bf16 did run
     assert bf16.loss.item() == pytest.approx(fp32.loss.item(), abs=2e-2)
-    assert bf16.entropy == pytest.approx(fp32.entropy, rel=2e-2)
+    assert float(bf16.entropy) == pytest.approx(float(fp32.entropy), rel=2e-2)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(g.dtype == torch.float32 for g in grads.values())
 
@@ -206,6 +298,38 @@ def test_kl_and_truncated_is_terms_reach_the_step_loss(policy_dir, tmp_path):
     assert abs(surrogate / count - plain) > 1e-2 and kl / count > 1e-3  # both terms matter here
     assert result.steps[0].loss == pytest.approx(surrogate / count + 0.5 * kl / count, abs=1e-5)
     assert result.steps[0].approx_kl == pytest.approx(0.0, abs=1e-6)  # ratio 1 to the old policy
+
+
+def test_the_reference_runs_once_per_iteration_in_the_compute_dtype_then_is_freed(policy_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Two epochs of micro batches of two rows: the reference forwards each row once (not per micro
+    batch and epoch), in bfloat16 under --compute-dtype bfloat16, and no reference model is alive
+    when the policy trains."""
+    import gc
+    import weakref
+
+    import cleaner.engine.train.step as step
+
+    loaded, forwarded = [], []
+    original = step.load_reference
+
+    def load(path, config, device):
+        reference = original(path, config, device)
+        loaded.append((weakref.ref(reference), {p.dtype for p in reference.parameters()}))
+        reference.register_forward_hook(lambda module, args, out: forwarded.append(len(args[0].row_lengths)))
+        return reference
+
+    monkeypatch.setattr(step, "load_reference", load)
+    rows = train_batch(load_policy(policy_dir))
+    config = TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2, kl_coef=0.5, epochs=2,
+                         compute_dtype="bfloat16")
+    alive = []
+    monkeypatch.setattr(step.StepMetrics, "add", lambda self, part, weight=1.0, _add=step.StepMetrics.add: (
+        gc.collect(), alive.append(loaded[0][0]() is not None), _add(self, part, weight))[2])
+    train_iteration(rows, policy_dir, tmp_path / "out", config, 0, progress=False)
+    assert len(loaded) == 1 and loaded[0][1] == {torch.bfloat16}
+    assert sum(forwarded) == len(rows)  # every row once, over 2 epochs of 2-row micro batches
+    assert alive and not any(alive)  # freed before the first micro batch of the policy
 
 
 def test_bfloat16_checkpoint_is_served_in_bfloat16_and_resumes_exactly(policy_dir, tmp_path):

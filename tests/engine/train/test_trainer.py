@@ -21,7 +21,7 @@ from tests.factories import train_batch, train_row
 def _batch_loss(model, rows, config):
     total = sum(sum(row.loss_mask[1:]) for row in rows)
     with torch.no_grad():
-        return forward_micro_batch(TrainablePolicy(model, config), None, pack_rows(rows), config, total).loss.item()
+        return forward_micro_batch(TrainablePolicy(model, config), None, rows, pack_rows(rows), config, total).loss.item()
 
 
 # ---------------------------------------------------------------------------

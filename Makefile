@@ -61,12 +61,14 @@ test-sglang: sglang-cpu
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-# The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes.
-# It builds no venv: the device image's python has torch with CUDA, transformers and pyarrow, which
-# is all bench/gpu_check.py needs. Results in $(OUT) (or runs/gpu-check): gpu_check.md and .json.
+# The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes,
+# then a co-located collect -> train -> collect where sglang is installed. It builds no venv: the
+# device image's python has torch with CUDA, transformers and pyarrow, which is all the train probes
+# need (bench/gpu_check.py finds cleaner in this checkout itself). Results in $(OUT) (or
+# runs/gpu-check): gpu_check.md and .json, gpu_colocated.md and .json.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py
+	$(GPU_PYTHON) bench/gpu_check.py
 
 # The browser tests of `cleaner ui`: Debian's Chromium and its driver from apt (root, or sudo),
 # selenium from pip (pointed at /usr/bin/chromedriver: no browser is downloaded at test time).

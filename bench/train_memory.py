@@ -39,7 +39,7 @@ SHAPES = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "tie_word_embeddings": True},
 }
-PATHS = {"full": {}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": True},
+PATHS = {"full": {}, "full+bf16": {"compute_dtype": "bfloat16"}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": True},
          "chunked+bf16": {"compute_dtype": "bfloat16"},
          "chunked+gc+bf16": {"gradient_checkpointing": True, "compute_dtype": "bfloat16"}}
 # the issue's anchor on the proxy, these machines: verl's FusedLinearForPPO (chunk 512), rows unpadded
@@ -98,9 +98,12 @@ def micro_batch_step(path: str, model, reference, batch_rows, device: str):
 
     config = TrainConfig(kl_coef=0.1, device=device, **PATHS[path])
     total = sum(loss_token_count(row) for row in batch_rows)
-    if path == "full":
+    if path.startswith("full"):  # the plain step; in bfloat16 autocast for full+bf16
+        import torch
+
         model.train()
-        part = full_logits_micro_batch_loss(model, reference, batch_rows, config, total)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=config.compute_dtype == "bfloat16"):
+            part = full_logits_micro_batch_loss(model, reference, batch_rows, config, total)
         part.loss.backward()
         return part
     policy = TrainablePolicy(model, config)
@@ -113,7 +116,7 @@ def micro_batch_step(path: str, model, reference, batch_rows, device: str):
 def reference_for(path: str, reference, batch_rows, device: str):
     """What `micro_batch_step` takes as its reference on `path`: the model itself (full), or its
     log-probs, computed in the compute dtype as the train step does before it trains."""
-    if path == "full":
+    if path.startswith("full"):
         return reference
     from cleaner.config import TrainConfig
     from cleaner.engine.train.policy import COMPUTE_DTYPES, TrainablePolicy
@@ -125,45 +128,63 @@ def reference_for(path: str, reference, batch_rows, device: str):
 
 
 def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
-          repeat: int = 1) -> dict:
+          repeat: int = 1, optimizer: bool = False) -> dict:
     """One micro batch forward and backward in this process (`repeat` times, the last one timed):
-    peak memory, seconds, loss and gradient norm."""
+    peak memory, seconds, loss and gradient norm. With `optimizer`, each step ends with cleaner's
+    AdamW (fused on a GPU), and on a GPU the static memory (weights and AdamW's moments, measured
+    before the timed step) is reported apart from that step's peak above it."""
     import torch
 
     cuda = device.startswith("cuda")
     if cuda:  # float32 means float32 (the equality checks); bfloat16 autocast is unaffected
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = proxy(0, vocab_size, shape, device)
     batch_rows = rows(tokens, vocab_size)
-    # cleaner's step computes the reference's log-probs before it trains and frees the reference
+    # cleaner's step computes the reference's log-probs before the policy exists and frees the
+    # reference (the full paths keep the reference model, as the plain step does)
     reference = reference_for(path, proxy(1, vocab_size, shape, device).eval().requires_grad_(False),
                               batch_rows, device)
+    model = proxy(0, vocab_size, shape, device)
+    optimization = None
+    if optimizer:
+        from cleaner.config import TrainConfig
+        from cleaner.engine.train.optim import new_optimization
+
+        optimization = new_optimization(model, TrainConfig(lr=1e-6, device=device))
+    static_mb = None
     for _ in range(repeat):
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+            static_mb = torch.cuda.memory_allocated(device) / 2**20  # weights (and moments, after a step)
+            torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
         part = micro_batch_step(path, model, reference, batch_rows, device)
+        if optimization is not None:
+            optimization.advance(apply=True)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+                 if optimization is None else float("nan"))  # an optimiser step has set the gradients to None
     result = {"path": path, "shape": shape, "tokens": tokens, "rows": [len(r.token_ids) for r in batch_rows],
               "vocab": vocab_size, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "optimizer": optimizer,
               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
               "tokens_per_s": sum(len(r.token_ids) for r in batch_rows) / seconds, "loss": part.loss.item(),
               "entropy": float(part.entropy), "grad_norm": grad_norm}
     if cuda:
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        result["static_mb"] = static_mb
+        result["step_above_static_mb"] = result["cuda_peak_mb"] - static_mb
     return result
 
 
 def run_probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
-              repeat: int = 1, memory_limit_gb: float | None = None, timeout_s: float | None = None) -> dict:
+              repeat: int = 1, memory_limit_gb: float | None = None, timeout_s: float | None = None,
+              optimizer: bool = False) -> dict:
     """`probe` in a fresh process; a failure (out of memory included) is a row with its error."""
     command = [sys.executable, __file__, "--probe", path, "--tokens", str(tokens), "--vocab", str(vocab_size),
-               "--shape", shape, "--device", device, "--repeat", str(repeat)]
+               "--shape", shape, "--device", device, "--repeat", str(repeat)] + (["--optimizer"] if optimizer else [])
     limit = None
     if memory_limit_gb:
         size = int(memory_limit_gb * 2**30)
@@ -264,13 +285,15 @@ def main() -> None:
                         help="address-space limit of a full-path probe (0: none)")
     parser.add_argument("--json", action="store_true", help="print the probes' JSON lines only")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", action="store_true", help="end each step with cleaner's AdamW step")
     parser.add_argument("--write-benchmarks", action="store_true", help="replace BENCHMARKS.md's section")
     args = parser.parse_args()
     unknown = set(args.paths.split(",")) - set(PATHS)
     if unknown:
         parser.error(f"unknown path(s) {sorted(unknown)}; choose from {list(PATHS)}")
     if args.probe:
-        print(json.dumps(probe(args.probe, int(args.tokens), args.vocab, args.shape, args.device, args.repeat)))
+        print(json.dumps(probe(args.probe, int(args.tokens), args.vocab, args.shape, args.device, args.repeat,
+                               args.optimizer)))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
     results = []

@@ -19,25 +19,39 @@ def test_gpu_check_runs_without_polars_duckdb_deepspeed_or_sglang(tmp_path):
     for name in HIDDEN:
         (hidden / name).mkdir(parents=True)
         (hidden / name / "__init__.py").write_text(f"raise ImportError('{name} is not on the device image')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(hidden), "OMP_NUM_THREADS": "1"}  # cleaner: found by the script
     refused = subprocess.run([sys.executable, "-c", "import polars"], env=env, capture_output=True, text=True)
     assert "polars is not on the device image" in refused.stderr  # the stand-ins do hide them
 
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--shape", "proxy",
-                           "--vocab", "512", "--tokens", "96", "--small-tokens", "48", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--shape",
+                           "proxy", "--vocab", "512", "--tokens", "96", "--small-tokens", "48", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     probes = report["probes"]
-    assert [(p["path"], p["tokens"], p["rows"]) for p in probes] == [
-        ("full", 48, [48, 12]), ("chunked", 48, [48, 12]), ("chunked+gc+bf16", 96, [96, 24]),
-        ("chunked+bf16", 96, [96, 24])]
+    assert [(p["path"], p["tokens"], p["rows"], p["optimizer"]) for p in probes] == [
+        ("full", 48, [48, 12], False), ("chunked", 48, [48, 12], False), ("chunked+gc+bf16", 96, [96, 24], True),
+        ("chunked+bf16", 96, [96, 24], True), ("chunked+gc", 96, [96, 24], True), ("full+bf16", 96, [96, 24], True)]
     equality = report["equality"]
     assert equality["holds"] and abs(equality["full_loss"] - equality["chunked_loss"]) < 1e-5
     # checkpointing recomputes the same bfloat16 forward: the same loss as without it
     assert abs(probes[2]["loss"] - probes[3]["loss"]) < 1e-6
-    assert "| chunked+gc+bf16 | 96 |" in (out / "gpu_check.md").read_text()
+    text = (out / "gpu_check.md").read_text()
+    assert "| chunked+gc+bf16 | 96 | yes |" in text and "| static GB | step above static GB |" in text
+    assert "Co-located collect -> train -> collect: skipped: duckdb, polars not installed here" in text
+
+
+def test_gpu_check_says_in_one_line_that_transformers_is_too_old(tmp_path):
+    fake = tmp_path / "old" / "transformers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '4.57.1'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "old")}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path / "o")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("error: gpu check: transformers 4.57.1 is installed; the train step needs 5.0 "
+                                   "or newer (pip install 'transformers>=5.0')")
 
 
 def test_the_colocated_check_runs_its_loop_on_cpu_and_reports_each_phase(tmp_path):

@@ -7,24 +7,31 @@ the same checkpoint again replaces that run's rows (`Warehouse.write_train_steps
 
 One writer per iteration: the process that writes (DeepSpeed's rank 0; the only one otherwise)
 holds the warehouse's train lock of the iteration from its checks to its last row, and refuses to
-train when the checkpoint's file system lacks the room the checkpoint needs (`space.py`).
+train when the checkpoint's file system lacks the room the checkpoint needs (`space.py`). On a GPU,
+every process refuses when training would not fit its memory by the estimate (`memory.py`), and an
+out-of-memory error that still happens is one line with what to try.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from cleaner.config import TrainConfig
 from cleaner.engine.model.loading import check_device, check_model_path
-from cleaner.engine.train import space
+from cleaner.engine.train import memory, space
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
+from cleaner.engine.train.deepspeed_config import zero_stage as zero_stage_of
 from cleaner.engine.train.optim import Optimization
+from cleaner.engine.train.step import longest_micro_batch_tokens
 from cleaner.engine.train.trainer import TrainResult, train_iteration
 from cleaner.errors import JobError
 from cleaner.outputs import CHECKPOINT, check_replaceable
@@ -76,14 +83,58 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
                 rows = warehouse.read_purified(iteration, config_id)
             except WarehouseError as exc:
                 raise JobError(f"{exc}; run `cleaner purify` first") from exc
-        result = train_iteration(rows, request.policy, request.out, config, iteration, model=model,
-                                 progress=progress, optimization=optimization)
+        _check_memory(request, model, rows)
+        try:
+            result = train_iteration(rows, request.policy, request.out, config, iteration, model=model,
+                                     progress=progress, optimization=optimization)
+        except torch.cuda.OutOfMemoryError as error:
+            raise JobError(f"out of GPU memory while training iteration {iteration} on {config.device} "
+                           f"({str(error).splitlines()[0][:160]}); {memory.out_of_memory_hint()}") from error
         if result.main_process:  # DeepSpeed's ranks all train; one writes, so each step is one row
             checkpoint = str(Path(request.out).resolve())
             warehouse.write_train_steps(iteration, [dataclasses.replace(step, config_id=config_id, checkpoint=checkpoint)
                                                     for step in result.steps])
             warehouse.save_config(f"train-iteration={iteration}", config.to_json())
     return TrainOutcome(result, time.monotonic() - started)
+
+
+def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> None:
+    """JobError before training when the estimate (memory.py) says it will not fit on the GPU; on
+    the CPU nothing is checked (the host's memory is the operating system's to share)."""
+    config = request.config
+    device = _train_device(config)
+    if device.type != "cuda":
+        return
+    if model is not None:
+        model_config, parameters = model.config, space.model_parameters(model)
+    else:
+        from transformers import AutoConfig  # CLI start-up time
+
+        model_config = AutoConfig.from_pretrained(str(request.policy))
+        parameters = space.stored_parameters(request.policy) or memory.parameter_count(model_config)
+    zero_stage, world_size = 0, 1
+    if config.engine == "deepspeed":
+        zero_stage = zero_stage_of(json.loads(Path(config.deepspeed_config).read_text()))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    micro_tokens = longest_micro_batch_tokens(rows, config)
+    plan = memory.plan(memory.ModelShape.of(model_config, parameters), micro_tokens=micro_tokens,
+                       compute_dtype=config.compute_dtype, checkpointing=config.gradient_checkpointing,
+                       kl=config.kl_coef > 0, chunk_tokens=config.logits_chunk_tokens, engine=config.engine,
+                       zero_stage=zero_stage, world_size=world_size,
+                       device_bytes=torch.cuda.get_device_properties(device).total_memory)
+    refusal = memory.refusal(plan, what=f"{device} ({torch.cuda.get_device_name(device)})",
+                             checkpointing=config.gradient_checkpointing, compute_dtype=config.compute_dtype,
+                             engine=config.engine, zero_stage=zero_stage, micro_tokens=micro_tokens)
+    if refusal is not None:
+        raise JobError(refusal)
+
+
+def _train_device(config: TrainConfig) -> torch.device:
+    """The GPU (or CPU) this process trains on: --device, or under DeepSpeed its LOCAL_RANK's GPU."""
+    if config.engine == "deepspeed":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    return torch.device(config.device)
 
 
 def _writes_here(config: TrainConfig) -> bool:

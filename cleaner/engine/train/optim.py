@@ -102,12 +102,16 @@ def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
                      optimizer_state: dict | None = None) -> Optimization:
     """AdamW on the model's trainable parameters, positioned at run-wide step `step`."""
     named_params = _trainable(model)
-    optimizer = torch.optim.AdamW([p for _, p in named_params], lr=config.lr, weight_decay=config.weight_decay)
+    params = [p for _, p in named_params]
+    # fused on a GPU: one kernel per step, without the foreach path's step-sized temporaries
+    fused = bool(params) and all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)  # moments; casts them to each parameter's device
     for group in optimizer.param_groups:  # hyper-parameters are the config's, not the checkpoint's;
         # initial_lr lets the schedule start mid-run (step > 0) before DeepSpeed loads the moments
         group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
+        group.update(fused=fused or None, foreach=None)  # where it runs now, not where it was saved
     scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps, last_epoch=step - 1)
     return Optimization(optimizer, scheduler, named_params)
 

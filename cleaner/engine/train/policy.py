@@ -134,8 +134,10 @@ class TrainablePolicy(torch.nn.Module):
         self.entropy = entropy  # computed at all: the KL reference needs log-probs only
 
     def forward(self, batch: PackedBatch) -> TokenOutputs:
+        # cache_enabled=False: autocast would keep a 16-bit copy of every weight for the whole step
+        # (2 bytes per parameter); casting at each use costs a read of the weights instead
         with torch.autocast(batch.token_ids.device.type, dtype=self.compute_dtype,
-                            enabled=self.compute_dtype != torch.float32):
+                            enabled=self.compute_dtype != torch.float32, cache_enabled=False):
             hidden = self.hidden_states(batch)  # (N, H)
         predictors = hidden.index_select(0, batch.predictor_index)  # (M, H)
         # read after the decoder: under ZeRO-3 a tied head weight is the embedding's, which the

@@ -102,6 +102,15 @@ def longest_row(rows: Sequence[PurifiedRow]) -> int:
     return max((len(row.token_ids) for row in rows), default=0)
 
 
+def longest_micro_batch_tokens(rows: Sequence[PurifiedRow], config: TrainConfig) -> int:
+    """Tokens of the largest micro batch the rows can make: a token budget's (or the longest row,
+    alone), else micro_batch_size of the longest rows."""
+    if config.max_tokens_per_micro_batch is not None:
+        return max(config.max_tokens_per_micro_batch, longest_row(rows))
+    lengths = sorted((len(row.token_ids) for row in rows), reverse=True)
+    return sum(lengths[: config.micro_batch_size])
+
+
 def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
     """The rows that are trained on, in input order, with shaped advantages when configured."""
     kept = [row for row in rows if not row.infra_fault]

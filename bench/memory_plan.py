@@ -1,0 +1,58 @@
+"""The "Will it fit" table of docs/running.md: cleaner's memory estimate (cleaner/engine/train/memory.py)
+for Qwen3 models on 80 GB GPUs, the torch engine on one and DeepSpeed ZeRO-2/3 on 8.
+
+Shapes are the Qwen3 configs' (hidden, intermediate, layers, heads, vocabulary), parameters counted
+on the meta device; training in bfloat16 with gradient checkpointing, micro batches of 16,384 tokens,
+the KL term on, lm_head chunks of 512. An estimate, not a measurement: no GPU has run it here.
+
+    .venv/bin/python bench/memory_plan.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from transformers import Qwen3Config
+
+from cleaner.engine.train import memory
+
+GPU_BYTES = 80 * 10**9
+QWEN3 = {  # from the models' config.json
+    "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+SETUPS = [("torch, 1 GPU", "torch", 0, 1), ("DeepSpeed ZeRO-2, 8 GPUs", "deepspeed", 2, 8),
+          ("DeepSpeed ZeRO-3, 8 GPUs", "deepspeed", 3, 8)]
+
+
+def table(micro_tokens: int) -> str:
+    lines = [f"| model (parameters) | {' | '.join(name for name, *_ in SETUPS)} |",
+             "| --- |" + " --- |" * len(SETUPS)]
+    for name, shape in QWEN3.items():
+        config = Qwen3Config(vocab_size=151_936, **shape)
+        parameters = memory.parameter_count(config)
+        cells = []
+        for _, engine, stage, gpus in SETUPS:
+            plan = memory.plan(memory.ModelShape.of(config, parameters), micro_tokens=micro_tokens,
+                               compute_dtype="bfloat16", checkpointing=True, kl=True, chunk_tokens=512,
+                               engine=engine, zero_stage=stage, world_size=gpus, device_bytes=GPU_BYTES)
+            cells.append(f"{'fits' if plan.fits else 'does not fit'}: {plan.peak / 1e9:.0f} GB "
+                         f"(static {plan.static / 1e9:.0f})")
+        lines.append(f"| {name} ({parameters / 1e9:.2f}B) | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--micro-tokens", type=int, default=16_384)
+    print(table(parser.parse_args(argv).micro_tokens))
+
+
+if __name__ == "__main__":
+    main()

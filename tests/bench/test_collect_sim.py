@@ -81,3 +81,4 @@ def test_the_agent_loop_on_the_simulated_engine_writes_the_same_rollouts_whateve
     assert lockstep.tool_calls == on_its_own.tool_calls
     assert on_its_own.seconds < lockstep.seconds  # nobody waits for the slowest turn or tool
     assert on_its_own.mean_batch > lockstep.mean_batch
+

@@ -31,6 +31,11 @@ class WriteError(CleanerError):
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _NEARLY_FULL_BYTES = 2**20  # a write that failed with less than this free failed for want of space
+# What serialisers say when a write of theirs fails without an errno (torch's zip writer: "[enforce
+# fail at inline_container.cc] ... unexpected pos"); a chunk of one may be large, so with less than
+# _STREAM_FULL_BYTES free such a failure is taken for a full disk too.
+_STREAM_WRITE_FAILED = ("unexpected pos", "failed writing file", "no space left")
+_STREAM_FULL_BYTES = 2**30
 
 
 def human_bytes(count: float) -> str:
@@ -48,6 +53,14 @@ def existing_ancestor(path: str | os.PathLike) -> Path:
     return next(p for p in (path, *path.parents) if p.exists())
 
 
+def read_only_file_system(path: str | os.PathLike) -> bool:
+    """Whether the file system holding `path` (an existing path) is mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def free_bytes(path: str | os.PathLike) -> int:
     """Bytes this process may still write on the file system that holds (or would hold) `path`."""
     return shutil.disk_usage(existing_ancestor(path)).free
@@ -61,14 +74,17 @@ def mount_point(path: str | os.PathLike) -> Path:
 def is_disk_full(error: BaseException, path: str | os.PathLike) -> bool:
     """Whether `error` (from writing under `path`) is a full disk or quota: the first OSError with an
     errno in its chain says ENOSPC or EDQUOT; without one, whether the file system has (almost)
-    nothing free, which is how torch and safetensors report it (a RuntimeError naming no errno)."""
+    nothing free, which is how torch and safetensors report it (a RuntimeError naming no errno), or,
+    for a serialiser's failed stream write, less than a large chunk of it."""
     seen: BaseException | None = error
+    stream_failed = False
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno is not None:
             return seen.errno in DISK_FULL
+        stream_failed = stream_failed or any(text in str(seen).lower() for text in _STREAM_WRITE_FAILED)
         seen = seen.__cause__ or seen.__context__
     try:
-        return free_bytes(path) < _NEARLY_FULL_BYTES
+        return free_bytes(path) < (_STREAM_FULL_BYTES if stream_failed else _NEARLY_FULL_BYTES)
     except OSError:
         return False
 

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY, CollectConfig
+from cleaner.engine.collect.agent import rollout_key
+from cleaner.engine.collect.job import load_tasks
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 from cleaner.errors import WriteError
 from cleaner.warehouse import Warehouse
@@ -78,11 +80,16 @@ def _no_space(path: Path, disk: Disk) -> str:
     return f"{path}: cannot write it, no space left on the device (the file system at {disk.root} has "
 
 
+# the two rollouts a collection of one toy prompt, two samples, plans (purify checks it is complete)
+PLANNED = CollectConfig(model=str(DEFAULT_POLICY), n_prompts=1, group_size=2)
+R0, R1 = (rollout_key(0, load_tasks(PLANNED)[0].prompt_id, sample)[0] for sample in range(2))
+
+
 def _collected(root: Path) -> Warehouse:
     warehouse = Warehouse(root)
-    warehouse.write_rollouts(0, [make_rollout("r0"), make_rollout("r1", reward=0.0)],
-                             make_segments("r0") + make_segments("r1"))
-    warehouse.save_collect_config(0, CollectConfig(model=str(DEFAULT_POLICY)).to_json())
+    warehouse.write_rollouts(0, [make_rollout(R0), make_rollout(R1, reward=0.0)],
+                             make_segments(R0) + make_segments(R1))
+    warehouse.save_collect_config(0, PLANNED.to_json())
     return warehouse
 
 
@@ -97,7 +104,7 @@ def test_a_part_that_does_not_fit_is_one_error_and_nothing_half_written(disk):
     assert str(full.value).startswith(_no_space(part, disk) + "0 B free); free space there")
     assert tree_digest(warehouse.root / "rollouts") == before
     assert not list(warehouse.root.rglob(".*.tmp"))  # no half-written temporary
-    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == ["r0", "r1"]  # still reads
+    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == sorted([R0, R1])  # still reads
 
 
 def test_collect_on_a_full_disk_is_one_line(disk):
@@ -116,7 +123,71 @@ def test_purify_on_a_full_disk_is_one_line_and_the_rollouts_stay(disk):
     assert f"{warehouse.root}/purif" in output  # a purified or purify_configs part
     assert tree_digest(warehouse.root / "rollouts") == before
     disk.empty()
-    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == ["r0", "r1"]
+    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == sorted([R0, R1])
+
+
+def test_a_serialiser_that_fails_without_an_errno_on_a_nearly_full_disk_is_no_space(disk):
+    """torch's zip writer reports a full disk as '[enforce fail at inline_container.cc] ... unexpected
+    pos', no errno, and may fail with megabytes still free (a chunk of it did not fit): the save's
+    error is still the one 'no space' line, naming what to free."""
+    from cleaner.outputs import CHECKPOINT, atomic_directory
+
+    disk.fill(leave_bytes=5 * 2**20)
+    out = disk.root / "ckpt"
+    with pytest.raises(WriteError) as failed, atomic_directory(out, CHECKPOINT) as temp:
+        (temp / "model.safetensors").write_bytes(b"x" * 2**20)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1048640 vs 1048576")
+    assert str(failed.value).startswith(_no_space(out, disk)) and "free" in str(failed.value)
+    assert not out.exists() and list(disk.root.glob(".ckpt*")) == []  # nothing half-written stays
+
+
+def _plain_segments(root: Path) -> int:
+    """Segments rows as another tool reads the directory: plain DuckDB over every part."""
+    import duckdb
+
+    return duckdb.sql(f"SELECT count(*) FROM read_parquet('{root}/segments/**/*.parquet')").fetchall()[0][0]
+
+
+def test_a_full_disk_between_a_parts_two_writes_leaves_no_uncommitted_part(disk, monkeypatch):
+    """The disk fills after a batch's segments part is written and before its rollouts part: the
+    segments part goes with the failure, so plain DuckDB over the directory counts what the views do."""
+    import cleaner.warehouse.store as store
+
+    warehouse = _collected(disk.root / "wh")
+    original = store.write_part
+
+    def fill_before_the_commit(directory, table, name=None):
+        if directory.parent.name == "rollouts":
+            disk.fill()
+        return original(directory, table, name)
+
+    monkeypatch.setattr(store, "write_part", fill_before_the_commit)
+    with pytest.raises(WriteError, match="no space left on the device"):
+        warehouse.write_rollouts(0, [make_rollout("r2")], make_segments("r2"))
+    monkeypatch.undo()
+    disk.empty()
+    view = warehouse.connect().sql("SELECT count(*) FROM segments").fetchall()[0][0]
+    assert view == 2 * len(make_segments(R0)) and _plain_segments(warehouse.root) == view
+
+
+def test_an_uncommitted_part_a_killed_collection_left_goes_with_the_next_writer(disk):
+    """A collection SIGKILLed between its two writes leaves a segments part without its twin: the
+    next collect of the iteration (here a --resume with nothing left to generate) removes it, and
+    compaction removes one whatever its rollouts."""
+    from cleaner.engine.collect.job import CollectRequest, collect_job
+    from cleaner.warehouse.parts import write_part
+    from cleaner.warehouse.schema import SEGMENTS, to_table
+
+    warehouse = _collected(disk.root / "wh")
+    segments = disk.root / "wh" / "segments" / "iteration=0"
+    write_part(segments, to_table(SEGMENTS, make_segments(R0)))  # as the killed collection of R0 left it
+    assert _plain_segments(warehouse.root) == 3 * len(make_segments(R0))
+    collect_job(warehouse, CollectRequest(PLANNED, resume=True), progress=False)
+    assert _plain_segments(warehouse.root) == 2 * len(make_segments(R0))
+    write_part(segments, to_table(SEGMENTS, make_segments("someone-else")))
+    runner.invoke(app, ["compact", "-w", str(warehouse.root)])
+    view = warehouse.connect().sql("SELECT count(*) FROM segments").fetchall()[0][0]
+    assert _plain_segments(warehouse.root) == view == 2 * len(make_segments(R0))
 
 
 def test_compact_on_a_full_disk_is_one_line_and_every_row_stays(disk):
@@ -129,7 +200,7 @@ def test_compact_on_a_full_disk_is_one_line_and_every_row_stays(disk):
               f"{warehouse.root}/segments/iteration=0/part-merged-")
     assert [tree_digest(path) for path in data] == before  # no part removed, no merged part half there
     disk.empty()
-    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == ["r0", "r1", "r2"]
+    assert sorted(r.rollout_id for r in warehouse.read_rollouts(0)) == sorted([R0, R1, "r2"])
 
 
 def test_train_refuses_before_training_when_its_checkpoint_cannot_fit(disk, small_run, tmp_path):
@@ -147,6 +218,15 @@ def test_train_refuses_before_training_when_its_checkpoint_cannot_fit(disk, smal
                        "there or choose another --out (checked before training)")
     assert time.monotonic() - started < 30, output
     assert tree_digest(warehouse.root / "train_steps") == steps and not out.exists()
+    # free space just above the content's estimate: refused too, the save's overheads would not fit
+    from cleaner.engine.train import space
+
+    policy = small_run / "checkpoints" / "iteration-1"
+    content = space.checkpoint_bytes(space.stored_parameters(policy), "float32", "torch", space.other_bytes(policy))
+    disk.empty()
+    disk.fill(leave_bytes=content + 64 * 1024)
+    _one_line(["train", "-w", str(warehouse.root), "--iteration", "0", "--config-id", config_id, "--policy",
+               str(policy), "--out", str(out), "--mini-batch-size", "8"], f"{out}: the checkpoint needs about ")
 
 
 def test_a_checkpoint_that_does_not_fit_is_one_error_and_the_previous_one_stays(disk):

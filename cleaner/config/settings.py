@@ -174,15 +174,21 @@ class CollectConfig(_Config):
                 if key not in self.SCHEDULING and not (key in self.ADDED and value == defaults[key])}
 
     @classmethod
-    def identity_of(cls, saved_json: str) -> dict:
-        """The identity of a config saved as JSON, as this version reads it back (a field it
-        predates takes its default)."""
+    def from_json(cls, saved_json: str) -> CollectConfig:
+        """A config saved as JSON, as this version reads it back (a field it predates takes its
+        default, one it does not know is left out)."""
         saved = json.loads(saved_json)
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {key: value for key, value in saved.items() if key in fields}
-        sandbox = {**dataclasses.asdict(SandboxConfig()), **known.get("sandbox", {})}
-        config = cls(**{**known, "sandbox": SandboxConfig(**sandbox)})
-        return json.loads(json.dumps(config.identity(), sort_keys=True, default=str))
+        sandbox_fields = {f.name for f in dataclasses.fields(SandboxConfig)}
+        sandbox = {key: value for key, value in known.get("sandbox", {}).items() if key in sandbox_fields}
+        return cls(**{**known, "sandbox": SandboxConfig(**sandbox)})
+
+    @classmethod
+    def identity_of(cls, saved_json: str) -> dict:
+        """The identity of a config saved as JSON, as this version reads it back (a field it
+        predates takes its default)."""
+        return json.loads(json.dumps(cls.from_json(saved_json).identity(), sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")

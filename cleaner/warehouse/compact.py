@@ -47,7 +47,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from cleaner.warehouse.lock import exclusive
+from cleaner.errors import read_only_file_system
+from cleaner.warehouse.lock import LockHeld, exclusive, phase_lock_path
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
@@ -103,6 +104,8 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
     """Merge the small parts of every chosen partition; roll forward any interrupted compaction."""
     if not root.is_dir():
         raise WarehouseError(f"{root}: no such warehouse directory")
+    if read_only_file_system(root):
+        raise WarehouseError(f"{root}: cannot compact it: it is on a read-only file system (readers work there: sql, show, report, ui)")
     if target_bytes <= 0:
         raise WarehouseError(f"the target part size must be > 0 bytes, got {target_bytes}")
     merges: list[Merge] = []
@@ -110,6 +113,7 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
     with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running", "wait for it to end"):
         for partition in _partitions(root, _chosen(dataset, iteration), iteration):
             leftovers += _roll_forward(root, partition)
+            leftovers += _remove_uncommitted(root, partition)
             for names in _plan(root, partition, target_bytes):
                 merges += _merge(root, partition, names)
     return CompactResult(tuple(merges), leftovers)
@@ -183,6 +187,33 @@ def _roll_forward(root: Path, partition: _Partition) -> int:
     if removed:
         logger.info("removed %d files of an interrupted compaction in %s", removed, directory)
     return removed
+
+
+def _remove_uncommitted(root: Path, partition: _Partition) -> int:
+    """Remove the twins no commit marker commits in a collection's partition (a collection killed
+    between its two writes), holding the iteration's collect lock; while a collection runs there
+    (it holds the lock), its part between its two writes is such a twin, so nothing is removed."""
+    iteration = _iteration_of(partition)
+    if iteration is None or not partition.twins:
+        return 0  # an evaluation's partition: eval takes no lock, so its twins are left alone
+    try:
+        with exclusive(phase_lock_path(root, "collect", iteration), "", ""):
+            removed = 0
+            for dataset in partition.twins:
+                for part in sorted(partition.directory(root, dataset).glob(PART_GLOB)):
+                    if not part.name.startswith(MERGED_PREFIX) and not (partition.directory(root) / part.name).exists():
+                        removed += _remove(part)
+    except LockHeld:
+        return 0
+    if removed:
+        logger.info("removed %d uncommitted parts of iteration %d", removed, iteration)
+    return removed
+
+
+def _iteration_of(partition: _Partition) -> int | None:
+    """The iteration of a collection's partition (`iteration=<i>`), else None."""
+    name = partition.relative.name
+    return int(name.split("=", 1)[1]) if partition.dataset.name == "rollouts" and name.startswith("iteration=") else None
 
 
 def _remove(path: Path) -> int:

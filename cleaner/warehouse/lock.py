@@ -107,16 +107,17 @@ def run_lock(run_dir: Path) -> tuple[Path, str, str]:
             "wait for it to end, or choose another --run-dir")
 
 
-def refusal_if_held(path: Path, what: str, advice: str) -> str | None:
+def refusal_if_held(path: Path, what: str, advice: str, *, shared: bool = False) -> str | None:
     """The line `exclusive` would refuse with if another process holds `path` now, else None: an
     early answer for a command that loads a model before it takes its lock (which may still be
-    refused then, if another process took it meanwhile)."""
+    refused then, if another process took it meanwhile). `shared`: only an exclusive holder counts
+    (shards of an iteration hold its lock shared)."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None  # no lock file: nobody holds it
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(descriptor, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         return refusal(path, what, advice)
     finally:

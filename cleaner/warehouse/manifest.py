@@ -38,6 +38,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -173,7 +174,8 @@ class Manifest:
             os.replace(temporary, self.path)
         except OSError as error:  # a read-only warehouse: the next read verifies again
             logger.debug("cannot write %s: %s", self.path, error)
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # on a read-only file system this fails as the write did
+                temporary.unlink(missing_ok=True)
         else:
             self._known = entries
 

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from cleaner.errors import existing_ancestor, write_error
+from cleaner.errors import existing_ancestor, read_only_file_system, write_error
 from cleaner.records import (
     EvalRunRow,
     IterationRow,
@@ -47,6 +49,8 @@ from cleaner.warehouse.compact import compaction_paused, replace_parts
 from cleaner.warehouse.lock import missing_directories, phase_lock, remove_if_only_locks
 from cleaner.warehouse.manifest import Manifest
 from cleaner.warehouse.parts import (
+    MERGED_PREFIX,
+    PART_GLOB,
     PartExistsError,
     WarehouseError,
     new_part_name,
@@ -58,6 +62,8 @@ from cleaner.warehouse.parts import (
 )
 from cleaner.warehouse.schema import COMMITTED_BY, DATASETS, Dataset
 from cleaner.warehouse.views import open_views
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Warehouse", "WarehouseError"]
 
@@ -92,6 +98,9 @@ class Warehouse:
         if not existing.is_dir():
             where = "is a file, not a warehouse directory" if existing == self.root.absolute() else f"{existing} is a file"
             raise WarehouseError(f"{self.root}: {where}; a warehouse is a directory (created if missing)")
+        if read_only_file_system(existing):
+            raise WarehouseError(f"{self.root}: cannot write into {existing}: it is on a read-only file system "
+                                 "(readers work there: sql, show, report, ui; write to a writable copy)")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
         self._checked_writable = True
@@ -136,8 +145,32 @@ class Warehouse:
         if stray:
             raise ValueError(f"segments of rollouts not in this batch: {sorted(stray)[:3]}")
         name = new_part_name()
-        self._write(segments_dataset, segments, name, **partition)
-        self._write(schema.COMMITTED_BY[segments_dataset.name], rollouts, name, **partition)
+        twin = self._write(segments_dataset, segments, name, **partition)
+        try:
+            self._write(schema.COMMITTED_BY[segments_dataset.name], rollouts, name, **partition)
+        except BaseException:  # the segments part would stay behind, uncommitted: remove it (a full disk
+            with contextlib.suppress(OSError):  # frees a file; a SIGKILL here leaves it to the next writer)
+                twin.unlink()
+            raise
+
+    def remove_uncommitted(self, iteration: int, owned: Callable[[str], bool] | None = None) -> int:
+        """Delete the segments parts of `iteration` that no rollouts part commits (a collection killed
+        between its two writes), those whose rollouts are all `owned` (all, when None): call it only
+        holding the collect lock of what `owned` covers, since a writer between its two writes has
+        such a part too. Returns how many went."""
+        directory = self._dir(schema.SEGMENTS, iteration=iteration)
+        committed = self._dir(schema.ROLLOUTS, iteration=iteration)
+        removed = 0
+        for part in sorted(directory.glob(PART_GLOB)) if directory.is_dir() else ():
+            if part.name.startswith(MERGED_PREFIX) or (committed / part.name).exists():
+                continue  # committed, or a compaction's (compact.py rolls those forward)
+            ids = set(pq.read_table(part, columns=["rollout_id"]).column("rollout_id").to_pylist())
+            if owned is None or all(owned(rollout_id) for rollout_id in ids):
+                part.unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            logger.info("removed %d uncommitted segments parts of iteration %d", removed, iteration)
+        return removed
 
     def _visible(self, dataset: Dataset, **partition: object) -> list[Path]:
         """The visible parts of `dataset` in `partition`, each verified (`Manifest.verify`)."""

@@ -68,7 +68,8 @@ def test_rows_are_identical_after_compaction_and_parts_are_few(tmp_path):
     assert _snapshot(wh) == before
     merged = _names(wh, schema.ROLLOUTS, 0)
     assert len(merged) == 1 and merged[0].startswith(MERGED_PREFIX)
-    assert set(_names(wh, schema.SEGMENTS, 0)) == {merged[0], *orphan}  # the twin, and the orphan untouched
+    assert len(orphan) == 1 and set(_names(wh, schema.SEGMENTS, 0)) == {merged[0]}  # the twin; the orphan removed
+    assert result.n_leftovers == 1
     assert len(_names(wh, schema.PURIFIED)) == 1
     assert len(_names(wh, schema.ROLLOUTS, 1)) == 1  # a lone part is left as it is
     by_dataset = {(m.dataset, m.partition): (m.n_parts, m.n_rows) for m in result.merges}
@@ -76,6 +77,20 @@ def test_rows_are_identical_after_compaction_and_parts_are_few(tmp_path):
                           ("purified", "iteration=0/config=abc"): (2, 3)}
     assert compact(wh.root).merges == ()  # nothing small left to merge
     assert _snapshot(wh) == before
+
+
+def test_an_uncommitted_part_stays_while_its_iteration_is_being_collected(tmp_path):
+    """Between its two writes a collection has a segments part without its twin: compaction leaves
+    the uncommitted parts of an iteration alone while its collect lock is held."""
+    from cleaner.warehouse.lock import phase_lock
+
+    wh = _warehouse(tmp_path)
+    orphan = set(_names(wh, schema.SEGMENTS, 0)) - set(_names(wh, schema.ROLLOUTS, 0))
+    with phase_lock(wh.root, "collect", 0):
+        compact(wh.root)  # in this process, as another's would be: flock is per open file
+    assert orphan <= set(_names(wh, schema.SEGMENTS, 0))
+    compact(wh.root)
+    assert not orphan & set(_names(wh, schema.SEGMENTS, 0))
 
 
 def test_the_commit_protocol_holds_after_compaction(tmp_path):
@@ -145,7 +160,8 @@ def test_a_crash_at_any_step_shows_every_row_once_and_the_next_compaction_finish
     done = _crash_at(monkeypatch, step=-1)  # never: count the steps of a whole compaction
     compact(reference.root)
     steps = len(done)
-    assert done[:2] == ["rename", "rename"] and steps == 2 + 6 + 1 + 2  # segments, rollouts; removals
+    # the uncommitted part; segments, rollouts; removals
+    assert done[:3] == ["remove", "rename", "rename"] and steps == 1 + 2 + 6 + 1 + 2
     for step in range(steps):
         monkeypatch.undo()
         wh = _warehouse(tmp_path / f"crash-{step}")
@@ -157,7 +173,7 @@ def test_a_crash_at_any_step_shows_every_row_once_and_the_next_compaction_finish
         monkeypatch.undo()
         compact(wh.root)
         assert _snapshot(wh) == before, f"after finishing the compaction crashed at step {step}"
-        assert len(_names(wh, schema.ROLLOUTS, 0)) == 1 and len(_names(wh, schema.SEGMENTS, 0)) == 2
+        assert len(_names(wh, schema.ROLLOUTS, 0)) == 1 and len(_names(wh, schema.SEGMENTS, 0)) == 1
         assert not [p for p in wh.root.rglob(".*.tmp")]
 
 
@@ -168,7 +184,7 @@ def test_leftovers_of_a_killed_compaction_are_removed(tmp_path):
     stale = directory / f".{MERGED_PREFIX}dead.parquet.999.tmp"  # SIGKILLed mid-write
     stale.write_bytes(b"half a part")
     result = compact(wh.root)
-    assert not stale.exists() and result.n_leftovers == 1
+    assert not stale.exists() and result.n_leftovers == 2  # and the uncommitted segments part
     assert _snapshot(wh) == before
 
 

@@ -25,6 +25,8 @@ from cleaner.warehouse.compact import compact
 from cleaner.warehouse.lock import LockHeld, holder_of, phase_lock_path
 from tests.helpers import cli, tree_digest
 
+runner = CliRunner()
+
 HOLD = """
 import sys, time
 from pathlib import Path
@@ -137,6 +139,46 @@ def test_purify_and_train_are_refused_before_any_work(tmp_path, holder, tiny_qwe
                                        "training the same config into the same --out again replaces"):
         train_job(Warehouse(root), request, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_purify_refuses_an_iteration_being_collected_or_left_incomplete(tmp_path, random_policy):
+    """A real `cleaner collect` running, then SIGKILLed: purify refuses in one line while it runs
+    and while its iteration lacks rollouts it planned; after --resume it purifies; and train refuses
+    an iteration whose purify covers only part of it."""
+    root = tmp_path / "wh"
+    args = ["collect", "-w", str(root), "--prompts", "6", "--group-size", "2", "--batch-rollouts", "2",
+            "--max-concurrent-rollouts", "2", "--model", str(random_policy), "--max-turns", "2",
+            "--max-new-tokens", "48", "--max-response-tokens", "96", "--sandbox-workers", "1"]
+    collecting = subprocess.Popen(cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        parts = root / "rollouts" / "iteration=0"
+        deadline = time.monotonic() + 120
+        while not list(parts.glob("part-*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = runner.invoke(app, ["purify", "-w", str(root)])
+        output = " ".join(running.output.split())
+        assert running.exit_code == 1 and "iteration 0 is being collected" in output, output
+        assert f"pid {collecting.pid}" in output and "wait for the collection to end, then purify" in output
+    finally:
+        os.kill(collecting.pid, signal.SIGKILL)
+        collecting.wait()
+    stored = len(Warehouse(root).rollout_ids(0))
+    assert 0 < stored < 12, "killed too late to test an incomplete iteration"
+    incomplete = runner.invoke(app, ["purify", "-w", str(root)])
+    output = " ".join(incomplete.output.split())
+    assert incomplete.exit_code == 1 and f"iteration 0 holds {stored} of the 12 rollouts its collection planned" in output
+    assert "cleaner collect --iteration 0 --resume" in output and not (root / "purified").exists()
+    assert subprocess.run(cli(*args, "--resume"), capture_output=True).returncode == 0
+    assert runner.invoke(app, ["purify", "-w", str(root), "--shard", "0/2"]).exit_code == 0  # half of it
+    [(config_id,)] = Warehouse(root).connect().sql("SELECT DISTINCT config_id FROM purified").fetchall()
+    partly = runner.invoke(app, ["train", "-w", str(root), "--iteration", "0", "--config-id", config_id,
+                                 "--policy", str(random_policy), "--out", str(tmp_path / "out")])
+    output = " ".join(partly.output.split())
+    assert partly.exit_code == 1 and "rows under purify config" in output and "of its 12 rollouts" in output
+    assert runner.invoke(app, ["purify", "-w", str(root)]).exit_code == 0  # the rest
+    trained = runner.invoke(app, ["train", "-w", str(root), "--iteration", "0", "--config-id", config_id,
+                                  "--policy", str(random_policy), "--out", str(tmp_path / "out")])
+    assert trained.exit_code == 0, trained.output
 
 
 def test_a_refused_compaction_names_the_holder(tmp_path, holder):

@@ -99,6 +99,8 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
     iteration = config.iteration
     planned = frozenset(rollout_key(iteration, task.prompt_id, sample)[0]
                         for task in tasks for sample in range(config.group_size))
+    # a part a killed collection of this share left uncommitted goes (we hold this share's lock)
+    warehouse.remove_uncommitted(iteration, owned=planned.__contains__)
     stored_anywhere = warehouse.rollout_ids(iteration)
     stored = stored_anywhere & planned  # this share's; other shards' rollouts are theirs to resume
     where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")

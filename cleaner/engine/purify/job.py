@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleaner.config import UNSHARDED, Edit, PurifyConfig, Shard
-from cleaner.engine.collect.job import collected_policy, shard_of
+from cleaner.config import UNSHARDED, CollectConfig, Edit, PurifyConfig, Shard
+from cleaner.engine.collect.agent import rollout_key
+from cleaner.engine.collect.job import collected_policy, load_tasks, shard_of
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.base import ScorerStats
@@ -32,9 +34,12 @@ from cleaner.engine.purify.pipeline import (
     purify_iteration,
     stats_from_rows,
 )
-from cleaner.errors import JobError
+from cleaner.errors import CleanerError, JobError
 from cleaner.records import PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import Warehouse
+from cleaner.warehouse.lock import phase_lock_path, refusal_if_held
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
             started: float) -> PurifyOutcome:
     """The rest of `purify_job`, under the iteration's (or shard's) purify lock."""
     iteration, configs = request.iteration, request.configs
+    check_collected(warehouse, iteration, request.shard)
     rollouts, segments = _share(warehouse, iteration, request.shard)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
@@ -125,6 +131,37 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
     results = [computed[config.config_id] if config.config_id in computed
                else _stored_result(warehouse, iteration, config, ids, rollouts, segments, errors) for config in configs]
     return PurifyOutcome(results, [c.config_id for c in todo], scorer_stats, time.monotonic() - started)
+
+
+def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
+    """JobError unless the iteration's collection (the shard's share of it) has ended and holds every
+    rollout it planned: a purify of what a running or interrupted collection has committed so far
+    would train on part of the iteration, and differ from a purify of the whole."""
+    root = warehouse.root
+    where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
+    running = (refusal_if_held(phase_lock_path(root, "collect", iteration, shard_of(shard)), f"{root}: {where} is "
+                               "being collected", "wait for the collection to end, then purify")
+               if shard.sharded else None)
+    running = running or refusal_if_held(phase_lock_path(root, "collect", iteration), f"{root}: iteration "
+                                         f"{iteration} is being collected", "wait for the collection to end, then purify",
+                                         shared=shard.sharded)
+    if running:
+        raise JobError(running)
+    saved = warehouse.collect_config(iteration)
+    if saved is None:
+        return
+    try:
+        config = CollectConfig.from_json(saved)
+        planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in load_tasks(config)
+                   if shard.owns(task.prompt_id) for sample in range(config.group_size)}
+    except (CleanerError, ValueError, TypeError) as error:  # the dataset moved: completeness cannot be known
+        logger.warning("cannot tell whether %s is complete (%s); purifying what it holds", where, error)
+        return
+    stored = len(warehouse.rollout_ids(iteration) & planned)
+    if stored < len(planned):
+        raise JobError(f"{root}: {where} holds {stored} of the {len(planned)} rollouts its collection planned: it "
+                       f"was interrupted; finish it with `cleaner collect --iteration {iteration} --resume` (and "
+                       "its other options) before purifying, so the rows cover the whole iteration")
 
 
 def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, ids: frozenset[str],

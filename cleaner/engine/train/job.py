@@ -37,6 +37,7 @@ from cleaner.errors import JobError
 from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import PurifiedRow
 from cleaner.warehouse import Warehouse, WarehouseError
+from cleaner.warehouse.lock import phase_lock_path, refusal_if_held
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
         if writes:
             _check_room(request, model)
         config_id = warehouse.resolve_config_id(request.config_id)  # a unique prefix, as purify prints it
+        _check_purified(warehouse, iteration, config_id)
         if rows is None:
             try:
                 rows = warehouse.read_purified(iteration, config_id)
@@ -96,6 +98,23 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
                                                     for step in result.steps])
             warehouse.save_config(f"train-iteration={iteration}", config.to_json())
     return TrainOutcome(result, time.monotonic() - started)
+
+
+def _check_purified(warehouse: Warehouse, iteration: int, config_id: str) -> None:
+    """JobError unless every rollout of the iteration has its rows under the config, and no purify
+    of the iteration is running: training on part of an iteration would be a different step."""
+    running = refusal_if_held(phase_lock_path(warehouse.root, "purify", iteration),
+                              f"{warehouse.root}: iteration {iteration} is being purified",
+                              "wait for it to end, then train", shared=False)
+    if running:
+        raise JobError(running)
+    rollouts = warehouse.rollout_ids(iteration)
+    missing = rollouts - warehouse.purified_rollout_ids(iteration, config_id)
+    if rollouts and missing:
+        raise JobError(f"{warehouse.root}: iteration {iteration} has rows under purify config {config_id} for "
+                       f"{len(rollouts) - len(missing)} of its {len(rollouts)} rollouts: its purify was interrupted "
+                       f"(or the collection was resumed after it); run `cleaner purify --iteration {iteration}` with "
+                       "the same options again, then train")
 
 
 def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> None:
@@ -150,8 +169,8 @@ def _check_room(request: TrainRequest, model) -> None:
     if n_parameters is None:
         return
     save_dtype = request.config.save_dtype
-    needed = space.checkpoint_bytes(n_parameters, save_dtype, request.config.engine,
-                                    space.other_bytes(request.policy))
+    needed = space.needed_bytes(space.checkpoint_bytes(n_parameters, save_dtype, request.config.engine,
+                                                       space.other_bytes(request.policy)))
     refusal = space.room_error(Path(request.out), needed, n_parameters, save_dtype)
     if refusal is not None:
         raise JobError(refusal)

@@ -240,6 +240,8 @@ def test_the_room_a_checkpoint_needs_is_what_it_takes(tmp_path):
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     estimate = space.checkpoint_bytes(n, "float32", "torch", space.other_bytes(policy))
     assert n * 12 <= estimate and abs(estimate - written) / written < 0.05
+    on_disk = sum(f.stat().st_blocks * 512 for f in out.rglob("*") if f.is_file())  # rounded to blocks
+    assert estimate < on_disk <= space.needed_bytes(estimate)  # the content alone is short; the room asked is not
     assert space.checkpoint_bytes(1000, "bfloat16") == 1000 * (2 + 8 + 4)  # + the float32 master weights
     assert space.checkpoint_bytes(1000, "float32", "deepspeed") == 1000 * (4 + 12)
     assert space.stored_parameters(tmp_path / "absent") is None

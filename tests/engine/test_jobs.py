@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from pathlib import Path
 
 import pytest
 
@@ -37,10 +38,13 @@ def test_purify_job_runs_with_the_collector_paused():
     seen = []
 
     class EmptyWarehouse:
-        root = "empty"
+        root = Path("empty")
 
         def check_writable(self):
             pass
+
+        def collect_config(self, iteration):
+            return None
 
         def writer(self, phase, iteration, share=None):
             return contextlib.nullcontext()

@@ -110,7 +110,7 @@ def _check_purified(warehouse: Warehouse, iteration: int, config_id: str) -> Non
         raise JobError(running)
     rollouts = warehouse.rollout_ids(iteration)
     missing = rollouts - warehouse.purified_rollout_ids(iteration, config_id)
-    if rollouts and missing:
+    if missing and len(missing) < len(rollouts):  # none at all: reading the rows says to purify first
         raise JobError(f"{warehouse.root}: iteration {iteration} has rows under purify config {config_id} for "
                        f"{len(rollouts) - len(missing)} of its {len(rollouts)} rollouts: its purify was interrupted "
                        f"(or the collection was resumed after it); run `cleaner purify --iteration {iteration}` with "

@@ -143,7 +143,7 @@ def gib(value: int) -> float:
 
 def parameter_count(config) -> int:
     """The parameters a config's model has, counted on the meta device (nothing allocated)."""
-    import torch
+    import torch  # CLI start-up time
     from transformers import AutoModelForCausalLM  # CLI start-up time
 
     with torch.device("meta"):

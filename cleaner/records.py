@@ -75,6 +75,7 @@ class Segment:
     tool_status: ToolStatus | None = None  # on tool segments
     error_type: str | None = None  # e.g. "NameError"
     exec_ms: float | None = None
+    tool_name: str | None = None  # the tool a call names (assistant) or that answered (tool); None: no call, or none named
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", enum_value(SegmentKind, self.kind, "segment kind"))
@@ -120,6 +121,7 @@ class Rollout:
     n_tool_calls: int
     n_failed_calls: int
     created_at: datetime = field(default_factory=lambda: datetime.now().replace(microsecond=0))
+    reward_details: str | None = None  # a reward function's dict beyond `score`, as JSON; None: a number or the built-in grader
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "finish_reason", enum_value(FinishReason, self.finish_reason, "finish_reason"))

@@ -135,7 +135,8 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
     collected = _requests(monkeypatch, "cleaner.engine.collect.job", "collect_job")
     result = runner.invoke(app, ["collect", *where, *_args(resolved["collect"])])
     assert "stopped before any work" in result.output
-    assert collected[0].config.to_dict() == resolved["collect"] | {"data": None, "sglang_url": None,
+    assert collected[0].config.to_dict() == resolved["collect"] | {"data": None, "sglang_url": None, "reward_fn": None,
+                                                                   "tools": None, "tool": None,
                                                                    "sglang_mem_fraction": None}
 
     purified = _requests(monkeypatch, "cleaner.engine.purify.job", "purify_job")

@@ -64,14 +64,16 @@ def _breaking(importers: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]
                   for imported in _cleaner_imports(module) if not _within(imported, allowed))
 
 
-BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config")
-SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading")  # used by every stage
+BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config", "cleaner.plugins")
+# used by every stage (the user's tools by those that generate: collect and eval)
+SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading", "cleaner.tools")
 STAGES = ("collect", "purify", "train", "eval")
 UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"), "eval": ("collect",)}
 
 
 def test_the_base_imports_only_the_base():
-    """errors, records, outputs and config: config nests the sandbox's own config, nothing else."""
+    """errors, records, outputs, config and plugins (the loader of the user's files): config nests the
+    sandbox's own config, nothing else."""
     assert _breaking(BASE, BASE + ("cleaner.sandbox.config",)) == []
 
 

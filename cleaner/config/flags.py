@@ -69,12 +69,12 @@ ABLATE_GRID = {"gamma": "0.3,0.5,0.7", "rollback_prob": "0.7,1.0", "similarity_o
                "purify_when": "always", "edit": "replace", "rollback_is_threshold": "0"}
 
 COMMANDS = {
-    "collect": CommandFlags(CollectConfig, files=("data",)),
+    "collect": CommandFlags(CollectConfig, files=("data", "tools")),
     "purify": CommandFlags(PurifyConfig),
     "ablate": CommandFlags(PurifyConfig, grid=ABLATE_GRID),
     "train": CommandFlags(TrainConfig, files=("deepspeed_config",)),
     # eval repeats --model and --dataset, and --saar / --no-saar choose the settings
-    "eval": CommandFlags(EvalConfig, fixed=("models", "datasets", "saar"),
+    "eval": CommandFlags(EvalConfig, fixed=("models", "datasets", "saar"), files=("tools",),
                          derived={"max_new_tokens": "--max-response-tokens"}),
     # a run collects iteration after iteration
     "run": CommandFlags(RunConfig, fixed=("collect.iteration",),

@@ -119,6 +119,9 @@ class CollectConfig(_Config):
     model: str = str(DEFAULT_POLICY)  # the policy: a Hugging Face model directory or hub id, or a checkpoint
     data: str | None = None  # a dataset Parquet (verl RL or an eval layout); none: the toy tasks
     prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of --data: the paper's or the problem alone
+    reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
+    tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
+    tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
     iteration: int = 0  # the iteration to collect (its number in the warehouse)
     n_prompts: int = 64  # prompts per iteration
     group_size: int = 8  # samples per prompt (one GRPO group)
@@ -152,7 +155,7 @@ class CollectConfig(_Config):
     SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction"})
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
-    ADDED = frozenset({"deterministic_inference"})
+    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool"})
 
     @functools.cached_property
     def config_id(self) -> str:
@@ -384,6 +387,9 @@ class EvalConfig(_Config):
     saar: tuple[bool, ...] = (True,)  # SAAR settings to run: True = purified context (the paper's test time)
     n: int = 16  # samples per problem
     prompt_style: PromptStyle = PromptStyle.REFERENCE  # the paper's prompts, or the problem alone
+    reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
+    tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
+    tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
     limit: int | None = None  # evaluate the first N problems of each dataset; none: all
     temperature: float = 1.0  # sampling temperature (the reference's validation setting)
     top_p: float = 0.6  # nucleus sampling (the reference's validation setting)
@@ -420,7 +426,8 @@ class EvalConfig(_Config):
     def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
         """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0."""
         return CollectConfig(
-            model=model, data=data, prompt_style=self.prompt_style, iteration=0, n_prompts=problems,
+            model=model, data=data, prompt_style=self.prompt_style, reward_fn=self.reward_fn, tools=self.tools,
+            tool=self.tool, iteration=0, n_prompts=problems,
             group_size=self.n, max_turns=self.max_turns, max_retries=self.max_retries,
             max_new_tokens=self.max_new_tokens, max_response_tokens=self.max_response_tokens,
             temperature=self.temperature, top_p=self.top_p,

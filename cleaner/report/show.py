@@ -47,6 +47,8 @@ def _segment_label(segment: Segment) -> Text:
         return Text("prompt", style=KIND_STYLE[SegmentKind.PROMPT])
     label = Text(f"{segment.kind:<9} step {segment.step} attempt {segment.attempt}",
                  style=KIND_STYLE[segment.kind])
+    if segment.tool_name is not None:
+        label.append(f"  {segment.tool_name}", style="bold")
     if segment.kind == SegmentKind.TOOL:
         status = segment.tool_status or "?"
         label.append(f"  {status}", style=STATUS_STYLE.get(status, "bold"))

@@ -44,15 +44,16 @@ ROLLOUTS = Dataset("rollouts", records.Rollout, pa.schema([
     ("reward", pa.float32()), ("correct", pa.bool_()), ("finish_reason", pa.string()),
     ("rollback_draw", pa.float32()), ("collect_view", pa.string()), ("collect_config_id", pa.string()),
     ("n_assistant_segments", pa.int32()), ("n_tool_calls", pa.int32()), ("n_failed_calls", pa.int32()),
-    ("created_at", _TIME),
-]), ("iteration",))
+    ("created_at", _TIME), ("reward_details", pa.string()),
+]), ("iteration",), added=(("reward_details", None),))
 
 SEGMENTS = Dataset("segments", records.Segment, pa.schema([
     ("rollout_id", pa.string()), ("iteration", pa.int32()), ("seq", pa.int32()), ("kind", pa.string()),
     ("step", pa.int32()), ("attempt", pa.int32()), ("token_ids", _TOKENS), ("logprobs", _FLOATS),
     ("text", pa.string()), ("call_start", pa.int32()), ("tool_code", pa.string()),
     ("tool_status", pa.string()), ("error_type", pa.string()), ("exec_ms", pa.float32()),
-]), ("iteration",))
+    ("tool_name", pa.string()),
+]), ("iteration",), added=(("tool_name", None),))
 
 PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
     ("config_id", pa.string()), ("iteration", pa.int32()), ("rollout_id", pa.string()),
@@ -96,8 +97,8 @@ TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
 
 # Evaluation (docs/architecture.md §12): the same rows as collection, partitioned by the eval id
 # (their `collect_config_id`), so `cleaner show` and every query over trajectories work on them.
-EVAL_ROLLOUTS = Dataset("eval_rollouts", records.Rollout, ROLLOUTS.schema, ("eval",))
-EVAL_SEGMENTS = Dataset("eval_segments", records.Segment, SEGMENTS.schema, ("eval",))
+EVAL_ROLLOUTS = Dataset("eval_rollouts", records.Rollout, ROLLOUTS.schema, ("eval",), ROLLOUTS.added)
+EVAL_SEGMENTS = Dataset("eval_segments", records.Segment, SEGMENTS.schema, ("eval",), SEGMENTS.added)
 
 EVAL_RUNS = Dataset("eval_runs", records.EvalRunRow, pa.schema([
     ("eval_id", pa.string()), ("model", pa.string()), ("policy_version", pa.string()),

@@ -91,7 +91,7 @@ CONVENIENCE_VIEWS = {
     # Every assistant generation with the outcome of the call it made (NULL when it made none).
     "attempts": """
         SELECT a.rollout_id, a.iteration, a.seq, a.step, a.attempt,
-               a.call_start IS NOT NULL AS has_call, a.tool_code, len(a.token_ids) AS n_tokens,
+               a.call_start IS NOT NULL AS has_call, a.tool_name, a.tool_code, len(a.token_ids) AS n_tokens,
                t.tool_status, t.error_type, t.exec_ms, a.text, t.text AS tool_response
         FROM segments a
         LEFT JOIN segments t
@@ -100,7 +100,7 @@ CONVENIENCE_VIEWS = {
     """,
     # Tool failures with the rollout they belong to.
     "failures": """
-        SELECT s.rollout_id, s.iteration, s.step, s.attempt, s.tool_status, s.error_type, s.tool_code,
+        SELECT s.rollout_id, s.iteration, s.step, s.attempt, s.tool_name, s.tool_status, s.error_type, s.tool_code,
                r.correct, r.reward
         FROM segments s JOIN rollouts r USING (rollout_id)
         WHERE s.kind = 'tool' AND s.tool_status <> 'ok'

@@ -41,6 +41,10 @@ Design decisions:
 - max_turns: as in the reference, a call opening the last allowed step is not executed; a retry
   is always executed (the reference regenerates it with its termination checks off).
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
+- Tools: a call names the built-in code interpreter (run in the sandbox) or one of the user's
+  tools (cleaner/tools.py, run by the toolbox under its timeout); an unknown name, or arguments the
+  tool's schema refuses, is a `format_error`. Whatever the tool, a failed call opens a retry, and
+  SAAR compares calls by their `tool_code` (a user tool's: its arguments as sorted JSON).
 - Faults: a backend exception ends that rollout with finish_reason `error` (reward 0), and no
   other; a sandbox exception is retried once, and a call that still raises gets `infra_error`.
 - Model text never ends a collection: a call that cannot be read (any JSON, any depth, any size,
@@ -53,6 +57,9 @@ Design decisions:
   (code data sources) runs its tests in a sandbox, on a thread, so the other rollouts go on
   meanwhile; any other is a few milliseconds of math-verify, called on the loop's thread, the main
   one, where math-verify's own timeouts (SIGALRM) hold against an answer that would hang sympy.
+  A reward function from the user's file (`--reward-fn`, grading/reward_file.py) gets verl's
+  arguments instead: the rendered context after the prompt, as the rollout's view renders it,
+  decoded without special tokens. Its failure stops the collection (one error line).
 No disk I/O here: schedule.py hands finished rollouts to the caller, which stores them.
 """
 
@@ -70,11 +77,14 @@ from typing import TYPE_CHECKING, Protocol
 from cleaner.config import CollectConfig
 from cleaner.engine.collect.context import fit_prompts
 from cleaner.engine.grading.programs import is_code_source
+from cleaner.engine.grading.reward_file import verl_extra_info
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import (
+    TOOL_NAME,
     ChatFormat,
     ToolCall,
     format_tool_response,
+    format_tool_text,
     parse_tool_call,
     valid_text,
 )
@@ -91,7 +101,9 @@ from cleaner.records import (
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
+    from cleaner.engine.grading.reward_file import RewardFunction
     from cleaner.sandbox import ExecResult
+    from cleaner.tools import Toolbox, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +240,8 @@ class Requests(Protocol):
 
     async def run_code(self, code: str) -> ExecResult: ...
 
+    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome: ...
+
     def leave(self, state: RolloutState) -> None:
         """The rollout needs no more turns (a lock step stops waiting for it)."""
 
@@ -242,6 +256,13 @@ class Story:
     reward_fn: Callable
     policy_version: str
     on_context: Callable[[str, list[int]], None] | None = None  # sees every context before it is generated on
+    toolbox: Toolbox | None = None  # the user's tools beside the code interpreter; None: none
+    reward_file: RewardFunction | None = None  # the user's reward function (replaces reward_fn); None: the built-in grader
+
+    @property
+    def tool_parameters(self) -> dict:
+        """{name: JSON schema of its arguments} of the user's tools (the call parser's check)."""
+        return {} if self.toolbox is None else self.toolbox.parameters
 
 
 async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> Rollout:
@@ -266,7 +287,7 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
         if generation is None:
             state.finish_reason = FinishReason.ERROR
             break
-        call = _record_generation(state, generation, story.config, story.chat)
+        call = _record_generation(state, generation, story)
         if call is None:
             break  # answered, out of tokens, or the last step's call, which is not run
         state.phase = Phase.TOOL
@@ -274,7 +295,7 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
         _record_tool(state, call, outcome, story.config, story.chat)
     state.phase = Phase.DONE
     requests.leave(state)
-    return await _finish(state, story)
+    return await _finish(state, story, requests, cache)
 
 
 async def _render_context(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rendered | None:
@@ -333,16 +354,17 @@ class _Call:
     parsed: ToolCall  # code, or why it does not parse
 
 
-def _record_generation(state: RolloutState, generation: Generation, config: CollectConfig,
-                       chat: ChatFormat) -> _Call | None:
+def _record_generation(state: RolloutState, generation: Generation, story: Story) -> _Call | None:
     """Append the assistant segment; return its call if it is to be executed."""
+    config, chat = story.config, story.chat
     text = chat.decode(generation.token_ids)
     call_start = chat.call_start(generation.token_ids)
-    parsed = parse_tool_call(text) if call_start is not None else None
+    parsed = parse_tool_call(text, story.tool_parameters) if call_start is not None else None
     segment = state.add(
         SegmentKind.ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
         logprobs=tuple(float(x) for x in generation.logprobs), call_start=call_start,
         tool_code=parsed.code if parsed is not None else None,
+        tool_name=parsed.name if parsed is not None else None,
     )
     state.turns += 1
     state.steps += state.attempt == 0
@@ -366,7 +388,7 @@ def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: Co
     state.add(
         SegmentKind.TOOL, token_ids, chat.decode(token_ids), step=step, attempt=attempt, logprobs=None,
         tool_code=call.parsed.code, tool_status=outcome.status, error_type=outcome.error_type,
-        exec_ms=outcome.exec_ms,
+        exec_ms=outcome.exec_ms, tool_name=call.parsed.name,
     )
     if outcome.status != ToolStatus.OK and attempt < config.max_retries:
         if state.steps + 1 >= config.max_turns:  # as the reference: no room for the retry's turn
@@ -381,10 +403,17 @@ def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: Co
 
 
 async def _execute(call: _Call, requests: Requests) -> _Outcome:
-    """What the call produced: a format error without running it, or the sandbox's outcome."""
+    """What the call produced: a format error without running it, the sandbox's outcome (the code
+    interpreter) or the toolbox's (a user tool, whose own failures are failed calls; a tool that
+    breaks the protocol raises ToolError, which stops the collection)."""
     if call.parsed.code is None:
         response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
         return _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
+    if call.parsed.name != TOOL_NAME:
+        done = await requests.run_tool(call.parsed.name, call.parsed.arguments)
+        status = ToolStatus(done.status)
+        response = format_tool_text(status == ToolStatus.OK, done.text, None if status == ToolStatus.OK else status)
+        return _Outcome(status, done.error_type, float(done.exec_ms), response)
     error: Exception | None = None
     for attempt in range(2):  # the sandbox retries its own faults; one more try for a raise
         try:
@@ -417,18 +446,21 @@ def _from_result(result) -> _Outcome:
 # Finishing a rollout
 
 
-async def _finish(state: RolloutState, story: Story) -> Rollout:
+async def _finish(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rollout:
     config = story.config
     assistants = [segment for segment in state.segments if segment.kind == SegmentKind.ASSISTANT]
     tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
-    reward, correct, answer = 0.0, False, None
+    reward, correct, answer, details = 0.0, False, None, None
     if state.finish_reason != FinishReason.ERROR and assistants:
-        args = (assistants[-1].text, state.task.ground_truth, state.task.data_source)
-        if is_code_source(state.task.data_source):  # tests run in a sandbox, each under its timeout
-            result = await asyncio.to_thread(story.reward_fn, *args)
+        if story.reward_file is not None:
+            result = await _reward_from_file(state, story, requests, cache)
+        elif is_code_source(state.task.data_source):  # tests run in a sandbox, each under its timeout
+            result = await asyncio.to_thread(story.reward_fn, assistants[-1].text, state.task.ground_truth,
+                                             state.task.data_source)
         else:  # here, on the loop's thread: math-verify's own timeouts need the main thread
-            result = story.reward_fn(*args)
-        reward, correct, answer = float(result.reward), bool(result.correct), result.answer
+            result = story.reward_fn(assistants[-1].text, state.task.ground_truth, state.task.data_source)
+        if result is not None:
+            reward, correct, answer, details = float(result.reward), bool(result.correct), result.answer, getattr(result, "details", None)
     return Rollout(
         rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,
         prompt_id=state.task.prompt_id, sample_index=state.sample_index,
@@ -438,4 +470,19 @@ async def _finish(state: RolloutState, story: Story) -> Rollout:
         collect_view=CollectView.PURIFIED if state.view.purified else CollectView.RAW,
         collect_config_id=config.config_id, n_assistant_segments=len(assistants),
         n_tool_calls=len(tools), n_failed_calls=sum(segment.failed for segment in tools),
+        reward_details=details,
     )
+
+
+async def _reward_from_file(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache):
+    """The user's reward function on verl's arguments (grading/reward_file.py): the response as the
+    rollout's view renders it, after the prompt, without special tokens. None (reward 0, finish
+    `error`) if the backend failed scoring the IS gate that rendering needs."""
+    rendered = await _render_context(state, story, requests, cache)
+    if rendered is None:
+        state.finish_reason = FinishReason.ERROR
+        return None
+    solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
+    turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
+    return await story.reward_file.score(state.rollout_id, state.task.data_source, solution,
+                                         state.task.ground_truth, verl_extra_info(state.task.extra_info, turns))

@@ -16,6 +16,7 @@ collect of it is refused at once instead of storing every rollout twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -28,12 +29,14 @@ from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
-from cleaner.engine.grading.programs import grader_for
+from cleaner.engine.grading.programs import Grader, grader_for
+from cleaner.engine.grading.reward_file import RewardFunction
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.engine.model.loading import check_device, check_model_path
 from cleaner.errors import JobError
 from cleaner.sandbox import make_sandbox
+from cleaner.tools import Toolbox, load_tools
 from cleaner.warehouse import Warehouse
 
 
@@ -71,6 +74,30 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
 
 
+@dataclass(frozen=True)
+class UserCode:
+    """The user's tools and reward function of a collection (cleaner/tools.py, grading/reward_file.py)."""
+
+    toolbox: Toolbox  # the user's tools (none: the code interpreter alone)
+    reward: RewardFunction | None  # None: the built-in grader
+
+    @classmethod
+    def load(cls, reward_fn: str | None, tools: str | None, tool: str | None, sandbox) -> UserCode:
+        """Import them: every problem is one error line, before any model is loaded."""
+        toolbox = Toolbox(load_tools(tools, tool), sandbox.timeout_s, sandbox.max_output_chars)
+        return cls(toolbox, RewardFunction.load(reward_fn) if reward_fn else None)
+
+    def chat(self, tokenizer) -> ChatFormat:
+        """The chat format whose template shows every tool."""
+        return ChatFormat(tokenizer, self.toolbox.schemas)
+
+    def grading(self, tasks: list[Task], config):
+        """The built-in grader's context (a grading sandbox for code tasks); none with a reward function."""
+        if self.reward is not None:
+            return contextlib.nullcontext(Grader())
+        return grader_for(tasks, config.sandbox, config.test_timeout_s)
+
+
 def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backend | None = None,
                 progress: bool = True) -> CollectOutcome:
     """Collect one iteration, or one shard's share of it, into the warehouse; with `resume`,
@@ -82,9 +109,13 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
         check_model_path(config.model, tokenizer=True)
+    user = UserCode.load(config.reward_fn, config.tools, config.tool, config.sandbox)
     tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
     with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
-        return _collect(warehouse, request, tasks, backend, progress, started)
+        try:
+            return _collect(warehouse, request, tasks, backend, progress, started, user)
+        finally:
+            user.toolbox.close()
 
 
 def shard_of(shard: Shard) -> tuple[int, int] | None:
@@ -93,7 +124,7 @@ def shard_of(shard: Shard) -> tuple[int, int] | None:
 
 
 def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], backend: Backend | None,
-             progress: bool, started: float) -> CollectOutcome:
+             progress: bool, started: float, user: UserCode) -> CollectOutcome:
     """The rest of `collect_job`, under the iteration's (or shard's) collect lock."""
     config, shard, resume = request.config, request.shard, request.resume
     iteration = config.iteration
@@ -121,11 +152,11 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
             warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
-            chat = ChatFormat(serving.tokenizer)
-            grading = grader_for(tasks, config.sandbox, config.test_timeout_s)
-            with make_sandbox(config.sandbox) as sandbox, grading as grader:
+            chat = user.chat(serving.tokenizer)
+            with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
                 for batch in collect(tasks, config, serving, sandbox, chat, reward_fn=grader,
-                                     skip_rollout_ids=stored, progress=progress):
+                                     skip_rollout_ids=stored, progress=progress, toolbox=user.toolbox,
+                                     reward_file=user.reward):
                     warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
                     n_written += len(batch.rollouts)
     rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]

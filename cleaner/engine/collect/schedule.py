@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -56,7 +56,9 @@ from cleaner.records import Rollout
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
+    from cleaner.engine.grading.reward_file import RewardFunction
     from cleaner.sandbox import ExecResult
+    from cleaner.tools import Toolbox, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +78,15 @@ def collect(
     progress: bool = True,
     rollout_prefix: str = "",
     strict_context: bool = True,
+    toolbox: Toolbox | None = None,
+    reward_file: RewardFunction | None = None,
 ) -> Iterator[CollectedBatch]:
     """Run config.group_size rollouts per task; yield the finished ones in parts of
     config.batch_rollouts (the last part may be smaller).
 
-    `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
+    `toolbox` holds the user's tools beside the code interpreter (their schemas must be in `chat`'s
+    template: `ChatFormat(tokenizer, toolbox.schemas)`), and `reward_file` the user's reward
+    function, which replaces `reward_fn`. `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
     apart from every other's); seeds do not depend on it. Before anything is generated, every prompt
     is checked against the backend's context length (`context.fit_prompts`): with `strict_context`
     (collect, run) a prompt that leaves less than the response budget is a ContextError (or is
@@ -91,7 +97,8 @@ def collect(
                            strict_context)
     logger.info("collecting %d rollouts (%d skipped as already stored), schedule %s", len(states),
                 len(tasks) * config.group_size - len(states), config.schedule)
-    story = Story(config, chat, backend.context_length, reward_fn, backend.policy_version, on_context)
+    story = Story(config, chat, backend.context_length, reward_fn, backend.policy_version, on_context,
+                  toolbox, reward_file)
     loop = backend.event_loop
     own_loop = loop is None
     if own_loop:
@@ -151,12 +158,12 @@ class _Run:
             if self.running:
                 return
             batch = [self.waiting.popleft() for _ in range(min(self.config.batch_rollouts, len(self.waiting)))]
-            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, live=len(batch))
+            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, len(batch), self.story.toolbox)
             self.lock_steps = [requests]
             for state in batch:
                 self._launch(state, requests)
             return
-        requests = DirectRequests(self.backend, self.sandbox, self.tokens)
+        requests = DirectRequests(self.backend, self.sandbox, self.tokens, self.story.toolbox)
         while self.waiting and len(self.running) < self.config.max_concurrent_rollouts:
             self._launch(self.waiting.popleft(), requests)
 
@@ -203,8 +210,8 @@ class TokenCounter:
 class DirectRequests:
     """Each request straight to the backend or the sandbox, as soon as the rollout makes it."""
 
-    def __init__(self, backend, sandbox, tokens: TokenCounter) -> None:
-        self.backend, self.sandbox, self.tokens = backend, sandbox, tokens
+    def __init__(self, backend, sandbox, tokens: TokenCounter, toolbox: Toolbox | None = None) -> None:
+        self.backend, self.sandbox, self.tokens, self.toolbox = backend, sandbox, tokens, toolbox
 
     async def generate(self, state: RolloutState, context: list[int], params: SamplingParams,
                        seed: int) -> Generation:
@@ -219,6 +226,9 @@ class DirectRequests:
     async def run_code(self, code: str) -> ExecResult:
         return await self.sandbox.run_async(code)
 
+    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome:
+        return await self.toolbox.run(name, arguments)
+
     def leave(self, state: RolloutState) -> None:
         """A rollout needs no more turns (nothing to do when nobody waits for it)."""
 
@@ -228,14 +238,14 @@ class LockstepRequests(DirectRequests):
     until every live rollout of the batch waits in one (tool calls first, then generations), then
     sent together, the generations with the largest limit among them, each cut to its own."""
 
-    def __init__(self, backend, sandbox, tokens: TokenCounter, live: int) -> None:
-        super().__init__(backend, sandbox, tokens)
+    def __init__(self, backend, sandbox, tokens: TokenCounter, live: int, toolbox: Toolbox | None = None) -> None:
+        super().__init__(backend, sandbox, tokens, toolbox)
         self.live = live
         self.left: set[str] = set()  # rollouts that need no more turns
         self.closed = False  # the collection is stopping: nothing more is released
         self.sent: set[asyncio.Task] = set()  # requests released and not yet answered
         self.generations: list[tuple[RolloutState, list[int], SamplingParams, int, asyncio.Future]] = []
-        self.calls: list[tuple[str, asyncio.Future]] = []
+        self.calls: list[tuple[Callable[[], Awaitable], asyncio.Future]] = []  # (the call's request, its answer)
 
     async def generate(self, state: RolloutState, context: list[int], params: SamplingParams,
                        seed: int) -> Generation:
@@ -245,8 +255,14 @@ class LockstepRequests(DirectRequests):
         return await future
 
     async def run_code(self, code: str) -> ExecResult:
+        return await self._hold_call(lambda: DirectRequests.run_code(self, code))
+
+    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome:
+        return await self._hold_call(lambda: DirectRequests.run_tool(self, name, arguments))
+
+    async def _hold_call(self, request: Callable[[], Awaitable]):
         future = asyncio.get_running_loop().create_future()
-        self.calls.append((code, future))
+        self.calls.append((request, future))
         self._release()
         return await future
 
@@ -262,8 +278,8 @@ class LockstepRequests(DirectRequests):
             return
         if self.calls:
             calls, self.calls = self.calls, []
-            for code, future in calls:
-                self._send(future, super().run_code(code))
+            for request, future in calls:
+                self._send(future, request())
         elif self.generations:
             held, self.generations = self.generations, []
             limit = max(params.max_new_tokens for _, _, params, _, _ in held)

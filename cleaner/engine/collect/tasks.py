@@ -47,6 +47,7 @@ class Task:
     ground_truth: str
     data_source: str  # selects the reward; "toy" for the toy family
     source_row: int | None = None  # its row in the dataset file (errors name it); None for toy tasks
+    extra_info: object = None  # the row's `extra_info` (a reward function gets it, as verl's do); None: none
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_sourc
     prompt_id = f"{data_source}-{row_index if row_index is not None else index}"
     if style == PromptStyle.REFERENCE:
         messages = reference_training_messages(messages, file_source, data_source)
-    return Task(prompt_id, messages, str(ground_truth), data_source, index)
+    return Task(prompt_id, messages, str(ground_truth), data_source, index, extra_info)
 
 
 def read_parquet_table(path: str | Path) -> pa.Table:

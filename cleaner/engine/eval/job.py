@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from cleaner.config import EvalConfig
 from cleaner.engine.collect.datasets import load_dataset
+from cleaner.engine.collect.job import UserCode
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.eval.metrics import eval_metrics
 from cleaner.engine.eval.plan import EvalPlan, eval_plans, eval_run_row
-from cleaner.engine.grading.programs import Grader, grader_for
+from cleaner.engine.grading.programs import Grader
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.base import SamplingParams
 from cleaner.engine.model.chat import ChatFormat
@@ -53,6 +54,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     for model in config.models:
         if model not in backends:
             check_model_path(model, tokenizer=True)
+    user = UserCode.load(config.reward_fn, config.tools, config.tool, config.sandbox)
     datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
     for _, loaded in datasets:
         if not loaded.tasks:
@@ -61,8 +63,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     todo = [plan for plan in plans if warehouse.read_eval_run(plan.eval_id) is None]
     if todo:
         tasks = [task for _, loaded in datasets for task in loaded.tasks]
-        grading = grader_for(tasks, config.sandbox, config.test_timeout_s)
-        with make_sandbox(config.sandbox) as sandbox, grading as grader:
+        with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
             for model in dict.fromkeys(plan.model for plan in todo):  # one model served at a time
                 load = functools.partial(load_backend, config.backend, model, device=config.device,
                                          sglang_url=config.sglang_url,
@@ -74,7 +75,8 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
                                        "for the chat format")
                     _warm_up(serving, sandbox, tasks[0])
                     for model_plan in [plan for plan in todo if plan.model == model]:
-                        _evaluate(warehouse, model_plan, serving, sandbox, grader, progress)
+                        _evaluate(warehouse, model_plan, serving, sandbox, grader, progress, user)
+    user.toolbox.close()
     rows = [warehouse.read_eval_run(plan.eval_id) for plan in plans]
     return EvalOutcome(rows, [plan.eval_id for plan in todo], time.monotonic() - started)
 
@@ -97,16 +99,17 @@ def _warm_up(backend: Backend, sandbox, task: Task) -> None:
 
 
 def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, grader: Grader,
-              progress: bool) -> None:
+              progress: bool, user: UserCode) -> None:
     """Generate an evaluation's missing rollouts, committed in parts as they finish, then write its
     eval_runs row."""
     config, eval_id = plan.collect_config, plan.eval_id
     warehouse.save_eval_config(eval_id, config.to_json())
     stored = warehouse.eval_rollout_ids(eval_id)
     started, generated = time.monotonic(), 0
-    for batch in collect(plan.data.tasks, config, backend, sandbox, ChatFormat(backend.tokenizer),
+    for batch in collect(plan.data.tasks, config, backend, sandbox, user.chat(backend.tokenizer),
                          reward_fn=grader, skip_rollout_ids=stored, progress=progress,
-                         rollout_prefix=plan.rollout_prefix, strict_context=False):
+                         rollout_prefix=plan.rollout_prefix, strict_context=False, toolbox=user.toolbox,
+                         reward_file=user.reward):
         warehouse.write_eval_batch(eval_id, batch.rollouts, batch.segments)
         generated += len(batch.rollouts)
     seconds = time.monotonic() - started

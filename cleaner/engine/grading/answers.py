@@ -29,6 +29,7 @@ class RewardResult:
     reward: float
     correct: bool
     answer: str | None  # the extracted final answer; None if there is none
+    details: str | None = None  # a reward function's dict beyond its score, as JSON (reward_file.py)
 
 
 def final_text(response_text: str) -> str:

@@ -1,10 +1,12 @@
 """The chat and tool-call format, as token ids.
 
 Matches the Qwen/Hermes convention used by the reference (Open-CLEANER's tool agent loop):
-- the prompt is the tokenizer's chat template over the messages with the `code_interpreter` tool
-  and the generation prompt (`<|im_start|>assistant\\n`);
+- the prompt is the tokenizer's chat template over the messages with the tools (the built-in
+  `code_interpreter` first, then the user's: cleaner/tools.py) and the generation prompt
+  (`<|im_start|>assistant\\n`);
 - an assistant generation ends at `</tool_call>` (a call) or `<|im_end|>` (a final answer);
-- a tool call is `<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "..."}}\\n</tool_call>`;
+- a tool call is `<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "..."}}\\n</tool_call>`,
+  or a user tool's name and arguments, which must match its JSON schema (jsonschema);
 - the tool response segment closes the assistant turn and opens the next one:
   `<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n{text}\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n`.
   Its tokens carry loss_mask 0, so the policy is never trained on them.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import json_repair
@@ -59,13 +61,20 @@ _PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother = 2, 80, 80
 
 @dataclass(frozen=True)
 class ToolCall:
-    code: str | None  # the code argument; None if the call could not be parsed
+    code: str | None  # the code argument (another tool's: its arguments as JSON); None if the call could not be parsed
     error: str | None  # why it could not be parsed (shown to the model as a format error)
+    name: str | None = None  # the tool the call names, when it names one (an unknown name too)
+    arguments: dict | None = None  # the parsed arguments of a call that can be run
 
 
 def format_call(code: str) -> str:
     """The text of a well-formed call (used by the synthetic corpus and by tests)."""
-    payload = json.dumps({"name": TOOL_NAME, "arguments": {"code": code}}, ensure_ascii=False)
+    return format_tool_call(TOOL_NAME, {"code": code})
+
+
+def format_tool_call(name: str, arguments: Mapping) -> str:
+    """The text of a well-formed call of any tool."""
+    payload = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
 
 
@@ -83,6 +92,13 @@ def format_tool_response(success: bool, stdout: str, stderr: str, reason: str | 
     return "\n".join(parts)
 
 
+def format_tool_text(success: bool, text: str, reason: str | None = None) -> str:
+    """A user tool's answer, worded as the code interpreter's: `Tool call success` then the text,
+    or `Tool call failure`, `reason: <reason>`, then the text."""
+    parts = ["Tool call success"] if success else ["Tool call failure", f"reason: {reason or 'error'}"]
+    return "\n".join([*parts, text] if text else parts)
+
+
 def tool_response_text(response: str) -> str:
     """The text of a tool segment answering a call with `response`."""
     return (
@@ -91,10 +107,12 @@ def tool_response_text(response: str) -> str:
     )
 
 
-def parse_tool_call(text: str) -> ToolCall | None:
+def parse_tool_call(text: str, tools: Mapping[str, Mapping] | None = None) -> ToolCall | None:
     """Parse the first call in an assistant segment's text; None if it contains no call.
 
-    Never raises: whatever the text, a call that cannot be read is a ToolCall with its reason.
+    `tools` maps each user tool's name to the JSON schema of its arguments (cleaner/tools.py); the
+    code interpreter is always there. Never raises: whatever the text, a call that cannot be read,
+    names no known tool or has arguments its tool's schema refuses is a ToolCall with its reason.
     """
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
@@ -108,18 +126,45 @@ def parse_tool_call(text: str) -> ToolCall | None:
         return ToolCall(None, error)
     if not isinstance(payload, dict):
         return ToolCall(None, "the call is not a JSON object")
-    if payload.get("name") != TOOL_NAME:
-        return ToolCall(None, f"unknown tool {_preview(payload.get('name'))}; the only tool is {TOOL_NAME}")
+    tools = tools or {}
+    name = payload.get("name")
+    known = isinstance(name, str) and (name == TOOL_NAME or name in tools)
+    named = valid_text(name) if isinstance(name, str) else None
+    if not known:
+        choices = f"the tools are {', '.join([TOOL_NAME, *tools])}" if tools else f"the only tool is {TOOL_NAME}"
+        return ToolCall(None, f"unknown tool {_preview(name)}; {choices}", named)
     arguments = payload.get("arguments")
     if isinstance(arguments, str):  # some models double-encode the arguments
         arguments, error = _load_json(arguments, "the arguments string")
         if error is not None:
-            return ToolCall(None, error)
+            return ToolCall(None, error, name)
+    if name != TOOL_NAME:
+        return _user_call(name, arguments, tools[name])
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
-        return ToolCall(None, 'the call needs "arguments": {"code": "..."}')
+        return ToolCall(None, 'the call needs "arguments": {"code": "..."}', name)
     code = arguments["code"]
     error = _text_error(code)
-    return ToolCall(None, error) if error is not None else ToolCall(code, None)
+    return ToolCall(None, error, name) if error is not None else ToolCall(code, None, name, {"code": code})
+
+
+def _user_call(name: str, arguments: object, schema: Mapping) -> ToolCall:
+    """A call of a user tool: arguments that are an object its schema accepts, as valid text."""
+    import jsonschema  # on first use: only a user tool's call is checked against a schema
+
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return ToolCall(None, f'the call needs "arguments" as a JSON object, got {_preview(arguments)}', name)
+    text = json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+    error = _text_error(text)
+    if error is not None:
+        return ToolCall(None, error.replace("the code", "the arguments"), name)
+    problem = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments))
+    if problem is not None:
+        where = "".join(f"[{part!r}]" for part in problem.absolute_path)
+        return ToolCall(None, f"the arguments do not fit {name}'s parameters: {_preview(problem.message)}"
+                              + (f" (at arguments{where})" if where else ""), name)
+    return ToolCall(text, None, name, arguments)
 
 
 def _load_json(text: str, what: str) -> tuple[object, str | None]:
@@ -180,8 +225,9 @@ def valid_text(text: str) -> str:
 class ChatFormat:
     """Token-level view of the format for one tokenizer (any PreTrainedTokenizer)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, tools: Sequence[dict] = (TOOL_SCHEMA,)) -> None:
         self.tokenizer = tokenizer
+        self.tools = list(tools)  # the schemas the template shows (the code interpreter's first)
         self.tool_call_close_id = self._single_token(TOOL_CALL_CLOSE)
         self.im_end_id = self._single_token(IM_END)
         self.stop_token_ids = (self.tool_call_close_id, self.im_end_id)
@@ -198,10 +244,14 @@ class ChatFormat:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
+    def decode_response(self, token_ids: Sequence[int]) -> str:
+        """Text as verl's reward managers decode a response: without the special tokens."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """Chat template over the messages, with the tool schema and the generation prompt."""
         ids = self.tokenizer.apply_chat_template(
-            list(messages), tools=[TOOL_SCHEMA], add_generation_prompt=True, tokenize=True
+            list(messages), tools=self.tools, add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]

@@ -56,9 +56,10 @@ def test_load_rl_parquet_reads_the_open_agentrl_layout(tmp_path):
     tasks = load_rl_parquet(path, prompt_style=PromptStyle.BARE)
     assert tasks == [
         Task("math_dapo-10", ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}),
-             "2", "math_dapo", source_row=0),  # the id carries extra_info's index; errors name the row
+             "2", "math_dapo", source_row=0,  # the id carries extra_info's index; errors name the row
+             extra_info={"index": 10, "split": "train"}),  # a reward function gets the row's extra_info
         Task("aime-11", ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}),
-             "4", "aime", source_row=1),
+             "4", "aime", source_row=1, extra_info={"index": 11, "split": "train"}),
     ]
     assert len(load_rl_parquet(path, limit=1)) == 1
 

@@ -24,6 +24,11 @@ def call(body: str) -> str:
     return f"Let me compute.<tool_call>\n{body}\n</tool_call>"
 
 
+def ok(code: str) -> ToolCall:
+    """A readable call of the code interpreter."""
+    return ToolCall(code, None, "code_interpreter", {"code": code})
+
+
 @pytest.mark.parametrize("kind", "[{(")
 @pytest.mark.parametrize("depth", [340, 1000, 100_000])
 def test_deep_unclosed_brackets_are_a_format_error(kind, depth):
@@ -38,7 +43,7 @@ def test_deep_unclosed_brackets_are_a_format_error(kind, depth):
 @pytest.mark.parametrize("kind", "[{(")
 @pytest.mark.parametrize("depth", [340, 1000, 100_000])
 def test_deep_brackets_inside_a_valid_string_are_code(kind, depth):
-    assert parse_tool_call(format_call(kind * depth)) == ToolCall(kind * depth, None)
+    assert parse_tool_call(format_call(kind * depth)) == ok(kind * depth)
 
 
 def test_valid_json_too_deep_for_the_json_module_is_a_format_error():
@@ -50,7 +55,7 @@ def test_valid_json_too_deep_for_the_json_module_is_a_format_error():
 def test_repair_is_bounded_by_length_times_depth():
     # An unterminated code string at a call's depth of 2: repaired up to 50,000 characters.
     fits = OPEN_CALL + "a" * (MAX_REPAIR_WORK // 2 - len(OPEN_CALL))
-    assert parse_tool_call(call(fits)) == ToolCall("a" * (MAX_REPAIR_WORK // 2 - len(OPEN_CALL)), None)
+    assert parse_tool_call(call(fits)) == ok("a" * (MAX_REPAIR_WORK // 2 - len(OPEN_CALL)))
     assert parse_tool_call(call(fits + "a")).error == (
         "the call is not valid JSON, and too big to repair (50,001 characters, brackets nested 2 deep)")
     # a valid call is read whatever its size
@@ -63,14 +68,15 @@ def test_double_encoded_arguments_are_bounded_too():
         "the arguments string is not valid JSON, and too big to repair (1,000 characters, brackets nested "
         "1,000 deep)")
     body = json.dumps({"name": "code_interpreter", "arguments": json.dumps({"code": "print(1)"})})
-    assert parse_tool_call(call(body)) == ToolCall("print(1)", None)
+    assert parse_tool_call(call(body)) == ok("print(1)")
 
 
 def test_an_escaped_lone_surrogate_in_the_code_is_a_format_error():
     assert parse_tool_call(call(OPEN_CALL + "print('\\udcff')\"}}")) == ToolCall(None, (
-        "the code is not valid text: character 7 is the lone surrogate '\\udcff', which UTF-8 cannot encode"))
+        "the code is not valid text: character 7 is the lone surrogate '\\udcff', which UTF-8 cannot encode"),
+        "code_interpreter")
     # an escaped backslash is no surrogate: Python reads the escape when the code runs
-    assert parse_tool_call(format_call("print('\\udcff')")) == ToolCall("print('\\udcff')", None)
+    assert parse_tool_call(format_call("print('\\udcff')")) == ok("print('\\udcff')")
     # a surrogate pair is one valid character
     assert parse_tool_call(call(OPEN_CALL + "print('\\ud83d\\ude00')\"}}")).code == "print('\U0001f600')"
 

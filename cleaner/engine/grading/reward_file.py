@@ -1,0 +1,130 @@
+"""A reward function from the user's file, called as verl calls one (docs/byo-task.md).
+
+`--reward-fn PATH.py:NAME` (`PATH.py` alone means `compute_score`, verl's default name) loads
+`NAME(data_source, solution_str, ground_truth, extra_info)` from the file, verl's
+`custom_reward_function.path` / `.name`, and the rollouts' rewards are what it returns.
+
+Design decisions:
+- The arguments are verl's reward managers' (naive and DAPO; the paper trained with DAPO's):
+  `data_source` and `ground_truth` of the dataset row, `solution_str` the response decoded
+  without special tokens (`skip_special_tokens=True`): everything after the prompt that the model
+  saw and wrote, its calls and the tools' responses included. With SAAR in the collect view that is
+  the purified context, as the reference's agent loop hands its rolled-back response to the
+  reward; in the raw view it is every attempt. `extra_info` is a copy of the row's `extra_info`
+  (a dict; `{}` without one) with verl's `num_turns` added: the trajectory's generations and tool
+  responses, plus one (verl's count of the messages after the system prompt).
+- It returns a number (a bool, an int, a float, a numpy scalar) or a dict with a `score` key, as
+  verl takes either. A dict's other keys are the rollout's `reward_details` (JSON, queryable with
+  DuckDB's `->>`); its `acc`, where there is one, is the rollout's `correct` (else score > 0) and
+  its `pred` the rollout's `answer`. NaN or infinity is not a reward.
+- A function that raises, or returns anything else, stops the collection with one
+  `RewardFunctionError` line naming the function, the rollout and the exception; the parts
+  committed before stay, and `--resume` goes on from them once the function is fixed.
+- A plain function runs on the collection's loop thread (the main one, where signal-based
+  timeouts such as math-verify's work); a coroutine function is awaited there, so a reward that
+  waits on a service does not hold the other rollouts.
+- The built-in grader (answers.py, programs.py) stays the default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from cleaner.engine.grading.answers import RewardResult
+from cleaner.plugins import PluginError, load_object
+
+DEFAULT_NAME = "compute_score"  # verl's custom_reward_function.name default
+
+
+class RewardFunctionError(PluginError):
+    """The user's reward function broke its contract on a rollout; the message names both."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A loaded reward function and the spec it came from."""
+
+    spec: str
+    function: Callable
+
+    @classmethod
+    def load(cls, spec: str) -> RewardFunction:
+        """The function `spec` names; a PluginError line if it cannot be loaded or called."""
+        function = load_object(spec, "reward function", DEFAULT_NAME)
+        if not callable(function):
+            raise PluginError(f"reward function {spec!r}: {type(function).__name__} is not callable")
+        try:
+            inspect.signature(function).bind(data_source="", solution_str="", ground_truth="", extra_info={})
+        except TypeError as error:
+            raise PluginError(f"reward function {spec!r}: it must take (data_source, solution_str, ground_truth, "
+                              f"extra_info) as keywords, as verl calls it ({error})") from None
+        except ValueError:  # a builtin without a signature: called as it is
+            pass
+        return cls(spec, function)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.function, "__name__", self.spec)
+
+    async def score(self, rollout_id: str, data_source: str, solution_str: str, ground_truth: str,
+                    extra_info: object) -> RewardResult:
+        """The rollout's reward; RewardFunctionError if the function raises or returns no number."""
+        try:
+            result = self.function(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                   extra_info=extra_info)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as error:  # noqa: BLE001 - the user's function: one line naming it and the rollout
+            raise RewardFunctionError(f"reward function {self.name} ({self.spec}) raised on rollout {rollout_id}: "
+                                      f"{type(error).__name__}: {error}") from error
+        return self._result(result, rollout_id)
+
+    def _result(self, result: object, rollout_id: str) -> RewardResult:
+        details = None
+        if isinstance(result, Mapping):
+            if "score" not in result:
+                raise self._bad(rollout_id, f"a dict without a 'score' key (keys: {sorted(map(str, result))})")
+            details = {str(key): value for key, value in result.items() if key != "score"}
+            score = result["score"]
+        else:
+            score = result
+        score = _plain(score)  # a numpy scalar (np.float32, np.bool_) as Python's
+        if not isinstance(score, numbers.Real) or not math.isfinite(float(score)):
+            raise self._bad(rollout_id, f"{type(score).__name__} {score!r:.80}, not a finite number")
+        score = float(score)
+        if details is None:
+            return RewardResult(score, score > 0, None)
+        correct = bool(_plain(details["acc"])) if "acc" in details else score > 0
+        pred = details.get("pred")
+        answer = None if pred is None else str(_plain(pred))
+        text = json.dumps(_plain(details), sort_keys=True, ensure_ascii=False, default=str)
+        return RewardResult(score, correct, answer, text)
+
+    def _bad(self, rollout_id: str, what: str) -> RewardFunctionError:
+        return RewardFunctionError(f"reward function {self.name} ({self.spec}) returned {what} on rollout "
+                                   f"{rollout_id}; it must return a number or a dict with a 'score' number")
+
+
+def _plain(value: object) -> object:
+    """numpy scalars and arrays as Python values, inside dicts and lists too (JSON takes them)."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays, torch tensors
+        return value.tolist()
+    return value
+
+
+def verl_extra_info(row_extra_info: object, num_turns: int) -> object:
+    """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`."""
+    if row_extra_info is None:
+        return {"num_turns": num_turns}
+    if isinstance(row_extra_info, Mapping):
+        return {**row_extra_info, "num_turns": num_turns}
+    return row_extra_info

@@ -1,0 +1,84 @@
+"""Loading the user's own code: a reward function or a tool named `PATH.py:NAME` (docs/byo-task.md).
+
+`load_object("reward.py:compute_score", "reward function")` imports the file as a module of its
+own, as verl's `custom_reward_function.path` does, and returns the attribute. A dotted module on
+the path works too (`my_pkg.rewards:compute_score`, or `my_pkg.rewards.compute_score`, verl's
+tool `class_name` spelling). Every way it can fail, a missing file, a file that does not import
+(a syntax error, an import it needs, an exception at import time) or a missing name, is one
+`PluginError` line naming the spec and what to fix, raised before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from cleaner.errors import JobError
+
+
+class PluginError(JobError):
+    """The user's file or object cannot be loaded; the message names it and why."""
+
+
+def split_spec(spec: str, default_name: str | None = None, what: str = "object") -> tuple[str, str]:
+    """(file or module, attribute) of `PATH.py:NAME`, `PATH.py` (with `default_name`),
+    `module:NAME` or `module.NAME`."""
+    where, colon, name = spec.rpartition(":")
+    if not colon or "/" in name or name.endswith(".py"):  # no name given (a Windows drive never reaches here)
+        where, name = spec, ""
+    if not name:
+        if where.endswith(".py") and default_name:
+            return where, default_name
+        module, dot, name = where.rpartition(".")
+        if where.endswith(".py") or not dot:
+            raise PluginError(f"{what} {spec!r}: expected PATH.py:NAME (the file and the name of the object in it)")
+        return module, name
+    return where, name
+
+
+def load_object(spec: str, what: str, default_name: str | None = None, base: Path | None = None) -> object:
+    """The object `spec` names (a file's or an importable module's attribute). A relative file path
+    is read from `base` (the current directory if None)."""
+    where, name = split_spec(spec, default_name, what)
+    if where.endswith(".py") or "/" in where:
+        module = _import_file(Path(where) if base is None else base / where, spec, what)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as error:  # noqa: BLE001 - whatever importing the user's module raises
+            raise PluginError(f"{what} {spec!r}: cannot import module {where!r} "
+                              f"({type(error).__name__}: {error})") from error
+    if not hasattr(module, name):
+        names = sorted(key for key in vars(module) if not key.startswith("_"))
+        raise PluginError(f"{what} {spec!r}: {where} has no {name!r}; it defines {', '.join(names[:12]) or 'nothing'}")
+    return getattr(module, name)
+
+
+def _import_file(path: Path, spec: str, what: str):
+    """The file as a module of its own: one module per file and content, however many specs name it
+    (a file edited since is imported again, as a new process would)."""
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise PluginError(f"{what} {spec!r}: no such file {path}")
+    digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
+    module_name = f"cleaner_user_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise PluginError(f"{what} {spec!r}: {path} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as error:  # a SyntaxError, a missing import, an exit at import time
+        del sys.modules[module_name]
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        where = f" (line {error.lineno})" if isinstance(error, SyntaxError) and error.lineno else ""
+        raise PluginError(f"{what} {spec!r}: importing {path} failed{where}: "
+                          f"{type(error).__name__}: {error}") from error
+    return module

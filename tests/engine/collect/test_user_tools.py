@@ -1,0 +1,373 @@
+"""Tools beside Python (cleaner/tools.py): the call parser, the toolbox, loading, and the agent loop
+with a second tool, whose failure-and-retry chains SAAR merges as it merges the Python tool's.
+
+The scripted backend and fake sandbox are test_agent.py's; the second tool is the example's
+unit converter (examples/units/tools.py), loaded from its YAML as a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cleaner.config import PurifyConfig
+from cleaner.engine.collect.schedule import collect
+from cleaner.engine.model.chat import (
+    ChatFormat,
+    ToolCall,
+    format_tool_call,
+    format_tool_response,
+    format_tool_text,
+    parse_tool_call,
+    tool_response_text,
+)
+from cleaner.engine.purify.pipeline import render_iteration
+from cleaner.engine.saar.walk import render, view_for
+from cleaner.plugins import PluginError
+from cleaner.tools import Tool, Toolbox, ToolError, ToolResult, load_tools
+from tests.agent_fakes import (
+    BASE,
+    CHAINS,
+    EXAMPLE,
+    UNIT_CHAT,
+    UNITS,
+    CharTokenizer,
+    FakeSandbox,
+    ScriptedBackend,
+    answer,
+    arguments,
+    call,
+    convert,
+    fake_reward,
+    run_units,
+    task,
+)
+
+PARAMETERS = {tool.name: tool.parameters for tool in UNITS}
+
+
+# ---------------------------------------------------------------------------------------------
+# The call parser
+
+
+def test_a_user_tools_call_is_parsed_to_its_arguments():
+    text = convert("Convert.", 3.5, "km", "m")
+    assert parse_tool_call(text, PARAMETERS) == ToolCall(
+        arguments(3.5, "km", "m"), None, "convert_units", {"value": 3.5, "from_unit": "km", "to_unit": "m"})
+    # without the tool in the collection, the same call names an unknown tool
+    assert parse_tool_call(text) == ToolCall(None, "unknown tool 'convert_units'; the only tool is code_interpreter",
+                                             "convert_units")
+
+
+def test_arguments_the_schema_refuses_are_a_format_error():
+    missing = 'x<tool_call>\n{"name": "convert_units", "arguments": {"value": 1, "from_unit": "km"}}\n</tool_call>'
+    assert parse_tool_call(missing, PARAMETERS) == ToolCall(
+        None, "the arguments do not fit convert_units's parameters: \"'to_unit' is a required property\"",
+        "convert_units")
+    typed = convert("x", "three", "km", "m")
+    assert parse_tool_call(typed, PARAMETERS).error == (
+        "the arguments do not fit convert_units's parameters: \"'three' is not of type 'number'\" "
+        "(at arguments['value'])")
+    listed = 'x<tool_call>\n{"name": "convert_units", "arguments": [1, "km", "m"]}\n</tool_call>'
+    assert parse_tool_call(listed, PARAMETERS).error == (
+        'the call needs "arguments" as a JSON object, got [1, \'km\', \'m\']')
+    unknown = 'x<tool_call>\n{"name": "convert", "arguments": {}}\n</tool_call>'
+    assert parse_tool_call(unknown, PARAMETERS) == ToolCall(
+        None, "unknown tool 'convert'; the tools are code_interpreter, convert_units", "convert")
+
+
+def test_the_template_shows_every_tool_the_code_interpreter_first():
+    seen = []
+
+    class Recording(CharTokenizer):
+        def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True):
+            seen.append([tool["function"]["name"] for tool in tools])
+            return super().apply_chat_template(messages, tools, add_generation_prompt, tokenize)
+
+    box = Toolbox(UNITS)
+    ChatFormat(Recording(), box.schemas).prompt_ids([{"role": "user", "content": "hi"}])
+    assert seen == [["code_interpreter", "convert_units"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The toolbox
+
+
+def run_call(box: Toolbox, name: str, args: dict):
+    return asyncio.run(box.run(name, args))
+
+
+def test_a_call_returns_text_ok_or_failed():
+    box = Toolbox(UNITS)
+    done = run_call(box, "convert_units", {"value": 3.5, "from_unit": "km", "to_unit": "m"})
+    assert (done.status, done.error_type, done.text) == ("ok", None, "3500 m")
+    raised = run_call(box, "convert_units", {"value": 3.5, "from_unit": "kms", "to_unit": "m"})
+    assert (raised.status, raised.error_type) == ("error", "ValueError")
+    assert raised.text.startswith("ValueError: unknown unit 'kms'; the units are mm, cm, m, km")
+    refused = run_call(box, "convert_units", {"value": 2, "from_unit": "kg", "to_unit": "m"})
+    assert (refused.status, refused.error_type, refused.text) == (
+        "error", "DimensionError", "cannot convert mass (kg) to length (m)")
+
+
+class Sleepy(Tool):
+    name = "sleepy"
+    parameters = {"type": "object", "properties": {"s": {"type": "number"}}}
+    timeout_s = 0.2
+
+    def call(self, arguments):
+        time.sleep(arguments["s"])
+        return "woke"
+
+
+class AsyncSleepy(Sleepy):
+    name = "async_sleepy"
+
+    async def call(self, arguments):
+        await asyncio.sleep(arguments["s"])
+        return "woke"
+
+
+@pytest.mark.parametrize("tool", [Sleepy(), AsyncSleepy()], ids=["thread", "coroutine"])
+def test_a_call_past_its_timeout_is_answered_at_once_and_blocks_no_other(tool):
+    box = Toolbox([tool])
+
+    async def both():
+        started = time.monotonic()
+        slow, fast = await asyncio.gather(box.run(tool.name, {"s": 3.0}), box.run(tool.name, {"s": 0.01}))
+        return slow, fast, time.monotonic() - started
+
+    slow, fast, seconds = asyncio.run(both())
+    assert (slow.status, slow.error_type, slow.text) == ("timeout", "TimeoutError", "the call ran past its 0.2 s timeout")
+    assert (fast.status, fast.text) == ("ok", "woke")
+    assert seconds < 1.5  # the timed-out call did not hold the other, nor the caller
+    box.close()
+
+
+def test_the_tools_own_timeout_error_is_a_failed_call_not_a_timeout():
+    class Raises(Tool):
+        name = "raises"
+
+        def call(self, arguments):
+            raise TimeoutError("upstream service timed out")
+
+    done = run_call(Toolbox([Raises()]), "raises", {})
+    assert (done.status, done.error_type, done.text) == ("error", "TimeoutError", "TimeoutError: upstream service timed out")
+
+
+def test_a_tool_returning_neither_text_nor_a_result_is_one_error():
+    class Broken(Tool):
+        name = "broken"
+
+        def call(self, arguments):
+            return 42
+
+    with pytest.raises(ToolError, match=r"^tool 'broken' returned int \(42\); a tool returns a str or a "
+                                        r"cleaner.tools.ToolResult$"):
+        run_call(Toolbox([Broken()]), "broken", {})
+
+
+def test_long_output_is_cut_as_the_sandbox_cuts_it():
+    class Loud(Tool):
+        name = "loud"
+
+        def call(self, arguments):
+            return ToolResult("x" * 100, ok=False)
+
+    done = run_call(Toolbox([Loud()], max_output_chars=64), "loud", {})
+    assert (done.status, done.error_type, done.text) == ("error", "ToolError", "x" * 64 + "...[truncated 36 chars]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_documented_function_is_a_tool(tmp_path):
+    write(tmp_path / "fns.py", '''
+        def add(a: int, b: int) -> str:
+            """Add two integers.
+
+            Args:
+                a: The first.
+                b: The second.
+            """
+            return str(a + b)
+    ''')
+    (tool,) = load_tools(None, f"{tmp_path}/fns.py:add")
+    assert tool.schema == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first."},
+                                                        "b": {"type": "integer", "description": "The second."}},
+                       "required": ["a", "b"]}}}
+    assert run_call(Toolbox([tool]), "add", {"a": 2, "b": 3}).text == "5"
+
+
+def test_the_yaml_is_verls_layout_its_schema_and_config_win(tmp_path):
+    (tool,) = UNITS
+    assert (tool.name, tool.timeout_s, tool.digits) == ("convert_units", 2.0, 6)
+    assert tool.description == "Convert a quantity from one unit to another, e.g. 3.5 km to m."
+    two = load_tools(str(EXAMPLE / "tools.yaml"), f"{EXAMPLE}/tools.py:unit_factor")
+    assert [t.name for t in two] == ["convert_units", "unit_factor"]
+
+
+@pytest.mark.parametrize(("setup", "spec", "message"), [
+    (None, "{d}/none.py:f", "tool '{d}/none.py:f': no such file {d}/none.py"),
+    ("def f(:\n", "{d}/t.py:f", "tool '{d}/t.py:f': importing {d}/t.py failed (line 1): SyntaxError: "),
+    ("import not_a_module_here\n", "{d}/t.py:f",
+     "tool '{d}/t.py:f': importing {d}/t.py failed: ModuleNotFoundError: No module named 'not_a_module_here'"),
+    ("def g():\n    pass\n", "{d}/t.py:f", "tool '{d}/t.py:f': {d}/t.py has no 'f'; it defines g"),
+    ("def f(x):\n    return x\n", "{d}/t.py:f", "tool '{d}/t.py:f': cannot read a schema from f's signature"),
+    ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'code_interpreter'\n", "{d}/t.py:f",
+     "tool 'code_interpreter': the name is the built-in code interpreter's; give each tool its own"),
+    ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'x'\n    parameters = {'type': 'string'}\n",
+     "{d}/t.py:f", "tool '{d}/t.py:f': its parameters must be a JSON schema of type object"),
+    ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'x'\n    parameters = {'type': 7}\n",
+     "{d}/t.py:f", "tool '{d}/t.py:f': its parameters are not a valid JSON schema (7 is not valid under any"),
+])
+def test_a_tool_that_cannot_load_is_one_line(tmp_path, setup, spec, message):
+    if setup is not None:
+        write(tmp_path / "t.py", setup)
+    spec, message = spec.format(d=tmp_path), message.format(d=tmp_path)
+    with pytest.raises(PluginError) as raised:
+        load_tools(None, spec)
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
+
+
+def test_two_tools_of_one_name_and_a_bad_yaml_are_refused(tmp_path):
+    spec = f"{EXAMPLE}/tools.py:unit_factor"
+    with pytest.raises(ToolError, match="^tool 'unit_factor': the name is another tool's; give each tool its own$"):
+        load_tools(None, f"{spec},{spec}")
+    bad = write(tmp_path / "tools.yaml", "tools:\n  - config: {}\n")
+    with pytest.raises(ToolError, match=r"tools\[0\] needs a `class_name` \(PATH.py:Class or module.Class\)$"):
+        load_tools(str(bad), None)
+    empty = write(tmp_path / "empty.yaml", "tool: []\n")
+    with pytest.raises(ToolError, match=r"expected a `tools:` list of \{class_name, config, tool_schema\}"):
+        load_tools(str(empty), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent loop with the second tool
+
+def test_each_call_goes_to_the_tool_it_names_and_the_rows_say_which():
+    rollouts, segments, _ = run_units(BASE)
+    deep = [(s.kind, s.tool_name, s.tool_status, s.error_type, s.tool_code) for s in segments
+            if s.rollout_id == "it0-deep-s0" and s.kind != "prompt"]
+    assert deep == [
+        ("assistant", "convert_units", None, None, arguments(2, "kg", "m")),
+        ("tool", "convert_units", "error", "DimensionError", arguments(2, "kg", "m")),
+        ("assistant", "code_interpreter", None, None, "print(2000 / 1000)"),
+        ("tool", "code_interpreter", "ok", None, "print(2000 / 1000)"),
+        ("assistant", "convert_units", None, None, arguments(2, "km", "m")),
+        ("tool", "convert_units", "ok", None, arguments(2, "km", "m")),
+        ("assistant", None, None, None, None),
+    ]
+    texts = [s.text for s in segments if s.rollout_id == "it0-deep-s0" and s.kind == "tool"]
+    assert texts[0] == UNIT_CHAT.decode(UNIT_CHAT.encode(tool_response_text(
+        format_tool_text(False, "cannot convert mass (kg) to length (m)", "error"))))
+    assert texts[2] == tool_response_text("Tool call success\n2000 m")
+    assert texts[1] == tool_response_text(format_tool_response(True, "print(2000 / 1000)", ""))
+
+
+def test_the_second_tools_chains_have_the_python_tools_steps_and_contexts():
+    """The replay that holds for the Python tool (test_agent.py) holds for the unit converter: every
+    context the model saw is the renderer's rendering of the stored segments before it, in both
+    views, and the same number of contexts differ from raw as with CHAINS (1 + 2 + 4 + 0)."""
+    for collect_view in ("purified", "raw"):
+        config = dataclasses.replace(BASE, collect_view=collect_view)
+        rollouts, segments, contexts = run_units(config)
+        _, python_segments, _ = run_python(config)
+        differs = 0
+        for rollout in rollouts:
+            mine = sorted((s for s in segments if s.rollout_id == rollout.rollout_id), key=lambda s: s.seq)
+            python = sorted((s for s in python_segments if s.rollout_id == rollout.rollout_id), key=lambda s: s.seq)
+            assert [(s.kind, s.step, s.attempt, s.tool_status) for s in mine] == \
+                   [(s.kind, s.step, s.attempt, s.tool_status) for s in python]
+            view = view_for(rollout.rollback_draw, collect_view == "purified", config.gamma, config.rollback_prob,
+                            config.similarity_on)
+            assistants = [s for s in mine if s.kind == "assistant"]
+            for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
+                before = mine[: assistant.seq]
+                assert context == list(render(before, view, UNIT_CHAT.decode).token_ids)
+                differs += context != [t for s in before for t in s.token_ids]
+        assert differs == (0 if collect_view == "raw" else 1 + 2 + 4 + 0)
+
+
+def run_python(config):
+    batches = list(collect([task(p) for p in ("shallow", "deep", "exhausted", "gives_up")], config,
+                           ScriptedBackend(CHAINS, config), FakeSandbox(), ChatFormat(CharTokenizer()),
+                           reward_fn=fake_reward, progress=False))
+    return [r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments], None
+
+
+def test_purify_merges_the_second_tools_chains_as_the_python_tools():
+    """Shallow and deep as the Python chains: the misspelt unit is shallow (its arguments are
+    similar), the switch to Python deep, the exhausted chain's three similar retries shallow and the
+    chain unrecovered."""
+    rollouts, segments, _ = run_units(BASE)
+    rows, stats = render_iteration(rollouts, segments, PurifyConfig(), UNIT_CHAT.decode)
+    merges = {row.rollout_id: (row.n_shallow, row.n_deep, row.n_unrecovered) for row in rows}
+    python_rollouts, python_segments, _ = run_python(BASE)
+    python_rows, _ = render_iteration(python_rollouts, python_segments, PurifyConfig(), UNIT_CHAT.decode)
+    assert merges == {row.rollout_id: (row.n_shallow, row.n_deep, row.n_unrecovered) for row in python_rows}
+    assert merges == {"it0-shallow-s0": (1, 0, 0), "it0-deep-s0": (0, 1, 0), "it0-exhausted-s0": (3, 0, 1),
+                      "it0-gives_up-s0": (0, 0, 1)}
+    # the shallow row: the first attempt's reasoning, the fixed call, its answer; the error is gone
+    shallow = next(row for row in rows if row.rollout_id == "it0-shallow-s0")
+    text = UNIT_CHAT.decode(shallow.token_ids[shallow.prompt_len:])
+    assert text == ("Let me convert." + format_tool_call("convert_units", {"value": 3.5, "from_unit": "km", "to_unit": "m"})
+                    + tool_response_text("Tool call success\n3500 m") + "The answer is 3500.<|im_end|>")
+
+
+@pytest.mark.parametrize("schedule", ["async", "lockstep"])
+def test_the_schedule_never_changes_what_a_rollout_with_user_tools_contains(schedule):
+    expected = run_units(BASE)[:2]
+    got = run_units(dataclasses.replace(BASE, schedule=schedule, batch_rollouts=3, max_concurrent_rollouts=2))[:2]
+    def rows(rollouts):  # when a row was made is the clock's
+        return [dataclasses.replace(r, created_at=None) for r in sorted(rollouts, key=lambda r: r.rollout_id)]
+
+    assert rows(got[0]) == rows(expected[0])
+    key = lambda s: (s.rollout_id, s.seq)  # noqa: E731
+    strip = lambda s: dataclasses.replace(s, exec_ms=None)  # noqa: E731 - a call's time is the clock's
+    assert [strip(s) for s in sorted(got[1], key=key)] == [strip(s) for s in sorted(expected[1], key=key)]
+
+
+def test_a_tool_call_does_not_hold_the_other_rollouts():
+    """A rollout whose call of a slow tool runs keeps no other rollout from generating and finishing."""
+    release = threading.Event()
+
+    class Gate(Tool):
+        name = "gate"
+        timeout_s = 30.0
+
+        def call(self, arguments):
+            return "open" if release.wait(10) else "never released"
+
+    scripts = {("waits", 0): ['x<tool_call>\n{"name": "gate", "arguments": {}}\n</tool_call>', answer("done")]}
+    # the others take turns and Python calls of their own while the gate's call runs
+    scripts |= {(f"free{i}", 0): [call("a", "print(1)"), call("b", "print(2)"), answer(f"free {i}")] for i in range(3)}
+    box = Toolbox([Gate()])
+    config = dataclasses.replace(BASE, batch_rollouts=1)
+    finished, segments = [], []
+    parts = collect([task(p) for p in ("waits", "free0", "free1", "free2")], config, ScriptedBackend(scripts, config),
+                    FakeSandbox(), ChatFormat(CharTokenizer(), box.schemas), reward_fn=fake_reward, progress=False,
+                    toolbox=box)
+    for part in parts:
+        finished += [r.rollout_id for r in part.rollouts]
+        segments += part.segments
+        if len(finished) == 3:
+            release.set()  # only now may the gate's call return
+    assert sorted(finished[:3]) == ["it0-free0-s0", "it0-free1-s0", "it0-free2-s0"] and finished[3] == "it0-waits-s0"
+    (gate,) = [s for s in segments if s.rollout_id == "it0-waits-s0" and s.kind == "tool"]
+    assert gate.text == tool_response_text("Tool call success\nopen")
+    box.close()

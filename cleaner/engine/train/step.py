@@ -278,20 +278,6 @@ class StepMetrics:
     def from_tensor(cls, values: torch.Tensor) -> StepMetrics:
         return cls(values)
 
-    @classmethod
-    def of_checkpoint(cls, policy_path: str | Path, rows: Sequence[PurifiedRow], config: TrainConfig,
-                      device: str | torch.device) -> ReferenceLogProbs | None:
-        """Load the reference saved at `policy_path`, compute, free it; None when kl_coef is 0."""
-        if config.kl_coef <= 0:
-            return None
-        reference = load_reference(policy_path, config, device)
-        try:
-            return cls.compute(reference, rows, config, device)
-        finally:
-            del reference
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()  # its blocks go back before the policy's optimiser state is built
-
     def row(self, iteration: int, step: int, optimizer_step: int, grad_norm: float, lr: float,
             tokens: int) -> TrainStepRow:
         loss, clip_fraction, approx_kl, entropy = self.tensor("cpu").tolist()  # the step's one read

@@ -145,6 +145,14 @@ def assert_rows_close(got: list[list[float]], expected: list[list[float]], atol:
 BATCH_ATOL = 1e-4
 
 
+def comparable(rollouts, segments) -> tuple[list, list]:
+    """A collection's (rollouts, segments) as two collections of the same seeds compare: rollouts by
+    id, segments by (rollout, seq), without the wall clock's fields (a row's write time, a call's
+    execution time)."""
+    return (sorted((dataclasses.replace(r, created_at=None) for r in rollouts), key=lambda r: r.rollout_id),
+            sorted((dataclasses.replace(s, exec_ms=None) for s in segments), key=lambda s: (s.rollout_id, s.seq)))
+
+
 def assert_same_collection(got: tuple[list, list], expected: tuple[list, list], atol: float = BATCH_ATOL) -> None:
     """Two collections' (rollouts, segments), each in one order: every field equal, the behaviour
     log-probs within `atol`."""

@@ -21,7 +21,7 @@ from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.saar.walk import render, view_for
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
-from tests.helpers import assert_same_collection
+from tests.helpers import assert_same_collection, comparable
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,8 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
 
 
 def _stored(warehouse: Warehouse) -> tuple[list, list]:
-    """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
-    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in warehouse.read_rollouts(0)),
-                      key=lambda r: r.rollout_id)
-    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in warehouse.read_segments(0)),
-                      key=lambda s: (s.rollout_id, s.seq))
-    return rollouts, segments
+    """Iteration 0's rollouts and segments, as collections compare."""
+    return comparable(warehouse.read_rollouts(0), warehouse.read_segments(0))
 
 
 def _collect_interrupted(root, backend, config: CollectConfig, parts: int) -> Warehouse:

@@ -22,7 +22,7 @@ from cleaner.engine.eval.job import eval_job
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
-from tests.helpers import assert_same_collection, scalars
+from tests.helpers import assert_same_collection, comparable, scalars
 
 runner = CliRunner()
 
@@ -110,11 +110,7 @@ def _config(toy_aime, **changes) -> EvalConfig:
 
 
 def _stored(warehouse: Warehouse, eval_id: str) -> tuple[list, list]:
-    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in warehouse.read_eval_rollouts(eval_id)),
-                      key=lambda r: r.rollout_id)
-    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in warehouse.read_eval_segments(eval_id)),
-                      key=lambda s: (s.rollout_id, s.seq))  # execution times are wall clock
-    return rollouts, segments
+    return comparable(warehouse.read_eval_rollouts(eval_id), warehouse.read_eval_segments(eval_id))
 
 
 def test_same_seed_same_results(tmp_path, toy_aime, backend):

@@ -12,7 +12,6 @@ command line of .venv-sglang with no SGLang variable set by hand (`make test-sgl
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -26,7 +25,7 @@ from cleaner.engine.model.backend_scorer import SCORER_VERSION as BACKEND_SCORER
 from cleaner.engine.model.sglang_engine import CPU_ENGINE_ENV
 from cleaner.engine.model.trie_scorer import SCORER_VERSION as TRIE_SCORER
 from cleaner.warehouse import Warehouse
-from tests.helpers import assert_same_collection
+from tests.helpers import assert_same_collection, comparable
 
 pytestmark = pytest.mark.sglang
 
@@ -46,11 +45,7 @@ def cleaner(*args: str | Path) -> subprocess.CompletedProcess:
 def _collection(warehouse: Path) -> tuple[list, list]:
     """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
     stored = Warehouse(warehouse)
-    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in stored.read_rollouts(0)),
-                      key=lambda r: r.rollout_id)
-    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in stored.read_segments(0)),
-                      key=lambda s: (s.rollout_id, s.seq))
-    return rollouts, segments
+    return comparable(stored.read_rollouts(0), stored.read_segments(0))
 
 
 def _purified(warehouse: Path) -> dict[tuple, tuple]:

@@ -21,7 +21,7 @@ from cleaner.loop.iterations import RUN_LOCK, checkpoint_dir, clear_run, run_loo
 from cleaner.loop.ranks import Ranks, RanksError
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, WarehouseError
-from tests.helpers import assert_same_collection, cli, sigkill_when, tree_digest
+from tests.helpers import assert_same_collection, cli, comparable, sigkill_when, tree_digest
 
 
 def _config(run_dir: Path, policy: Path, iterations: int = 2) -> RunConfig:
@@ -210,12 +210,8 @@ def test_sigkill_collect_then_resume_has_every_rollout_once(tmp_path, random_pol
 
 
 def _collected(warehouse: Warehouse) -> tuple[list, list]:
-    """Iteration 0's rollouts (without write times) and segments (without execution times), in order."""
-    rollouts = sorted((dataclasses.replace(r, created_at=None) for r in warehouse.read_rollouts(0)),
-                      key=lambda r: r.rollout_id)
-    segments = sorted((dataclasses.replace(s, exec_ms=None) for s in warehouse.read_segments(0)),
-                      key=lambda s: (s.rollout_id, s.seq))
-    return rollouts, segments
+    """Iteration 0's rollouts and segments, as collections compare."""
+    return comparable(warehouse.read_rollouts(0), warehouse.read_segments(0))
 
 
 @pytest.mark.slow

@@ -85,8 +85,9 @@ def _collect(backend, schedule: str, seed: int, requests: list | None = None) ->
     with make_sandbox(config.sandbox) as sandbox:
         tools = SlowTools(sandbox)
         started = time.monotonic()
-        parts = list(collect(toy_tasks(config.n_prompts, seed=seed), config, backend, tools, chat, progress=False,
-                             on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids)))))
+        parts = []
+        collect(toy_tasks(config.n_prompts, seed=seed), config, backend, tools, chat, write=parts.append,
+                progress=False, on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids))))
         seconds = time.monotonic() - started
     assistants = {}
     for part in parts:
@@ -210,7 +211,7 @@ def _wait_for(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 
 
 
 TORCH_PROBE = """
-import json, sys, time, torch
+import inspect, json, sys, time, torch
 from cleaner.config import DEFAULT_POLICY, CollectConfig
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.model.chat import ChatFormat
@@ -227,12 +228,22 @@ fields = {} if schedule == "before" else {"schedule": schedule}
 backend = TorchBackend(DEFAULT_POLICY)
 chat = ChatFormat(backend.tokenizer)
 config = CollectConfig(n_prompts=32, group_size=8, **fields)
+
+def parts_of(*args, **kwargs):
+    """The parts a collection writes, whether `collect` takes `write` or yields them (an older tree)."""
+    if "write" in inspect.signature(collect).parameters:
+        parts = []
+        collect(*args, write=parts.append, **kwargs)
+        return parts
+    return list(collect(*args, **kwargs))
+
+
 with make_sandbox(config.sandbox) as sandbox:
-    list(collect(toy_tasks(8, seed=99), CollectConfig(n_prompts=8, group_size=8, **fields), backend, sandbox, chat,
-                 progress=False))  # warm up
+    parts_of(toy_tasks(8, seed=99), CollectConfig(n_prompts=8, group_size=8, **fields), backend, sandbox, chat,
+             progress=False)  # warm up
     for repeat in range(repeats):
         started = time.monotonic()
-        parts = list(collect(toy_tasks(32, seed=repeat), config, backend, sandbox, chat, progress=False))
+        parts = parts_of(toy_tasks(32, seed=repeat), config, backend, sandbox, chat, progress=False)
         seconds = time.monotonic() - started
         tokens = sum(len(s.token_ids) for p in parts for s in p.segments if s.kind == "assistant")
         print(json.dumps({"schedule": schedule, "rollouts": sum(len(p.rollouts) for p in parts), "tokens": tokens,

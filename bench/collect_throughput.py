@@ -87,10 +87,11 @@ def simulate(schedule: str, batch_rollouts: int, max_concurrent: int | None, pro
     tasks = [Task(f"p{i}", ({"role": "user", "content": sim_prompt(i)},), "42", "sim") for i in range(prompts)]
     started = time.monotonic()
     rollouts = kept = 0
+    parts = []
     try:
-        for part in collect(tasks, config, engine, sandbox, chat, reward_fn=sim_reward, progress=False):
-            rollouts += len(part.rollouts)
-            kept += sum(len(s.token_ids) for s in part.segments if s.kind == "assistant")
+        collect(tasks, config, engine, sandbox, chat, write=parts.append, reward_fn=sim_reward, progress=False)
+        rollouts = sum(len(part.rollouts) for part in parts)
+        kept = sum(len(s.token_ids) for part in parts for s in part.segments if s.kind == "assistant")
     finally:
         loop.close()
     stats = engine.stats

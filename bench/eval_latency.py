@@ -78,9 +78,9 @@ def one_pass(tasks, config: EvalConfig, saar: bool, backend, sandbox) -> Pass:
     collect_config = config.collect_config(config.models[0], config.datasets[0][1], saar, len(tasks))
     context_tokens = []
     started = time.perf_counter()
-    batches = list(collect(tasks, collect_config, backend, sandbox, ChatFormat(backend.tokenizer),
-                           reward_fn=Grader(), progress=False,
-                           on_context=lambda _, context: context_tokens.append(len(context))))
+    batches = []
+    collect(tasks, collect_config, backend, sandbox, ChatFormat(backend.tokenizer), write=batches.append,
+            reward_fn=Grader(), progress=False, on_context=lambda _, context: context_tokens.append(len(context)))
     seconds = time.perf_counter() - started
     rollouts = [rollout for batch in batches for rollout in batch.rollouts]
     generated = sum(len(segment.token_ids) for batch in batches for segment in batch.segments

@@ -2,7 +2,8 @@
 
 A `CleanerError` is bad input or an unusable environment, never a bug: its message names the input
 (a file, a directory, an option) and what was expected. The CLI prints it as one `error: ...` line
-and exits with code 1; anything else that escapes is a bug and keeps its traceback.
+and exits with its `exit_code` (1, or 130 for a Ctrl-C); anything else that escapes is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,9 +17,22 @@ from pathlib import Path
 class CleanerError(Exception):
     """An expected failure; the message says which input and what was expected."""
 
+    exit_code = 1
+
 
 class JobError(CleanerError):
     """A job cannot start or finish; the message says why and what to do."""
+
+
+class CollectionStopped(JobError):
+    """A collection ended before every planned rollout was stored (infrastructure faults): the
+    message says why, what is committed, and that `--resume` finishes it."""
+
+
+class Interrupted(CollectionStopped):
+    """A Ctrl-C stopped a collection; the parts finished before it are committed."""
+
+    exit_code = 130  # as a shell reports a command that SIGINT ended
 
 
 # ---------------------------------------------------------------------------------------------

@@ -222,11 +222,18 @@ UNIT_CHAINS = {
 }
 
 
+def collect_parts(*args, **kwargs) -> list:
+    """The parts a collection writes, in the order it writes them."""
+    parts = []
+    collect(*args, write=parts.append, **kwargs)
+    return parts
+
+
 def run_units(config, scripts=UNIT_CHAINS, **kwargs):
     """(rollouts, segments, {rollout_id: every context it was generated on}) of the unit chains."""
     prompt_ids = list(dict.fromkeys(prompt_id for prompt_id, _ in scripts))
     contexts: dict[str, list[list[int]]] = {}
-    batches = list(collect([task(p) for p in prompt_ids], config, ScriptedBackend(scripts, config), FakeSandbox(),
-                           UNIT_CHAT, reward_fn=fake_reward, progress=False, toolbox=Toolbox(UNITS),
-                           on_context=lambda rid, ctx: contexts.setdefault(rid, []).append(ctx), **kwargs))
+    batches = collect_parts([task(p) for p in prompt_ids], config, ScriptedBackend(scripts, config), FakeSandbox(),
+                            UNIT_CHAT, reward_fn=fake_reward, progress=False, toolbox=Toolbox(UNITS),
+                            on_context=lambda rid, ctx: contexts.setdefault(rid, []).append(ctx), **kwargs)
     return [r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments], contexts

@@ -174,14 +174,16 @@ class StandIn:
     """One stand-in server: its model emits last + 1 (mod 64), log-prob -0.5 per token; an input
     token t scores -t / 10. `workers` makes it a router listing those URLs."""
 
-    def __init__(self, model_path: str, workers: list[str] | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, model_path: str, workers: list[str] | None = None, delay_s: float = 0.0,
+                 port: int = 0) -> None:
         self.model_path, self.workers, self.delay_s = model_path, workers, delay_s
+        self.drop_after: int | None = None  # after this many /generate requests, hang up on every request
         self.busy_after_update = False  # SGLang's "weights in, cache not flushed" answer, then a flush
         self.idle_within_timeout = True  # does a flush that waits for idle find it?
         self.requests: list[tuple[str, dict | None]] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
@@ -207,6 +209,8 @@ class StandIn:
         self.requests.append((path, body))
         if path == "/generate" and method == "POST":
             return self.generate(body)
+        if path == "/health":
+            return 200, None
         if path == "/workers" and self.workers is not None:
             return 200, {"workers": [{"id": str(i), "url": u} for i, u in enumerate(self.workers)],
                          "total": len(self.workers), "stats": {}}
@@ -232,6 +236,9 @@ class StandIn:
             def _reply(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
+                if stand_in.drop_after is not None and len(stand_in.paths("/generate")) >= stand_in.drop_after:
+                    self.close_connection = True  # a server that died mid-request: the connection drops
+                    return
                 with stand_in.lock:
                     stand_in.in_flight += 1
                     stand_in.most_in_flight = max(stand_in.most_in_flight, stand_in.in_flight)
@@ -240,11 +247,14 @@ class StandIn:
                 with stand_in.lock:
                     stand_in.in_flight -= 1
                 data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up on it (a stopped collection)
+                    pass
 
             def do_GET(self):
                 self._reply("GET")
@@ -260,6 +270,10 @@ class StandIn:
     def close(self) -> None:
         self.http.shutdown()
         self.http.server_close()
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def paths(self, path: str) -> list[dict | None]:
         return [body for p, body in self.requests if p == path]

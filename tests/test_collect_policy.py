@@ -21,6 +21,7 @@ from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.saar.walk import render, view_for
 from cleaner.sandbox import SandboxConfig, make_sandbox
 from cleaner.warehouse import Warehouse
+from tests.agent_fakes import collect_parts
 from tests.helpers import assert_same_collection, comparable
 
 
@@ -38,8 +39,8 @@ def _collect_with_contexts(backend, config: CollectConfig):
     contexts: list[tuple[str, list[int]]] = []
     chat = ChatFormat(backend.tokenizer)
     with make_sandbox(config.sandbox) as sandbox:
-        batches = list(collect(toy_tasks(6, seed=11), config, backend, sandbox, chat, progress=False,
-                               on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids)))))
+        batches = collect_parts(toy_tasks(6, seed=11), config, backend, sandbox, chat, progress=False,
+                                on_context=lambda rollout_id, ids: contexts.append((rollout_id, list(ids))))
     rollouts = {r.rollout_id: r for b in batches for r in b.rollouts}
     by_rollout = defaultdict(list)
     for segment in sorted((s for b in batches for s in b.segments), key=lambda s: s.seq):
@@ -96,12 +97,20 @@ def _collect_interrupted(root, backend, config: CollectConfig, parts: int) -> Wa
     warehouse = Warehouse(root)
     chat = ChatFormat(backend.tokenizer)
     warehouse.save_collect_config(0, config.to_json())
-    with make_sandbox(config.sandbox) as sandbox:
-        stream = collect(toy_tasks(config.n_prompts, seed=iteration_seed(config)), config, backend, sandbox, chat,
-                         progress=False)
-        for _, part in zip(range(parts), stream, strict=False):
-            warehouse.write_rollouts(0, part.rollouts, part.segments)
-        stream.close()  # cancels what is still in flight
+    written = []
+
+    class Crash(Exception):
+        pass
+
+    def write(part) -> None:  # commits `parts` parts, then fails: the collection stops there
+        if len(written) == parts:
+            raise Crash
+        warehouse.write_rollouts(0, part.rollouts, part.segments)
+        written.append(part)
+
+    with make_sandbox(config.sandbox) as sandbox, pytest.raises(Crash):
+        collect(toy_tasks(config.n_prompts, seed=iteration_seed(config)), config, backend, sandbox, chat,
+                write=write, progress=False)
     assert 0 < len(warehouse.rollout_ids(0)) < config.n_prompts * config.group_size
     collect_job(warehouse, CollectRequest(config, resume=True), backend=backend, progress=False)
     return warehouse

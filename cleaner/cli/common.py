@@ -104,6 +104,8 @@ def main(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:  # httpx says INFO for every request it sends (a thousand a second to SGLang servers)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ def call_job(job, *args, **kwargs):
     try:
         return job(*args, **kwargs)
     except CleanerError as exc:
-        raise fail(str(exc)) from exc
+        raise fail(str(exc), exc.exit_code) from exc
     except OSError as exc:
         if exc.errno not in DISK_FULL:
             raise

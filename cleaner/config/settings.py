@@ -30,6 +30,11 @@ ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
 RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 
+# The most rollouts one iteration plans (the paper's iterations hold 2,048): what a collection keeps
+# per planned rollout (its id, to resume) must fit in memory.
+MAX_ROLLOUTS_PER_ITERATION = 1_000_000
+
+
 def _digest(fields: dict) -> str:
     """12 hex digits of the sha256 of the fields as sorted JSON."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -149,10 +154,12 @@ class CollectConfig(_Config):
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
+    reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the collection, resumable
 
     # How rollouts are run, not what they contain: not part of the config's identity (its id, and
     # what resuming an iteration must match).
-    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction"})
+    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction",
+                            "reward_timeout_s", "sglang_url"})  # the servers' address: they may come back at another
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
     ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool"})
@@ -167,7 +174,7 @@ class CollectConfig(_Config):
         """The id an earlier version gave this config (every field it had, `batch_rollouts` included):
         eval finds the evaluations it stored by it."""
         fields = {key: value for key, value in self.to_dict().items()
-                  if key not in (self.SCHEDULING | self.ADDED) - {"batch_rollouts"}}
+                  if key not in (self.SCHEDULING | self.ADDED) - {"batch_rollouts", "sglang_url"}}
         return _digest(fields)
 
     def identity(self) -> dict:
@@ -197,6 +204,9 @@ class CollectConfig(_Config):
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
         _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
         _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
+        _check(self.n_prompts * self.group_size <= MAX_ROLLOUTS_PER_ITERATION,
+               f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts an iteration, "
+               f"got {self.n_prompts:,} x {self.group_size:,}")
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -224,6 +234,7 @@ class CollectConfig(_Config):
         _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
                f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
         _check(self.test_timeout_s > 0, f"test_timeout_s must be > 0, got {self.test_timeout_s}")
+        _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -410,6 +421,7 @@ class EvalConfig(_Config):
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
+    reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the evaluation, resumable
 
     def __post_init__(self) -> None:
         _check(len(self.models) >= 1, "give at least one model")
@@ -437,4 +449,5 @@ class EvalConfig(_Config):
             schedule=self.schedule, backend=self.backend, sglang_url=self.sglang_url,
             deterministic_inference=self.deterministic_inference, sglang_mem_fraction=self.sglang_mem_fraction,
             device=self.device, sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
+            reward_timeout_s=self.reward_timeout_s,
         )

@@ -45,38 +45,37 @@ Design decisions:
   tools (cleaner/tools.py, run by the toolbox under its timeout); an unknown name, or arguments the
   tool's schema refuses, is a `format_error`. Whatever the tool, a failed call opens a retry, and
   SAAR compares calls by their `tool_code` (a user tool's: its arguments as sorted JSON).
-- Faults: a backend exception ends that rollout with finish_reason `error` (reward 0), and no
-  other; a sandbox exception is retried once, and a call that still raises gets `infra_error`.
+- Faults: a backend exception (after the backend's own retries) ends that rollout unfinished
+  (`InfraFault`): it is not stored, so `--resume` collects it again, and no other rollout is
+  touched (schedule.py counts such faults and stops the collection when they are the rule). A
+  sandbox exception is retried once, and a call that still raises gets `infra_error`, as a user
+  tool's service that stays down does (docs/architecture.md §7: never trained on).
 - Model text never ends a collection: a call that cannot be read (any JSON, any depth, any size,
   code that is not valid text) is a `format_error` row, since `parse_tool_call` never raises. Text
   columns hold valid UTF-8: assistant text is decoded from token ids (a byte-level tokenizer writes
   invalid bytes as U+FFFD; the ids stay the record), and the two texts that are not, the parsed
   code and the sandbox's output, are checked (`chat.parse_tool_call`) or made valid (`_from_result`)
   where they enter the trajectory.
-- Reward: `reward_fn(text of the last assistant segment, ground_truth, data_source)`. A program's
-  (code data sources) runs its tests in a sandbox, on a thread, so the other rollouts go on
-  meanwhile; any other is a few milliseconds of math-verify, called on the loop's thread, the main
-  one, where math-verify's own timeouts (SIGALRM) hold against an answer that would hang sympy.
-  A reward function from the user's file (`--reward-fn`, grading/reward_file.py) gets verl's
-  arguments instead: the rendered context after the prompt, as the rollout's view renders it,
-  decoded without special tokens. Its failure stops the collection (one error line).
+- Reward: the built-in grader on the text of the last assistant segment, or the user's reward
+  function (`--reward-fn`, grading/reward_file.py) on verl's arguments: the rendered context after
+  the prompt, as the rollout's view renders it, decoded without special tokens. Either runs off the
+  loop under `--reward-timeout-s` (grading/runner.py); one that raises, returns no reward or runs
+  past its timeout stops the collection (one error line).
 No disk I/O here: schedule.py hands finished rollouts to the caller, which stores them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from cleaner.config import CollectConfig
 from cleaner.engine.collect.context import fit_prompts
-from cleaner.engine.grading.programs import is_code_source
 from cleaner.engine.grading.reward_file import verl_extra_info
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import (
@@ -101,7 +100,7 @@ from cleaner.records import (
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
-    from cleaner.engine.grading.reward_file import RewardFunction
+    from cleaner.engine.grading.runner import Rewards
     from cleaner.sandbox import ExecResult
     from cleaner.tools import Toolbox, ToolOutcome
 
@@ -180,6 +179,7 @@ class RolloutState:
     steps: int = 0  # steps opened so far: generations at attempt 0 (bounded by max_turns)
     finish_reason: FinishReason | None = None
     phase: Phase = Phase.PENDING
+    index: int = 0  # its place in the plan (parts keep plan order)
 
     def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
@@ -200,32 +200,60 @@ class _Outcome:
     response: str
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The rollouts a collection will generate: how many, and each one's state, made as it starts."""
+
+    total: int  # rollouts to generate
+    states: Iterator[RolloutState]  # in plan order (prompt by prompt, sample by sample), lazily
+
+
 def plan_rollouts(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat, skip_rollout_ids: frozenset[str],
-                  rollout_prefix: str, context_length: int | None, strict_context: bool) -> list[RolloutState]:
-    """Every rollout still to generate, in plan order (prompt by prompt, sample by sample), with its
-    prompt segment; prompts are checked against the context first (context.py)."""
+                  rollout_prefix: str, context_length: int | None, strict_context: bool) -> Plan:
+    """Every rollout still to generate, each state (with its prompt segment) made only when the
+    schedule takes it, so memory holds the rollouts in flight, not every planned one; prompts are
+    checked against the context first (context.py)."""
     prompts = [chat.prompt_ids(task.messages) for task in tasks]  # the same for every sample of a group
     prompts = fit_prompts(tasks, prompts, config, context_length, strict=strict_context)
-    states = []
-    for task, prompt_ids in zip(tasks, prompts, strict=True):
-        for sample_index in range(config.group_size):
-            rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
-            rollout_id, group_id = rollout_prefix + rollout_id, rollout_prefix + group_id
-            if rollout_id in skip_rollout_ids:
-                continue
-            draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
-            view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
-                            config.rollback_prob, config.similarity_on, config.rollback_is_threshold,
-                            config.rollback_is_mode)
-            state = RolloutState(task, config.iteration, sample_index, rollout_id, group_id, draw, view)
-            state.add(SegmentKind.PROMPT, prompt_ids, chat.decode(prompt_ids), step=None, attempt=None,
-                      logprobs=None)
-            states.append(state)
-    return states
+
+    def key(task: Task, sample_index: int) -> tuple[str, str]:
+        rollout_id, group_id = rollout_key(config.iteration, task.prompt_id, sample_index)
+        return rollout_prefix + rollout_id, rollout_prefix + group_id
+
+    def states() -> Iterator[RolloutState]:
+        index = 0
+        for task, prompt_ids in zip(tasks, prompts, strict=True):
+            prompt_text = chat.decode(prompt_ids)
+            for sample_index in range(config.group_size):
+                rollout_id, group_id = key(task, sample_index)
+                if rollout_id in skip_rollout_ids:
+                    continue
+                draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
+                view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
+                                config.rollback_prob, config.similarity_on, config.rollback_is_threshold,
+                                config.rollback_is_mode)
+                state = RolloutState(task, config.iteration, sample_index, rollout_id, group_id, draw, view,
+                                     index=index)
+                state.add(SegmentKind.PROMPT, prompt_ids, prompt_text, step=None, attempt=None, logprobs=None)
+                index += 1
+                yield state
+
+    skipped = sum(key(task, sample)[0] in skip_rollout_ids for task in tasks for sample in range(config.group_size)) \
+        if skip_rollout_ids else 0
+    return Plan(len(tasks) * config.group_size - skipped, states())
 
 
 # ---------------------------------------------------------------------------------------------
 # One rollout's story
+
+
+class InfraFault(Exception):  # noqa: N818 - names what happened to the rollout
+    """A rollout's request failed outside the policy (a backend fault, after the backend's own
+    retries): the rollout has no end, is not stored, and `--resume` collects it again."""
+
+    def __init__(self, rollout_id: str, error: BaseException) -> None:
+        super().__init__(f"rollout {rollout_id}: {type(error).__name__}: {error}")
+        self.rollout_id, self.error = rollout_id, error
 
 
 class Requests(Protocol):
@@ -248,16 +276,15 @@ class Requests(Protocol):
 
 @dataclass(frozen=True)
 class Story:
-    """What every rollout of a collection shares: its config, format, context and reward."""
+    """What every rollout of a collection shares: its config, format, context and rewards."""
 
     config: CollectConfig
     chat: ChatFormat
     context_length: int | None  # the model's, or None if unknown
-    reward_fn: Callable
+    rewards: Rewards  # the built-in grader's or the user's reward function, computed off the loop
     policy_version: str
     on_context: Callable[[str, list[int]], None] | None = None  # sees every context before it is generated on
     toolbox: Toolbox | None = None  # the user's tools beside the code interpreter; None: none
-    reward_file: RewardFunction | None = None  # the user's reward function (replaces reward_fn); None: the built-in grader
 
     @property
     def tool_parameters(self) -> dict:
@@ -272,9 +299,6 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
     while state.finish_reason is None:
         state.phase = Phase.PENDING
         rendered = await _render_context(state, story, requests, cache)
-        if rendered is None:
-            state.finish_reason = FinishReason.ERROR
-            break
         limit = _turn_limit(rendered, story)
         if limit <= 0:
             state.finish_reason = FinishReason.MAX_TOKENS
@@ -284,9 +308,6 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
             story.on_context(state.rollout_id, context)
         state.phase = Phase.GENERATING
         generation = await _generate(state, context, limit, story, requests)
-        if generation is None:
-            state.finish_reason = FinishReason.ERROR
-            break
         call = _record_generation(state, generation, story)
         if call is None:
             break  # answered, out of tokens, or the last step's call, which is not run
@@ -298,20 +319,18 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
     return await _finish(state, story, requests, cache)
 
 
-async def _render_context(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rendered | None:
+async def _render_context(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rendered:
     """The rollout's context. An IS-gated view needs the old policy's log-probs of a retry under the
     context without the error: they are scored (this rollout's requests, in one call) and the
-    context rendered again. None if the backend failed."""
+    context rendered again. InfraFault if the backend failed."""
     while True:
         rendered = render(state.segments, state.view, story.chat.decode, oracle=cache)
         if not rendered.provisional:
             return rendered
         try:
             await cache.fill_async(lambda sequences, starts: requests.score(state, sequences, starts))
-        except Exception as error:  # a model fault ends this rollout, never the collection
-            logger.warning("rollout %s: the backend failed scoring its IS gate (%r); it ends with 'error'",
-                           state.rollout_id, error)
-            return None
+        except Exception as error:  # a backend fault ends this rollout unfinished, never the collection
+            raise InfraFault(state.rollout_id, error) from error
 
 
 def _turn_limit(rendered: Rendered, story: Story) -> int:
@@ -323,18 +342,16 @@ def _turn_limit(rendered: Rendered, story: Story) -> int:
 
 
 async def _generate(state: RolloutState, context: list[int], limit: int, story: Story,
-                    requests: Requests) -> Generation | None:
-    """The rollout's next turn; None if the backend failed."""
+                    requests: Requests) -> Generation:
+    """The rollout's next turn; InfraFault if the backend failed."""
     config = story.config
     params = SamplingParams(max_new_tokens=limit, stop_token_ids=tuple(story.chat.stop_token_ids),
                             temperature=config.temperature, top_p=config.top_p)
     seed = turn_seed(config.seed, config.iteration, state.task.prompt_id, state.sample_index, state.turns)
     try:
         generation = await requests.generate(state, context, params, seed)
-    except Exception as error:  # a model fault ends this rollout, never the collection
-        logger.warning("rollout %s: the backend failed on turn %d (%r); it ends with 'error'",
-                       state.rollout_id, state.turns, error)
-        return None
+    except Exception as error:  # a backend fault ends this rollout unfinished, never the collection
+        raise InfraFault(state.rollout_id, error) from error
     return cut_generation(generation, limit)
 
 
@@ -451,22 +468,19 @@ async def _finish(state: RolloutState, story: Story, requests: Requests, cache: 
     assistants = [segment for segment in state.segments if segment.kind == SegmentKind.ASSISTANT]
     tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
     reward, correct, answer, details = 0.0, False, None, None
-    if state.finish_reason != FinishReason.ERROR and assistants:
-        if story.reward_file is not None:
+    if assistants:
+        if story.rewards.reward_file is not None:
             result = await _reward_from_file(state, story, requests, cache)
-        elif is_code_source(state.task.data_source):  # tests run in a sandbox, each under its timeout
-            result = await asyncio.to_thread(story.reward_fn, assistants[-1].text, state.task.ground_truth,
-                                             state.task.data_source)
-        else:  # here, on the loop's thread: math-verify's own timeouts need the main thread
-            result = story.reward_fn(assistants[-1].text, state.task.ground_truth, state.task.data_source)
-        if result is not None:
-            reward, correct, answer, details = float(result.reward), bool(result.correct), result.answer, getattr(result, "details", None)
+        else:
+            result = await story.rewards.grade(state.rollout_id, assistants[-1].text, state.task.ground_truth,
+                                               state.task.data_source)
+        reward, correct, answer, details = float(result.reward), bool(result.correct), result.answer, getattr(result, "details", None)
     return Rollout(
         rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,
         prompt_id=state.task.prompt_id, sample_index=state.sample_index,
         policy_version=str(story.policy_version), data_source=state.task.data_source,
         ground_truth=state.task.ground_truth, answer=answer, reward=reward, correct=correct,
-        finish_reason=state.finish_reason or FinishReason.ERROR, rollback_draw=state.draw,
+        finish_reason=state.finish_reason, rollback_draw=state.draw,
         collect_view=CollectView.PURIFIED if state.view.purified else CollectView.RAW,
         collect_config_id=config.config_id, n_assistant_segments=len(assistants),
         n_tool_calls=len(tools), n_failed_calls=sum(segment.failed for segment in tools),
@@ -476,13 +490,10 @@ async def _finish(state: RolloutState, story: Story, requests: Requests, cache: 
 
 async def _reward_from_file(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache):
     """The user's reward function on verl's arguments (grading/reward_file.py): the response as the
-    rollout's view renders it, after the prompt, without special tokens. None (reward 0, finish
-    `error`) if the backend failed scoring the IS gate that rendering needs."""
+    rollout's view renders it, after the prompt, without special tokens (the IS gate that rendering
+    needs may score first: InfraFault if the backend fails it)."""
     rendered = await _render_context(state, story, requests, cache)
-    if rendered is None:
-        state.finish_reason = FinishReason.ERROR
-        return None
     solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
     turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
-    return await story.reward_file.score(state.rollout_id, state.task.data_source, solution,
-                                         state.task.ground_truth, verl_extra_info(state.task.extra_info, turns))
+    return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.ground_truth,
+                                    verl_extra_info(state.task.extra_info, turns))

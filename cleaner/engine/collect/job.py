@@ -154,11 +154,12 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
             warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
             chat = user.chat(serving.tokenizer)
             with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
-                for batch in collect(tasks, config, serving, sandbox, chat, reward_fn=grader,
-                                     skip_rollout_ids=stored, progress=progress, toolbox=user.toolbox,
-                                     reward_file=user.reward):
+                def write(batch) -> None:  # on the collection's writer thread
                     warehouse.write_rollouts(iteration, batch.rollouts, batch.segments)
-                    n_written += len(batch.rollouts)
+
+                n_written = collect(tasks, config, serving, sandbox, chat, write=write, reward_fn=grader,
+                                    skip_rollout_ids=stored, progress=progress, toolbox=user.toolbox,
+                                    reward_file=user.reward).n_rollouts
     rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]
     summary = summarize(rollouts, warehouse.read_segments(iteration, planned))
     return CollectOutcome(iteration, len(planned), n_written, summary, time.monotonic() - started)

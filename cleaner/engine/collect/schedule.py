@@ -1,7 +1,8 @@
 """How the rollouts of a collection are run and committed (docs/architecture.md §5).
 
 `collect` runs every planned rollout's story (agent.py) as a task of its own on one event loop and
-yields the finished ones in parts of `batch_rollouts`, which the caller commits (the unit of resume).
+hands the finished ones, in parts of `batch_rollouts`, to `write` on a thread of its own (the unit of
+resume). It returns what it wrote, or stops with one line (`CollectionStopped`).
 
 Design decisions:
 - Schedule `async` (the default): up to `max_concurrent_rollouts` rollouts are in flight, each on
@@ -9,7 +10,7 @@ Design decisions:
   next planned one at once. A rollout's requests go straight to the backend's request methods
   (`generate_async`, `score_async`: the engine batches whatever is running) and its calls to the
   sandbox pool (`run_async`: the pool's workers are the only limit), so no rollout waits for
-  another's turn or tool, and a backend fault ends only the rollouts whose requests failed.
+  another's turn or tool.
 - Schedule `lockstep` (a debugging option and the benchmarks' baseline): the rollouts run in batches
   of `batch_rollouts`, one after the other, and inside a batch every generation and every tool
   round waits at a barrier for every live rollout of the batch (`LockstepRequests`), so each turn
@@ -19,10 +20,18 @@ Design decisions:
   prompt, sample, turn), and a limit cut from a longer request is a prefix of the same sample.
   Parts hold the rollouts that finished, in plan order within the part; which rollouts share a
   part depends on the finishing order, the warehouse's rows do not.
+- The loop never waits on the disk: parts go to a writer thread through a queue of at most
+  `MAX_PENDING_PARTS` (`PartWriter`); only when that many wait does the schedule wait to hand over
+  the next, while the rollouts in flight go on. Nor on the user's code: tools and rewards run off
+  it, timed by their own clocks (tools/calls.py, grading/runner.py).
+- Faults: a rollout whose request failed after the backend's own retries (`InfraFault`) is not
+  finished: it is not written, and `--resume` collects it again. `Faults` keeps the outcome of the
+  last `FAULT_WINDOW` requests (generations, scores and tool calls, an infrastructure fault being a
+  failure): once at least `MIN_FAULTS` of them, and at least `MAX_FAULT_SHARE` of them, failed, the
+  collection stops. Either way, and on a Ctrl-C, the parts finished before are written, and
+  `CollectionStopped` says in one line what is committed and that `--resume` finishes it.
 - The event loop is the backend's own where it has one (SGLang's in-process engine receives its
-  results there), else a new one. `collect` is a plain generator: between two parts the loop does
-  not run (the caller writes the part meanwhile), while requests already sent go on in the engine,
-  the decoding thread or the sandbox's threads, and are picked up when it runs again.
+  results there), else a new one.
 - Progress: rollouts finished of planned, in flight (and how many wait on their tools), and the
   generated tokens per second.
 """
@@ -30,8 +39,12 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import queue
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -42,6 +55,7 @@ from tqdm import tqdm
 from cleaner.config import CollectConfig, Schedule
 from cleaner.engine.collect.agent import (
     CollectedBatch,
+    InfraFault,
     Phase,
     RolloutState,
     Story,
@@ -50,9 +64,11 @@ from cleaner.engine.collect.agent import (
     run_rollout,
 )
 from cleaner.engine.grading.answers import compute_reward
+from cleaner.engine.grading.runner import Rewards
 from cleaner.engine.model.base import Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat
-from cleaner.records import Rollout
+from cleaner.errors import CollectionStopped, Interrupted
+from cleaner.records import Rollout, ToolStatus
 
 if TYPE_CHECKING:
     from cleaner.engine.collect.tasks import Task
@@ -63,6 +79,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5  # the bar's in-flight and tokens/s figures are refreshed at most this often
+MAX_PENDING_PARTS = 2  # finished parts waiting for the writer before the schedule waits to hand one over
+FAULT_WINDOW = 64  # the last requests the fault share is measured over
+MAX_FAULT_SHARE = 0.5  # a share of failed requests in the window that stops the collection ...
+MIN_FAULTS = 8  # ... once at least this many of them failed
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+    """What a collection wrote."""
+
+    n_rollouts: int  # rollouts written
+    n_parts: int  # parts written
 
 
 def collect(
@@ -72,6 +100,7 @@ def collect(
     sandbox,
     chat: ChatFormat,
     *,
+    write: Callable[[CollectedBatch], None],
     reward_fn: Callable = compute_reward,
     skip_rollout_ids: frozenset[str] = frozenset(),
     on_context: Callable[[str, list[int]], None] | None = None,
@@ -80,92 +109,237 @@ def collect(
     strict_context: bool = True,
     toolbox: Toolbox | None = None,
     reward_file: RewardFunction | None = None,
-) -> Iterator[CollectedBatch]:
-    """Run config.group_size rollouts per task; yield the finished ones in parts of
-    config.batch_rollouts (the last part may be smaller).
+) -> Collected:
+    """Run config.group_size rollouts per task; `write` the finished ones in parts of
+    config.batch_rollouts (the last part may be smaller), on a thread of its own.
 
     `toolbox` holds the user's tools beside the code interpreter (their schemas must be in `chat`'s
     template: `ChatFormat(tokenizer, toolbox.schemas)`), and `reward_file` the user's reward
-    function, which replaces `reward_fn`. `rollout_prefix` is put before every rollout and group id (an evaluation's id keeps its rollouts
-    apart from every other's); seeds do not depend on it. Before anything is generated, every prompt
-    is checked against the backend's context length (`context.fit_prompts`): with `strict_context`
-    (collect, run) a prompt that leaves less than the response budget is a ContextError (or is
-    truncated, with `config.truncate_prompts`); without it (eval) that is a warning, and
-    generations stop at the context's end.
+    function, which replaces `reward_fn`. `rollout_prefix` is put before every rollout and group id
+    (an evaluation's id keeps its rollouts apart from every other's); seeds do not depend on it.
+    Before anything is generated, every prompt is checked against the backend's context length
+    (`context.fit_prompts`): with `strict_context` (collect, run) a prompt that leaves less than the
+    response budget is a ContextError (or is truncated, with `config.truncate_prompts`); without it
+    (eval) that is a warning, and generations stop at the context's end.
+
+    Raises CollectionStopped (Interrupted on a Ctrl-C) when the collection ends before every planned
+    rollout is written; what was finished before is written first.
     """
-    states = plan_rollouts(tasks, config, chat, skip_rollout_ids, rollout_prefix, backend.context_length,
-                           strict_context)
-    logger.info("collecting %d rollouts (%d skipped as already stored), schedule %s", len(states),
-                len(tasks) * config.group_size - len(states), config.schedule)
-    story = Story(config, chat, backend.context_length, reward_fn, backend.policy_version, on_context,
-                  toolbox, reward_file)
+    plan = plan_rollouts(tasks, config, chat, skip_rollout_ids, rollout_prefix, backend.context_length,
+                         strict_context)
+    logger.info("collecting %d rollouts (%d skipped as already stored), schedule %s", plan.total,
+                len(tasks) * config.group_size - plan.total, config.schedule)
+    rewards = Rewards(reward_fn, reward_file, config.reward_timeout_s)
+    story = Story(config, chat, backend.context_length, rewards, backend.policy_version, on_context, toolbox)
     loop = backend.event_loop
     own_loop = loop is None
     if own_loop:
         loop = asyncio.new_event_loop()
-    run = _Run(states, story, backend, sandbox)
-    bar = tqdm(total=len(states), desc="collect", unit="rollout", disable=not progress)
+    writer = PartWriter(write)
+    run = _Run(plan.states, story, backend, sandbox)
+    bar = tqdm(total=plan.total, desc="collect", unit="rollout", disable=not progress)
+    stopped: BaseException | None = None
+    main = loop.create_task(run.main(bar, writer))
     try:
-        while (part := loop.run_until_complete(run.next_part(bar))) is not None:
-            yield part
+        loop.run_until_complete(main)
+    except BaseException as error:  # noqa: BLE001 - a Ctrl-C or a stop: written parts are said, then raised
+        stopped = error
     finally:
         bar.close()
-        loop.run_until_complete(run.stop())
-        if own_loop:
-            loop.close()
+        with _interrupts_deferred():  # a second Ctrl-C while stopping waits for the stop
+            main.cancel()
+            loop.run_until_complete(asyncio.gather(main, return_exceptions=True))
+            loop.run_until_complete(run.stop())
+            writer.close()
+            if own_loop:
+                loop.close()
+            rewards.close()
+    done = Collected(writer.rollouts, writer.parts)
+    if writer.error is not None and not isinstance(stopped, KeyboardInterrupt):
+        raise writer.error  # a write that failed (a full disk) says so itself
+    if stopped is not None:
+        raise _stopped(stopped, done, plan.total, run) from stopped
+    if run.abandoned:
+        raise CollectionStopped(f"{len(run.abandoned)} of {plan.total} rollouts were not collected: the backend "
+                                f"failed their requests (last: {run.faults.last}); the {done.n_rollouts} others "
+                                "are committed, and --resume collects the rest")
+    return done
+
+
+def _stopped(error: BaseException, done: Collected, total: int, run: _Run) -> BaseException:
+    """What a collection that ended early raises: one line of why, what is committed, what to do."""
+    committed = f"{done.n_rollouts} of {total} rollouts are committed in {done.n_parts} parts"
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(f"interrupted: {committed}; --resume finishes the collection")
+    if isinstance(error, _FaultStop):
+        return CollectionStopped(f"{error}; the collection stopped: {committed}, and --resume collects the rest "
+                                 "once the backend is back")
+    return error  # a tool or reward that broke its contract says so (parts committed stay), a bug is a bug
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """While a collection stops, a further Ctrl-C says it is stopping instead of interrupting the stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda *_: logger.warning("stopping: committing the parts already finished"))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing parts beside the loop
+
+
+class PartWriter:
+    """Finished parts written on a thread of their own, at most MAX_PENDING_PARTS waiting."""
+
+    def __init__(self, write: Callable[[CollectedBatch], None]) -> None:
+        self.write = write
+        self.rollouts = 0  # written so far
+        self.parts = 0
+        self.error: BaseException | None = None  # the first write that failed; nothing is written after it
+        self._queue: queue.Queue[CollectedBatch | None] = queue.Queue()
+        self._slots: asyncio.Semaphore | None = None
+        self._thread = threading.Thread(target=self._drain, name="cleaner-writer", daemon=True)
+        self._thread.start()
+
+    async def put(self, part: CollectedBatch) -> None:
+        """Hand `part` over; waits (with the rollouts in flight going on) while MAX_PENDING_PARTS wait."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_PENDING_PARTS)
+        await self._slots.acquire()
+        if self.error is not None:
+            raise self.error
+        loop = asyncio.get_running_loop()
+        self._queue.put((part, lambda: loop.call_soon_threadsafe(self._slots.release)))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            part, release = item
+            try:
+                if self.error is None:
+                    self.write(part)
+                    self.rollouts += len(part.rollouts)
+                    self.parts += 1
+            except BaseException as error:  # noqa: BLE001 - raised to the schedule at its next hand-over
+                self.error = error
+            finally:
+                with contextlib.suppress(RuntimeError):  # a loop closed by a stop waits for no slot
+                    release()
+
+    def close(self) -> None:
+        """Write what was handed over, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 # ---------------------------------------------------------------------------------------------
 # The run: rollouts in flight, finished ones in parts
 
 
+class _FaultStop(Exception):  # noqa: N818 - what stopped the collection
+    """The share of failed requests reached MAX_FAULT_SHARE."""
+
+
+class Faults:
+    """The outcome of the last FAULT_WINDOW requests (schedule's notes)."""
+
+    def __init__(self) -> None:
+        self.window: deque[bool] = deque(maxlen=FAULT_WINDOW)  # True: the request failed
+        self.last: str | None = None  # the last failure, in words
+
+    def record(self, failed: bool, what: str = "") -> None:
+        self.window.append(failed)
+        if failed:
+            self.last = what
+
+    def check(self) -> None:
+        """_FaultStop when failures are the rule."""
+        failed = sum(self.window)
+        if failed >= MIN_FAULTS and failed >= MAX_FAULT_SHARE * len(self.window):
+            raise _FaultStop(f"{failed} of the last {len(self.window)} requests failed (last: {self.last})")
+
+
 class _Run:
     """The planned rollouts, those in flight and those finished but not yet handed out."""
 
-    def __init__(self, states: list[RolloutState], story: Story, backend, sandbox) -> None:
+    def __init__(self, states: Iterator[RolloutState], story: Story, backend, sandbox) -> None:
         self.story, self.backend, self.sandbox = story, backend, sandbox
         self.config = story.config
-        self.order = {state.rollout_id: index for index, state in enumerate(states)}
-        self.waiting = deque(states)
+        self.waiting = states
+        self.exhausted = False  # every planned rollout has started
         self.running: dict[asyncio.Task, RolloutState] = {}
         self.finished: list[tuple[Rollout, RolloutState]] = []
+        self.abandoned: list[str] = []  # rollouts an infrastructure fault ended unfinished
+        self.faults = Faults()
         self.tokens = TokenCounter()
         self.lock_steps: list[LockstepRequests] = []  # the lock step of the batch in flight
         self.started = time.monotonic()
         self.shown = 0.0
 
-    async def next_part(self, bar: tqdm) -> CollectedBatch | None:
-        """Run until `batch_rollouts` rollouts have finished (or all have); None when none is left."""
+    async def main(self, bar: tqdm, writer: PartWriter) -> None:
+        """Run every rollout, handing parts of `batch_rollouts` to the writer as they fill."""
         size = self.config.batch_rollouts
-        while len(self.finished) < size and (self.waiting or self.running):
+        while not self.exhausted or self.running:
             self._start()
+            if not self.running:
+                continue
             done, _ = await asyncio.wait(self.running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                state = self.running.pop(task)
-                self.finished.append((task.result(), state))  # a rollout's story raises only on a bug
+                self._finish(task, self.running.pop(task))
             bar.update(len(done))
             self._show(bar)
-        if not self.finished:
-            return None
+            self.faults.check()
+            while len(self.finished) >= size:
+                await writer.put(self._part(size))
+        if self.finished:
+            await writer.put(self._part(size))
+
+    def _finish(self, task: asyncio.Task, state: RolloutState) -> None:
+        error = task.exception()
+        if isinstance(error, InfraFault):  # not finished: not written, collected again on --resume
+            logger.warning("%s; the rollout is not stored (--resume collects it again)", error)
+            self.abandoned.append(state.rollout_id)
+        elif error is not None:
+            raise error  # a tool or reward that broke its contract, or a bug: the collection stops
+        else:
+            self.finished.append((task.result(), state))
+
+    def _part(self, size: int) -> CollectedBatch:
         part, self.finished = self.finished[:size], self.finished[size:]
-        part.sort(key=lambda pair: self.order[pair[1].rollout_id])
-        return CollectedBatch([rollout for rollout, _ in part],
-                              [segment for _, state in part for segment in state.segments])
+        part.sort(key=lambda pair: pair[1].index)
+        return CollectedBatch([rollout for rollout, _ in part], [segment for _, state in part for segment in state.segments])
+
+    def _take(self, count: int) -> list[RolloutState]:
+        taken = []
+        while len(taken) < count and not self.exhausted:
+            state = next(self.waiting, None)
+            if state is None:
+                self.exhausted = True
+            else:
+                taken.append(state)
+        return taken
 
     def _start(self) -> None:
         """Start rollouts: async, as slots free; lock step, a whole batch once the last one ended."""
         if self.config.schedule == Schedule.LOCKSTEP:
             if self.running:
                 return
-            batch = [self.waiting.popleft() for _ in range(min(self.config.batch_rollouts, len(self.waiting)))]
-            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, len(batch), self.story.toolbox)
+            batch = self._take(self.config.batch_rollouts)
+            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, len(batch), self.story.toolbox,
+                                        self.faults)
             self.lock_steps = [requests]
             for state in batch:
                 self._launch(state, requests)
             return
-        requests = DirectRequests(self.backend, self.sandbox, self.tokens, self.story.toolbox)
-        while self.waiting and len(self.running) < self.config.max_concurrent_rollouts:
-            self._launch(self.waiting.popleft(), requests)
+        requests = DirectRequests(self.backend, self.sandbox, self.tokens, self.story.toolbox, self.faults)
+        for state in self._take(self.config.max_concurrent_rollouts - len(self.running)):
+            self._launch(state, requests)
 
     def _launch(self, state: RolloutState, requests: DirectRequests) -> None:
         async def story() -> Rollout:
@@ -178,16 +352,18 @@ class _Run:
 
     def _show(self, bar: tqdm) -> None:
         now = time.monotonic()
-        if now - self.shown < PROGRESS_EVERY_S and self.waiting:
+        if now - self.shown < PROGRESS_EVERY_S and not self.exhausted:
             return
         self.shown = now
         tools = sum(state.phase == Phase.TOOL for state in self.running.values())
         rate = self.tokens.generated / max(now - self.started, 1e-9)
-        bar.set_postfix_str(f"in flight {len(self.running)} ({tools} in tools), {rate:,.0f} tok/s", refresh=False)
+        faults = f", {len(self.abandoned)} lost to faults" if self.abandoned else ""
+        bar.set_postfix_str(f"in flight {len(self.running)} ({tools} in tools), {rate:,.0f} tok/s{faults}",
+                            refresh=False)
 
     async def stop(self) -> None:
-        """Cancel what is still running (an interrupted collection) and close the backend's
-        connections on this loop."""
+        """Cancel what is still running (an interrupted or stopped collection) and close the
+        backend's connections on this loop."""
         for requests in self.lock_steps:
             requests.closed = True  # the cancelled stories' leaving releases nothing more
         while tasks := [*self.running, *(task for requests in self.lock_steps for task in requests.sent)]:
@@ -208,26 +384,42 @@ class TokenCounter:
 
 
 class DirectRequests:
-    """Each request straight to the backend or the sandbox, as soon as the rollout makes it."""
+    """Each request straight to the backend or the sandbox, as soon as the rollout makes it; each
+    outcome counted in `faults`."""
 
-    def __init__(self, backend, sandbox, tokens: TokenCounter, toolbox: Toolbox | None = None) -> None:
+    def __init__(self, backend, sandbox, tokens: TokenCounter, toolbox: Toolbox | None = None,
+                 faults: Faults | None = None) -> None:
         self.backend, self.sandbox, self.tokens, self.toolbox = backend, sandbox, tokens, toolbox
+        self.faults = faults if faults is not None else Faults()
 
     async def generate(self, state: RolloutState, context: list[int], params: SamplingParams,
                        seed: int) -> Generation:
-        generation = await self.backend.generate_async(context, params, seed, session=state.rollout_id)
+        generation = await self._counted(self.backend.generate_async(context, params, seed, session=state.rollout_id))
         self.tokens.generated += len(generation.token_ids)
         return generation
 
     async def score(self, state: RolloutState, sequences: Sequence[Sequence[int]],
                     starts: Sequence[int]) -> list[list[float]]:
-        return await self.backend.score_async(sequences, starts, session=state.rollout_id)
+        return await self._counted(self.backend.score_async(sequences, starts, session=state.rollout_id))
+
+    async def _counted(self, request: Awaitable, fault: Callable[[object], str | None] = lambda _: None):
+        """`request`'s answer, counted in `faults` as failed if it raises or `fault(answer)` names a fault."""
+        try:
+            answer = await request
+        except Exception as error:
+            self.faults.record(True, f"{type(error).__name__}: {error}")
+            raise
+        why = fault(answer)
+        self.faults.record(why is not None, why or "")
+        return answer
 
     async def run_code(self, code: str) -> ExecResult:
-        return await self.sandbox.run_async(code)
+        return await self._counted(self.sandbox.run_async(code), lambda result: (
+            f"the sandbox: {result.stderr}" if result.status == ToolStatus.INFRA_ERROR else None))
 
     async def run_tool(self, name: str, arguments: dict) -> ToolOutcome:
-        return await self.toolbox.run(name, arguments)
+        return await self._counted(self.toolbox.run(name, arguments), lambda outcome: (
+            f"tool {name}: {outcome.text}" if outcome.status == ToolStatus.INFRA_ERROR else None))
 
     def leave(self, state: RolloutState) -> None:
         """A rollout needs no more turns (nothing to do when nobody waits for it)."""
@@ -238,8 +430,9 @@ class LockstepRequests(DirectRequests):
     until every live rollout of the batch waits in one (tool calls first, then generations), then
     sent together, the generations with the largest limit among them, each cut to its own."""
 
-    def __init__(self, backend, sandbox, tokens: TokenCounter, live: int, toolbox: Toolbox | None = None) -> None:
-        super().__init__(backend, sandbox, tokens, toolbox)
+    def __init__(self, backend, sandbox, tokens: TokenCounter, live: int, toolbox: Toolbox | None = None,
+                 faults: Faults | None = None) -> None:
+        super().__init__(backend, sandbox, tokens, toolbox, faults)
         self.live = live
         self.left: set[str] = set()  # rollouts that need no more turns
         self.closed = False  # the collection is stopping: nothing more is released

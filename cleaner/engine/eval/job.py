@@ -105,13 +105,14 @@ def _evaluate(warehouse: Warehouse, plan: EvalPlan, backend: Backend, sandbox, g
     config, eval_id = plan.collect_config, plan.eval_id
     warehouse.save_eval_config(eval_id, config.to_json())
     stored = warehouse.eval_rollout_ids(eval_id)
-    started, generated = time.monotonic(), 0
-    for batch in collect(plan.data.tasks, config, backend, sandbox, user.chat(backend.tokenizer),
-                         reward_fn=grader, skip_rollout_ids=stored, progress=progress,
-                         rollout_prefix=plan.rollout_prefix, strict_context=False, toolbox=user.toolbox,
-                         reward_file=user.reward):
+    started = time.monotonic()
+    def write(batch) -> None:  # on the collection's writer thread
         warehouse.write_eval_batch(eval_id, batch.rollouts, batch.segments)
-        generated += len(batch.rollouts)
+
+    generated = collect(plan.data.tasks, config, backend, sandbox, user.chat(backend.tokenizer), write=write,
+                        reward_fn=grader, skip_rollout_ids=stored, progress=progress,
+                        rollout_prefix=plan.rollout_prefix, strict_context=False, toolbox=user.toolbox,
+                        reward_file=user.reward).n_rollouts
     seconds = time.monotonic() - started
     rollouts = warehouse.read_eval_rollouts(eval_id)
     metrics = eval_metrics(rollouts, warehouse.read_eval_segments(eval_id), config.group_size)

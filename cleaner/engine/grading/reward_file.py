@@ -14,15 +14,16 @@ Design decisions:
   (a dict; `{}` without one) with verl's `num_turns` added: the trajectory's generations and tool
   responses, plus one (verl's count of the messages after the system prompt).
 - It returns a number (a bool, an int, a float, a numpy scalar) or a dict with a `score` key, as
-  verl takes either. A dict's other keys are the rollout's `reward_details` (JSON, queryable with
-  DuckDB's `->>`); its `acc`, where there is one, is the rollout's `correct` (else score > 0) and
-  its `pred` the rollout's `answer`. NaN or infinity is not a reward.
+  verl takes either. NaN, infinity and a number a float32 column cannot hold (beyond +-3.4e38: it
+  would be stored as infinity and turn the advantages into NaN) are not rewards. A dict's other
+  keys are the rollout's `reward_details` (JSON, queryable with DuckDB's `->>`); its `acc`, where
+  there is one, is the rollout's `correct` (else score > 0) and its `pred` the rollout's `answer`.
 - A function that raises, or returns anything else, stops the collection with one
   `RewardFunctionError` line naming the function, the rollout and the exception; the parts
   committed before stay, and `--resume` goes on from them once the function is fixed.
-- A plain function runs on the collection's loop thread (the main one, where signal-based
-  timeouts such as math-verify's work); a coroutine function is awaited there, so a reward that
-  waits on a service does not hold the other rollouts.
+- Where it runs, and under which timeout, is runner.py's business: a plain function in a reward
+  worker process (whose main thread runs it, so signal-based timeouts such as math-verify's work),
+  a coroutine function on an event loop of its own; the collection's loop never waits on either.
 - The built-in grader (answers.py, programs.py) stays the default.
 """
 
@@ -51,6 +52,7 @@ class RewardFunction:
 
     spec: str
     function: Callable
+    importable: bool = False  # loaded from `spec` (load()): a reward worker can load it by its spec too
 
     @classmethod
     def load(cls, spec: str) -> RewardFunction:
@@ -65,7 +67,7 @@ class RewardFunction:
                               f"extra_info) as keywords, as verl calls it ({error})") from None
         except ValueError:  # a builtin without a signature: called as it is
             pass
-        return cls(spec, function)
+        return cls(spec, function, importable=True)
 
     @property
     def name(self) -> str:
@@ -82,9 +84,10 @@ class RewardFunction:
         except Exception as error:  # noqa: BLE001 - the user's function: one line naming it and the rollout
             raise RewardFunctionError(f"reward function {self.name} ({self.spec}) raised on rollout {rollout_id}: "
                                       f"{type(error).__name__}: {error}") from error
-        return self._result(result, rollout_id)
+        return self.result(result, rollout_id)
 
-    def _result(self, result: object, rollout_id: str) -> RewardResult:
+    def result(self, result: object, rollout_id: str) -> RewardResult:
+        """What the function returned, as a rollout's reward; RewardFunctionError if it is not one."""
         details = None
         if isinstance(result, Mapping):
             if "score" not in result:
@@ -94,8 +97,9 @@ class RewardFunction:
         else:
             score = result
         score = _plain(score)  # a numpy scalar (np.float32, np.bool_) as Python's
-        if not isinstance(score, numbers.Real) or not math.isfinite(float(score)):
-            raise self._bad(rollout_id, f"{type(score).__name__} {score!r:.80}, not a finite number")
+        if not isinstance(score, numbers.Real) or not _float32(score):
+            raise self._bad(rollout_id, f"{type(score).__name__} {score!r:.80}, not a finite number a "
+                                        f"float32 holds (|x| <= {FLOAT32_MAX:.4g})")
         score = float(score)
         if details is None:
             return RewardResult(score, score > 0, None)
@@ -108,6 +112,18 @@ class RewardFunction:
     def _bad(self, rollout_id: str, what: str) -> RewardFunctionError:
         return RewardFunctionError(f"reward function {self.name} ({self.spec}) returned {what} on rollout "
                                    f"{rollout_id}; it must return a number or a dict with a 'score' number")
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored as float32 (the warehouse's `reward`)
+
+
+def _float32(score: numbers.Real) -> bool:
+    """A finite number a float32 column stores as a finite number."""
+    try:
+        value = float(score)
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def _plain(value: object) -> object:

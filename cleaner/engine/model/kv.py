@@ -19,6 +19,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,27 @@ def kv_from_cache(cache: DynamicCache) -> KV:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return tuple((layer.keys, layer.values) for layer in cache.layers)
     return tuple(zip(cache.key_cache, cache.value_cache, strict=True))  # older transformers
+
+
+@functools.cache
+def _cache_argument_of(forward_type: type, parameters: tuple[str, ...]) -> str:
+    if "cache" in parameters or "past_key_values" in parameters:
+        return "cache" if "cache" in parameters else "past_key_values"
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # a wrapper's **kwargs: what this version names it
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its cache by: `cache` since transformers 5.2x renamed
+    `past_key_values` (which it still takes, with a FutureWarning on every forward)."""
+    return _cache_argument_of(type(model), tuple(inspect.signature(model.forward).parameters))
+
+
+def output_cache(output) -> DynamicCache:
+    """The cache a forward returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def kv_to_cache(kv: KV | None) -> DynamicCache | None:
@@ -71,11 +94,11 @@ def causal_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=kv_to_cache(past),
         use_cache=True,
         logits_to_keep=logits_to_keep,
+        **{cache_argument(model): kv_to_cache(past)},
     )
-    return ForwardOutput(logits=out.logits, kv=kv_from_cache(out.past_key_values))
+    return ForwardOutput(logits=out.logits, kv=kv_from_cache(output_cache(out)))
 
 
 @torch.inference_mode()

@@ -25,6 +25,16 @@ Design decisions:
 - At start every worker is asked which checkpoint it serves (`GET /model_info`, `/get_model_info`
   before SGLang 0.5.10) and is moved to ours if it differs, so collect, purify and run always
   sample the policy they record.
+- Faults (docs/architecture.md §5, "Faults and load"), as verl's server manager and SGLang's
+  router handle them: a transient failure (a refused or reset connection, a timeout, HTTP 5xx or
+  429: `ServerUnavailable`) takes its server out of the rotation and the request is tried again on
+  another server at once, or, when none is left, after a back-off (`RETRY_BACKOFF_S`, doubling),
+  `REQUEST_TRIES` tries in all; a rollout whose server failed moves to another for good. A server
+  out of the rotation is probed (`GET /health`) once its own back-off (`PROBE_BACKOFF_S`, doubling
+  to `MAX_PROBE_BACKOFF_S`) has passed, and comes back on the first answer, once it serves our
+  checkpoint (a server restarted meanwhile is moved to it first, as at start). Any other refusal (HTTP
+  4xx: a request the server will never take) is not tried again. Seeds travel with the request, so
+  a request tried on another server samples the same tokens (deterministic inference, or greedy).
 - The tokenizer (for the chat format) and the policy version (a hash of the weight files) come
   from the checkpoint on this machine.
 - `tokens_computed` counts what the servers say they computed for scoring requests (prompt
@@ -37,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +73,15 @@ log = logging.getLogger(__name__)
 # (SGLang runs up to a few hundred requests at once on a GPU); requests beyond it wait for one.
 DEFAULT_CONCURRENCY = 512
 MAX_REMEMBERED_SESSIONS = 100_000  # rollouts whose server is remembered (least recently used go)
+REQUEST_TRIES = 5  # tries of a request that fails transiently, over every server
+RETRY_BACKOFF_S = 1.0  # wait before a try when no server is left in the rotation; doubled each time
+PROBE_BACKOFF_S = 1.0  # a failed server's first time out of the rotation; doubled at each failure ...
+MAX_PROBE_BACKOFF_S = 60.0  # ... up to this
+PROBE_TIMEOUT_S = 5.0  # a health probe's limit
+
+
+class ServerUnavailable(EngineError):
+    """A transient failure of one server (connection, timeout, 5xx, 429): tried again elsewhere."""
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -88,11 +108,16 @@ def http_json(url: str, body: dict[str, Any] | None, timeout_s: float) -> tuple[
 
 
 async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
-    """POST and return the parsed answer; a non-2xx status is an EngineError with SGLang's message."""
+    """POST and return the parsed answer; a transient failure is ServerUnavailable, any other
+    non-2xx status an EngineError, both with SGLang's message."""
     try:
         status, payload = _parsed(await client.post(url, json=body))
+    except httpx.TransportError as error:  # refused, reset, timed out
+        raise ServerUnavailable(f"cannot reach sglang at {url}: {error!r}") from error
     except httpx.HTTPError as error:
         raise EngineError(f"cannot reach sglang at {url}: {error!r}") from error
+    if status >= 500 or status == 429:
+        raise ServerUnavailable(f"POST {url}: HTTP {status}: {error_message(payload)}")
     if not 200 <= status < 300:
         raise EngineError(f"POST {url}: HTTP {status}: {error_message(payload)}")
     return payload
@@ -121,28 +146,59 @@ def served_checkpoint(worker: str, timeout_s: float) -> str | None:
 
 
 class StickyRoutes:
-    """Which server each rollout's requests go to: the least busy for its first request, the same
-    one after (see the module's notes)."""
+    """Which server each rollout's requests go to, and which servers are in the rotation (see the
+    module's notes): a rollout's first request goes to the least busy server in the rotation, every
+    later one to the same server while it stays in."""
 
     def __init__(self, servers: list[str]) -> None:
         self.in_flight = dict.fromkeys(servers, 0)
         self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.out: dict[str, float] = {}  # server out of the rotation -> when it may be probed (monotonic)
+        self.backoff = dict.fromkeys(servers, PROBE_BACKOFF_S)  # its next time out of the rotation
 
-    def server_for(self, session: str | None) -> str:
-        if session is not None and session in self.sessions:
+    @property
+    def rotation(self) -> list[str]:
+        return [server for server in self.in_flight if server not in self.out]
+
+    def server_for(self, session: str | None) -> str | None:
+        """The server for `session`'s next request; None when every server is out of the rotation."""
+        if session is not None and session in self.sessions and self.sessions[session] not in self.out:
             self.sessions.move_to_end(session)
             return self.sessions[session]
-        server = min(self.in_flight, key=self.in_flight.__getitem__)  # the first of the least busy
+        rotation = self.rotation
+        if not rotation:
+            return None
+        server = min(rotation, key=self.in_flight.__getitem__)  # the first of the least busy
         if session is not None:
             self.sessions[session] = server
+            self.sessions.move_to_end(session)
             if len(self.sessions) > MAX_REMEMBERED_SESSIONS:
                 self.sessions.popitem(last=False)
         return server
 
+    def failed(self, server: str, now: float) -> None:
+        """`server` failed transiently: out of the rotation until its back-off has passed."""
+        if server not in self.out:
+            self.out[server] = now + self.backoff[server]
+            self.backoff[server] = min(2 * self.backoff[server], MAX_PROBE_BACKOFF_S)
+            log.warning("%s is out of the rotation for %.0f s", server, self.out[server] - now)
+
+    def recovered(self, server: str) -> None:
+        if self.out.pop(server, None) is not None:
+            log.info("%s answers again: back in the rotation", server)
+        self.backoff[server] = PROBE_BACKOFF_S
+
+    def due(self, now: float) -> list[str]:
+        """Servers out of the rotation whose back-off has passed: to be probed."""
+        return [server for server, when in self.out.items() if when <= now]
+
+    def next_probe_in(self, now: float) -> float:
+        """Seconds until the first server out of the rotation may be probed."""
+        return max(min(self.out.values(), default=now) - now, 0.0)
+
     @contextlib.contextmanager
-    def request(self, session: str | None) -> Iterator[str]:
-        """The server for `session`, counted as busy while the request runs."""
-        server = self.server_for(session)
+    def request(self, server: str) -> Iterator[str]:
+        """`server`, counted as busy while the request runs."""
         self.in_flight[server] += 1
         try:
             yield server
@@ -167,6 +223,7 @@ class SGLangServerBackend(SGLangRequests):
         self.workers = discover_workers(self.url, timeout_s)
         self.routes = StickyRoutes(self.workers)
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._probes: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Task] = {}  # health probes running
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
         self._serve(model_path)
         for worker in self.workers:
@@ -191,25 +248,102 @@ class SGLangServerBackend(SGLangRequests):
             raise EngineError(f"{worker} could not load weights from {model_path}: HTTP {status}: {message}")
         log.info("%s now serves %s", worker, model_path)
 
+    def _serves_ours(self, worker: str) -> bool:
+        """Whether `worker` serves the checkpoint we sample, after loading it there if it did not."""
+        if served_checkpoint(worker, PROBE_TIMEOUT_S) != os.path.normpath(str(self._model_path)):
+            self._update(worker, self._model_path)
+        return True
+
     def close(self) -> None:
         """Nothing to release: the servers keep running."""
 
     # ------------------------------------------------------------------------ requests
 
     def _send(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """POST every body to the URL's `/generate` at once (at most `max_concurrency` connections);
-        responses in body order."""
+        """POST every body to the URL's `/generate` at once (at most `max_concurrency` connections),
+        each tried again on a transient failure; responses in body order."""
         async def send_all() -> list[dict[str, Any]]:
             async with self._new_client() as client:
-                return await asyncio.gather(*[self._post(client, self.url, body) for body in bodies])
+                return await asyncio.gather(*[self._post_retrying(client, self.url, body) for body in bodies])
 
         return asyncio.run(send_all()) if bodies else []
 
     async def _send_async(self, bodies: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
         """POST one rollout's bodies to its server (`StickyRoutes`), on this loop's connection pool."""
         client = self._client()
-        with self.routes.request(session) as server:
-            return list(await asyncio.gather(*[self._post(client, server, body) for body in bodies]))
+        return list(await asyncio.gather(*[self._post_routed(client, body, session) for body in bodies]))
+
+    async def _post_routed(self, client: httpx.AsyncClient, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        """`body`'s response from `session`'s server, tried again elsewhere on a transient failure."""
+        failure: ServerUnavailable | None = None
+        for attempt in range(REQUEST_TRIES):
+            server = await self._server_for(client, session, wait=attempt > 0)
+            if server is None:
+                continue
+            try:
+                with self.routes.request(server):
+                    response = await self._post(client, server, body)
+            except ServerUnavailable as error:
+                failure = error
+                self.routes.failed(server, time.monotonic())
+                continue
+            self.routes.recovered(server)
+            return response
+        raise EngineError(f"no server answered after {REQUEST_TRIES} tries: "
+                          f"{failure if failure is not None else 'every server is out of the rotation'}")
+
+    async def _server_for(self, client: httpx.AsyncClient, session: str | None, wait: bool) -> str | None:
+        """A server in the rotation for `session`, after probing those due; with none (and `wait`),
+        one back-off later."""
+        await self._probe_due(client)
+        server = self.routes.server_for(session)
+        if server is None and wait:
+            await asyncio.sleep(max(self.routes.next_probe_in(time.monotonic()), RETRY_BACKOFF_S))
+            await self._probe_due(client)
+            server = self.routes.server_for(session)
+        return server
+
+    async def _probe_due(self, client: httpx.AsyncClient) -> None:
+        """Ask each server whose back-off has passed whether it is healthy, one probe a server at a
+        time; wait for the probes running."""
+        loop = asyncio.get_running_loop()
+        for server in self.routes.due(time.monotonic()):
+            if (loop, server) not in self._probes:
+                self._probes[loop, server] = loop.create_task(self._probe(client, server))
+        running = [task for (owner, _), task in self._probes.items() if owner is loop]
+        if running:
+            await asyncio.gather(*[asyncio.shield(task) for task in running], return_exceptions=True)
+
+    async def _probe(self, client: httpx.AsyncClient, server: str) -> None:
+        """`GET /health`, then our checkpoint served: back in the rotation, or out for longer."""
+        try:
+            healthy = (await client.get(server + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
+            if healthy:  # a server restarted meanwhile serves what it was started with: ours again first
+                healthy = await asyncio.to_thread(self._serves_ours, server)
+        except (httpx.HTTPError, EngineError) as error:
+            log.debug("probe of %s failed: %r", server, error)
+            healthy = False
+        finally:
+            self._probes.pop((asyncio.get_running_loop(), server), None)
+        if healthy:
+            self.routes.recovered(server)
+        else:
+            self.routes.out.pop(server, None)
+            self.routes.failed(server, time.monotonic())
+
+    async def _post_retrying(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`body`'s response from `url`, tried again after a back-off on a transient failure."""
+        delay = RETRY_BACKOFF_S
+        for attempt in range(REQUEST_TRIES):
+            try:
+                return await self._post(client, url, body)
+            except ServerUnavailable as error:
+                if attempt == REQUEST_TRIES - 1:
+                    raise EngineError(f"no answer after {REQUEST_TRIES} tries: {error}") from error
+                log.warning("%s (try %d of %d); trying again in %.0f s", error, attempt + 1, REQUEST_TRIES, delay)
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
 
     async def close_requests(self) -> None:
         """Close the running loop's connection pool."""

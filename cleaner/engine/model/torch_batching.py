@@ -2,24 +2,39 @@
 (docs/architecture.md §6).
 
 Design decisions:
-- A `DecodeBatch` holds the rows decoding together: one KV cache per layer left-padded to a common
-  width W ((B, H, W, D) tensors), a 2-D attention mask (B, W), each row's next position (B, 1) and
-  its next-token logits (B, V). New requests are prefilled together (one left-padded forward) and
-  joined to the batch by padding the narrower cache on the left; a row that ends leaves at once
-  (its row of the cache is dropped), and columns that are padding in every remaining row are cut.
-  Every forward passes explicit position ids, so padding never moves a row's positions.
+- A `DecodeBatch` holds the rows decoding together in slots: one KV buffer per layer, (S, H, C, D)
+  for S slots of C columns, used as a ring. Every step writes its column (`end % C`) in place for
+  every slot; a slot's row owns the C columns most recently written, and its attention mask (S, C)
+  marks which of them hold its tokens (attention does not care in which order its keys lie: each
+  already carries its position, and every forward passes explicit position ids).
+- A row's slot has room for its row's largest possible length (prompt + limit): C is at least the
+  largest of them, so a row never outgrows its ring, and the batch's memory (S x C positions) is
+  known before a row is admitted; `DecodeServer` admits within `max_tokens` such positions. No step
+  ever allocates.
+- Joining: the new rows are prefilled together (one left-padded forward of their own) and their
+  keys and values written into free slots; the rows already decoding are not copied. Only when the
+  batch has too few slots or too short a ring is it re-laid into larger buffers. A prefill that
+  fails answers only the rows that were joining.
+- Leaving: a row that ends frees its slot at once, for the next row to join in place; when three
+  quarters of the slots are free the batch is compacted (the live slots copied into fewer).
 - Each row samples from its own CPU generator, one uniform per token (inverse CDF), so the tokens a
   row draws depend on its seed and its logits only, never on its neighbours' randomness. The floats
   of a batched forward do depend on the batch's shape in the last bits (this backend is not
   batch-invariant: measured up to ~3e-6 in a log-prob on the tiny policy), so a token can differ
   between two batchings only where its uniform falls that close to a CDF boundary.
+- A step is a sampling, then a forward of the sampled tokens. A forward that runs out of device
+  memory fails no row: the most recently admitted half of the rows is retracted (their requests
+  start again later from their prompts, with their seeds: the same samples), the batch admits no
+  more rows than it kept until it empties, and the forward is tried again; only a row alone that
+  does not fit fails. Any other exception of a forward fails the rows that shared it, and only them.
 - `run_to_end` is the batch API's engine: every request admitted at once, stepped until all end, in
   the caller's thread. `DecodeServer` runs a batch on a thread of its own and takes requests from
-  any thread at any time: each step first admits what is waiting (within `max_rows` rows and
-  `max_tokens` padded cache positions), then samples one token for every row, so a request waits at
-  most one step to join. Other work on the model (the IS gate's scoring) runs on that thread
-  between steps, so two forwards never share the model at once.
-- A forward that raises fails every row of its batch (they share the forward), and only them.
+  any thread at any time: each step first admits what is waiting, then samples one token for every
+  row, so a request waits at most one step to join. Other work on the model (the IS gate's
+  scoring) runs on that thread between steps, so two forwards never share the model at once.
+- Nothing waits forever: whatever the decoding thread raises outside a forward (a bug, a device that
+  is lost) answers every request it holds, waiting or running, with that error, and every later
+  request at once.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,12 +52,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
-from cleaner.engine.model.kv import KV, causal_forward
+from cleaner.engine.model.kv import KV, cache_argument, causal_forward
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 256  # rows decoding at once (SGLang's max_running_requests plays this part)
-DEFAULT_MAX_TOKENS = 262_144  # rows x padded width of the cache: 256 rows of 1,024 positions
+DEFAULT_MAX_TOKENS = 262_144  # positions of cache (slots x ring), each row counted at prompt + limit: 256 rows of 1,024
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -108,6 +124,17 @@ class DecodeRequest:
     def finish(self, reason: str) -> None:
         self.settle(Generation(tuple(self.token_ids), tuple(self.logprobs), reason))
 
+    def restart(self) -> None:
+        """Back to its prompt and the start of its seed's stream (a retracted row samples again)."""
+        self.token_ids.clear()
+        self.logprobs.clear()
+        self.generator = torch.Generator().manual_seed(int(self.seed))
+
+    @property
+    def longest(self) -> int:
+        """Positions its row may take: its prompt and its limit."""
+        return len(self.prompt) + max(self.params.max_new_tokens, 0)
+
     def settle(self, result: Generation | BaseException) -> None:
         """Hand `result` to `done`, once; a waiter that is gone (its loop closed) is not our fault."""
         if self.settled:
@@ -122,78 +149,81 @@ class DecodeRequest:
 # ---------------------------------------------------------------------------- the batch
 
 
-class _BufferLayer(DynamicLayer):
-    """One layer's keys and values in buffers with room to grow: a forward writes its new columns
-    in place (transformers' DynamicLayer concatenates, copying the whole cache at every step)."""
+class _RingLayer(DynamicLayer):
+    """One layer's keys and values, (S, H, C, D): a forward writes its one column at `column` in
+    place and attends over the whole ring, under the batch's mask."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self.buffer_keys, self.buffer_values, self.length = keys, values, length  # (B, H, capacity, D)
+        self.keys, self.values = keys, values
         self.is_initialized = True
-        self._views()
+        self.column = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        if end > self.buffer_keys.shape[2]:  # double the room
-            self.buffer_keys = _widen(self.buffer_keys, 2 * end)
-            self.buffer_values = _widen(self.buffer_values, 2 * end)
-        self.buffer_keys[:, :, self.length:end] = key_states
-        self.buffer_values[:, :, self.length:end] = value_states
-        self.length = end
-        self._views()
+        self.keys[:, :, self.column] = key_states[:, :, -1]
+        self.values[:, :, self.column] = value_states[:, :, -1]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
-
-    def _views(self) -> None:
-        self.keys = self.buffer_keys[:, :, :self.length]
-        self.values = self.buffer_values[:, :, :self.length]
+        return self.keys.shape[2]
 
 
-def _widen(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-    """`buffer` (B, H, W, D) copied into a buffer of `capacity` columns (the new ones zero)."""
-    wider = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[3]))
-    wider[:, :, :buffer.shape[2]] = buffer
+def _relaid(buffer: torch.Tensor, end: int, slots: int, columns: int) -> torch.Tensor:
+    """`buffer` (S, ..., C, ...) on its column axis 2 (or 1 for a mask (S, C)) copied into `slots`
+    slots of a `columns`-column ring: the last C columns written keep their places modulo the new
+    ring (new slots and columns zero)."""
+    axis = 2 if buffer.dim() == 4 else 1
+    old = buffer.shape[axis]
+    shape = list(buffer.shape)
+    shape[0], shape[axis] = slots, columns
+    wider = buffer.new_zeros(shape)
+    written = torch.arange(end - old, end, device=buffer.device)  # the last C columns, oldest first
+    source, target = written % old, written % columns
+    if axis == 2:
+        wider[:buffer.shape[0], :, target] = buffer[:, :, source]
+    else:
+        wider[:buffer.shape[0], target] = buffer[:, source]
     return wider
 
 
-HEADROOM = 128  # columns a rebuilt cache has free for the steps to come before it must grow
-
-
 class DecodeBatch:
-    """Rows decoding together on one model; see the module's notes.
-
-    The cache's columns are right-aligned: every row's latest position is the last used column, a
-    row of n tokens uses the last n columns, the rest of its row is padding (mask 0). A row that
-    ends is only marked (`rows[i] is None`) and keeps its place until a quarter of the rows are
-    marked or new rows join; then the cache is rebuilt with the live rows only, cut to the columns
-    they use."""
+    """Rows decoding together on one model, in the slots of a ring cache (see the module's notes)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_id: int) -> None:
         self.model, self.device, self.pad_id = model, device, pad_id
-        self.rows: list[DecodeRequest | None] = []  # None: a row that ended, still in the cache
-        self.layers: list[_BufferLayer] = []
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)  # (B, W), 1 = real token
-        self.next_positions = torch.zeros((0, 1), dtype=torch.long, device=device)  # (B, 1)
-        self.logits: torch.Tensor | None = None  # (B, V): each row's next-token distribution
+        self.rows: list[DecodeRequest | None] = []  # per slot; None: free
+        self.layers: list[_RingLayer] = []
+        self.mask = torch.zeros((0, 0), dtype=torch.bool, device=device)  # (S, C): the slot's row's tokens
+        self.next_positions = torch.zeros((0, 1), dtype=torch.long, device=device)  # (S, 1)
+        self.logits: torch.Tensor | None = None  # (S, V): each row's next-token distribution
+        self.end = 0  # columns written so far: the next step writes column end % C
+        self.pending: list[int] | None = None  # tokens sampled for each slot, not yet forwarded
+        self.order: list[int] = []  # per slot: when its row joined (retraction takes the latest)
+        self.joins = 0
 
     @property
     def live(self) -> list[DecodeRequest]:
         return [row for row in self.rows if row is not None]
 
     @property
-    def width(self) -> int:
-        """Columns the live rows use (the longest live row's tokens in the cache)."""
-        return max((len(row.prompt) + len(row.token_ids) for row in self.live), default=0)
+    def columns(self) -> int:
+        """C: the ring's length."""
+        return self.mask.shape[1]
 
-    def cost_with(self, prompt_len: int, extra_rows: int = 1) -> int:
-        """Padded cache positions once `extra_rows` more rows of `prompt_len` tokens have joined."""
-        return (len(self.live) + extra_rows) * max(self.width, prompt_len)
+    def shape_with(self, requests: Sequence[DecodeRequest]) -> tuple[int, int]:
+        """(slots, columns) the batch needs to take `requests` besides the rows it has: a slot each,
+        and a ring as long as the longest any of its rows may grow to."""
+        free = len(self.rows) - len(self.live)
+        slots = len(self.rows) + max(0, len(requests) - free)
+        return slots, max([self.columns] + [request.longest for request in requests])
 
     @torch.inference_mode()
     def admit(self, requests: Sequence[DecodeRequest]) -> None:
-        """Prefill `requests` in one forward and join them to the batch."""
+        """Prefill `requests` in one forward and write them into free slots (the batch is re-laid
+        first only if it has too few slots or too short a ring). Raises, the batch untouched, if
+        the prefill or the re-laying does."""
+        if self.pending is not None:
+            raise RuntimeError("admit between steps only: a forward is pending")
         ready = []
         for request in requests:
             if request.cancelled():
@@ -206,54 +236,68 @@ class DecodeBatch:
             return
         input_ids, mask, positions = left_pad([r.prompt for r in ready], self.pad_id, self.device)
         out = causal_forward(self.model, input_ids, mask, positions, logits_to_keep=1)
-        self._rebuild(ready, out.kv, mask, positions[:, -1:] + 1, out.logits[:, -1])
+        slots, columns = self.shape_with(ready)
+        if slots > len(self.rows) or columns > self.columns:
+            self._relay(slots, columns, out.kv, out.logits[:1, -1])
+        free = [slot for slot, row in enumerate(self.rows) if row is None]
+        width, ring = mask.shape[1], self.columns
+        for index, (request, slot) in enumerate(zip(ready, free, strict=False)):
+            length = len(request.prompt)
+            columns_of = torch.arange(self.end - length, self.end, device=self.device) % ring  # ending at end - 1
+            for layer, (keys, values) in zip(self.layers, out.kv, strict=True):
+                layer.keys[slot, :, columns_of] = keys[index, :, width - length:]
+                layer.values[slot, :, columns_of] = values[index, :, width - length:]
+            self.mask[slot] = False
+            self.mask[slot, columns_of] = True
+            self.next_positions[slot] = length
+            self.logits[slot] = out.logits[index, -1]
+            self.rows[slot] = request
+            self.order[slot] = self.joins
+            self.joins += 1
 
-    def _rebuild(self, new_rows: list[DecodeRequest], kv: KV, mask: torch.Tensor, next_positions: torch.Tensor,
-                 logits: torch.Tensor) -> None:
-        """The cache of the live rows then `new_rows` (their prefill's kv, mask, positions, logits),
-        each right-aligned in the columns the longest of them needs."""
-        keep = [index for index, row in enumerate(self.rows) if row is not None]
-        width = max(self.width, mask.shape[1])
-        old_width, new_width = self.width, mask.shape[1]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        layers = []
-        for layer_index, (keys, values) in enumerate(kv):
-            buffers = []
-            for new, old in ((keys, "buffer_keys"), (values, "buffer_values")):
-                buffer = new.new_zeros((len(keep) + len(new_rows), new.shape[1], width + HEADROOM, new.shape[3]))
-                if keep:
-                    used = getattr(self.layers[layer_index], old)[index, :, self.used - old_width:self.used]
-                    buffer[:len(keep), :, width - old_width:width] = used
-                buffer[len(keep):, :, width - new_width:width] = new
-                buffers.append(buffer)
-            layers.append(_BufferLayer(*buffers, width))
-        rebuilt = torch.zeros((len(keep) + len(new_rows), width), dtype=torch.long, device=self.device)
-        if keep:
-            rebuilt[:len(keep), width - old_width:] = self.mask[index, self.used - old_width:]
-        rebuilt[len(keep):, width - new_width:] = mask
-        self.layers, self.mask = layers, rebuilt
-        self.next_positions = torch.cat([self.next_positions[index], next_positions])
-        self.logits = logits if not keep else torch.cat([self.logits[index], logits])
-        self.rows = [self.rows[i] for i in keep] + list(new_rows)
-
-    @property
-    def used(self) -> int:
-        """Columns of the cache in use (live and ended rows)."""
-        return self.mask.shape[1]
+    def _relay(self, slots: int, columns: int, kv: KV, logits: torch.Tensor) -> None:
+        """Larger buffers: `slots` slots of `columns` columns, the rows decoding kept in theirs.
+        `kv` and `logits` (1, V) are a prefill's, for the buffers' shapes and dtypes."""
+        if not self.layers:  # the first rows: buffers shaped like their prefill's
+            layers = [_RingLayer(keys.new_zeros((slots, keys.shape[1], columns, keys.shape[3])),
+                                 values.new_zeros((slots, values.shape[1], columns, values.shape[3])))
+                      for keys, values in kv]
+            grown_logits = logits.new_zeros((slots, logits.shape[-1]))
+        else:
+            layers = [_RingLayer(_relaid(layer.keys, self.end, slots, columns),
+                                 _relaid(layer.values, self.end, slots, columns)) for layer in self.layers]
+            grown_logits = torch.cat([self.logits, self.logits.new_zeros((slots - len(self.rows), self.logits.shape[-1]))])
+        self.layers, self.logits = layers, grown_logits  # all allocated: only now is the batch changed
+        self.mask = _relaid(self.mask, self.end, slots, columns) if self.columns else \
+            torch.zeros((slots, columns), dtype=torch.bool, device=self.device)
+        self.next_positions = torch.cat([self.next_positions, self.next_positions.new_zeros((slots - len(self.rows), 1))])
+        grow = slots - len(self.rows)
+        self.rows += [None] * grow
+        self.order += [0] * grow
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Sample one token for every live row; rows that end leave, the rest move one position on."""
-        if not self.rows:
+        """Sample one token for every live row (rows that end leave), then forward those tokens.
+        After a forward that raised, only the forward is tried again."""
+        if self.pending is None:
+            if not self.live:
+                self.clear()
+                return
+            self._sample()
+        if not self.live:
+            self.clear()
             return
+        self._forward()
+
+    def _sample(self) -> None:
         live = [index for index, row in enumerate(self.rows) if row is not None]
         tokens, logprobs = sample_rows(self.logits, self.rows, live)
-        next_tokens = [self.pad_id] * len(self.rows)
+        pending = [self.pad_id] * len(self.rows)
         for index, token, logprob in zip(live, tokens, logprobs, strict=True):
             row = self.rows[index]
             row.token_ids.append(token)
             row.logprobs.append(logprob)
-            next_tokens[index] = token
+            pending[index] = token
             if row.cancelled():  # nobody waits for it any more: it leaves without an answer
                 pass
             elif token in row.params.stop_token_ids:
@@ -262,34 +306,56 @@ class DecodeBatch:
                 row.finish(LENGTH)
             else:
                 continue
-            self.rows[index] = None
-        n_live = sum(row is not None for row in self.rows)
-        if n_live == 0:
-            self.clear()
-            return
-        if len(self.rows) - n_live > n_live // 4:  # enough rows have ended: rebuild without them
-            keep = [index for index, row in enumerate(self.rows) if row is not None]
-            self._compact(keep)
-            next_tokens = [next_tokens[index] for index in keep]
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
-        cache = Cache(layers=self.layers)
-        out = self.model(input_ids=torch.tensor(next_tokens, device=self.device).unsqueeze(-1),
-                         attention_mask=self.mask, position_ids=self.next_positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+            self._free(index)
+        self.pending = pending
+        n_live = len(self.live)
+        if len(self.rows) >= 8 and 4 * n_live <= len(self.rows):
+            self._compact()
+
+    def _forward(self) -> None:
+        column = self.end % self.columns
+        self.mask[:, column] = True  # each slot's new token (a free slot attends to its own only)
+        for layer in self.layers:
+            layer.column = column
+        input_ids = torch.tensor(self.pending, device=self.device).unsqueeze(-1)  # (S, 1)
+        out = self.model(input_ids=input_ids, attention_mask=self.mask[:, None, None, :],  # (S, 1, 1, C)
+                         position_ids=self.next_positions, use_cache=True, logits_to_keep=1,
+                         **{cache_argument(self.model): Cache(layers=self.layers)})
         self.logits = out.logits[:, -1]
         self.next_positions = self.next_positions + 1
+        self.end += 1
+        self.pending = None
 
-    def _compact(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (live), cut to the columns they use."""
-        width = max(len(self.rows[i].prompt) + len(self.rows[i].token_ids) - 1 for i in keep)  # in the cache
+    def _free(self, slot: int) -> None:
+        self.rows[slot] = None
+        self.mask[slot] = False
+
+    def _compact(self) -> None:
+        """Keep only the live slots (a copy of theirs)."""
+        keep = [slot for slot, row in enumerate(self.rows) if row is not None]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        start = self.used - width
-        self.layers = [_BufferLayer(_widen(layer.buffer_keys[index, :, start:self.used], width + HEADROOM),
-                                    _widen(layer.buffer_values[index, :, start:self.used], width + HEADROOM), width)
-                       for layer in self.layers]
-        self.mask = self.mask[index, start:]
-        self.next_positions, self.logits = self.next_positions[index], self.logits[index]
-        self.rows = [self.rows[i] for i in keep]
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.mask, self.next_positions, self.logits = self.mask[index], self.next_positions[index], self.logits[index]
+        self.pending = None if self.pending is None else [self.pending[slot] for slot in keep]
+        self.rows = [self.rows[slot] for slot in keep]
+        self.order = [self.order[slot] for slot in keep]
+
+    @torch.inference_mode()
+    def retract(self) -> list[DecodeRequest]:
+        """Free the most recently admitted half of the live rows (at least one, never the last):
+        their requests, restarted, to be admitted again later."""
+        live = sorted((slot for slot, row in enumerate(self.rows) if row is not None), key=self.order.__getitem__)
+        taken = live[len(live) - len(live) // 2:] if len(live) > 1 else []
+        requests = []
+        for slot in taken:
+            request = self.rows[slot]
+            request.restart()
+            requests.append(request)
+            self._free(slot)
+            if self.pending is not None:
+                self.pending[slot] = self.pad_id
+        return requests
 
     def fail(self, error: BaseException) -> None:
         """Every live row ends with `error`."""
@@ -298,9 +364,10 @@ class DecodeBatch:
         self.clear()
 
     def clear(self) -> None:
-        self.rows, self.layers, self.logits = [], [], None
+        self.rows, self.layers, self.logits, self.order, self.pending = [], [], None, [], None
         self.mask = self.mask[:0, :0]
         self.next_positions = self.next_positions[:0]
+        self.end = 0
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[DecodeRequest | None],
@@ -362,12 +429,21 @@ class DecodeServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.broken: BaseException | None = None  # what ended the decoding thread, if anything did
+        self._received: weakref.WeakSet[DecodeRequest] = weakref.WeakSet()  # every request taken in (to answer at death)
+        self.row_limit: int | None = None  # after running out of memory: rows the batch may hold until it empties
         self.steps = 0  # decode steps taken (one token for every row of the batch)
         self.rows_stepped = 0  # sum over steps of the rows in the batch: mean batch = rows / steps
 
+    def _refusal(self) -> BaseException | None:
+        if self.broken is not None:
+            return RuntimeError(f"the torch backend's decoding thread died: {type(self.broken).__name__}: "
+                                f"{self.broken}")
+        return RuntimeError("the torch backend was closed") if self._closed else None
+
     def submit(self, request: DecodeRequest) -> None:
-        if self._closed:
-            request.settle(RuntimeError("the torch backend was closed"))
+        if (refusal := self._refusal()) is not None:
+            request.settle(refusal)
             return
         self._ensure_running()
         self._inbox.put(request)
@@ -375,8 +451,8 @@ class DecodeServer:
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the decoding thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._closed:
-            future.set_exception(RuntimeError("the torch backend was closed"))
+        if (refusal := self._refusal()) is not None:
+            future.set_exception(refusal)
             return future
         self._ensure_running()
         self._inbox.put(_Call(fn, future))
@@ -402,29 +478,63 @@ class DecodeServer:
     def _serve(self) -> None:
         batch: DecodeBatch | None = None
         waiting: deque[DecodeRequest] = deque()
-        while True:
-            idle = batch is None or not batch.rows
-            if self._take(block=idle and not waiting, waiting=waiting):  # stop
-                error = RuntimeError("the torch backend was closed")
-                if batch is not None:
-                    batch.fail(error)
-                for request in waiting:
-                    request.settle(error)
-                self._take(block=False, waiting=deque(), closing=True)
+        try:
+            while not self._take(block=(batch is None or not batch.rows) and not waiting, waiting=waiting):
+                if batch is None or not batch.rows:
+                    batch = self.new_batch()  # on the model as it is now (weights adopted since the last batch)
+                    self.row_limit = None
+                self._admit(batch, waiting)
+                self._step(batch, waiting)
+            self._end(batch, waiting, RuntimeError("the torch backend was closed"))
+        except BaseException as error:  # noqa: BLE001 - the thread itself broke: answer all it holds
+            log.exception("the torch backend's decoding thread died")
+            self.broken = error
+            self._end(batch, waiting, self._refusal())
+
+    def _end(self, batch: DecodeBatch | None, waiting: deque, error: BaseException) -> None:
+        """Answer every request held here with `error`: running, waiting, and still in the inbox."""
+        if batch is not None:
+            batch.fail(error)
+        for request in [*waiting, *list(self._received)]:  # those between a batch and the queue too
+            request.settle(error)  # once: those already answered are left alone
+        waiting.clear()
+        self._take(block=False, waiting=deque(), closing=True)
+
+    def _admit(self, batch: DecodeBatch, waiting: deque) -> None:
+        admitted = self._admissible(batch, waiting)
+        try:
+            batch.admit(admitted)
+        except torch.OutOfMemoryError as error:
+            if batch.live or len(admitted) > 1:  # wait for room: no more rows than now, at least one
+                waiting.extendleft(reversed(admitted))
+                self.row_limit = max(len(batch.live), 1)
+                _free_device_memory(batch.device)
+            else:
+                admitted[0].settle(error)  # one row alone does not fit
+        except Exception as error:  # the joining rows' prefill failed: it was theirs alone
+            log.exception("a prefill failed; its %d requests end with the error", len(admitted))
+            for request in admitted:
+                request.settle(error)
+
+    def _step(self, batch: DecodeBatch, waiting: deque) -> None:
+        if not batch.rows:
+            return
+        try:
+            self.steps += 1
+            self.rows_stepped += len(batch.live)
+            batch.step()
+        except torch.OutOfMemoryError as error:
+            retracted = batch.retract()
+            if not retracted:
+                batch.fail(error)  # one row alone does not fit
                 return
-            if batch is None or not batch.rows:
-                batch = self.new_batch()  # on the model as it is now (weights adopted since the last batch)
-            admitted = self._admissible(batch, waiting)
-            try:
-                batch.admit(admitted)
-                self.steps += bool(batch.rows)
-                self.rows_stepped += len(batch.live)
-                batch.step()
-            except Exception as error:  # every row of this batch shared the forward that failed
-                log.exception("torch decode step failed; its %d requests end with the error", len(batch.live))
-                for request in admitted:
-                    request.settle(error)  # once: those already answered are left alone
-                batch.fail(error)
+            log.warning("out of device memory: %d rows wait to start again", len(retracted))
+            waiting.extendleft(reversed(retracted))
+            self.row_limit = len(batch.live)
+            _free_device_memory(batch.device)
+        except Exception as error:  # every row of this batch shared the forward that failed
+            log.exception("torch decode step failed; its %d requests end with the error", len(batch.live))
+            batch.fail(error)
 
     def _take(self, block: bool, waiting: deque, closing: bool = False) -> bool:
         """Move what the inbox holds to `waiting` (requests) or run it (calls); True to stop.
@@ -438,7 +548,7 @@ class DecodeServer:
             if item is _STOP:
                 return True
             if closing:
-                error = RuntimeError("the torch backend was closed")
+                error = self._refusal() or RuntimeError("the torch backend was closed")
                 if isinstance(item, _Call):
                     if item.future.set_running_or_notify_cancel():
                         item.future.set_exception(error)
@@ -447,19 +557,30 @@ class DecodeServer:
             elif isinstance(item, _Call):
                 _run_call(item)
             elif not item.cancelled():
+                self._received.add(item)
                 waiting.append(item)
 
     def _admissible(self, batch: DecodeBatch, waiting: deque) -> list[DecodeRequest]:
-        """The waiting requests that fit now, oldest first (one always, into an empty batch)."""
+        """The waiting requests that fit now, oldest first (one always, into an empty batch): within
+        `max_rows` rows and `max_tokens` positions of cache, each row counted at its largest
+        possible length (prompt + limit)."""
         admitted: list[DecodeRequest] = []
         while waiting and waiting[0].cancelled():
             waiting.popleft()
-        while waiting and len(batch.live) + len(admitted) < self.max_rows:
-            longest = max([len(waiting[0].prompt)] + [len(r.prompt) for r in admitted])
-            if (batch.live or admitted) and batch.cost_with(longest, len(admitted) + 1) > self.max_tokens:
+        if batch.pending is not None:  # a forward to try again first
+            return admitted
+        rows = min(self.max_rows, self.row_limit or self.max_rows)
+        while waiting and len(batch.live) + len(admitted) < rows:
+            slots, columns = batch.shape_with([*admitted, waiting[0]])
+            if (batch.live or admitted) and slots * columns > self.max_tokens:
                 break
             admitted.append(waiting.popleft())
         return admitted
+
+
+def _free_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _run_call(call: _Call) -> None:

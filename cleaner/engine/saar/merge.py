@@ -11,7 +11,8 @@ Design decisions:
   ids and behaviour log-probs are spliced per token, never re-tokenised. The merged turn's code is
   always that of the last attempt merged into it.
 - Similarity: `code` compares the two `tool_code` strings and falls back to `call` when either is
-  None; `call` compares decode(token_ids[call_start:]) as the reference does. Ratios are memoised:
+  None; calls of two different tools are never alike by code (their `tool_code`s are arguments of
+  different functions); `call` compares decode(token_ids[call_start:]) as the reference does. Ratios are memoised:
   an ablation grid compares the same pair of calls once per config.
 - The IS gate (gate.py) sees each merge before it is made: a merge it rejects stops the merging,
   and the chain renders raw from there.
@@ -29,6 +30,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from cleaner.config import SimilarityOn
+from cleaner.engine.model.chat import TOOL_NAME
 from cleaner.engine.saar.gate import Gate
 from cleaner.records import Segment, SegmentKind
 
@@ -80,6 +82,7 @@ class Span:
     call_start: int | None = None  # assistant spans: where the call begins
     code: str | None = None  # assistant spans: the code of the call
     origin: tuple[KeptTokens, ...] = ()  # the raw token ranges these tokens are, in order
+    tool: str | None = None  # assistant spans with a call: the tool it names (None: the code interpreter)
 
 
 def span_of(segment: Segment) -> Span:
@@ -88,7 +91,8 @@ def span_of(segment: Segment) -> Span:
         return Span(segment.token_ids, (0.0,) * len(segment.token_ids), trained=False, origin=origin)
     if segment.logprobs is None:
         raise ValueError(f"assistant segment {segment.rollout_id}#{segment.seq} has no logprobs")
-    return Span(segment.token_ids, segment.logprobs, True, segment.call_start, segment.tool_code, origin)
+    tool = None if segment.tool_name == TOOL_NAME else segment.tool_name  # older parts store no name
+    return Span(segment.token_ids, segment.logprobs, True, segment.call_start, segment.tool_code, origin, tool)
 
 
 def _cut_origin(origin: Sequence[KeptTokens], start: int, end: int) -> tuple[KeptTokens, ...]:
@@ -242,11 +246,16 @@ def _shallow(current: Span, following: Span) -> Span:
         call_start=cut,
         code=following.code,
         origin=_cut_origin(current.origin, 0, cut) + _cut_origin(following.origin, start, len(following.token_ids)),
+        tool=following.tool,
     )
 
 
 def _similarity(earlier: Span, later: Span, similarity_on: SimilarityOn, decode: Decode | None) -> float:
-    """difflib ratio of the two calls' code (`code`) or decoded call tokens (`call`)."""
+    """difflib ratio of the two calls' code (`code`) or decoded call tokens (`call`). By code, calls
+    of two different tools are not alike, whatever their arguments (a retry that changes tools is a
+    new approach: deep)."""
+    if similarity_on == SimilarityOn.CODE and earlier.tool != later.tool:
+        return 0.0
     if similarity_on == SimilarityOn.CODE and earlier.code is not None and later.code is not None:
         return _ratio(earlier.code, later.code)
     if decode is None:

@@ -20,6 +20,7 @@ from cleaner.config import PurifyConfig
 from cleaner.engine.collect.agent import CollectedBatch, rollback_draw
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
+from cleaner.errors import CollectionStopped
 from cleaner.engine.model.base import SamplingParams
 from cleaner.engine.model.chat import (
     format_call,
@@ -30,6 +31,7 @@ from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, render, view_for
 from tests.agent_fakes import (
+    collect_parts,
     BASE,
     CHAINS,
     CHAT,
@@ -49,8 +51,8 @@ def run(scripts, config, sandbox=None, raise_on=frozenset(), **kwargs) -> Collec
     """Collect every scripted prompt (sample 0 only unless group_size says otherwise); merge parts."""
     prompt_ids = list(dict.fromkeys(prompt_id for prompt_id, _ in scripts))
     backend = ScriptedBackend(scripts, config, raise_on)
-    batches = list(collect([task(p) for p in prompt_ids], config, backend, sandbox or FakeSandbox(),
-                           CHAT, reward_fn=fake_reward, progress=False, **kwargs))
+    batches = collect_parts([task(p) for p in prompt_ids], config, backend, sandbox or FakeSandbox(),
+                            CHAT, reward_fn=fake_reward, progress=False, **kwargs)
     run.backend = backend
     return CollectedBatch([r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments])
 
@@ -343,8 +345,8 @@ def collect_random(config, skip=frozenset(), jitter=None, prompts=3):
     """Parts, then the rollouts and segments sorted by rollout (plan order: the ids sort so)."""
     tasks = [task(f"p{i}") for i in range(prompts)]
     backend = RandomBackend(jitter)
-    batches = list(collect(tasks, config, backend, FakeSandbox(), CHAT, reward_fn=fake_reward,
-                           skip_rollout_ids=skip, progress=False))
+    batches = collect_parts(tasks, config, backend, FakeSandbox(), CHAT, reward_fn=fake_reward,
+                            skip_rollout_ids=skip, progress=False)
     collect_random.backend = backend
     rollouts = sorted((dataclasses.replace(r, created_at=None) for b in batches for r in b.rollouts),
                       key=lambda r: r.rollout_id)
@@ -443,37 +445,71 @@ def test_a_stopped_lock_step_releases_nothing_more():
     assert asyncio.run(main()) == set() and sent == []
 
 
-@pytest.mark.parametrize(("data_source", "on_main"), [("toy", True), ("livecodebench", False)])
-def test_a_reward_runs_on_the_main_thread_unless_it_runs_programs(data_source, on_main):
+@pytest.mark.parametrize("data_source", ["toy", "livecodebench"])
+def test_a_reward_never_runs_on_the_loops_thread(data_source):
+    """The loop goes on while rewards are computed: a reward handed in runs on a thread of its own
+    (the built-in grader's math runs in a reward worker process: test_runner.py)."""
     import threading
 
     threads = []
 
     def reward(text, ground_truth, source):
-        threads.append(threading.current_thread() is threading.main_thread())
+        threads.append(threading.current_thread())
         return fake_reward(text, ground_truth, source)
 
     scripts = {("main", 0): [answer("42")]}
     tasks = [Task("main", ({"role": "user", "content": "Q?"},), "42", data_source)]
-    list(collect(tasks, BASE, ScriptedBackend(scripts, BASE), FakeSandbox(), CHAT, reward_fn=reward,
-                 progress=False))
-    assert threads == [on_main]  # math-verify's timeouts need the main thread; tests do not
+    collect_parts(tasks, BASE, ScriptedBackend(scripts, BASE), FakeSandbox(), CHAT, reward_fn=reward, progress=False)
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
 
 
 # ---------------------------------------------------------------------------------------------
 # Faults
 
 
+def collect_stopped(scripts, config, raise_on, message: str) -> CollectedBatch:
+    """What a collection whose backend fails the requests `raise_on` wrote before it said `message`."""
+    parts = []
+    tasks = [task(p) for p in dict.fromkeys(prompt_id for prompt_id, _ in scripts)]
+    with pytest.raises(CollectionStopped) as stopped:
+        collect(tasks, config, ScriptedBackend(scripts, config, raise_on), FakeSandbox(), CHAT, write=parts.append,
+                reward_fn=fake_reward, progress=False)
+    assert str(stopped.value) == message
+    return CollectedBatch([r for p in parts for r in p.rollouts], [s for p in parts for s in p.segments])
+
+
 @pytest.mark.parametrize("schedule", ["async", "lockstep"])
-def test_backend_failure_ends_only_the_affected_rollouts(schedule):
-    # c's second turn fails; d shares c's lock-step batch and still answers: a request fails alone
+def test_a_backend_fault_leaves_its_rollout_unstored_and_no_other(schedule):
+    """c's second turn fails: c is not a finished rollout, so it is not written (--resume collects it
+    again), and the collection says so after writing the others; d shares c's lock-step batch and
+    still answers."""
     config = dataclasses.replace(BASE, batch_rollouts=2, schedule=schedule)
     scripts = {(p, 0): [call("A.", "print(1)"), answer("42")] for p in ("a", "b", "c", "d")}
-    batch = run(scripts, config, raise_on={("c", 0, 1)})
-    reasons = {r.prompt_id: (r.finish_reason, r.reward) for r in batch.rollouts}
-    assert reasons == {"a": ("answer", 1.0), "b": ("answer", 1.0), "c": ("error", 0.0),
-                       "d": ("answer", 1.0)}
-    assert [s.kind for s in segments_of(batch, "it0-c-s0")] == ["prompt", "assistant", "tool"]
+    batch = collect_stopped(scripts, config, {("c", 0, 1)}, (
+        "1 of 4 rollouts were not collected: the backend failed their requests (last: RuntimeError: CUDA error: "
+        "device-side assert triggered); the 3 others are committed, and --resume collects the rest"))
+    assert {r.prompt_id: (r.finish_reason, r.reward) for r in batch.rollouts} == {
+        "a": ("answer", 1.0), "b": ("answer", 1.0), "d": ("answer", 1.0)}
+    assert {s.rollout_id for s in batch.segments} == {"it0-a-s0", "it0-b-s0", "it0-d-s0"}
+    # resumed with the fault gone, c is collected as if nothing had happened
+    resumed = run(scripts, config, skip_rollout_ids=frozenset(r.rollout_id for r in batch.rollouts))
+    healthy = run(scripts, config)
+    assert [r for r in resumed.rollouts] == [r for r in healthy.rollouts if r.prompt_id == "c"]
+
+
+def test_faults_as_the_rule_stop_the_collection_with_what_is_committed():
+    """Every generation of all but the first two prompts fails: once MIN_FAULTS of the window's
+    requests (and half of them) have failed, the collection stops, the parts before stay."""
+    from cleaner.engine.collect.schedule import MIN_FAULTS
+
+    config = dataclasses.replace(BASE, batch_rollouts=1, max_concurrent_rollouts=1)
+    scripts = {(f"p{i}", 0): [answer("42")] for i in range(40)}
+    broken = {(f"p{i}", 0, 0) for i in range(2, 40)}
+    batch = collect_stopped(scripts, config, broken, (
+        f"{MIN_FAULTS} of the last {MIN_FAULTS + 2} requests failed (last: RuntimeError: CUDA error: device-side "
+        "assert triggered); the collection stopped: 2 of 40 rollouts are committed in 2 parts, and --resume collects "
+        "the rest once the backend is back"))
+    assert [r.prompt_id for r in batch.rollouts] == ["p0", "p1"]
 
 
 def test_sandbox_failure_is_infra_error_for_that_call_only():
@@ -492,26 +528,28 @@ def test_sandbox_failure_is_infra_error_for_that_call_only():
 
 
 def test_infra_faults_get_advantage_zero_and_stay_out_of_group_statistics():
-    config = dataclasses.replace(BASE, group_size=5, batch_rollouts=4)  # sample 4 in its own batch
+    config = dataclasses.replace(BASE, group_size=4, batch_rollouts=4)
     scripts = {("g", 0): [call("A.", "print(1)"), answer("42")],
                ("g", 1): [call("A.", "print(1)"), answer("41")],
                ("g", 2): [call("A.", "print(1)"), answer("42")],
                # every attempt crashes the sandbox: the last call stays infra_error
-               ("g", 3): [call(f"A{i}.", "print('CRASH')") for i in range(4)] + [answer("41")],
-               ("g", 4): [call("A.", "print(1)"), answer("42")]}
-    batch = run(scripts, config, raise_on={("g", 4, 1)})  # sample 4's generation fails
-    reasons = {r.sample_index: r.finish_reason for r in batch.rollouts}
-    assert reasons == {0: "answer", 1: "answer", 2: "answer", 3: "answer", 4: "error"}
+               ("g", 3): [call(f"A{i}.", "print('CRASH')") for i in range(4)] + [answer("41")]}
+    batch = run(scripts, config)
     rows, stats = render_iteration(batch.rollouts, batch.segments, PurifyConfig(), CHAT.decode)
     by_sample = {int(row.rollout_id[-1]): row for row in rows}
-    assert [by_sample[i].infra_fault for i in range(5)] == [False, False, False, True, True]
-    assert by_sample[3].advantage == 0.0 and by_sample[4].advantage == 0.0
+    assert [by_sample[i].infra_fault for i in range(4)] == [False, False, False, True]
+    assert by_sample[3].advantage == 0.0
     # The others' statistics are those of the group {1, 0, 1}: mean 2/3, sample std sqrt(1/3).
     eps = PurifyConfig().advantage_eps
     expected = [(1 / 3) / (math.sqrt(1 / 3) + eps), (-2 / 3) / (math.sqrt(1 / 3) + eps),
                 (1 / 3) / (math.sqrt(1 / 3) + eps)]
     assert [by_sample[i].advantage for i in range(3)] == pytest.approx(expected, rel=1e-6)
-    assert stats.n_infra_fault == 2
+    assert stats.n_infra_fault == 1
+    # a warehouse of an earlier version holds rollouts a backend fault ended (finish_reason error):
+    # they are infra faults too
+    ended = dataclasses.replace(batch.rollouts[0], finish_reason="error")
+    rows, stats = render_iteration([ended, *batch.rollouts[1:]], batch.segments, PurifyConfig(), CHAT.decode)
+    assert stats.n_infra_fault == 2 and {row.rollout_id: row.advantage for row in rows}["it0-g-s0"] == 0.0
 
 
 def test_malformed_call_is_a_format_error_and_not_run():

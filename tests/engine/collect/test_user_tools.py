@@ -43,6 +43,7 @@ from tests.agent_fakes import (
     answer,
     arguments,
     call,
+    collect_parts,
     convert,
     fake_reward,
     run_units,
@@ -305,9 +306,9 @@ def test_the_second_tools_chains_have_the_python_tools_steps_and_contexts():
 
 
 def run_python(config):
-    batches = list(collect([task(p) for p in ("shallow", "deep", "exhausted", "gives_up")], config,
-                           ScriptedBackend(CHAINS, config), FakeSandbox(), ChatFormat(CharTokenizer()),
-                           reward_fn=fake_reward, progress=False))
+    batches = collect_parts([task(p) for p in ("shallow", "deep", "exhausted", "gives_up")], config,
+                            ScriptedBackend(CHAINS, config), FakeSandbox(), ChatFormat(CharTokenizer()),
+                            reward_fn=fake_reward, progress=False)
     return [r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments], None
 
 
@@ -354,14 +355,16 @@ def test_a_tool_call_does_not_hold_the_other_rollouts():
     box = Toolbox([Gate()])
     config = dataclasses.replace(BASE, batch_rollouts=1)
     finished, segments = [], []
-    parts = collect([task(p) for p in ("waits", "free0", "free1", "free2")], config, ScriptedBackend(scripts, config),
-                    FakeSandbox(), ChatFormat(CharTokenizer(), box.schemas), reward_fn=fake_reward, progress=False,
-                    toolbox=box)
-    for part in parts:
-        finished += [r.rollout_id for r in part.rollouts]
-        segments += part.segments
+
+    def write(part):
+        finished.extend(r.rollout_id for r in part.rollouts)
+        segments.extend(part.segments)
         if len(finished) == 3:
             release.set()  # only now may the gate's call return
+
+    collect([task(p) for p in ("waits", "free0", "free1", "free2")], config, ScriptedBackend(scripts, config),
+            FakeSandbox(), ChatFormat(CharTokenizer(), box.schemas), write=write, reward_fn=fake_reward,
+            progress=False, toolbox=box)
     assert sorted(finished[:3]) == ["it0-free0-s0", "it0-free1-s0", "it0-free2-s0"] and finished[3] == "it0-waits-s0"
     (gate,) = [s for s in segments if s.rollout_id == "it0-waits-s0" and s.kind == "tool"]
     assert gate.text == tool_response_text("Tool call success\nopen")

@@ -25,18 +25,24 @@ from tests.agent_fakes import (
     ScriptedBackend,
     answer,
     call,
+    collect_parts,
     fake_reward,
 )
 
 VERL_STYLE = '''
 import re
 
-CALLS = []  # every call's arguments, for the tests
+import json
+import pathlib
+
+CALLS = pathlib.Path(__file__).with_suffix(".calls")  # every call's arguments, a JSON line each (a
+                                                      # reward worker process writes them)
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    CALLS.append(dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                      extra_info=extra_info))
+    with CALLS.open("a") as calls:
+        calls.write(json.dumps(dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                    extra_info=extra_info)) + "\\n")
     boxed = re.findall(r"\\\\boxed\\{([^}]*)\\}", solution_str)
     pred = boxed[-1] if boxed else None
     acc = pred == ground_truth
@@ -78,8 +84,8 @@ def test_a_file_alone_means_compute_score(reward_file):
 @pytest.mark.parametrize(("spec", "message"), [
     ("{d}/none.py:f", "reward function '{d}/none.py:f': no such file {d}/none.py"),
     ("{d}/reward.py:nothing", "reward function '{d}/reward.py:nothing': {d}/reward.py has no 'nothing'; it defines "
-                              "CALLS, as_number, compute_score, raises, re"),
-    ("{d}/reward.py:CALLS", "reward function '{d}/reward.py:CALLS': list is not callable"),
+                              "CALLS, as_number, compute_score, json, pathlib, raises, re"),
+    ("{d}/reward.py:CALLS", "reward function '{d}/reward.py:CALLS': PosixPath is not callable"),
     ("justaname", "reward function 'justaname': expected PATH.py:NAME (the file and the name of the object in it)"),
     ("not_a_module_here.f", "reward function 'not_a_module_here.f': cannot import module 'not_a_module_here' "
                             "(ModuleNotFoundError: No module named 'not_a_module_here')"),
@@ -108,12 +114,19 @@ def test_numbers_and_dicts_as_verl_takes_them(returned, expected):
     assert score(RewardFunction("f.py:f", lambda **_: returned)) == expected
 
 
+NOT_A_REWARD = "not a finite number a float32 holds (|x| <= 3.403e+38)"
+
+
 @pytest.mark.parametrize(("returned", "what"), [
-    ("1.0", "str '1.0', not a finite number"),
-    (None, "NoneType None, not a finite number"),
-    (float("nan"), "float nan, not a finite number"),
+    ("1.0", "str '1.0', " + NOT_A_REWARD),
+    (None, "NoneType None, " + NOT_A_REWARD),
+    (float("nan"), "float nan, " + NOT_A_REWARD),
     ({"reward": 1.0}, "a dict without a 'score' key (keys: ['reward'])"),
-    ({"score": "high"}, "str 'high', not a finite number"),
+    ({"score": "high"}, "str 'high', " + NOT_A_REWARD),
+    # beyond float32, the warehouse's reward column: stored as inf, it would turn advantages into NaN
+    (1e39, "float 1e+39, " + NOT_A_REWARD),
+    (-3.5e38, "float -3.5e+38, " + NOT_A_REWARD),
+    (10**400, "int " + repr(10**400)[:80] + ", " + NOT_A_REWARD),
 ])
 def test_anything_else_is_one_error_naming_the_function_and_rollout(returned, what):
     def judge(**_):
@@ -170,16 +183,16 @@ def call_text(code: str) -> str:
 def collect_with(function: RewardFunction, config=BASE, scripts=SCRIPTS, tasks=None):
     tasks = tasks or [Task(p, ({"role": "user", "content": f"Question {p}?"},), "42", "toy", extra_info={"index": i})
                       for i, p in enumerate(dict.fromkeys(p for p, _ in scripts))]
-    parts = collect(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT, reward_fn=fake_reward,
-                    progress=False, reward_file=function)
+    parts = collect_parts(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT, reward_fn=fake_reward,
+                          progress=False, reward_file=function)
     return [r for part in parts for r in part.rollouts]
 
 
 @pytest.mark.parametrize("collect_view", ["purified", "raw"])
 def test_solution_str_is_the_views_response_without_special_tokens(reward_file, collect_view):
     function = RewardFunction.load(str(reward_file))
-    calls = function.function.__globals__["CALLS"]
     rollouts = collect_with(function, dataclasses.replace(BASE, collect_view=collect_view))
+    calls = [json.loads(line) for line in reward_file.with_suffix(".calls").read_text().splitlines()]
     by_id = {call["solution_str"]: call for call in calls}
     fixed = ("Let me compute." + call_text("print(6*7)") + SUCCESS if collect_view == "purified"  # SAAR's shallow merge
              else "Let me compute." + call_text("print(6*7+oops)") + FAILURE + "Fixed." + call_text("print(6*7)") + SUCCESS)
@@ -202,7 +215,7 @@ def test_a_raising_function_stops_the_collection_and_parts_before_stay(reward_fi
     committed = []
     with pytest.raises(RewardFunctionError, match=r"^reward function raises \(.*:raises\) raised on rollout "
                                                   r"it0-p3-s0: ValueError: cannot parse 42$"):
-        for part in collect(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT,
-                            reward_fn=fake_reward, progress=False, reward_file=function):
-            committed += [r.rollout_id for r in part.rollouts]
+        collect(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT,
+                write=lambda part: committed.extend(r.rollout_id for r in part.rollouts),
+                reward_fn=fake_reward, progress=False, reward_file=function)
     assert committed == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]

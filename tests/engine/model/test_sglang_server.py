@@ -6,6 +6,7 @@ expected value is computed by hand."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -142,14 +143,33 @@ def test_sticky_routes_keep_a_session_on_its_server_and_spread_new_ones():
     from cleaner.engine.model.sglang_server import StickyRoutes
 
     routes = StickyRoutes(["a", "b"])
-    with routes.request("r1") as first:  # both idle: the first listed
+    with routes.request(routes.server_for("r1")) as first:  # both idle: the first listed
         assert first == "a"
-        with routes.request("r2") as second:  # a is busy: the least busy
+        with routes.request(routes.server_for("r2")) as second:  # a is busy: the least busy
             assert second == "b"
-            with routes.request("r1") as again:  # r1 stays on a, busy or not
+            with routes.request(routes.server_for("r1")) as again:  # r1 stays on a, busy or not
                 assert again == "a"
     assert routes.in_flight == {"a": 0, "b": 0}
     assert routes.server_for("r2") == "b" and routes.server_for(None) == "a"
+
+
+def test_a_failed_server_leaves_the_rotation_its_sessions_move_and_it_is_probed_back():
+    from cleaner.engine.model.sglang_server import PROBE_BACKOFF_S, StickyRoutes
+
+    routes = StickyRoutes(["a", "b"])
+    assert routes.server_for("r1") == "a"
+    routes.failed("a", now=100.0)
+    assert routes.rotation == ["b"] and routes.server_for("r1") == "b"  # r1 moved for good
+    assert routes.server_for("new") == "b"  # the idle failed server gets no new rollout
+    assert routes.due(100.0 + PROBE_BACKOFF_S / 2) == [] and routes.due(100.0 + PROBE_BACKOFF_S) == ["a"]
+    routes.failed("b", now=100.0)
+    assert routes.server_for("r1") is None and routes.next_probe_in(100.0) == PROBE_BACKOFF_S
+    routes.recovered("a")
+    assert routes.server_for("r1") == "a"  # b is still out
+    routes.failed("a", now=200.0)
+    assert routes.out["a"] == 200.0 + PROBE_BACKOFF_S  # a recovery starts its back-off afresh
+    routes.failed("a", now=300.0)  # already out: nothing changes until it is probed
+    assert routes.out["a"] == 200.0 + PROBE_BACKOFF_S and routes.backoff["a"] == 2 * PROBE_BACKOFF_S
 
 
 def test_requests_go_straight_to_the_routers_workers_each_rollout_to_one(model_dir):
@@ -208,3 +228,144 @@ def test_a_refused_request_fails_alone(server, model_dir):
     generation, refused, scored = asyncio.run(main())
     assert generation.token_ids == (3, 4) and scored == [[-0.4]]
     assert isinstance(refused, EngineError) and "HTTP 400" in str(refused)
+
+
+# ---------------------------------------------------------------------------- faults: nothing a server does changes what is stored
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """Back-offs of milliseconds instead of seconds (the rules are the same)."""
+    from cleaner.engine.model import sglang_server
+
+    monkeypatch.setattr(sglang_server, "RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(sglang_server, "PROBE_BACKOFF_S", 0.2)
+    monkeypatch.setattr(sglang_server, "MAX_PROBE_BACKOFF_S", 0.2)
+
+
+def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset()):
+    """A collection of `prompts` x 2 single-turn rollouts through the servers behind `url`: the parts
+    it wrote, and what it raised (None if it finished)."""
+    from cleaner.config import CollectConfig
+    from cleaner.engine.collect.schedule import collect
+    from cleaner.engine.collect.tasks import toy_tasks
+    from cleaner.engine.model.chat import ChatFormat
+    from tests.agent_fakes import FakeSandbox, fake_reward
+
+    backend = SGLangServerBackend(url, model_dir)
+    config = CollectConfig(model=str(model_dir), backend="sglang", sglang_url=url, n_prompts=prompts, group_size=2,
+                           max_turns=1, max_new_tokens=4, max_response_tokens=8, batch_rollouts=4)
+    parts = []
+    try:
+        collect(toy_tasks(prompts, seed=3), config, backend, FakeSandbox(), ChatFormat(backend.tokenizer),
+                write=parts.append, reward_fn=fake_reward, skip_rollout_ids=skip, progress=False)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        return parts, error
+    return parts, None
+
+
+def _rows(parts):
+    from tests.helpers import comparable
+
+    return comparable([r for p in parts for r in p.rollouts], [s for p in parts for s in p.segments])
+
+
+def test_a_server_that_dies_mid_collection_swallows_no_rollout(model_dir, quick_retries):
+    """Two workers behind a router; one hangs up on every request after serving 5: its rollouts'
+    requests go to the other, every rollout is stored, and the warehouse is the one a healthy
+    server collects."""
+    healthy = StandIn(str(model_dir))
+    expected, error = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    assert error is None
+    workers = [StandIn(str(model_dir), delay_s=0.01), StandIn(str(model_dir), delay_s=0.01)]
+    workers[1].drop_after = 5
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    try:
+        got, error = _collect_over(router.url, model_dir)
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert error is None
+    assert _rows(got) == _rows(expected) and len(_rows(got)[0]) == 24
+    served = [len(w.paths("/generate")) for w in workers]
+    assert served[1] >= 5 and sum(served) == 24  # each rollout's request answered once
+
+
+def test_the_only_server_dead_stops_the_collection_in_one_line_and_it_resumes(model_dir, quick_retries):
+    """One server, which hangs up after serving 6 requests: each later request is tried REQUEST_TRIES
+    times, its rollout is not stored, and once failures are the rule the collection stops saying
+    what is committed. A server on the same port again, the resumed collection completes the
+    warehouse a healthy server collects."""
+    from cleaner.errors import CollectionStopped
+
+    healthy = StandIn(str(model_dir))
+    expected, _ = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    server = StandIn(str(model_dir))
+    server.drop_after = 6
+    try:
+        got, error = _collect_over(server.url, model_dir)
+    finally:
+        server.close()
+    assert isinstance(error, CollectionStopped)
+    assert re.fullmatch(r"\d+ of the last \d+ requests failed \(last: EngineError: no server answered after 5 tries: "
+                        r"cannot reach sglang at .*\); the collection stopped: \d+ of 24 rollouts are committed in "
+                        r"\d+ parts, and --resume collects the rest once the backend is back", str(error)), str(error)
+    stored = frozenset(r.rollout_id for p in got for r in p.rollouts)
+    assert 0 < len(stored) < 24
+    back = StandIn(str(model_dir), port=server.port)
+    try:
+        rest, error = _collect_over(back.url, model_dir, skip=stored)
+    finally:
+        back.close()
+    assert error is None
+    assert _rows(got + rest) == _rows(expected)
+
+
+def test_a_server_answering_500_to_everything_stores_nothing_and_says_so(model_dir, quick_retries):
+    from cleaner.errors import CollectionStopped
+
+    server = StandIn(str(model_dir))
+    server.generate = lambda body: (500, {"error": {"message": "Internal Server Error: scheduler died"}})
+    try:
+        parts, error = _collect_over(server.url, model_dir)
+    finally:
+        server.close()
+    assert parts == [] and isinstance(error, CollectionStopped)
+    assert "HTTP 500: Internal Server Error: scheduler died" in str(error)
+    assert "0 of 24 rollouts are committed in 0 parts" in str(error)
+
+
+def test_a_server_back_from_a_fault_is_probed_into_the_rotation(model_dir, quick_retries):
+    """Worker b hangs up for a while: its sessions move to a; once b answers its health probe
+    again (with our checkpoint), new rollouts go to it again."""
+    import asyncio
+    import time
+
+    workers = [StandIn(str(model_dir)), StandIn(str(model_dir))]
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+    try:
+        backend = SGLangServerBackend(router.url, model_dir)
+        workers[1].drop_after = 0
+
+        async def main():
+            try:
+                await asyncio.gather(*[backend.generate_async([index], params, 0, session=f"early{index}")
+                                       for index in range(4)])  # spread over both: b's fail, and move to a
+                assert backend.routes.rotation == [workers[0].url]
+                workers[1].drop_after = None  # b is back
+                time.sleep(0.25)  # its back-off has passed
+                await backend.generate_async([0], params, 0, session="probe")  # b is probed (and answers)
+                await asyncio.gather(*[backend.generate_async([index], params, 0, session=f"late{index}")
+                                       for index in range(4)])
+            finally:
+                await backend.close_requests()
+
+        asyncio.run(main())
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert len(workers[1].paths("/generate")) >= 1 and workers[1].paths("/health")
+    assert backend.routes.rotation == [workers[0].url, workers[1].url]

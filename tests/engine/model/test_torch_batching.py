@@ -63,22 +63,64 @@ def test_rows_that_join_a_running_batch_sample_what_they_would_alone(backend):
 
 
 def test_ended_rows_are_compacted_away_and_the_rest_decode_on(backend):
-    # eight rows, six of which end after 2 tokens: the cache is rebuilt with the two that go on
+    # eight rows, six of which end after 2 tokens: the batch keeps only the two that go on
     requests, results = [], {}
     for index in range(8):
         request, _ = _request(PROMPTS[index % 4], 10 + index, 2 if index < 6 else 15, results=results)
         requests.append(request)
     batch = DecodeBatch(backend.model, backend.device, backend.pad_id)
     batch.admit(requests)
+    # a ring as long as the longest row may grow: prompt 9 + limit 15
+    assert (len(batch.rows), batch.columns) == (8, len(PROMPTS[2]) + 15)
     batch.step()
     batch.step()  # six rows end here
     assert len(batch.rows) == 2 and all(row is not None for row in batch.rows)  # compacted
-    assert batch.layers[0].length == batch.mask.shape[1] == max(len(PROMPTS[2]), len(PROMPTS[3])) + 2
+    assert batch.mask.shape == (2, len(PROMPTS[2]) + 15) and batch.layers[0].keys.shape[0] == 2
     while batch.rows:
         batch.step()
     for index in range(8):
         prompt, seed = PROMPTS[index % 4], 10 + index
         _close(results[(tuple(prompt), seed)], _alone(backend, prompt, seed, 2 if index < 6 else 15))
+
+
+def test_a_row_joins_a_free_slot_without_copying_the_others(backend):
+    """Four rows, two of which end: two new rows take their slots, written in place (the buffers
+    are the same tensors), and every row samples what it would alone."""
+    results: dict = {}
+    first = [_request(PROMPTS[i], 20 + i, 3 if i < 2 else 14, results=results)[0] for i in range(4)]
+    batch = DecodeBatch(backend.model, backend.device, backend.pad_id)
+    batch.admit(first)
+    for _ in range(4):
+        batch.step()  # rows 0 and 1 have ended: two free slots
+    assert sum(row is None for row in batch.rows) == 2
+    buffers = [layer.keys.data_ptr() for layer in batch.layers]
+    late = [_request(PROMPTS[1], 30, 9, results=results)[0], _request(PROMPTS[3], 31, 9, results=results)[0]]
+    batch.admit(late)
+    assert [layer.keys.data_ptr() for layer in batch.layers] == buffers and batch.live == first[2:] + late \
+        or sorted(map(id, batch.live)) == sorted(map(id, first[2:] + late))
+    while batch.rows:
+        batch.step()
+    for prompt, seed, limit in [(PROMPTS[0], 20, 3), (PROMPTS[1], 21, 3), (PROMPTS[2], 22, 14), (PROMPTS[3], 23, 14),
+                                (PROMPTS[1], 30, 9), (PROMPTS[3], 31, 9)]:
+        _close(results[(tuple(prompt), seed)], _alone(backend, prompt, seed, limit))
+
+
+def test_a_row_that_joins_late_wraps_around_the_ring(backend):
+    """A long row, then one that joins 25 steps in: its tokens run past the ring's end and wrap to
+    its start (its own slot's columns), and it still samples what it would alone."""
+    results: dict = {}
+    batch = DecodeBatch(backend.model, backend.device, backend.pad_id)
+    batch.admit([_request(PROMPTS[3], 40, 30, results=results)[0]])
+    assert batch.columns == 3 + 30
+    for _ in range(25):
+        batch.step()
+    batch.admit([_request(PROMPTS[2], 41, 20, results=results)[0]])  # 9 + 20 <= 33: in place
+    assert batch.columns == 33
+    while batch.rows:
+        batch.step()
+    assert batch.end == 0  # cleared once both ended; the late row wrote columns 25..32, then 0..11
+    _close(results[(tuple(PROMPTS[3]), 40)], _alone(backend, PROMPTS[3], 40, 30))
+    _close(results[(tuple(PROMPTS[2]), 41)], _alone(backend, PROMPTS[2], 41, 20))
 
 
 def test_a_stop_token_ends_a_row_and_is_kept(backend):
@@ -102,7 +144,7 @@ def test_a_cancelled_row_leaves_without_an_answer(backend):
     batch.step()
     cancelled.set()
     batch.step()
-    assert [row is gone for row in batch.rows] == [False]  # marked, then compacted away
+    assert batch.live == [kept]  # it left its slot
     while batch.rows:
         batch.step()
     assert "gone" not in results and len(results) == 1
@@ -120,10 +162,13 @@ def test_the_server_admits_within_its_row_and_token_bounds(backend):
 
     queue = deque(waiting)
     assert server._admissible(batch, queue) == waiting[:2] and len(queue) == 2
-    tight = DecodeServer(server.new_batch, max_rows=8, max_tokens=2 * len(PROMPTS[2]))
+    # each row is counted at its largest possible length, prompt + limit: 9 + 12 = 21 for PROMPTS[2]
+    tight = DecodeServer(server.new_batch, max_rows=8, max_tokens=2 * (len(PROMPTS[2]) + 12))
     queue = deque([waiting[2], waiting[0], waiting[1]])
-    # the first always goes in; the second makes 2 rows x 9 columns = 18 <= 18, a third 27
+    # the first always goes in; the second makes 2 slots x 21 columns = 42 <= 42, a third 63
     assert tight._admissible(batch, queue) == [waiting[2], waiting[0]] and list(queue) == [waiting[1]]
+    lone = DecodeServer(server.new_batch, max_rows=8, max_tokens=1)
+    assert lone._admissible(batch, deque(waiting)) == waiting[:1]  # into an empty batch, one always
 
 
 def test_requests_from_an_event_loop_and_scoring_between_steps(backend):
@@ -201,3 +246,99 @@ def _settle(future, result):
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+class Flaky(torch.nn.Module):
+    """The model, but its forwards raise `error` where `fails(kind, input_ids)` says so (kind:
+    "prefill" for a forward of several positions, "decode" for one)."""
+
+    def __init__(self, model, fails, error):
+        super().__init__()
+        self.model, self.fails, self.error, self.calls = model, fails, error, []
+
+    def forward(self, input_ids, **kwargs):
+        kind = "prefill" if input_ids.shape[1] > 1 else "decode"
+        self.calls.append((kind, input_ids.shape[0]))
+        if self.fails(kind, input_ids):
+            raise self.error
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+def _serve(server, requests):
+    """Submit (prompt, seed, limit[, after_s]) requests to `server` from an event loop (each after
+    `after_s`); their results or errors."""
+    async def one(prompt, seed, limit, after_s=0.0):
+        await asyncio.sleep(after_s)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        server.submit(DecodeRequest(tuple(prompt), SamplingParams(limit, ()), seed,
+                                    lambda r: loop.call_soon_threadsafe(_settle, future, r)))
+        try:
+            return await asyncio.wait_for(future, 60)
+        except RuntimeError as error:
+            return error
+
+    async def main():
+        return await asyncio.gather(*[one(*request) for request in requests])
+
+    return asyncio.run(main())
+
+
+def test_running_out_of_memory_retracts_rows_and_fails_none(backend):
+    """The third decode forward runs out of memory: the later half of the rows starts again once
+    the others have ended, and every row samples what it would alone."""
+    decodes = []
+
+    def fails(kind, input_ids):
+        decodes.append(kind == "decode")
+        return sum(decodes) == 3 and kind == "decode"
+
+    flaky = Flaky(backend.model, fails, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    server = DecodeServer(lambda: DecodeBatch(flaky, backend.device, backend.pad_id))
+    requests = [(PROMPTS[i], 50 + i, 6) for i in range(4)]
+    try:
+        results = _serve(server, requests)
+    finally:
+        server.close()
+    for (prompt, seed, limit), got in zip(requests, results, strict=True):
+        _close(got, _alone(backend, prompt, seed, limit))
+    prefills = [rows for kind, rows in flaky.calls if kind == "prefill"]
+    assert prefills[0] == 4 and sum(prefills[1:]) == 2  # two rows retracted, admitted again
+
+
+def test_a_failed_prefill_fails_only_the_rows_that_were_joining(backend):
+    """A prefill of PROMPTS[2] raises while two rows decode: only its request fails."""
+    def fails(kind, input_ids):
+        return kind == "prefill" and input_ids.shape[1] == len(PROMPTS[2])
+
+    flaky = Flaky(backend.model, fails, RuntimeError("CUDA error: an illegal memory access"))
+    server = DecodeServer(lambda: DecodeBatch(flaky, backend.device, backend.pad_id))
+    try:  # the third joins once the first two decode (their prefill is done)
+        results = _serve(server, [(PROMPTS[0], 60, 200), (PROMPTS[1], 61, 200), (PROMPTS[2], 62, 4, 0.2)])
+    finally:
+        server.close()
+    _close(results[0], _alone(backend, PROMPTS[0], 60, 200))
+    _close(results[1], _alone(backend, PROMPTS[1], 61, 200))
+    assert ("prefill", 1) in flaky.calls  # it was prefilled alone, joining
+    assert isinstance(results[2], RuntimeError) and str(results[2]) == "CUDA error: an illegal memory access"
+
+
+def test_a_decoding_thread_that_dies_answers_every_request_and_refuses_the_next(backend):
+    """A BaseException the thread does not handle (here from starting a batch): the waiting requests
+    are answered with it, and later ones at once, never left hanging."""
+    class Lost(BaseException):
+        pass
+
+    def new_batch():
+        raise Lost("device lost")
+
+    server = DecodeServer(new_batch)
+    results = _serve(server, [(PROMPTS[0], 1, 4), (PROMPTS[1], 2, 4)])
+    later = _serve(server, [(PROMPTS[2], 3, 4)])
+    server.close()
+    message = "the torch backend's decoding thread died: Lost: device lost"
+    assert [str(result) for result in results + later] == [message] * 3
+    assert isinstance(server.broken, Lost)

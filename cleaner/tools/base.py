@@ -1,0 +1,114 @@
+"""What a tool is: the protocol a user's tool follows (docs/byo-task.md).
+
+A tool is a name, a JSON schema of its arguments (shown to the model through the chat template)
+and a call that returns text, ok or not:
+
+    from cleaner.tools import Tool, ToolResult
+
+    class Convert(Tool):
+        name = "convert_units"
+        description = "Convert a quantity from one unit to another."
+        parameters = {"type": "object", "properties": {...}, "required": [...]}
+
+        def call(self, arguments: dict) -> ToolResult | str:
+            ...  # a str is a success; ToolResult(text, ok=False) or an exception is a failed call
+
+A plain function with type hints and a Google-style docstring is a tool too (its schema is
+transformers' `get_json_schema` of it, as transformers' chat templates read functions), called with
+the arguments as keywords. `call` (or the function) may be a coroutine function.
+
+Three outcomes, and only the first two are the model's:
+- a success: a str, or `ToolResult(text)`;
+- a failed call (SAAR retries it and may purify it): an exception the tool raises, or
+  `ToolResult(text, ok=False)`;
+- an infrastructure fault, the tool's service and not the call: `raise ToolUnavailable(...)`, or
+  `ToolResult(text, infra=True)`. The call is tried again (`Toolbox`); if the service stays down
+  it is stored as `infra_error`, as the code interpreter's sandbox faults are, and the rollout is
+  never trained on (docs/architecture.md §7).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cleaner.plugins import PluginError
+
+
+class ToolError(PluginError):
+    """A tool that cannot be loaded or that broke its protocol; the message names it."""
+
+
+class ToolUnavailable(Exception):  # noqa: N818 - what a tool raises, named for what it says
+    """Raised by a tool whose service is down: an infrastructure fault, never the model's failure."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call returns: the text the model sees, and whether the call succeeded."""
+
+    text: str
+    ok: bool = True
+    error_type: str | None = None  # a failed call's kind, stored as the row's error_type (default "ToolError")
+    infra: bool = False  # the tool's service failed, not the call: retried, then stored as infra_error
+
+
+class Tool:
+    """A tool: subclass it, set `name`, `description` and `parameters`, and write `call`."""
+
+    name: str = ""
+    description: str = ""
+    parameters: Mapping = {"type": "object", "properties": {}}  # JSON schema of the arguments
+    timeout_s: float | None = None  # per call; None: the sandbox's timeout (--sandbox-timeout-s)
+
+    def __init__(self, config: Mapping | None = None, tool_schema: Mapping | None = None) -> None:
+        self.config = dict(config or {})
+        if tool_schema is not None:  # verl's layout: the schema in the YAML names and describes the tool
+            self.set_schema(tool_schema)
+        if "timeout_s" in self.config:
+            self.timeout_s = float(self.config["timeout_s"])
+
+    def set_schema(self, tool_schema: Mapping) -> None:
+        """Take the name, description and parameters of an OpenAI function schema."""
+        function = tool_schema.get("function", tool_schema)
+        self.name = function.get("name", self.name)
+        self.description = function.get("description", self.description)
+        self.parameters = function.get("parameters", self.parameters)
+
+    @property
+    def schema(self) -> dict:
+        """The OpenAI function schema the chat template shows the model."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": dict(self.parameters)}}
+
+    @property
+    def is_coroutine(self) -> bool:
+        """Its call is a coroutine function (run on the toolbox's own loop, not a thread)."""
+        return inspect.iscoroutinefunction(self.call)
+
+    def call(self, arguments: dict) -> ToolResult | str:
+        raise NotImplementedError(f"tool {self.name!r} has no call()")
+
+
+class FunctionTool(Tool):
+    """A plain function (or coroutine function) as a tool: its schema from its signature and docstring."""
+
+    def __init__(self, function, spec: str) -> None:
+        from transformers.utils import get_json_schema  # the templates' own reading of a function
+
+        try:
+            schema = get_json_schema(function)
+        except Exception as error:  # noqa: BLE001 - transformers raises its own types for a bad docstring
+            raise ToolError(f"tool {spec!r}: cannot read a schema from {function.__name__}'s signature and "
+                            f"docstring ({error}); give every argument a type hint and a line under "
+                            "'Args:', or write a Tool class") from error
+        super().__init__(tool_schema=schema)
+        self.function = function
+
+    @property
+    def is_coroutine(self) -> bool:
+        return inspect.iscoroutinefunction(self.function)
+
+    def call(self, arguments: dict):
+        return self.function(**arguments)

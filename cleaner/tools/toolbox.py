@@ -1,0 +1,141 @@
+"""Running the user's tools: each call routed by name, checked, and timed by its own clock
+(docs/byo-task.md, docs/architecture.md §5).
+
+Design decisions:
+- User tools are the user's trusted code and run in this process, never on the collection's event
+  loop: a synchronous call on a daemon thread of its own, at most `THREADS` at once; a coroutine on
+  the toolbox's own event loop (calls.py). Either way its timeout (`timeout_s` of the tool, else the
+  sandbox's) measures its own run: a call waiting for a thread has no clock running, so what a call
+  stores never depends on how many rollouts are in flight.
+- A call past its timeout is answered `timeout` at its deadline. A thread cannot be killed: it runs
+  on as a daemon (it never holds up the exit), its slot goes to the next call, and past
+  `MAX_HUNG` such calls still running the collection stops with one line (calls.py).
+- A failed call of any tool is a failed call for SAAR: an exception raised by the tool (its type
+  is the row's error_type, `Type: message` the text the model sees), a `ToolResult(ok=False)`, or
+  a call past its timeout.
+- An infrastructure fault (`ToolUnavailable`, `ToolResult(infra=True)`) is tried again
+  `INFRA_TRIES` times in all, `INFRA_BACKOFF_S` apart and doubling; then it is `infra_error`,
+  which purify keeps out of training (docs/architecture.md §7).
+- A tool that returns something other than a str or a ToolResult is a bug in the tool, not the
+  model's failure: `ToolError`, one `error:` line naming the tool, and the collection stops (parts
+  committed before stay), as a reward function that returns a non-number does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cleaner.engine.model.chat import TOOL_SCHEMA, valid_text
+from cleaner.records import ToolStatus
+from cleaner.tools.base import Tool, ToolError, ToolResult, ToolUnavailable
+from cleaner.tools.calls import CoroutineCalls, ThreadCalls, Timed
+from cleaner.tools.loading import check_names
+
+logger = logging.getLogger(__name__)
+
+THREADS = 32  # synchronous tool calls running at once; more wait, with no clock running
+MAX_HUNG = 32  # calls still running past their timeouts before the collection stops
+INFRA_TRIES = 3  # tries of a call whose tool reports its service down
+INFRA_BACKOFF_S = 0.5  # before the second try; doubled before each later one
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One call's outcome, as the agent loop records it."""
+
+    status: ToolStatus  # ok, error, timeout, infra_error
+    error_type: str | None
+    text: str
+    exec_ms: float  # the call's own run (the last try's)
+
+
+class Toolbox:
+    """The tools of a collection: their schemas for the chat template, their argument checks for
+    the call parser, and their calls, each under its timeout."""
+
+    def __init__(self, tools: Sequence[Tool] = (), timeout_s: float = 4.0, max_output_chars: int = 2048) -> None:
+        check_names(tools)
+        self.tools = {tool.name: tool for tool in tools}
+        self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
+        self.threads = ThreadCalls(THREADS, MAX_HUNG, "cleaner-tool")
+        self.coroutines = CoroutineCalls("cleaner-tool")
+
+    @property
+    def schemas(self) -> list[dict]:
+        """Every tool's schema, the code interpreter's first."""
+        return [TOOL_SCHEMA, *(tool.schema for tool in self.tools.values())]
+
+    @property
+    def parameters(self) -> dict[str, Mapping]:
+        """{name: JSON schema of its arguments} of the user's tools (the parser checks calls with them)."""
+        return {name: tool.parameters for name, tool in self.tools.items()}
+
+    async def run(self, name: str, arguments: dict) -> ToolOutcome:
+        """Call tool `name` with `arguments`; its exception, failure or timeout is a failed call, its
+        service's fault is tried again and then `infra_error`."""
+        tool = self.tools[name]
+        backoff = INFRA_BACKOFF_S
+        for attempt in range(INFRA_TRIES):
+            outcome = await self._run_once(tool, arguments)
+            if outcome.status != ToolStatus.INFRA_ERROR or attempt == INFRA_TRIES - 1:
+                return outcome
+            logger.warning("tool %s reports its service down (try %d of %d): %s", name, attempt + 1,
+                           INFRA_TRIES, outcome.text)
+            await asyncio.sleep(backoff)
+            backoff *= 2
+        raise AssertionError("unreachable")
+
+    async def _run_once(self, tool: Tool, arguments: dict) -> ToolOutcome:
+        timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+        if tool.is_coroutine:
+            timed = await self.coroutines.run(lambda: tool.call(arguments), timeout)
+        else:
+            timed = await self.threads.run(tool.call, (arguments,), timeout, f"tool {tool.name!r}")
+        return self._outcome(tool.name, timeout, timed)
+
+    def _outcome(self, name: str, timeout: float, timed: Timed) -> ToolOutcome:
+        exec_ms = timed.seconds * 1000
+        if timed.timed_out:
+            logger.warning("tool %s ran past its %.1f s timeout", name, timeout)
+            return ToolOutcome(ToolStatus.TIMEOUT, "TimeoutError", f"the call ran past its {timeout:g} s timeout", exec_ms)
+        error = timed.error
+        if isinstance(error, ToolUnavailable):
+            return ToolOutcome(ToolStatus.INFRA_ERROR, type(error).__name__, self._cut(f"the tool's service failed: {error}"),
+                               exec_ms)
+        if isinstance(error, Exception):  # the tool's failure, the model's to read and retry
+            return ToolOutcome(ToolStatus.ERROR, type(error).__name__, self._cut(f"{type(error).__name__}: {error}"),
+                               exec_ms)
+        if error is not None:  # SystemExit, KeyboardInterrupt raised by the tool: a bug in it
+            raise ToolError(f"tool {name!r} raised {type(error).__name__}; a tool returns a str or a "
+                            "cleaner.tools.ToolResult, or raises an Exception for a failed call") from error
+        result = timed.value
+        if isinstance(result, str):
+            return ToolOutcome(ToolStatus.OK, None, self._cut(result), exec_ms)
+        if isinstance(result, ToolResult):
+            if result.infra:
+                return ToolOutcome(ToolStatus.INFRA_ERROR, valid_text(result.error_type or "ToolUnavailable"),
+                                   self._cut(str(result.text)), exec_ms)
+            error_type = None if result.ok else valid_text(result.error_type or "ToolError")
+            return ToolOutcome(ToolStatus.OK if result.ok else ToolStatus.ERROR, error_type, self._cut(str(result.text)),
+                               exec_ms)
+        raise ToolError(f"tool {name!r} returned {type(result).__name__} ({result!r:.80}); a tool returns "
+                        "a str or a cleaner.tools.ToolResult")
+
+    def _cut(self, text: str) -> str:
+        text = valid_text(text)
+        if len(text) <= self.max_output_chars:
+            return text
+        return f"{text[:self.max_output_chars]}...[truncated {len(text) - self.max_output_chars} chars]"
+
+    def close(self) -> None:
+        """Stop the toolbox's own loop; threads still running timed-out calls end on their own."""
+        self.coroutines.close()
+
+
+def canonical_arguments(arguments: Mapping) -> str:
+    """A call's arguments as sorted JSON."""
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)

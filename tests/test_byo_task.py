@@ -108,7 +108,8 @@ def test_a_reward_function_that_will_not_load_stops_collect_before_the_model(tmp
     result = runner.invoke(app, ["collect", "-w", str(tmp_path / "wh"), "--data", str(units), "--reward-fn",
                                  str(bad), *TINY])
     assert result.exit_code == 1
-    assert result.output.startswith(f"error: reward function '{bad}': importing {bad} failed (line 2): SyntaxError")
+    assert result.output.startswith(f"error: reward function '{bad}:compute_score': importing {bad} failed (line 2): "
+                                    "SyntaxError")
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "wh" / "rollouts").exists()
 
@@ -124,7 +125,8 @@ def test_a_raising_reward_function_is_one_line_and_resume_finishes_the_iteration
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: reward function compute_score ({path}) raised on rollout it0-units-2-s0: KeyError: 'gold'"]
+    assert errors == [f"error: reward function compute_score ({path}:compute_score) raised on rollout it0-units-2-s0: "
+                      "KeyError: 'gold'"]
     assert "Traceback" not in result.output
     # one at a time, so the rollouts of prompts 0 and 1 were committed before prompt 2's first
     assert sorted(r.rollout_id for r in Warehouse(tmp_path / "wh").read_rollouts(0)) == [
@@ -164,3 +166,107 @@ def test_tool_names_in_sql_and_in_the_browser(tmp_path):
     html = client.get("/rollouts/it0-deep-s0").text
     assert html.count('<span class="tool-name">convert_units</span>') == 4
     assert html.count('<span class="tool-name">code_interpreter</span>') == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A reward that hangs; a Ctrl-C
+
+
+HANGS_ON_2 = ("import time\n"
+              "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+              "    if extra_info['index'] == 2:\n"
+              "        time.sleep(3600)\n"
+              "    return 0.5\n")
+FIXED = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 0.5\n"
+
+
+def test_a_reward_past_its_timeout_is_one_line_and_resume_finishes_the_iteration(tmp_path, units):
+    path = tmp_path / "reward.py"
+    path.write_text(HANGS_ON_2)
+    args = ["collect", "-w", str(tmp_path / "wh"), "--data", str(units), "--prompts", "4", "--group-size", "2",
+            "--reward-fn", str(path), "--reward-timeout-s", "2", "--batch-rollouts", "1",
+            "--max-concurrent-rollouts", "1", *TINY]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: reward function compute_score ({path}:compute_score) did not return within 2 s on "
+                      "rollout it0-units-2-s0 (--reward-timeout-s); the parts committed stay, and --resume finishes "
+                      "the iteration once it returns"]
+    assert sorted(r.rollout_id for r in Warehouse(tmp_path / "wh").read_rollouts(0)) == [
+        "it0-units-0-s0", "it0-units-0-s1", "it0-units-1-s0", "it0-units-1-s1"]
+    path.write_text(FIXED)
+    result = runner.invoke(app, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert [r.reward for r in Warehouse(tmp_path / "wh").read_rollouts(0)] == [0.5] * 8
+
+
+def test_one_ctrl_c_ends_a_collection_whose_reward_hangs_in_one_line(tmp_path, units):
+    """SIGINT while a reward hangs: the process ends within seconds, says in one line what is
+    committed, exits 130 without a traceback; --resume finishes once the reward is fixed."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import cli, wait_for
+
+    path = tmp_path / "reward.py"
+    path.write_text(HANGS_ON_2)
+    warehouse = tmp_path / "wh"
+    args = ["collect", "-w", str(warehouse), "--data", str(units), "--prompts", "4", "--group-size", "2",
+            "--reward-fn", str(path), "--batch-rollouts", "1", "--max-concurrent-rollouts", "1", *TINY]
+    process = subprocess.Popen(cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rollouts = warehouse / "rollouts" / "iteration=0"
+    wait_for(lambda: len(list(rollouts.glob("part-*.parquet"))) >= 4, 180, process)
+    time.sleep(1.0)  # prompt 2's reward is hanging now
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, stderr = process.communicate(timeout=60)
+    assert time.monotonic() - sent < 10
+    assert process.returncode == 130
+    assert "Traceback" not in stderr and "was destroyed but it is pending" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: interrupted: 4 of 8 rollouts are committed in 4 parts; --resume finishes the "
+                      "collection"], stderr
+    path.write_text(FIXED)
+    result = runner.invoke(app, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert len(Warehouse(warehouse).read_rollouts(0)) == 8
+
+
+def test_relative_paths_are_stored_resolved_and_an_equivalent_spec_resumes(tmp_path, units, monkeypatch):
+    """--data and --reward-fn typed relative to the working directory are stored as absolute paths
+    (the reward's name written out): a resume spelling them otherwise is the same config, and purify
+    run from another folder can check the iteration is complete. Another option is refused by name."""
+    import shutil
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(units, work / "units.parquet")
+    (work / "reward.py").write_text(FIXED)
+    monkeypatch.chdir(work)
+    warehouse = tmp_path / "wh"
+    common = ["-w", str(warehouse), "--prompts", "2", "--group-size", "2", *TINY]
+    result = runner.invoke(app, ["collect", "--data", "units.parquet", "--reward-fn", "reward.py", "--batch-rollouts",
+                                 "1", *common])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(Warehouse(warehouse).collect_config(0))
+    assert (saved["data"], saved["reward_fn"]) == (str(work / "units.parquet"), f"{work / 'reward.py'}:compute_score")
+    # one rollout gone (a collection killed before its last part): resume with the absolute spelling
+    stored = Warehouse(warehouse).read_rollouts(0)
+    part = next(p for p in (warehouse / "rollouts" / "iteration=0").glob("part-*.parquet")
+                if stored[-1].rollout_id in __import__("pyarrow.parquet", fromlist=["x"]).read_table(p).column(
+                    "rollout_id").to_pylist())
+    part.unlink()
+    refused = runner.invoke(app, ["collect", "--data", str(work / "units.parquet"), "--reward-fn",
+                                  f"{work / 'reward.py'}:compute_score", "--max-turns", "3", "--resume", *common])
+    assert refused.exit_code == 1
+    assert "collected with another config (--max-turns 8 then, 3 now)" in " ".join(refused.output.split())
+    resumed = runner.invoke(app, ["collect", "--data", str(work / "units.parquet"), "--reward-fn",
+                                  f"{work / 'reward.py'}:compute_score", "--resume", *common])
+    assert resumed.exit_code == 0, resumed.output
+    monkeypatch.chdir(tmp_path)  # purify from elsewhere: the stored paths still name the dataset
+    purified = runner.invoke(app, ["purify", "-w", str(warehouse)])
+    assert purified.exit_code == 0, purified.output
+    (work / "units.parquet").rename(work / "moved.parquet")
+    refused = runner.invoke(app, ["purify", "-w", str(warehouse), "--gamma", "0.7"])
+    assert refused.exit_code == 1 and "cannot tell whether iteration 0 is complete" in " ".join(refused.output.split())

@@ -91,8 +91,26 @@ def test_purify_and_train_name_what_is_missing(tmp_path):
 
 def test_run_with_a_missing_model(tmp_path):
     _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--model", "./no/such/model", *SMALL],
-                   "model './no/such/model'", "no such directory")
+                   "/no/such/model'", "no such directory")  # resolved, as it is stored
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_that_is_a_file_names_the_directory_to_give(tmp_path):
+    weights = tmp_path / "policy" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"")
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), "--model", str(weights), *SMALL],
+                   f"model '{weights}': a file, not a directory", f"({weights.parent}?)")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--group-size", "1000000000"], "--prompts x --group-size must be at most 1,000,000 rollouts, "
+                                     "got 64 x 1,000,000,000"),
+    (["--prompts", "2000", "--group-size", "1000"], "got 2,000 x 1,000"),
+])
+def test_an_iteration_too_large_to_plan_is_refused_at_once(tmp_path, flags, message):
+    _fails_cleanly(["collect", "-w", str(tmp_path / "w"), *flags], message)
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.parametrize("group_size", [1, 2])

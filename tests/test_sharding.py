@@ -170,6 +170,7 @@ def test_a_shard_with_another_config_is_refused(tmp_path, random_policy, backend
     warehouse = Warehouse(tmp_path / "wh")
     config = _config(random_policy)
     collect_job(warehouse, CollectRequest(config, Shard(0, 2)), backend=backend, progress=False)
-    with pytest.raises(JobError, match="collected with another config"):
-        collect_job(warehouse, CollectRequest(dataclasses.replace(config, temperature=0.5), Shard(1, 2)), backend=backend,
-                    progress=False)
+    with pytest.raises(JobError, match=r"collected with another config \(--max-turns 2 then, 3 now; --temperature "
+                                       r"1.0 then, 0.5 now\); resuming it"):
+        collect_job(warehouse, CollectRequest(dataclasses.replace(config, temperature=0.5, max_turns=3), Shard(1, 2)),
+                    backend=backend, progress=False)

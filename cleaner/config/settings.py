@@ -13,10 +13,12 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from cleaner.plugins import PluginError, split_spec
 from cleaner.records import CollectView, enum_value
 from cleaner.sandbox.config import SandboxConfig
 
@@ -30,9 +32,52 @@ ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
 RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 
+REWARD_NAME = "compute_score"  # verl's custom_reward_function.name default: a file alone means it
+
 # The most rollouts one iteration plans (the paper's iterations hold 2,048): what a collection keeps
 # per planned rollout (its id, to resume) must fit in memory.
 MAX_ROLLOUTS_PER_ITERATION = 1_000_000
+
+
+def local_path(value: str) -> bool:
+    """Whether a model, dataset or file argument names a local path (a hub id such as
+    Qwen/Qwen3-4B does not): one that exists, or is spelt as a path."""
+    return Path(value).expanduser().exists() or value.startswith((os.sep, "./", "../", "~"))
+
+
+def resolved_path(value: str | None, always: bool = True) -> str | None:
+    """A path made absolute (from the working directory, `~` expanded): a config stored in a
+    warehouse names the same files wherever it is read from. Without `always`, only a local one
+    (a model argument may be a hub id)."""
+    if value is None or not (always or local_path(value)):
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def resolved_spec(spec: str | None, default_name: str | None = None) -> str | None:
+    """A `PATH.py[:NAME]` spec with its file made absolute and its name written out (so equivalent
+    spellings are one spec); a module's spec, or one that does not parse, as it is."""
+    if spec is None:
+        return None
+    try:
+        where, name = split_spec(spec, default_name)
+    except PluginError:
+        return spec  # its loader says what is wrong with it
+    if not (where.endswith(".py") or "/" in where):
+        return spec
+    return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
+
+
+def resolved_specs(specs: str | None) -> str | None:
+    """Comma-separated `PATH.py:NAME` specs (`--tool`), each resolved."""
+    if specs is None:
+        return None
+    return ",".join(resolved_spec(part.strip()) for part in specs.split(",") if part.strip())
+
+
+def _set(config, **values) -> None:
+    for name, value in values.items():
+        object.__setattr__(config, name, value)  # a frozen dataclass's own __post_init__
 
 
 def _digest(fields: dict) -> str:
@@ -194,6 +239,20 @@ class CollectConfig(_Config):
         sandbox = {key: value for key, value in known.get("sandbox", {}).items() if key in sandbox_fields}
         return cls(**{**known, "sandbox": SandboxConfig(**sandbox)})
 
+    def differences(self, saved_json: str) -> list[tuple[str, object, object]]:
+        """(field, saved value, this config's value) for every field of the identity that differs
+        from a saved config's, a nested one named `sandbox_<field>` as its flag is."""
+        saved, mine = self.identity_of(saved_json), json.loads(json.dumps(self.identity(), sort_keys=True, default=str))
+
+        def flat(identity: dict) -> dict:
+            return {(f"{key}_{inner}" if isinstance(value, dict) else key): item
+                    for key, value in identity.items()
+                    for inner, item in (value.items() if isinstance(value, dict) else [(None, value)])}
+
+        saved, mine = flat(saved), flat(mine)
+        return [(name, saved.get(name), mine.get(name)) for name in sorted(saved.keys() | mine.keys())
+                if saved.get(name) != mine.get(name)]
+
     @classmethod
     def identity_of(cls, saved_json: str) -> dict:
         """The identity of a config saved as JSON, as this version reads it back (a field it
@@ -201,11 +260,14 @@ class CollectConfig(_Config):
         return json.loads(json.dumps(cls.from_json(saved_json).identity(), sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
+        _set(self, model=resolved_path(self.model, always=False), data=resolved_path(self.data),
+             reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
+             tool=resolved_specs(self.tool))
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
         _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
         _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
         _check(self.n_prompts * self.group_size <= MAX_ROLLOUTS_PER_ITERATION,
-               f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts an iteration, "
+               f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts, "
                f"got {self.n_prompts:,} x {self.group_size:,}")
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
@@ -424,6 +486,10 @@ class EvalConfig(_Config):
     reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the evaluation, resumable
 
     def __post_init__(self) -> None:
+        _set(self, models=tuple(resolved_path(model, always=False) for model in self.models),
+             datasets=tuple((name, resolved_path(path)) for name, path in self.datasets),
+             reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
+             tool=resolved_specs(self.tool))
         _check(len(self.models) >= 1, "give at least one model")
         _check(len(self.datasets) >= 1, "give at least one dataset as NAME=PATH")
         names = [name for name, _ in self.datasets]

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -64,8 +65,8 @@ def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: obje
 class _ThreadCall:
     """One call on a daemon thread, recording its own start and end."""
 
-    def __init__(self, fn: Callable, args: tuple, calls: ThreadCalls) -> None:
-        self.fn, self.args, self.calls = fn, args, calls
+    def __init__(self, fn: Callable, args: tuple, calls: ThreadCalls, what: str) -> None:
+        self.fn, self.args, self.calls, self.what = fn, args, calls, what
         loop = asyncio.get_running_loop()
         self.loop, self.started, self.done = loop, loop.create_future(), loop.create_future()
         self.started_at: float | None = None
@@ -86,6 +87,7 @@ class _ThreadCall:
             self.ended_at = time.monotonic()
             if self.abandoned:
                 self.calls.hung -= 1
+                self.calls.hung_by[self.what] -= 1
         _notify(self.loop, self.done, None)
 
 
@@ -98,6 +100,7 @@ class ThreadCalls:
         self.limit, self.max_hung, self.name = limit, max_hung, name
         self.lock = threading.Lock()
         self.hung = 0  # calls given up at their deadline that have not returned yet
+        self.hung_by: Counter[str] = Counter()  # the same, by what was called
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     def _slot(self) -> asyncio.Semaphore:
@@ -110,10 +113,11 @@ class ThreadCalls:
         """`fn(*args)` on a thread of its own, once a slot is free; `what` names it in HungCalls."""
         with self.lock:
             if self.hung > self.max_hung:
-                raise HungCalls(f"{self.hung} calls of {what} are still running past their timeouts "
-                                f"(at most {self.max_hung} may hang at once); the collection stops")
+                which = ", ".join(f"{name}: {count}" for name, count in self.hung_by.most_common() if count)
+                raise HungCalls(f"{self.hung} calls are still running past their timeouts ({which}; at most "
+                                f"{self.max_hung} may hang at once); the collection stops")
         async with self._slot():  # no clock runs while a call waits here
-            call = _ThreadCall(fn, args, self)
+            call = _ThreadCall(fn, args, self, what)
             await call.started
             deadline = call.started_at + timeout_s
             while call.ended_at is None and (left := deadline - time.monotonic()) > 0:
@@ -123,6 +127,7 @@ class ThreadCalls:
                 if call.ended_at is None:  # still running at its deadline, by its own clock
                     call.abandoned = True
                     self.hung += 1
+                    self.hung_by[what] += 1
                     return Timed(seconds=time.monotonic() - call.started_at, timed_out=True)
             seconds = call.ended_at - call.started_at
             if seconds > timeout_s:  # it returned, but after its timeout

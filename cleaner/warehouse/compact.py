@@ -58,6 +58,7 @@ from cleaner.warehouse.parts import (
     list_parts,
     new_merged_name,
     read_part,
+    remove_leftovers,
     validate_part,
     write_merged,
 )
@@ -112,6 +113,8 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
     leftovers = 0
     with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running", "wait for it to end"):
         for partition in _partitions(root, _chosen(dataset, iteration), iteration):
+            leftovers += sum(remove_leftovers(partition.directory(root, twin))
+                             for twin in (None, *partition.twins))  # killed writers' temporaries
             leftovers += _roll_forward(root, partition)
             leftovers += _remove_uncommitted(root, partition)
             for names in _plan(root, partition, target_bytes):

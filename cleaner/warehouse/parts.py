@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -69,9 +70,45 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+TEMPORARY_GLOB = ".part-*.tmp"
+
+
 def temporary_name(name: str) -> str:
-    """The hidden name a part is written under before its rename (readers never glob it)."""
-    return f".{name}.{os.getpid()}.tmp"
+    """The hidden name a part is written under before its rename (readers never glob it): the
+    part's name, the writer's host and its process id."""
+    return f".{name}.{socket.gethostname()}.{os.getpid()}.tmp"
+
+
+def remove_leftovers(directory: Path) -> int:
+    """Delete the hidden temporaries killed writers left in `directory`; how many went. Safe beside
+    running writers, on any host: a temporary goes if it is already linked into place (the same
+    file as its part: a writer killed between the link and the unlink), or if its writer, a process
+    of this host, is gone."""
+    removed = 0
+    host = socket.gethostname()
+    for temporary in directory.glob(TEMPORARY_GLOB) if directory.is_dir() else ():
+        name, _, rest = temporary.name[1:].partition(".parquet.")
+        final = directory / f"{name}.parquet"
+        owner, _, pid = rest.removesuffix(".tmp").rpartition(".")
+        try:
+            linked = final.exists() and os.path.samefile(temporary, final)
+            gone = owner == host and pid.isdigit() and not _alive(int(pid))
+            if linked or gone:
+                temporary.unlink()
+                removed += 1
+        except FileNotFoundError:  # its writer finished meanwhile
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> Path:

@@ -54,6 +54,7 @@ from cleaner.warehouse.parts import (
     PartExistsError,
     WarehouseError,
     new_part_name,
+    remove_leftovers,
     read_column,
     read_part,
     read_parts,
@@ -160,7 +161,7 @@ class Warehouse:
         such a part too. Returns how many went."""
         directory = self._dir(schema.SEGMENTS, iteration=iteration)
         committed = self._dir(schema.ROLLOUTS, iteration=iteration)
-        removed = 0
+        removed = remove_leftovers(directory) + remove_leftovers(committed)
         for part in sorted(directory.glob(PART_GLOB)) if directory.is_dir() else ():
             if part.name.startswith(MERGED_PREFIX) or (committed / part.name).exists():
                 continue  # committed, or a compaction's (compact.py rolls those forward)

@@ -205,3 +205,32 @@ def test_a_corrupt_part_stops_the_compaction_and_is_named(tmp_path):
         compact(wh.root, "purified")
     assert len(list_parts(wh.root, schema.PURIFIED)) == 2  # nothing removed
     assert not [p for p in wh.root.rglob(".*.tmp")]
+
+
+def test_temporaries_of_killed_writers_are_removed_and_no_running_writers(tmp_path):
+    """A writer SIGKILLed just after linking its part leaves the part's second, hidden name; one
+    killed mid-write leaves a half-written temporary. compact and the next collection's writer remove
+    both; a temporary of a live process, or of another host's (a shared disk), stays."""
+    import os
+    import socket
+    import subprocess
+
+    wh = _warehouse(tmp_path)
+    directory = wh.root / "segments" / "iteration=0"
+    part = sorted(directory.glob("part-*.parquet"))[0]
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    linked = directory / f".{part.name}.{host}.{dead.pid}.tmp"
+    os.link(part, linked)  # killed between the link and the unlink
+    half = directory / f".part-abc.parquet.{host}.{dead.pid}.tmp"
+    half.write_bytes(b"half a part")
+    running = directory / f".part-def.parquet.{host}.{os.getpid()}.tmp"
+    running.write_bytes(b"being written")
+    elsewhere = directory / f".part-ghi.parquet.other-node.{dead.pid}.tmp"
+    elsewhere.write_bytes(b"being written on another node")
+    compact(wh.root)
+    assert (not linked.exists(), not half.exists(), running.exists(), elsewhere.exists()) == (True, True, True, True)
+    os.link(next(directory.glob("part-*.parquet")), linked)
+    wh.remove_uncommitted(0)  # what a collection of the iteration runs first, holding its lock
+    assert not linked.exists() and running.exists()

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from cleaner.config import UNSHARDED, CollectConfig, Shard
+from cleaner.config.flags import RENAMED, option_of
 from cleaner.engine.collect.agent import rollout_key
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.schedule import collect
@@ -167,12 +168,17 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
 
 def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match: bool) -> None:
     """An iteration holds the rollouts of one config: resuming it, or adding a shard to rollouts
-    that are already there, needs the config it was started with."""
+    that are already there, needs the config it was started with; a refusal names what differs."""
     saved = warehouse.collect_config(config.iteration)
-    if must_match and saved is not None and CollectConfig.identity_of(saved) != CollectConfig.identity_of(config.to_json()):
-        raise JobError(f"iteration {config.iteration} was collected with another config; "
-                       "resuming it or collecting another shard of it needs the same options (how rollouts "
-                       "are scheduled may differ: --batch-rollouts, --max-concurrent-rollouts, --schedule)")
+    if not must_match or saved is None:
+        return
+    differences = config.differences(saved)
+    if differences:
+        named = "; ".join(f"{option_of(RENAMED.get(name, name))} {before!r} then, {now!r} now"
+                          for name, before, now in differences)
+        raise JobError(f"iteration {config.iteration} was collected with another config ({named}); resuming it "
+                       "or collecting another shard of it needs the same options (how rollouts are scheduled may "
+                       "differ: --batch-rollouts, --max-concurrent-rollouts, --schedule)")
 
 
 def collected_policy(warehouse: Warehouse, iteration: int) -> str:

@@ -196,41 +196,51 @@ def _interrupts_deferred() -> Iterator[None]:
 
 
 class PartWriter:
-    """Finished parts written on a thread of their own, at most MAX_PENDING_PARTS waiting."""
+    """Finished parts written on a thread of their own, at most MAX_PENDING_PARTS waiting. A write
+    that fails settles `failed`, which the schedule waits on beside its rollouts."""
 
     def __init__(self, write: Callable[[CollectedBatch], None]) -> None:
         self.write = write
         self.rollouts = 0  # written so far
         self.parts = 0
         self.error: BaseException | None = None  # the first write that failed; nothing is written after it
-        self._queue: queue.Queue[CollectedBatch | None] = queue.Queue()
+        self.failed: asyncio.Future | None = None  # done once a write failed (on the schedule's loop)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.Queue = queue.Queue()
         self._slots: asyncio.Semaphore | None = None
         self._thread = threading.Thread(target=self._drain, name="cleaner-writer", daemon=True)
         self._thread.start()
 
+    def bind(self) -> asyncio.Future:
+        """Start handing parts over from the running loop; the future a failed write settles."""
+        self._loop = asyncio.get_running_loop()
+        self._slots = asyncio.Semaphore(MAX_PENDING_PARTS)
+        self.failed = self._loop.create_future()
+        return self.failed
+
     async def put(self, part: CollectedBatch) -> None:
         """Hand `part` over; waits (with the rollouts in flight going on) while MAX_PENDING_PARTS wait."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(MAX_PENDING_PARTS)
         await self._slots.acquire()
         if self.error is not None:
             raise self.error
-        loop = asyncio.get_running_loop()
-        self._queue.put((part, lambda: loop.call_soon_threadsafe(self._slots.release)))
+        self._queue.put(part)
 
     def _drain(self) -> None:
-        while (item := self._queue.get()) is not None:
-            part, release = item
+        while (part := self._queue.get()) is not None:
             try:
                 if self.error is None:
                     self.write(part)
                     self.rollouts += len(part.rollouts)
                     self.parts += 1
-            except BaseException as error:  # noqa: BLE001 - raised to the schedule at its next hand-over
+            except BaseException as error:  # noqa: BLE001 - raised to the schedule, which stops
                 self.error = error
+                self._call(lambda: self.failed.done() or self.failed.set_result(None))
             finally:
-                with contextlib.suppress(RuntimeError):  # a loop closed by a stop waits for no slot
-                    release()
+                self._call(self._slots.release)
+
+    def _call(self, callback: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # a loop closed by a stop waits for nothing more
+            self._loop.call_soon_threadsafe(callback)
 
     def close(self) -> None:
         """Write what was handed over, then end the thread."""
@@ -285,11 +295,14 @@ class _Run:
     async def main(self, bar: tqdm, writer: PartWriter) -> None:
         """Run every rollout, handing parts of `batch_rollouts` to the writer as they fill."""
         size = self.config.batch_rollouts
+        failed = writer.bind()
         while not self.exhausted or self.running:
             self._start()
             if not self.running:
                 continue
-            done, _ = await asyncio.wait(self.running, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*self.running, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():
+                raise writer.error
             for task in done:
                 self._finish(task, self.running.pop(task))
             bar.update(len(done))

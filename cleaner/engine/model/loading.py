@@ -79,6 +79,9 @@ def check_model_path(path: str | Path, tokenizer: bool = False) -> None:
     if not _is_local(path):
         return  # a hub id: transformers resolves it and reports what it cannot find
     local = Path(path).expanduser()
+    if local.is_file():
+        raise ModelError(f"model {str(path)!r}: a file, not a directory; expected the Hugging Face model "
+                         f"directory that holds it ({local.parent}?), with config.json and weights")
     if not local.is_dir():
         raise ModelError(f"model {str(path)!r}: no such directory; expected a Hugging Face model "
                          "directory (config.json and weights) or a hub id such as Qwen/Qwen3-4B")

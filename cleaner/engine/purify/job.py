@@ -155,8 +155,9 @@ def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
         planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in load_tasks(config)
                    if shard.owns(task.prompt_id) for sample in range(config.group_size)}
     except (CleanerError, ValueError, TypeError) as error:  # the dataset moved: completeness cannot be known
-        logger.warning("cannot tell whether %s is complete (%s); purifying what it holds", where, error)
-        return
+        raise JobError(f"{root}: cannot tell whether {where} is complete: the prompts its collection planned "
+                       f"cannot be read ({error}); purify where its collect config's paths are readable, so "
+                       "the rows cover the whole iteration") from error
     stored = len(warehouse.rollout_ids(iteration) & planned)
     if stored < len(planned):
         raise JobError(f"{root}: {where} holds {stored} of the {len(planned)} rollouts its collection planned: it "

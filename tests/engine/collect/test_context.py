@@ -160,7 +160,7 @@ def _fit(lengths: list[int], strict: bool = True, **config_fields):
 
 def test_fit_prompts_by_hand(caplog):
     assert _fit([1, 40]) == [[0], list(range(40))]
-    with pytest.raises(ContextError, match=r"^d.parquet: row 1 \(prompt p-1\): the prompt is 41 tokens; .* "
+    with pytest.raises(ContextError, match=r"^/\S*/d.parquet: row 1 \(prompt p-1\): the prompt is 41 tokens; .* "
                                            r"needs 101 positions, .* has 100 \(1 of 2 prompts do not fit\)"):
         _fit([40, 41])
     assert _fit([40, 41, 45], truncate_prompts=True) == [list(range(40)), list(range(1, 41)), list(range(5, 45))]

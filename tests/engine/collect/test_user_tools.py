@@ -151,6 +151,21 @@ def test_a_call_past_its_timeout_is_answered_at_once_and_blocks_no_other(tool):
     box.close()
 
 
+def test_a_plain_coroutine_function_is_a_tool(tmp_path):
+    """`async def` with type hints and a docstring: its schema read as a function's, awaited."""
+    path = tmp_path / "lookup.py"
+    path.write_text(
+        "import asyncio\n\n"
+        "async def lookup(key: str) -> str:\n"
+        '    """Look a key up.\n\n    Args:\n        key: what to look up\n    """\n'
+        "    await asyncio.sleep(0.01)\n"
+        "    return key.upper()\n")
+    (tool,) = load_tools(None, f"{path}:lookup")
+    assert tool.schema["function"]["parameters"]["properties"] == {"key": {"type": "string", "description": "what to look up"}}
+    done = run_call(Toolbox([tool]), "lookup", {"key": "abc"})
+    assert (done.status, done.text) == ("ok", "ABC")
+
+
 def test_the_tools_own_timeout_error_is_a_failed_call_not_a_timeout():
     class Raises(Tool):
         name = "raises"

@@ -219,3 +219,36 @@ def test_a_raising_function_stops_the_collection_and_parts_before_stay(reward_fi
                 write=lambda part: committed.extend(r.rollout_id for r in part.rollouts),
                 reward_fn=fake_reward, progress=False, reward_file=function)
     assert committed == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]
+
+
+def test_a_function_that_changes_extra_info_changes_no_later_rollout():
+    """Each call gets its own copy of the row's extra_info, nested values included."""
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info):
+        seen.append(json.dumps(extra_info, sort_keys=True))
+        extra_info["tags"].append("seen")
+        return 1.0
+
+    config = dataclasses.replace(BASE, group_size=3, max_concurrent_rollouts=1)
+    scripts = {("p", i): [answer("42")] for i in range(3)}
+    tasks = [Task("p", ({"role": "user", "content": "?"},), "42", "toy", extra_info={"tags": ["a"]})]
+    collect_parts(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT, reward_fn=fake_reward,
+                  progress=False, reward_file=RewardFunction("judge.py:judge", judge))
+    assert seen == ['{"num_turns": 2, "tags": ["a"]}'] * 3
+    assert tasks[0].extra_info == {"tags": ["a"]}
+
+
+def test_a_reward_function_runs_in_a_worker_process_on_its_main_thread(reward_file):
+    """A function loaded from its file runs in a reward worker, whose main thread takes signal-based
+    timeouts (math-verify's, which verl's reward functions use)."""
+    import os
+
+    reward_file.write_text(
+        "import os, signal, threading\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # raises off the main thread\n"
+        "    return {'score': 1.0, 'pid': os.getpid(), 'main': threading.current_thread() is threading.main_thread()}\n")
+    rollouts = collect_with(RewardFunction.load(str(reward_file)), scripts={("p", 0): [answer("42")]})
+    details = json.loads(rollouts[0].reward_details)
+    assert details["main"] is True and details["pid"] != os.getpid()

@@ -1,0 +1,320 @@
+"""A collection at its edges (docs/architecture.md §5, "Faults and load"): what it stores never
+depends on how many rollouts are in flight, how slow the disk is or how the user's code misbehaves,
+and nothing hangs. Each test injects the load or the fault and compares what was stored."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cleaner.engine.collect.agent import cut_generation
+from cleaner.engine.collect.schedule import LockstepRequests, TokenCounter, collect
+from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
+from cleaner.engine.model.chat import ChatFormat, format_tool_call
+from cleaner.config import PurifyConfig
+from cleaner.engine.purify.pipeline import render_iteration
+from cleaner.tools import HungCalls, Tool, Toolbox, ToolResult, ToolUnavailable
+from tests.agent_fakes import (
+    BASE,
+    CHAT,
+    CharTokenizer,
+    FakeSandbox,
+    ScriptedBackend,
+    answer,
+    call,
+    collect_parts,
+    fake_reward,
+    task,
+)
+from tests.helpers import comparable
+
+# ---------------------------------------------------------------------------------------------
+# Load: the user's tools are timed by their own run
+
+
+class Sleeper(Tool):
+    """Works `seconds` (a synchronous call, on a thread), or awaits in `steps` (a coroutine)."""
+
+    name = "work"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    def __init__(self, seconds: float, timeout_s: float) -> None:
+        super().__init__()
+        self.seconds, self.timeout_s = seconds, timeout_s
+
+    def call(self, arguments):
+        time.sleep(self.seconds)
+        return f"done {arguments['n']}"
+
+
+class AwaitingSleeper(Sleeper):
+    async def call(self, arguments):
+        for _ in range(5):
+            await asyncio.sleep(self.seconds / 5)
+        return f"done {arguments['n']}"
+
+
+def _tool_rollouts(tool: Tool, prompts: int, **changes):
+    """Every prompt's rollout calls `tool` once, then answers: (rollouts, segments) as they compare."""
+    box = Toolbox([tool])
+    config = dataclasses.replace(BASE, **changes)
+    scripts = {(f"p{i}", sample): ["Go." + format_tool_call(tool.name, {"n": i}), answer("42")]
+               for i in range(prompts) for sample in range(config.group_size)}
+    parts = collect_parts([task(f"p{i}") for i in range(prompts)], config, ScriptedBackend(scripts, config),
+                          FakeSandbox(), ChatFormat(CharTokenizer(), box.schemas), reward_fn=fake_reward,
+                          progress=False, toolbox=box)
+    box.close()
+    return comparable([r for p in parts for r in p.rollouts], [s for p in parts for s in p.segments])
+
+
+def _statuses(segments) -> list[tuple[str, str]]:
+    return [(s.rollout_id, s.tool_status) for s in segments if s.kind == "tool"]
+
+
+def test_a_tools_timeout_measures_its_run_never_its_wait_for_a_thread():
+    """96 rollouts call a tool that works 0.2 s under a 0.5 s timeout. At 1,024 in flight, 64 of the
+    calls wait for one of the 32 threads (up to 0.4 s): had the wait counted, a third would time
+    out. Every call is ok at either concurrency, row for row the same collection."""
+    few = _tool_rollouts(Sleeper(0.2, 0.5), 96, max_concurrent_rollouts=8, batch_rollouts=16)
+    many = _tool_rollouts(Sleeper(0.2, 0.5), 96, max_concurrent_rollouts=1024, batch_rollouts=16)
+    assert set(status for _, status in _statuses(many[1])) == {"ok"} and len(_statuses(many[1])) == 96
+    assert many == few
+
+
+def test_a_call_past_its_timeout_times_out_at_any_concurrency():
+    slow = _tool_rollouts(Sleeper(0.3, 0.1), 8, max_concurrent_rollouts=1)
+    assert {status for _, status in _statuses(slow[1])} == {"timeout"}
+    tool = next(s for s in slow[1] if s.kind == "tool")
+    assert tool.text.endswith("Tool call failure\nreason: timeout\nthe call ran past its 0.1 s timeout</tool_response>"
+                              "<|im_end|>\n<|im_start|>assistant\n".replace("</tool_response>", "\n</tool_response>"))
+
+
+def test_a_slow_disk_changes_no_status():
+    """Parts written by a writer that takes 0.6 s each (a slow disk): the loop is not held up, so a
+    coroutine tool doing five 0.05 s awaits under a 0.5 s timeout is ok, as with instant writes."""
+    box = Toolbox([AwaitingSleeper(0.25, 0.5)])
+    config = dataclasses.replace(BASE, batch_rollouts=2)
+    scripts = {(f"p{i}", 0): ["Go." + format_tool_call("work", {"n": i}), answer("42")] for i in range(12)}
+    chat = ChatFormat(CharTokenizer(), box.schemas)
+
+    def run(write_s: float):
+        parts = []
+
+        def write(part):
+            time.sleep(write_s)
+            parts.append(part)
+
+        started = time.monotonic()
+        collect([task(f"p{i}") for i in range(12)], config, ScriptedBackend(scripts, config), FakeSandbox(), chat,
+                write=write, reward_fn=fake_reward, progress=False, toolbox=box)
+        return parts, time.monotonic() - started
+
+    instant, _ = run(0.0)
+    slow, seconds = run(0.6)
+    box.close()
+    rows = comparable([r for p in slow for r in p.rollouts], [s for p in slow for s in p.segments])
+    assert rows == comparable([r for p in instant for r in p.rollouts], [s for p in instant for s in p.segments])
+    assert {status for _, status in _statuses(rows[1])} == {"ok"}
+    assert 6 * 0.6 <= seconds < 6 * 0.6 + 1.5  # the six writes one after the other, the rollouts beside them
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults of the user's tools
+
+
+class Hangs(Tool):
+    name = "hangs"
+    timeout_s = 0.1
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+
+    def call(self, arguments):
+        self.release.wait()
+        return "late"
+
+
+def test_hung_calls_give_up_their_threads_and_past_the_cap_stop_the_collection(monkeypatch):
+    """40 calls hang: each times out at its deadline and frees its slot, so later calls of another
+    tool run at once; past MAX_HUNG hung calls the next call stops the collection in one line."""
+    from cleaner.tools import toolbox as toolbox_module
+
+    release = threading.Event()
+    box = Toolbox([Hangs(release), Sleeper(0.0, 1.0)])
+
+    async def main():
+        hung = await asyncio.gather(*[box.run("hangs", {"n": i}) for i in range(20)])
+        fine = await asyncio.wait_for(asyncio.gather(*[box.run("work", {"n": i}) for i in range(40)]), 5)
+        return hung, fine
+
+    hung, fine = asyncio.run(main())
+    assert {o.status for o in hung} == {"timeout"} and {o.status for o in fine} == {"ok"}
+    assert box.threads.hung == 20
+    monkeypatch.setattr(box.threads, "max_hung", 20)
+    with pytest.raises(HungCalls, match=r"^21 calls are still running past their timeouts \(tool 'hangs': 21; at "
+                                        r"most 20 may hang at once\); the collection stops$"):
+        asyncio.run(_hang_one_more(box))
+    release.set()  # they return at last: no longer counted
+    deadline = time.monotonic() + 5
+    while box.threads.hung and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert box.threads.hung == 0
+    assert toolbox_module.MAX_HUNG == 32
+
+
+async def _hang_one_more(box):
+    await box.run("hangs", {"n": 99})  # the 21st hangs too
+    await box.run("work", {"n": 0})  # refused: 21 hang
+
+
+def test_a_hung_call_never_holds_up_the_exit():
+    """A process whose tool call hangs (past its timeout) exits as soon as its work is done."""
+    script = (
+        "import asyncio, threading\n"
+        "from cleaner.tools import Tool, Toolbox\n"
+        "class Hangs(Tool):\n"
+        "    name = 'hangs'\n"
+        "    timeout_s = 0.1\n"
+        "    def call(self, arguments):\n"
+        "        threading.Event().wait()\n"
+        "print(asyncio.run(Toolbox([Hangs()]).run('hangs', {})).status)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "timeout", done.stderr
+    assert time.monotonic() - started < 30
+
+
+class Flaky(Tool):
+    """Its service is down for the first `down` calls."""
+
+    name = "judge"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+    def __init__(self, down: int, as_result: bool = False) -> None:
+        super().__init__()
+        self.down, self.as_result, self.calls = down, as_result, 0
+
+    def call(self, arguments):
+        self.calls += 1
+        if self.calls <= self.down:
+            if self.as_result:
+                return ToolResult("judge service: 503", infra=True)
+            raise ToolUnavailable("judge service: connection refused")
+        return "accepted"
+
+
+@pytest.mark.parametrize("as_result", [False, True])
+def test_a_tools_service_fault_is_tried_again_then_infra_error_never_trained(monkeypatch, as_result):
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.01)
+    recovers = Flaky(down=2, as_result=as_result)
+    assert asyncio.run(Toolbox([recovers]).run("judge", {})).status == "ok" and recovers.calls == 3
+    # down for good: stored as infra_error, and the rollout stays out of training (advantage 0)
+    rollouts, segments = _tool_rollouts(Flaky(down=10**6, as_result=as_result), 1, group_size=2)
+    assert {s.tool_status for s in segments if s.kind == "tool"} == {"infra_error"}
+    failed = next(s for s in segments if s.kind == "tool")
+    assert failed.error_type == "ToolUnavailable"
+    rows, stats = render_iteration(rollouts, segments, PurifyConfig(), CHAT.decode)
+    assert stats.n_infra_fault == 2 and {row.advantage for row in rows} == {0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Planted bugs the tests must catch
+
+
+def test_a_generation_is_cut_to_its_limit_from_its_start():
+    generation = Generation((5, 6, 7, 8), (-0.1, -0.2, -0.3, -0.4), STOP)
+    assert cut_generation(generation, 2) == Generation((5, 6), (-0.1, -0.2), LENGTH)
+    assert cut_generation(generation, 4) is generation
+
+
+def test_lock_step_asks_for_the_largest_limit_and_cuts_each_rollout_to_its_own():
+    """Two rollouts meet at a lock step's barrier with limits 50 and 20: one wave of requests, each
+    asking for 50, and b keeps the first 20 tokens of what its seed samples."""
+    turn = answer("x" * 60)
+    backend = ScriptedBackend({("a", 0): [turn], ("b", 0): [turn]}, BASE)
+    requests = LockstepRequests(backend, FakeSandbox(), TokenCounter(), live=2)
+
+    async def main():
+        wide = requests.generate(_State("a"), [1], SamplingParams(50, ()), _seed(BASE, "a"))
+        narrow = requests.generate(_State("b"), [1], SamplingParams(20, ()), _seed(BASE, "b"))
+        return await asyncio.gather(wide, narrow)
+
+    wide, narrow = asyncio.run(main())
+    assert backend.waves.limits == [{50}]  # one wave, the larger limit for both
+    assert wide.token_ids == tuple(CHAT.encode(turn)[:50])
+    assert narrow.token_ids == tuple(CHAT.encode(turn)[:20]) and narrow.finish_reason == LENGTH
+
+
+@dataclasses.dataclass
+class _State:
+    rollout_id: str
+
+
+def _seed(config, prompt_id):
+    from cleaner.engine.collect.agent import turn_seed
+
+    return turn_seed(config.seed, config.iteration, prompt_id, 0, 0)
+
+
+def test_a_stopped_collection_cancels_the_requests_it_left_waiting():
+    """The writer fails after the first part: every rollout still in flight is cancelled, none is
+    left awaiting the backend."""
+    waiting, cancelled = [], []
+
+    class Stalls(ScriptedBackend):
+        async def generate_async(self, prompt, params, seed, session=None):
+            if session != "it0-p0-s0":
+                waiting.append(session)
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    cancelled.append(session)
+                    raise
+            return await super().generate_async(prompt, params, seed, session)
+
+    class Crash(Exception):
+        pass
+
+    def write(part):
+        raise Crash
+
+    config = dataclasses.replace(BASE, batch_rollouts=1)
+    scripts = {(f"p{i}", 0): [answer("42")] for i in range(5)}
+    with pytest.raises(Crash):
+        collect([task(f"p{i}") for i in range(5)], config, Stalls(scripts, config), FakeSandbox(), CHAT,
+                write=write, reward_fn=fake_reward, progress=False)
+    assert sorted(waiting) == sorted(cancelled) == [f"it0-p{i}-s0" for i in range(1, 5)]
+
+
+def test_the_sandboxs_run_async_leaves_the_loop_running():
+    """A call that sleeps 0.5 s in the real sandbox: the loop ticks meanwhile (it runs on a thread)."""
+    from cleaner.sandbox import SandboxConfig, make_sandbox
+
+    async def main(sandbox):
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        result = await sandbox.run_async("import time; time.sleep(0.5); print('woke')")
+        ticker.cancel()
+        return result, ticks
+
+    with make_sandbox(SandboxConfig(workers=1, timeout_s=5)) as sandbox:
+        result, ticks = asyncio.run(main(sandbox))
+    assert result.stdout.strip() == "woke" and ticks >= 20

@@ -137,6 +137,7 @@ class _Request:
     generation: Generation
     future: asyncio.Future
     order: int = 0
+    arrived: float = 0.0  # when the loop sent it (simulated)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class SimEngine:
         prefill = len(prompt) - min(len(prompt), self._cached.get(session, 0))
         self._cached[session] = len(prompt) + len(generation.token_ids)
         future = self.loop.create_future()
-        self._queue.append(_Request(len(generation.token_ids), prefill, generation, future, next(self._order)))
+        self._queue.append(_Request(len(generation.token_ids), prefill, generation, future, next(self._order),
+                                    self.loop.time()))
         self.stats.requests += 1
         self._wake.set()
         return await future
@@ -210,19 +212,26 @@ class SimEngine:
         return Generation(ids, (-0.5,) * len(ids), reason)
 
     async def _serve(self) -> None:
+        """Decode on the engine's own clock: a loop held up (a write on it) delays results and new
+        requests, never the steps of the sequences already running, which the engine catches up
+        with; a request joins only steps at or after its arrival."""
         running: list[tuple[int, int, _Request]] = []  # (the step it ends on, order, request)
         cost = self.cost
+        clock = self.loop.time()
         while True:
             while not running and not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
+            if not running:
+                clock = max(clock, self._queue[0].arrived)
             prefill = 0
-            while self._queue and len(running) < cost.max_running:
+            while self._queue and len(running) < cost.max_running and self._queue[0].arrived <= clock:
                 request = self._queue.popleft()
                 prefill += request.prefill
                 heapq.heappush(running, (self.stats.steps + request.length, request.order, request))
             seconds = cost.step_s + cost.per_sequence_s * len(running) + cost.prefill_per_token_s * prefill
-            await asyncio.sleep(seconds)
+            clock += seconds
+            await asyncio.sleep(max(clock - self.loop.time(), 0.0))
             self.stats.busy_s += seconds
             self.stats.steps += 1
             self.stats.tokens += len(running)

@@ -12,8 +12,12 @@ step (`--schedule lockstep`, the loop before), measured side by side in one run.
   --server     the same against one SGLang server launched here.
   --torch      the torch backend on the toy (what `make demo` collects): async vs lock step, and the
                loop before this one from another source tree (--baseline-src), rollouts/min.
+  --writes     parts written on the writer thread against on the loop (as before), at 1,024 in flight:
+               the paper's shape simulated, each part's write timed for real (64 rollouts of 8k and 32k
+               tokens).
 
     .venv/bin/python bench/collect_throughput.py --simulate
+    .venv/bin/python bench/collect_throughput.py --writes
     .venv-sglang/bin/python bench/collect_throughput.py --engine --server
     .venv/bin/python bench/collect_throughput.py --torch --baseline-src /tmp/cleaner-before
 Each writes a markdown table to stdout (and to --out, if given).
@@ -73,8 +77,10 @@ class SimResult:
 
 def simulate(schedule: str, batch_rollouts: int, max_concurrent: int | None, prompts: int = 128,
              group_size: int = 16, workload: Workload | None = None, cost: CostModel | None = None,
-             tool_workers: int = 256) -> SimResult:
-    """One collection of the paper's shape on the simulated clock."""
+             tool_workers: int = 256, write_on_loop_s: float | None = None) -> SimResult:
+    """One collection of the paper's shape on the simulated clock. `write_on_loop_s`: each part's
+    write holds the loop that long (simulated), as parts were written before the writer thread;
+    None: parts go to the writer thread, beside the loop."""
     workload, cost = workload or Workload(), cost or CostModel()
     from transformers import AutoTokenizer
 
@@ -88,8 +94,14 @@ def simulate(schedule: str, batch_rollouts: int, max_concurrent: int | None, pro
     started = time.monotonic()
     rollouts = kept = 0
     parts = []
+
+    def write(part) -> None:  # on the writer thread
+        if write_on_loop_s is not None:  # the loop's next turn holds it that long (a write on it)
+            loop.call_soon_threadsafe(lambda: setattr(loop, "now", loop.now + write_on_loop_s))
+        parts.append(part)
+
     try:
-        collect(tasks, config, engine, sandbox, chat, write=parts.append, reward_fn=sim_reward, progress=False)
+        collect(tasks, config, engine, sandbox, chat, write=write, reward_fn=sim_reward, progress=False)
         rollouts = sum(len(part.rollouts) for part in parts)
         kept = sum(len(s.token_ids) for part in parts for s in part.segments if s.kind == "assistant")
     finally:
@@ -142,6 +154,71 @@ def sim_section(title: str, prompts: int, cost: CostModel, schedules, as_json: b
 
 
 # ---------------------------------------------------------------------------------------------
+# Parts written beside the loop, or on it
+
+
+def part_write_seconds(tokens_per_rollout: int, rollouts: int = 64, repeats: int = 3) -> float:
+    """The real time the warehouse takes to commit one part of `rollouts` rollouts of
+    `tokens_per_rollout` tokens (a 512-token prompt, then turns of 400 generated and 100 tool
+    tokens, ids over Qwen's vocabulary), the fastest of `repeats`."""
+    import random
+    import tempfile
+
+    from cleaner.records import Rollout, Segment
+    from cleaner.warehouse import Warehouse
+
+    rng = random.Random(0)
+
+    def segments(rollout_id: str) -> list[Segment]:
+        made = [Segment(rollout_id, 0, 0, "prompt", None, None, tuple(rng.randrange(151_936) for _ in range(512)),
+                        None, "x" * 2000)]
+        while sum(len(s.token_ids) for s in made) < tokens_per_rollout:
+            step = len(made) // 2
+            ids = tuple(rng.randrange(151_936) for _ in range(400))
+            made.append(Segment(rollout_id, 0, len(made), "assistant", step, 0, ids, tuple(-0.5 for _ in ids),
+                                "y" * 1600, call_start=300, tool_code="print(1)"))
+            tool = tuple(rng.randrange(151_936) for _ in range(100))
+            made.append(Segment(rollout_id, 0, len(made), "tool", step, 0, tool, None, "z" * 400,
+                                tool_code="print(1)", tool_status="ok", exec_ms=12.0))
+        return made
+
+    rows = [Rollout(f"r{i}", 0, "g", "p", i, "v", "sim", "42", "42", 1.0, True, "answer", 0.5, "purified", "c", 1, 1, 0)
+            for i in range(rollouts)]
+    parts = [s for row in rows for s in segments(row.rollout_id)]
+    best = float("inf")
+    with tempfile.TemporaryDirectory() as root:
+        warehouse = Warehouse(root)
+        for repeat in range(repeats):
+            renamed = [dataclasses.replace(r, rollout_id=f"{r.rollout_id}-{repeat}") for r in rows]
+            segs = [dataclasses.replace(s, rollout_id=f"{s.rollout_id}-{repeat}") for s in parts]
+            started = time.perf_counter()
+            warehouse.write_rollouts(0, renamed, segs)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+WRITES_SETUP = ("The paper's shape simulated as above ({rollouts:,} rollouts, async with {concurrent:,} in flight, "
+                "parts of 64), each part's write measured for real on this machine's disk (64 rollouts of "
+                "{tokens:,} tokens: {seconds:.2f} s) and then either held by the writer thread beside the loop "
+                "(now), or holding the loop that long while the engine decodes what it has (before).")
+
+
+def writes_section(prompts: int, tokens: tuple[int, ...] = (8_192, 32_768), concurrent: int = 1024) -> str:
+    lines = []
+    for size in tokens:
+        seconds = part_write_seconds(size)
+        beside = simulate("async", 64, concurrent, prompts=prompts)
+        held = simulate("async", 64, concurrent, prompts=prompts, write_on_loop_s=seconds)
+        lines.append(f"| {size:,} | {seconds:.2f} | {held.tokens_per_s:,.0f} | {beside.tokens_per_s:,.0f} | "
+                     f"{beside.tokens_per_s / held.tokens_per_s:.3f}x | {held.seconds:,.0f} / {beside.seconds:,.0f} |")
+    setup = WRITES_SETUP.format(rollouts=prompts * 16, concurrent=concurrent, tokens=tokens[0],
+                                seconds=part_write_seconds(tokens[0]))
+    head = ("| tokens a rollout (for the write) | a part's write (s) | tokens/s, written on the loop | tokens/s, "
+            "beside it | beside / on | simulated seconds (on / beside) |\n| --- | --- | --- | --- | --- | --- |")
+    return f"### Parts written beside the loop\n\n{setup}\n\n{head}\n" + "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry
 
 
@@ -152,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", action="store_true")
     parser.add_argument("--server", action="store_true")
     parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--writes", action="store_true", help="parts written beside the loop against on it")
     parser.add_argument("--prompts", type=int, default=128, help="--simulate: prompts (x 16 samples)")
     parser.add_argument("--baseline-src", type=Path, help="--torch: a source tree of the loop before")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
@@ -164,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         schedules = [("lockstep", 64, None), ("lockstep", 512, None), ("async", 64, 64), ("async", 64, 512)]
         sections.append(sim_section("The issue's model (512 rollouts, no prefill cost), simulated", 32,
                                     CostModel(prefill_per_token_s=0.0), schedules, args.json))
+    if args.writes:
+        sections.append(writes_section(args.prompts))
     if args.engine or args.server or args.torch:
         from collect_real import real_sections  # the real engines: sglang or torch imported there
 

@@ -22,6 +22,7 @@ wait beside it or how late the loop looks. So:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -62,6 +63,24 @@ def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: obje
         loop.call_soon_threadsafe(_settle, future, value)
 
 
+class _DaemonThreads(concurrent.futures.Executor):
+    """An executor that runs each call on a daemon thread of its own (one that never holds up the
+    exit, unlike a ThreadPoolExecutor's), so the loop's `run_in_executor` knows it is working."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                future.set_result(fn(*args, **kwargs))  # _ThreadCall._run never raises
+
+        threading.Thread(target=run, name=self.name, daemon=True).start()
+        return future
+
+
 class _ThreadCall:
     """One call on a daemon thread, recording its own start and end."""
 
@@ -74,7 +93,7 @@ class _ThreadCall:
         self.value: object = None
         self.error: BaseException | None = None
         self.abandoned = False  # given up at its deadline: counted as hung until it returns
-        threading.Thread(target=self._run, name=f"{calls.name}-call", daemon=True).start()
+        loop.run_in_executor(calls.executor, self._run)
 
     def _run(self) -> None:
         self.started_at = time.monotonic()
@@ -101,6 +120,7 @@ class ThreadCalls:
         self.lock = threading.Lock()
         self.hung = 0  # calls given up at their deadline that have not returned yet
         self.hung_by: Counter[str] = Counter()  # the same, by what was called
+        self.executor = _DaemonThreads(f"{name}-call")
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     def _slot(self) -> asyncio.Semaphore:

@@ -327,6 +327,33 @@ def run_python(config):
     return [r for b in batches for r in b.rollouts], [s for b in batches for s in b.segments], None
 
 
+def test_a_retry_that_calls_another_tool_with_the_same_arguments_is_deep():
+    """convert_units fails; the retry calls a second tool with the very same arguments. Their
+    tool_codes are equal, but calls of two tools are not alike (similarity 0): deep at any gamma
+    above 0 (gamma 0 asks for every merge shallow)."""
+    class Other(Tool):
+        name = "other_units"
+        parameters = UNITS[0].parameters
+
+        def call(self, arguments):
+            return "3500 m"
+
+    box = Toolbox([*UNITS, Other()])
+    chat = ChatFormat(CharTokenizer(), box.schemas)
+    same = {"value": 3.5, "from_unit": "kms", "to_unit": "m"}
+    scripts = {("switch", 0): ["Convert." + format_tool_call("convert_units", same),
+                               "Other." + format_tool_call("other_units", same), answer("3500")]}
+    config = BASE
+    parts = collect_parts([task("switch")], config, ScriptedBackend(scripts, config), FakeSandbox(), chat,
+                          reward_fn=fake_reward, progress=False, toolbox=box)
+    rollouts, segments = parts[0].rollouts, parts[0].segments
+    calls = [s for s in segments if s.kind == "assistant" and s.tool_code is not None]
+    assert calls[0].tool_code == calls[1].tool_code and [c.tool_name for c in calls] == ["convert_units", "other_units"]
+    for gamma in (0.01, 0.5, 0.99):
+        rows, _ = render_iteration(rollouts, segments, PurifyConfig(gamma=gamma), chat.decode)
+        assert (rows[0].n_shallow, rows[0].n_deep) == (0, 1)
+
+
 def test_purify_merges_the_second_tools_chains_as_the_python_tools():
     """Shallow and deep as the Python chains: the misspelt unit is shallow (its arguments are
     similar), the switch to Python deep, the exhausted chain's three similar retries shallow and the

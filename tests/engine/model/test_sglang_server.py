@@ -369,3 +369,28 @@ def test_a_server_back_from_a_fault_is_probed_into_the_rotation(model_dir, quick
             stand_in.close()
     assert len(workers[1].paths("/generate")) >= 1 and workers[1].paths("/health")
     assert backend.routes.rotation == [workers[0].url, workers[1].url]
+
+
+def test_collect_against_a_server_answering_500_exits_1_and_purify_refuses_the_iteration(model_dir, tmp_path,
+                                                                                         quick_retries):
+    """What a fault trial saw exit 0 with every rollout stored as `error`: now one error line, exit
+    1, nothing stored, and the iteration is not purified (so `cleaner run` never trains on it)."""
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    server = StandIn(str(model_dir))
+    server.generate = lambda body: (500, {"error": {"message": "Internal Server Error"}})
+    runner = CliRunner()
+    try:
+        result = runner.invoke(app, ["collect", "-w", str(tmp_path / "wh"), "--backend", "sglang", "--sglang-url",
+                                     server.url, "--model", str(model_dir), "--prompts", "8", "--group-size", "2",
+                                     "--max-turns", "1", "--max-new-tokens", "4", "--max-response-tokens", "8"])
+    finally:
+        server.close()
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "HTTP 500" in errors[0] and "--resume" in errors[0], result.output
+    assert "Traceback" not in result.output
+    refused = runner.invoke(app, ["purify", "-w", str(tmp_path / "wh")])
+    assert refused.exit_code == 1 and "holds 0 of the 16 rollouts" in " ".join(refused.output.split())

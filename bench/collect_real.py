@@ -229,8 +229,7 @@ backend = TorchBackend(DEFAULT_POLICY)
 chat = ChatFormat(backend.tokenizer)
 config = CollectConfig(n_prompts=32, group_size=8, **fields)
 
-def parts_of(*args, **kwargs):
-    """The parts a collection writes, whether `collect` takes `write` or yields them (an older tree)."""
+def parts_of(*args, **kwargs):  # the parts a collection writes: `collect` takes `write`, or yields them (older trees)
     if "write" in inspect.signature(collect).parameters:
         parts = []
         collect(*args, write=parts.append, **kwargs)

@@ -3,9 +3,9 @@ the user's tools (loading.py), and running their calls off the event loop, each 
 clock (toolbox.py, calls.py)."""
 
 from cleaner.tools.base import FunctionTool, Tool, ToolError, ToolResult, ToolUnavailable
-from cleaner.tools.calls import CoroutineCalls, HungCalls, ThreadCalls, Timed
+from cleaner.tools.calls import CoroutineCalls, DaemonThreads, HungCalls, ThreadCalls, Timed
 from cleaner.tools.loading import load_tools
 from cleaner.tools.toolbox import ToolOutcome, Toolbox, canonical_arguments
 
-__all__ = ["CoroutineCalls", "FunctionTool", "HungCalls", "ThreadCalls", "Timed", "Tool", "ToolError",
+__all__ = ["CoroutineCalls", "DaemonThreads", "FunctionTool", "HungCalls", "ThreadCalls", "Timed", "Tool", "ToolError",
            "ToolOutcome", "ToolResult", "ToolUnavailable", "Toolbox", "canonical_arguments", "load_tools"]

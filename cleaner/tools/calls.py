@@ -63,7 +63,7 @@ def _notify(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: obje
         loop.call_soon_threadsafe(_settle, future, value)
 
 
-class _DaemonThreads(concurrent.futures.Executor):
+class DaemonThreads(concurrent.futures.Executor):
     """An executor that runs each call on a daemon thread of its own (one that never holds up the
     exit, unlike a ThreadPoolExecutor's), so the loop's `run_in_executor` knows it is working."""
 
@@ -75,7 +75,10 @@ class _DaemonThreads(concurrent.futures.Executor):
 
         def run() -> None:
             if future.set_running_or_notify_cancel():
-                future.set_result(fn(*args, **kwargs))  # _ThreadCall._run never raises
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - the caller's future carries it
+                    future.set_exception(error)
 
         threading.Thread(target=run, name=self.name, daemon=True).start()
         return future
@@ -120,7 +123,7 @@ class ThreadCalls:
         self.lock = threading.Lock()
         self.hung = 0  # calls given up at their deadline that have not returned yet
         self.hung_by: Counter[str] = Counter()  # the same, by what was called
-        self.executor = _DaemonThreads(f"{name}-call")
+        self.executor = DaemonThreads(f"{name}-call")
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     def _slot(self) -> asyncio.Semaphore:

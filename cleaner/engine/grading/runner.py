@@ -6,39 +6,32 @@ hold them up, and one that hangs must end the collection with one line, not stal
 
 Design decisions:
 - Where a reward runs:
-  - in a worker process (`reward_pool`, spawned, `REWARD_WORKERS` of them, shared by every
-    collection of this process): the built-in math grader, and a plain reward function loaded from
-    the user's file (by its spec; the worker imports the file itself). A worker's main thread runs
-    the call, so signal-based timeouts work there (math-verify's, which a user's verl reward
-    function calls too, need the main thread), and a call past its timeout is killed with its
-    worker, which the pool replaces;
+  - in a reward worker process (workers.py, shared by every collection of this process): the
+    built-in math grader, and a plain reward function loaded from the user's file (by its spec;
+    the worker imports the file itself). A worker's main thread runs the call, so signal-based
+    timeouts work there (math-verify's, which a user's verl reward function calls too, need the
+    main thread), and a call past its timeout is killed with its worker;
   - on a thread of its own (calls.py's `ThreadCalls`): the program grader (its tests run in the
     grading sandbox, each under its own limit) and any reward callable handed in directly;
   - on the calls' own event loop (calls.py's `CoroutineCalls`): a coroutine reward function.
 - The timeout (`--reward-timeout-s`, default 60 s) measures the call's own run, from when a worker
   or thread takes it. A reward past it raises `RewardTimeout`: one line naming the function and the
   rollout; the parts committed before stay and `--resume` finishes the iteration once it is fixed.
-- Workers ignore SIGINT: a Ctrl-C is the collection's to handle (it cancels what waits on them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import copy
-import multiprocessing
-import os
-import signal
-import threading
 from collections.abc import Callable
 
 from cleaner.engine.grading.answers import RewardResult, compute_reward
 from cleaner.engine.grading.programs import Grader, is_code_source
 from cleaner.engine.grading.reward_file import RewardFunction, RewardFunctionError
+from cleaner.engine.grading.workers import function_ref, reward_workers, spec_ref
 from cleaner.errors import JobError
-from cleaner.tools.calls import CoroutineCalls, ThreadCalls, Timed
+from cleaner.tools.calls import CoroutineCalls, DaemonThreads, ThreadCalls, Timed
 
-REWARD_WORKERS = min(8, os.cpu_count() or 1)  # worker processes computing rewards at once
 REWARD_THREADS = 32  # in-process reward calls running at once
 DEFAULT_REWARD_TIMEOUT_S = 60.0
 
@@ -47,61 +40,13 @@ class RewardTimeout(JobError):
     """A reward did not come back within its timeout; the message names the function and the rollout."""
 
 
-# ---------------------------------------------------------------------------------------------
-# The worker processes
+async def _in_worker(ref: tuple[str, str], args: tuple, timeout_s: float) -> Timed:
+    """What `ref` names, on `args`, in a reward worker, killed past `timeout_s` of its own run."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_WAITERS, reward_workers().call, ref, args, timeout_s)
 
 
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def reward_pool():
-    """This process's pool of reward workers, started on first use and stopped at exit."""
-    global _pool
-    import pebble  # on first use: a collection with an in-process reward starts no worker
-
-    with _pool_lock:
-        if _pool is None or not _pool.active:
-            _pool = pebble.ProcessPool(max_workers=REWARD_WORKERS, initializer=_ignore_interrupts,
-                                       context=multiprocessing.get_context("spawn"))
-        return _pool
-
-
-@atexit.register
-def _stop_pool() -> None:
-    with _pool_lock:
-        if _pool is not None and _pool.active:
-            _pool.stop()
-
-
-def _call_spec(spec: str, arguments: dict) -> object:
-    """In a worker: the reward function `spec` names, called with verl's keywords. Loaded each call
-    (plugins.py imports a file once per content), so a file fixed since a worker took it is read
-    again."""
-    return RewardFunction.load(spec).function(**arguments)
-
-
-async def _in_worker(fn: Callable, args: tuple, timeout_s: float) -> Timed:
-    """`fn(*args)` in a reward worker, killed past `timeout_s` of its own run."""
-    import pebble  # loaded with the pool
-
-    future = reward_pool().schedule(fn, args=args, timeout=timeout_s)
-    try:
-        value = await asyncio.wrap_future(future)
-    except TimeoutError:
-        return Timed(seconds=timeout_s, timed_out=True)
-    except pebble.ProcessExpired as error:  # the worker died under the call (a crash in C code, an exit)
-        return Timed(error=RuntimeError(f"its worker process died ({error})"))
-    except asyncio.CancelledError:
-        future.cancel()  # pebble stops the worker of a running task
-        raise
-    except Exception as error:  # noqa: BLE001 - what the reward raised, the caller's to word
-        return Timed(error=error)
-    return Timed(value)
+_WAITERS = DaemonThreads("cleaner-reward-wait")  # a thread per call in a worker, waiting for its reply
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +70,7 @@ class Rewards:
                                                       and not is_code_source(data_source))
         arguments = (text, ground_truth, data_source)
         if in_worker:
-            timed = await _in_worker(compute_reward, arguments, self.timeout_s)
+            timed = await _in_worker(function_ref(compute_reward), arguments, self.timeout_s)
         else:
             timed = await self.threads.run(self.grader, arguments, self.timeout_s, "the reward")
         name = "the built-in grader" if in_worker or isinstance(self.grader, Grader) else _name(self.grader)
@@ -144,7 +89,7 @@ class Rewards:
         if asyncio.iscoroutinefunction(reward.function):
             timed = await self.coroutines.run(lambda: reward.function(**arguments), self.timeout_s)
         elif reward.importable:
-            timed = await _in_worker(_call_spec, (reward.spec, arguments), self.timeout_s)
+            timed = await _in_worker(spec_ref(reward.spec), (arguments,), self.timeout_s)
         else:
             timed = await self.threads.run(lambda: reward.function(**arguments), (), self.timeout_s,
                                            f"reward function {reward.name}")

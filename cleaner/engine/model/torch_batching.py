@@ -15,8 +15,11 @@ Design decisions:
   keys and values written into free slots; the rows already decoding are not copied. Only when the
   batch has too few slots or too short a ring is it re-laid into larger buffers. A prefill that
   fails answers only the rows that were joining.
-- Leaving: a row that ends frees its slot at once, for the next row to join in place; when three
-  quarters of the slots are free the batch is compacted (the live slots copied into fewer).
+- Leaving: a row that ends frees its slot at once, for the next row to join in place; free slots
+  left over once the waiting rows have joined, more than a quarter of the live ones, are compacted
+  away (the live slots copied into fewer: every slot is stepped). A step attends over the ring's
+  last columns, as many as its longest row holds (a view, where they lie in one run of the ring),
+  so attention costs what the rows hold, not what they may grow to.
 - Each row samples from its own CPU generator, one uniform per token (inverse CDF), so the tokens a
   row draws depend on its seed and its logits only, never on its neighbours' randomness. The floats
   of a batched forward do depend on the batch's shape in the last bits (this backend is not
@@ -151,18 +154,19 @@ class DecodeRequest:
 
 class _RingLayer(DynamicLayer):
     """One layer's keys and values, (S, H, C, D): a forward writes its one column at `column` in
-    place and attends over the whole ring, under the batch's mask."""
+    place and attends over the columns `window` (a view, no copy), under the batch's mask."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.keys, self.values = keys, values
         self.is_initialized = True
         self.column = 0
+        self.window = slice(None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.keys[:, :, self.column] = key_states[:, :, -1]
         self.values[:, :, self.column] = value_states[:, :, -1]
-        return self.keys, self.values
+        return self.keys[:, :, self.window], self.values[:, :, self.window]
 
     def get_seq_length(self) -> int:
         return self.keys.shape[2]
@@ -239,6 +243,8 @@ class DecodeBatch:
         slots, columns = self.shape_with(ready)
         if slots > len(self.rows) or columns > self.columns:
             self._relay(slots, columns, out.kv, out.logits[:1, -1])
+            if not any(self.rows):  # a new batch: its prompts end where the ring's first run begins
+                self.end = mask.shape[1]  # (so the steps' windows lie in one run until the ring wraps)
         free = [slot for slot, row in enumerate(self.rows) if row is None]
         width, ring = mask.shape[1], self.columns
         for index, (request, slot) in enumerate(zip(ready, free, strict=False)):
@@ -308,17 +314,15 @@ class DecodeBatch:
                 continue
             self._free(index)
         self.pending = pending
-        n_live = len(self.live)
-        if len(self.rows) >= 8 and 4 * n_live <= len(self.rows):
-            self._compact()
 
     def _forward(self) -> None:
         column = self.end % self.columns
         self.mask[:, column] = True  # each slot's new token (a free slot attends to its own only)
+        window = self._window()
         for layer in self.layers:
-            layer.column = column
+            layer.column, layer.window = column, window
         input_ids = torch.tensor(self.pending, device=self.device).unsqueeze(-1)  # (S, 1)
-        out = self.model(input_ids=input_ids, attention_mask=self.mask[:, None, None, :],  # (S, 1, 1, C)
+        out = self.model(input_ids=input_ids, attention_mask=self.mask[:, window].contiguous()[:, None, None],  # (S, 1, 1, W)
                          position_ids=self.next_positions, use_cache=True, logits_to_keep=1,
                          **{cache_argument(self.model): Cache(layers=self.layers)})
         self.logits = out.logits[:, -1]
@@ -326,9 +330,24 @@ class DecodeBatch:
         self.end += 1
         self.pending = None
 
+    def _window(self) -> slice:
+        """The ring's columns a step attends over: the last ones written, as many as the longest live
+        row holds (its tokens and the one written now), where they lie in one run of the buffer;
+        else the whole ring. Attention then costs what the rows hold, not what they may grow to."""
+        span = max(len(row.prompt) + len(row.token_ids) for row in self.live)  # the new column included
+        low = (self.end + 1 - span) % self.columns
+        return slice(low, low + span) if low + span <= self.columns else slice(None)
+
     def _free(self, slot: int) -> None:
         self.rows[slot] = None
         self.mask[slot] = False
+
+    def compact_if_sparse(self) -> None:
+        """Drop the free slots once they are more than a quarter of the live ones (every slot is
+        stepped): call it after the rows waiting to join have taken what they could."""
+        free = len(self.rows) - len(self.live)
+        if free and free > len(self.live) // 4:
+            self._compact()
 
     def _compact(self) -> None:
         """Keep only the live slots (a copy of theirs)."""
@@ -400,6 +419,7 @@ def run_to_end(batch: DecodeBatch, requests: Sequence[DecodeRequest]) -> None:
     """Admit every request at once and step until all have ended (the batch API)."""
     batch.admit(requests)
     while batch.rows:
+        batch.compact_if_sparse()
         batch.step()
 
 
@@ -520,6 +540,8 @@ class DecodeServer:
         if not batch.rows:
             return
         try:
+            if batch.pending is None:
+                batch.compact_if_sparse()
             self.steps += 1
             self.rows_stepped += len(batch.live)
             batch.step()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cleaner.engine.grading import runner
+from cleaner.engine.grading import workers
 from cleaner.engine.grading.answers import compute_reward
 from cleaner.engine.grading.reward_file import RewardFunction, RewardFunctionError
 from cleaner.engine.grading.runner import Rewards, RewardTimeout
@@ -19,7 +19,8 @@ from cleaner.engine.grading.runner import Rewards, RewardTimeout
 def test_the_built_in_grader_runs_in_a_worker_and_grades_as_it_does_here(text, truth):
     got = asyncio.run(Rewards().grade("r0", text, truth, "math"))
     assert got == compute_reward(text, truth, "math")
-    assert runner._pool is not None and runner._pool.active
+    busy = [worker for worker in workers.reward_workers()._all if worker.process is not None]
+    assert busy and all(worker.process.poll() is None for worker in busy)  # it ran in a worker, still warm
 
 
 def test_a_hanging_callable_is_one_line_naming_it_and_the_rollout():
@@ -44,7 +45,23 @@ def test_a_coroutine_reward_function_past_its_timeout_and_one_that_kills_its_wor
     path = tmp_path / "dies.py"
     path.write_text("import os\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                     "    os._exit(3)\n")
-    with pytest.raises(RewardFunctionError, match=r"raised on rollout r2: RuntimeError: its worker process died"):
+    with pytest.raises(RewardFunctionError, match=r"raised on rollout r2: WorkerLost: its worker process died \(exit "
+                                                  r"code 3\)"):
         asyncio.run(Rewards(reward_file=RewardFunction.load(str(path))).verl("r2", "toy", "x", "1", {}))
     # the pool replaced the worker: the next reward is computed
     assert asyncio.run(Rewards().grade("r3", "\\boxed{2}", "2", "math")).correct
+
+
+def test_a_script_that_collects_at_its_top_level_needs_no_main_guard(tmp_path):
+    """Reward workers are processes of cleaner's own: they never import the caller's script again
+    (multiprocessing's spawn would, and run a top-level collection once per worker)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("import asyncio\n"
+                      "from cleaner.engine.grading.runner import Rewards\n"
+                      "print('graded', asyncio.run(Rewards().grade('r', '\\\\boxed{4}', '4', 'math')).correct)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["graded True"]

@@ -73,7 +73,9 @@ def test_ended_rows_are_compacted_away_and_the_rest_decode_on(backend):
     # a ring as long as the longest row may grow: prompt 9 + limit 15
     assert (len(batch.rows), batch.columns) == (8, len(PROMPTS[2]) + 15)
     batch.step()
-    batch.step()  # six rows end here
+    batch.step()  # six rows end here: their slots are free
+    assert len(batch.rows) == 8 and len(batch.live) == 2
+    batch.compact_if_sparse()  # no row waits to join them (the decoding thread asks after admitting)
     assert len(batch.rows) == 2 and all(row is not None for row in batch.rows)  # compacted
     assert batch.mask.shape == (2, len(PROMPTS[2]) + 15) and batch.layers[0].keys.shape[0] == 2
     while batch.rows:

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # cleaner from this checkout, installed or not
+
 QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
 

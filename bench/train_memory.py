@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # cleaner from this checkout, installed or not
 
 REAL_VOCAB = 151_936
 SHAPES = {
@@ -38,6 +41,12 @@ SHAPES = {
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "tie_word_embeddings": True},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "tie_word_embeddings": True},
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "tie_word_embeddings": True},
 }
 PATHS = {"full": {}, "full+bf16": {"compute_dtype": "bfloat16"}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": True},
          "chunked+bf16": {"compute_dtype": "bfloat16"},
@@ -87,16 +96,17 @@ def rows(tokens: int, vocab_size: int):
     return made
 
 
-def micro_batch_step(path: str, model, reference, batch_rows, device: str):
+def micro_batch_step(path: str, model, reference, batch_rows, device: str, kl: bool = True):
     """Forward and backward of one micro batch on `path`; its MicroLoss. `reference`: the reference
-    model (full path), or its log-probs computed before (cleaner's step: step.ReferenceLogProbs)."""
+    model (full path), or its log-probs computed before (cleaner's step: step.ReferenceLogProbs);
+    None without the KL term."""
     from cleaner.config import TrainConfig
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
     from cleaner.engine.train.packing import loss_token_count, pack_rows
     from cleaner.engine.train.policy import TrainablePolicy, training
     from cleaner.engine.train.step import forward_micro_batch
 
-    config = TrainConfig(kl_coef=0.1, device=device, **PATHS[path])
+    config = TrainConfig(kl_coef=0.1 if kl else 0.0, device=device, **PATHS[path])
     total = sum(loss_token_count(row) for row in batch_rows)
     if path.startswith("full"):  # the plain step; in bfloat16 autocast for full+bf16
         import torch
@@ -128,11 +138,12 @@ def reference_for(path: str, reference, batch_rows, device: str):
 
 
 def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
-          repeat: int = 1, optimizer: bool = False) -> dict:
+          repeat: int = 1, optimizer: bool = False, kl: bool = True) -> dict:
     """One micro batch forward and backward in this process (`repeat` times, the last one timed):
     peak memory, seconds, loss and gradient norm. With `optimizer`, each step ends with cleaner's
     AdamW (fused on a GPU), and on a GPU the static memory (weights and AdamW's moments, measured
-    before the timed step) is reported apart from that step's peak above it."""
+    before the timed step) is reported apart from that step's peak above it, with the allocator's
+    reserved peak and the model FLOPs utilisation. `kl`: the KL term (its reference) on."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -142,7 +153,7 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
     # cleaner's step computes the reference's log-probs before the policy exists and frees the
     # reference (the full paths keep the reference model, as the plain step does)
     reference = reference_for(path, proxy(1, vocab_size, shape, device).eval().requires_grad_(False),
-                              batch_rows, device)
+                              batch_rows, device) if kl else None
     model = proxy(0, vocab_size, shape, device)
     optimization = None
     if optimizer:
@@ -158,7 +169,7 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
             static_mb = torch.cuda.memory_allocated(device) / 2**20  # weights (and moments, after a step)
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        part = micro_batch_step(path, model, reference, batch_rows, device)
+        part = micro_batch_step(path, model, reference, batch_rows, device, kl)
         if optimization is not None:
             optimization.advance(apply=True)
         if cuda:
@@ -171,35 +182,47 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
               "threads": torch.get_num_threads(), "optimizer": optimizer,
               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
               "tokens_per_s": sum(len(r.token_ids) for r in batch_rows) / seconds, "loss": part.loss.item(),
-              "entropy": float(part.entropy), "grad_norm": grad_norm}
+              "entropy": float(part.entropy), "grad_norm": grad_norm, "kl": kl,
+              "parameters": sum(p.numel() for p in model.parameters())}
     if cuda:
+        from cleaner.engine.train.flops import model_flops_utilisation
+
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        result["cuda_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+        result["device_total_mb"] = torch.cuda.get_device_properties(device).total_memory / 2**20
         result["static_mb"] = static_mb
         result["step_above_static_mb"] = result["cuda_peak_mb"] - static_mb
+        result["mfu"] = model_flops_utilisation(model.config, result["parameters"], result["rows"], seconds,
+                                                torch.cuda.get_device_name(device))
     return result
 
 
 def run_probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",
               repeat: int = 1, memory_limit_gb: float | None = None, timeout_s: float | None = None,
-              optimizer: bool = False) -> dict:
+              optimizer: bool = False, kl: bool = True) -> dict:
     """`probe` in a fresh process; a failure (out of memory included) is a row with its error."""
     command = [sys.executable, __file__, "--probe", path, "--tokens", str(tokens), "--vocab", str(vocab_size),
-               "--shape", shape, "--device", device, "--repeat", str(repeat)] + (["--optimizer"] if optimizer else [])
+               "--shape", shape, "--device", device, "--repeat", str(repeat)] + (["--optimizer"] if optimizer else []) \
+        + ([] if kl else ["--no-kl"])
     limit = None
     if memory_limit_gb:
         size = int(memory_limit_gb * 2**30)
         limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (size, size))  # noqa: E731
     try:
+        # the trainer's allocator setting (cli/common.py: expandable segments unless the user set one)
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                       "expandable_segments:True")}
         done = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=limit,
-                              timeout=timeout_s)
+                              timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"path": path, "shape": shape, "tokens": tokens, "error": f"over {timeout_s:.0f} s"}
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        if memory_limit_gb and ("can't allocate memory" in last or "MemoryError" in last
-                                or "out of memory" in last.lower()):
+        out_of_memory = ("can't allocate memory" in last or "MemoryError" in last or "out of memory" in last.lower()
+                         or "OutOfMemoryError" in last)
+        if out_of_memory and memory_limit_gb:
             last = f"out of memory under a {memory_limit_gb:g} GB limit"
-        return {"path": path, "shape": shape, "tokens": tokens, "error": last}
+        return {"path": path, "shape": shape, "tokens": tokens, "error": last, "out_of_memory": out_of_memory}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -286,6 +309,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the probes' JSON lines only")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", action="store_true", help="end each step with cleaner's AdamW step")
+    parser.add_argument("--no-kl", dest="kl", action="store_false", help="the KL term off (no reference)")
     parser.add_argument("--write-benchmarks", action="store_true", help="replace BENCHMARKS.md's section")
     args = parser.parse_args()
     unknown = set(args.paths.split(",")) - set(PATHS)
@@ -293,7 +317,7 @@ def main() -> None:
         parser.error(f"unknown path(s) {sorted(unknown)}; choose from {list(PATHS)}")
     if args.probe:
         print(json.dumps(probe(args.probe, int(args.tokens), args.vocab, args.shape, args.device, args.repeat,
-                               args.optimizer)))
+                               args.optimizer, args.kl)))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
     results = []

@@ -28,11 +28,12 @@ Design decisions:
 - Faults (docs/architecture.md §5, "Faults and load"), as verl's server manager and SGLang's
   router handle them: a transient failure (a refused or reset connection, a timeout, HTTP 5xx or
   429: `ServerUnavailable`) takes its server out of the rotation and the request is tried again on
-  another server at once, or, when none is left, after a back-off (`RETRY_BACKOFF_S`, doubling),
-  `REQUEST_TRIES` tries in all; a rollout whose server failed moves to another for good. A server
-  out of the rotation is probed (`GET /health`) once its own back-off (`PROBE_BACKOFF_S`, doubling
-  to `MAX_PROBE_BACKOFF_S`) has passed, and comes back on the first answer, once it serves our
-  checkpoint (a server restarted meanwhile is moved to it first, as at start). Any other refusal (HTTP
+  another server at once, or, when none is left, after a back-off (`RETRY_BACKOFF_S`, doubling:
+  1 + 2 + 4 + 8 s), `REQUEST_TRIES` tries in all; a rollout whose server failed moves to another
+  for good. A server out of the rotation is probed (`GET /health`) once its own back-off
+  (`PROBE_BACKOFF_S`, doubling to `MAX_PROBE_BACKOFF_S`) has passed, and whenever a request finds
+  no server left; it comes back on the first answer, once it serves our checkpoint (a server
+  restarted meanwhile is moved to it first, as at start). Any other refusal (HTTP
   4xx: a request the server will never take) is not tried again. Seeds travel with the request, so
   a request tried on another server samples the same tokens (deterministic inference, or greedy).
 - The tokenizer (for the chat format) and the policy version (a hash of the weight files) come
@@ -277,7 +278,7 @@ class SGLangServerBackend(SGLangRequests):
         """`body`'s response from `session`'s server, tried again elsewhere on a transient failure."""
         failure: ServerUnavailable | None = None
         for attempt in range(REQUEST_TRIES):
-            server = await self._server_for(client, session, wait=attempt > 0)
+            server = await self._server_for(client, session, attempt)
             if server is None:
                 continue
             try:
@@ -292,22 +293,21 @@ class SGLangServerBackend(SGLangRequests):
         raise EngineError(f"no server answered after {REQUEST_TRIES} tries: "
                           f"{failure if failure is not None else 'every server is out of the rotation'}")
 
-    async def _server_for(self, client: httpx.AsyncClient, session: str | None, wait: bool) -> str | None:
-        """A server in the rotation for `session`, after probing those due; with none (and `wait`),
-        one back-off later."""
-        await self._probe_due(client)
-        server = self.routes.server_for(session)
-        if server is None and wait:
-            await asyncio.sleep(max(self.routes.next_probe_in(time.monotonic()), RETRY_BACKOFF_S))
-            await self._probe_due(client)
-            server = self.routes.server_for(session)
-        return server
+    async def _server_for(self, client: httpx.AsyncClient, session: str | None, attempt: int) -> str | None:
+        """A server in the rotation for `session`'s try number `attempt`: with none left, a back-off
+        first (RETRY_BACKOFF_S, doubling) and every server out of the rotation probed; servers whose
+        own back-off has passed are probed either way."""
+        if attempt > 0 and not self.routes.rotation:
+            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+        await self._probe_due(client, every=not self.routes.rotation)
+        return self.routes.server_for(session)
 
-    async def _probe_due(self, client: httpx.AsyncClient) -> None:
-        """Ask each server whose back-off has passed whether it is healthy, one probe a server at a
-        time; wait for the probes running."""
+    async def _probe_due(self, client: httpx.AsyncClient, every: bool = False) -> None:
+        """Ask each server out of the rotation whose back-off has passed (`every`: each one)
+        whether it is healthy, one probe a server at a time; wait for the probes running."""
         loop = asyncio.get_running_loop()
-        for server in self.routes.due(time.monotonic()):
+        due = list(self.routes.out) if every else self.routes.due(time.monotonic())
+        for server in due:
             if (loop, server) not in self._probes:
                 self._probes[loop, server] = loop.create_task(self._probe(client, server))
         running = [task for (owner, _), task in self._probes.items() if owner is loop]

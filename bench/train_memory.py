@@ -48,7 +48,9 @@ SHAPES = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "tie_word_embeddings": True},
 }
-PATHS = {"full": {}, "full+bf16": {"compute_dtype": "bfloat16"}, "chunked": {}, "chunked+gc": {"gradient_checkpointing": True},
+FP32 = {"compute_dtype": "float32"}  # float32 stated: the default (auto) is bfloat16 on a GPU
+PATHS = {"full": FP32, "full+bf16": {"compute_dtype": "bfloat16"}, "chunked": FP32,
+         "chunked+gc": {"gradient_checkpointing": True, **FP32},
          "chunked+bf16": {"compute_dtype": "bfloat16"},
          "chunked+gc+bf16": {"gradient_checkpointing": True, "compute_dtype": "bfloat16"}}
 # the anchor on the proxy, these machines: verl's FusedLinearForPPO (chunk 512), rows unpadded

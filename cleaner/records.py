@@ -235,6 +235,8 @@ class TrainStepRow:
     # (absolute path); a rerun of the same pair replaces its rows. None in rows written before.
     config_id: str | None = None
     checkpoint: str | None = None
+    seconds: float | None = None  # the step's wall time (its micro batches, clipping and AdamW); None before
+    mfu: float | None = None  # model FLOPs utilisation (engine/train/flops.py); None on a CPU or an unknown GPU
 
 
 

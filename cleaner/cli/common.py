@@ -8,6 +8,7 @@ and calls one job.
 from __future__ import annotations
 
 import logging
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -106,6 +107,9 @@ def main(
     )
     if not verbose:  # httpx says INFO for every request it sends (a thousand a second to SGLang servers)
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    # before anything starts CUDA: the allocator grows its segments instead of fragmenting (the train
+    # step's long rows), unless the user chose a setting (engine/train/memory.py)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,6 +136,9 @@ def _purify(
     sglang_url: SglangUrlOpt = None,
     device: DeviceOpt = "cpu",
     shard: ShardOpt = "0/1",
+    scorer_memory_gb: Annotated[float | None, typer.Option(
+        help="On a GPU, what the torch scorer's caches may take (GB); default: half of a naive forward of the "
+             "longest row, within what is free.")] = None,
 ) -> None:
     """The body of purify (one config from the flags) and ablate (a config per point of the grid)."""
     from cleaner.config import PurifyConfig
@@ -144,7 +147,7 @@ def _purify(
 
     configs = _grid(flags) if flags.command == "ablate" else [flags.build(PurifyConfig)]
     request = PurifyRequest(iteration, tuple(configs), parse_shard(shard), backend_kind=backend,
-                            sglang_url=sglang_url, device=device)
+                            sglang_url=sglang_url, device=device, scorer_memory_gb=scorer_memory_gb)
     _print_purify(call_job(purify_job, Warehouse(warehouse), request))
 
 

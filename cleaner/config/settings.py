@@ -355,7 +355,7 @@ class TrainConfig(_Config):
     max_tokens_per_micro_batch: int | None = None  # pack micro batches by tokens, at most this many (a longer row alone); replaces micro_batch_size
     logits_chunk_tokens: int = 512  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant): activations grow with layers x tokens x hidden only
-    compute_dtype: str = "float32"  # float32 | bfloat16: autocast compute; weights, optimiser and log-softmax stay float32
+    compute_dtype: str = "auto"  # auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | bfloat16: autocast compute; weights, optimiser and log-softmax stay float32
     save_dtype: str = "float32"  # float32 | bfloat16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32
     epochs: int = 1  # passes over the iteration's rows
     max_grad_norm: float = 1.0  # gradient clipping
@@ -363,6 +363,12 @@ class TrainConfig(_Config):
     deepspeed_config: str | None = None  # DeepSpeed JSON (ZeRO stage, offload, precision) for --engine deepspeed
     device: str = "cpu"  # torch device
     seed: int = 0  # shuffling and dropout seed
+
+    def compute_dtype_on(self, device_type: str) -> str:
+        """The compute dtype on a device of this type ("cuda", "cpu"): `auto` resolved."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
@@ -386,7 +392,7 @@ class TrainConfig(_Config):
         _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
         _check(self.logits_chunk_tokens >= 1, f"logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
-        _check_choice("compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
         _check_choice("save_dtype", self.save_dtype, ("float32", "bfloat16"))
         _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check_choice("engine", self.engine, ("torch", "deepspeed"))

@@ -273,7 +273,8 @@ def _start(config: RunConfig, warehouse: Warehouse, resume: bool, ranks: Ranks) 
         raise JobError(f"{config.run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     if config.train.engine == "deepspeed":  # fail now rather than after collecting an iteration
         policy = done[max(done)] if done else config.collect.model
-        saved_optimizer_step(policy, deepspeed_config_for(config.train, ranks.world_size), ranks.world_size)
+        saved_optimizer_step(policy, deepspeed_config_for(config.train, ranks.world_size,
+                                                          ranks.device(config.train.device).split(":")[0]), ranks.world_size)
     for iteration in range(config.iterations):  # before any work: each checkpoint's place is free
         if iteration not in done:
             check_replaceable(checkpoint_dir(Path(config.run_dir), iteration), CHECKPOINT)

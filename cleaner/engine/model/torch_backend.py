@@ -135,9 +135,10 @@ class TorchBackend:
         self._policy_version = policy_version_of(model_path, self.model)
         self._trained_in_place = False
 
-    def scorer(self, progress: bool = False) -> PrefixTrieScorer:
-        """The prefix-trie scorer on this backend's model (the model must use sdpa or eager)."""
-        return PrefixTrieScorer(self.model, device=self.device, progress=progress)
+    def scorer(self, progress: bool = False, memory_bytes: int | None = None) -> PrefixTrieScorer:
+        """The prefix-trie scorer on this backend's model (the model must use sdpa or eager);
+        `memory_bytes` caps what its forwards' caches take on a GPU."""
+        return PrefixTrieScorer(self.model, device=self.device, progress=progress, memory_bytes=memory_bytes)
 
     @property
     def event_loop(self) -> None:

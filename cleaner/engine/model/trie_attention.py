@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from cleaner.engine.model.radix import Node
@@ -152,6 +153,9 @@ def trie_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.unsqueeze(0), None
 
 
+_CUDNN = hasattr(SDPBackend, "CUDNN_ATTENTION")
+
+
 def _sdpa(query, key, value, mask, scaling, grouped_query: bool) -> torch.Tensor:
     """(C, H, W, D) queries over (C, H_kv, T, D) keys and values -> (C, W, H, D); no dropout (scoring).
 
@@ -162,7 +166,18 @@ def _sdpa(query, key, value, mask, scaling, grouped_query: bool) -> torch.Tensor
     if repeat > 1 and not grouped_query:
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     extra = {"enable_gqa": True} if repeat > 1 and grouped_query else {}
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **extra)
+    if not query.is_cuda:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **extra).transpose(1, 2)
+    # a GPU: the fused kernels that take a mask, never the math kernel's (C, H, W, T) scores
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, *([SDPBackend.CUDNN_ATTENTION] if _CUDNN else [])]):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, **extra)
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        raise NotImplementedError(f"PrefixTrieScorer: no fused attention kernel takes a masked batch of {query.dtype} "
+                                  f"with head dim {query.shape[-1]} on {query.device} (the math kernel, which builds "
+                                  "every score, is never used)") from error
     return out.transpose(1, 2)
 
 

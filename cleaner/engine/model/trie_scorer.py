@@ -35,7 +35,10 @@ Design decisions:
 - Memory: the stack is walked last-in first-out, so the pending caches are those of about one
   window per tree level; a forward holds about window_batches x max_batch_tokens of cache plus the
   activations of the window's tokens. A batch whose rows are mostly leaves hands its few parents a
-  copy of their rows, so the leaves' share of its buffer is freed.
+  copy of their rows, so the leaves' share of its buffer is freed. On a GPU the sizes come from a
+  memory budget (`_sizes`): half of what a naive forward of the longest row holds (its logits and
+  cache), or `memory_bytes` (`--scorer-memory-gb`), within what the device has free, so the scorer
+  never holds more than the naive pass it replaces (sized on a model, not yet measured on a GPU).
 - It is the torch backend's `RowScorer` (base.py): purify gets it from `TorchBackend.scorer()`
   and codes against the protocol; a remote engine's scorer is `backend_scorer.BackendScorer`.
 """
@@ -73,6 +76,9 @@ from cleaner.engine.model.trie_attention import TORCH_GQA, AttentionBatch, packe
 SCORER_VERSION = "prefix-trie-1"
 CPU_EDGE_TOKENS = 64  # the best piece size on CPU among those compared in BENCHMARKS.md
 CPU_BATCH_TOKENS = 2048  # the best attention batch on CPU among those compared in BENCHMARKS.md
+GPU_BATCH_TOKENS = 8192  # the largest attention batch on a GPU (a memory budget may ask for less)
+GPU_EDGE_TOKENS = 2048
+BUDGET_MIN_BATCH_TOKENS = 512  # a budget never shrinks batches below this (launches would dominate)
 
 
 # ---------------------------------------------------------------------------- scorer
@@ -93,13 +99,16 @@ class PrefixTrieScorer:
         window_batches: int = 4,  # attention batches' worth of tokens per forward
         progress: bool = False,  # a tqdm bar over the tokens to forward
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,  # positions per lm_head chunk
+        memory_bytes: int | None = None,  # on a GPU, what a forward's caches may take; None: half a naive pass's
     ) -> None:
         device = torch.device(device)
         on_cpu = device.type == "cpu"  # CPU and CUDA want different sizes; see the module docstring
+        self.budgeted = not on_cpu and max_batch_tokens is None and max_edge_tokens is None
+        self.memory_bytes = memory_bytes
         if max_batch_tokens is None:
-            max_batch_tokens = CPU_BATCH_TOKENS if on_cpu else 8192
+            max_batch_tokens = CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS
         if max_edge_tokens is None:
-            max_edge_tokens = CPU_EDGE_TOKENS if on_cpu else 2048
+            max_edge_tokens = CPU_EDGE_TOKENS if on_cpu else GPU_EDGE_TOKENS
         if max_edge_tokens > max_batch_tokens:
             raise ValueError("max_edge_tokens must be <= max_batch_tokens")
         if window_batches < 1:
@@ -130,6 +139,8 @@ class PrefixTrieScorer:
         check_score_inputs(sequences, starts)
         check_attention(self.model, max((len(s) for s in sequences), default=0))
         began = time.perf_counter()
+        if self.budgeted and sequences:
+            self.max_batch_tokens, self.max_edge_tokens = self._sizes(max(len(s) for s in sequences))
         root = build_radix_tree(sequences, self.max_edge_tokens,
                                 min(MAX_PIECE_FACTOR * self.max_edge_tokens, self.max_batch_tokens))
         mark_first_scored(root, starts)
@@ -153,6 +164,22 @@ class PrefixTrieScorer:
         self.stats.tokens_naive += sum(len(s) for s in sequences)
         self.stats.seconds += time.perf_counter() - began
         return results
+
+    def _sizes(self, longest: int) -> tuple[int, int]:
+        """(attention batch, piece) tokens on a GPU, from a memory budget: a forward holds about
+        (window_batches + 1) batches' key/value buffers twice over (its batches', and the parents'
+        caches pending on the stack), so a batch gets budget / (2 (window_batches + 1)) of cache.
+        The budget: `memory_bytes`, else half of what a naive forward of the longest row holds (its
+        logits and its cache), never more than 80% of what the device has free."""
+        layers, kv_heads, head_dim = self.geometry
+        per_token = 2 * layers * kv_heads * head_dim * self.dtype.itemsize  # one position's keys and values
+        naive = longest * (self.head.weight.shape[0] * 4 + per_token)
+        budget = self.memory_bytes if self.memory_bytes is not None else naive // 2
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(budget, int(0.8 * free))
+        batch = budget // (2 * (self.window_batches + 1) * per_token)
+        batch = max(BUDGET_MIN_BATCH_TOKENS, min(GPU_BATCH_TOKENS, batch // 256 * 256))
+        return batch, min(GPU_EDGE_TOKENS, batch)
 
     def _forward(self, batches: list[list[_Pending]]) -> list[_Pending]:
         """One packed forward of every edge of the window; fills their log-probs, returns their children.

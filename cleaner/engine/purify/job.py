@@ -52,6 +52,7 @@ class PurifyRequest:
     backend_kind: str = "torch"  # the backend loaded when the job is handed none: torch | sglang
     sglang_url: str | None = None  # a running SGLang server or router (backend_kind sglang); none: in-process
     device: str = "cpu"  # the torch device of a loaded backend
+    scorer_memory_gb: float | None = None  # the torch scorer's cache budget on a GPU; None: half a naive pass's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "configs", tuple(self.configs))  # a list is taken as a tuple: the request stays immutable
@@ -124,7 +125,8 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
         load = functools.partial(load_backend, request.backend_kind, collected_policy(warehouse, iteration),
                                  device=request.device, sglang_url=request.sglang_url)
         purified, scorer_stats = _purify_with(warehouse, iteration, backend, load, work,
-                                              [s for s in segments if s.rollout_id in work_ids], todo, progress)
+                                              [s for s in segments if s.rollout_id in work_ids], todo, progress,
+                                              request.scorer_memory_gb)
         _store_purified(warehouse, iteration, purified)
         computed = {result.config.config_id: result for result in purified if len(work) == len(rollouts)}
     errors = errors_by_type(segments) if len(computed) < len(configs) else ()  # once, for the stored configs
@@ -198,14 +200,15 @@ def stored_iteration(warehouse: Warehouse, iteration: int, config: PurifyConfig)
 
 def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, load: Callable[[], Backend],
                  rollouts: list[Rollout], segments: list[Segment], configs: list[PurifyConfig],
-                 progress: bool) -> tuple[list[PurifyResult], ScorerStats]:
+                 progress: bool, scorer_memory_gb: float | None = None) -> tuple[list[PurifyResult], ScorerStats]:
     """Render and score the rollouts under the configs with the collecting policy's scorer."""
     policy = collected_policy(warehouse, iteration)
     if backend is not None and Path(backend.model_path) != Path(policy):
         raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
                        f"{backend.model_path}; purify scores with the policy that collected")
     with serving_backend(backend, load) as serving:
-        scorer = serving.scorer(progress=progress)
+        memory = None if scorer_memory_gb is None else int(scorer_memory_gb * 1e9)
+        scorer = serving.scorer(progress=progress, **({"memory_bytes": memory} if memory is not None else {}))
         decode = ChatFormat(serving.tokenizer).decode
         purified = purify_iteration(rollouts, segments, configs, scorer, decode,
                                     scorer_version=f"{scorer.version}:{serving.policy_version}")

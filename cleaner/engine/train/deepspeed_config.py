@@ -124,8 +124,9 @@ def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
-    """The DeepSpeed config to initialise with: the user's file plus what cleaner sets."""
+def deepspeed_config_for(config: TrainConfig, world_size: int, device_type: str = "cuda") -> dict:
+    """The DeepSpeed config to initialise with: the user's file plus what cleaner sets, for ranks
+    on devices of `device_type` (whose compute dtype `auto` resolves to)."""
     ds_config = read_deepspeed_config(config.deepspeed_config)
     for key in CLEANER_KEYS:
         ds_config.pop(key, None)  # only "auto" can be left here
@@ -134,7 +135,7 @@ def deepspeed_config_for(config: TrainConfig, world_size: int) -> dict:
     ds_config["gradient_accumulation_steps"] = accumulation
     ds_config["train_batch_size"] = config.micro_batch_size * accumulation * world_size
     ds_config["gradient_clipping"] = config.max_grad_norm
-    ds_config["bf16"] = {**ds_config.get("bf16", {}), "enabled": config.compute_dtype == "bfloat16"}
+    ds_config["bf16"] = {**ds_config.get("bf16", {}), "enabled": config.compute_dtype_on(device_type) == "bfloat16"}
     ds_config.pop("fp16", None)
     zero = dict(ds_config.get("zero_optimization", {}))
     if int(zero.get("stage", 0)) == 3:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import os
 import socket
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ from cleaner.engine.train.step import (
     iter_mini_batches,
     longest_row,
     prepare_rows,
+    timed,
 )
 from cleaner.outputs import CHECKPOINT, atomic_directory
 from cleaner.records import PurifiedRow, TrainStepRow
@@ -204,6 +206,7 @@ def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogP
     explicit accumulation boundary (the last micro batch), the metrics summed over ranks."""
     comm = _comm()
     world_size, rank = comm.get_world_size(), comm.get_rank()
+    started = time.perf_counter()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
     optimizer_step, lr = optimization.step, optimization.lr  # what this step uses
     metrics = StepMetrics()
@@ -221,7 +224,8 @@ def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogP
     comm.all_reduce(sums)  # each rank holds its share of the mini-batch values
     grad_norm = engine.get_global_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-    return StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, total_tokens)
+    row = StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, total_tokens)
+    return timed(row, engine.module.policy, mini_rows, started, world_size)
 
 
 # ---------------------------------------------------------------------------
@@ -295,7 +299,7 @@ def train_iteration_deepspeed(
     torch.manual_seed(config.seed)
     _init_distributed()
     comm = _comm()
-    ds_config = deepspeed_config_for(config, comm.get_world_size())
+    ds_config = deepspeed_config_for(config, comm.get_world_size(), _rank_device().type)
     step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
     train_rows = prepare_rows(rows, config)
     # the reference's log-probs of the rows this rank trains on, before the policy's engine exists

@@ -65,11 +65,16 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
     config's purified rows when the caller has already read them; `optimization` is the run's
     optimiser bound to `model` (without it, the one saved with `policy` is resumed).
     """
-    config, iteration = request.config, request.iteration
     started = time.monotonic()
+    check_device(request.config.device)
+    device = _train_device(request.config)
+    config = dataclasses.replace(request.config, compute_dtype=request.config.compute_dtype_on(device.type))
+    request = dataclasses.replace(request, config=config)  # `auto` resolved: what trains, and is saved
+    iteration = request.iteration
+    if device.type == "cuda":
+        memory.expandable_segments()
     check_replaceable(request.out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
     warehouse.check_writable()
-    check_device(config.device)
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)
     if model is None:
@@ -136,13 +141,13 @@ def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> 
         zero_stage = zero_stage_of(json.loads(Path(config.deepspeed_config).read_text()))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     micro_tokens = longest_micro_batch_tokens(rows, config)
+    compute_dtype = config.compute_dtype_on(device.type)
     plan = memory.plan(memory.ModelShape.of(model_config, parameters), micro_tokens=micro_tokens,
-                       compute_dtype=config.compute_dtype, checkpointing=config.gradient_checkpointing,
+                       compute_dtype=compute_dtype, checkpointing=config.gradient_checkpointing,
                        kl=config.kl_coef > 0, chunk_tokens=config.logits_chunk_tokens, engine=config.engine,
-                       zero_stage=zero_stage, world_size=world_size,
-                       device_bytes=torch.cuda.get_device_properties(device).total_memory)
+                       zero_stage=zero_stage, world_size=world_size, device_bytes=memory.available_bytes(device))
     refusal = memory.refusal(plan, what=f"{device} ({torch.cuda.get_device_name(device)})",
-                             checkpointing=config.gradient_checkpointing, compute_dtype=config.compute_dtype,
+                             checkpointing=config.gradient_checkpointing, compute_dtype=compute_dtype,
                              engine=config.engine, zero_stage=zero_stage, micro_tokens=micro_tokens)
     if refusal is not None:
         raise JobError(refusal)

@@ -13,10 +13,18 @@
   for backward (all layers without checkpointing; with it, each layer's input plus one layer's
   full set, recomputed), and the chunked head's two chunk x vocabulary float32 copies plus the
   hidden states it reads.
-The coefficients are calibrated on this CPU against measured peaks (BENCHMARKS.md, "Will it fit"):
-an estimate, not a promise. A margin on the activations (`ACTIVATION_MARGIN`: the allocator's
-fragmentation) and a fixed allowance (`OVERHEAD_BYTES`: CUDA's context, kernels' workspaces) are
-added. `refusal` turns a plan that does not fit into one line naming what would make it fit.
+Two sets of coefficients, apart: `CPU` calibrated on the float32 proxy against measured peaks
+(BENCHMARKS.md, "Will it fit"), and `CUDA` on an H100's peaks (bfloat16 autocast, checkpointing,
+the KL term, fused AdamW: Qwen3-0.6B, -1.7B and -4B at 20,480 and 40,960 tokens a micro batch,
+BENCHMARKS.md, "Training on a GPU"), where a checkpointed layer keeps about 2.3 bytes per token and
+hidden unit (its input, in the compute dtype) and the layer recomputed in backward 1 byte per
+token for each of its ~10 h + 5 i values; float32 compute is taken at twice those (not measured).
+An estimate, not a promise. A margin on the activations (`margin`: the allocator's fragmentation)
+and a fixed allowance (`overhead`: CUDA's context, kernels' workspaces) are added. `refusal` turns
+a plan that does not fit into one line naming what would make it fit; the trainer plans against
+the memory the device has free (with what this process already holds), and sets the CUDA
+allocator's expandable segments unless the user chose a setting (cli/common.py: fragmentation
+cost a 4B step at 40,960 tokens its fit on an 80 GB GPU).
 """
 
 from __future__ import annotations
@@ -27,11 +35,25 @@ from cleaner.engine.train.space import human_bytes
 
 # Values saved for backward per token and decoder layer, in units of the hidden size and of the
 # MLP's intermediate size (q, k, v, attention output, norms and residuals ~ 10 h; gate, up,
-# activation, product ~ 5 i), calibrated on the float32 proxy (BENCHMARKS.md, "Will it fit").
+# activation, product ~ 5 i).
 ACTIVATION_ELEMENTS = (10.0, 5.0)
-LAYER_INPUT_ELEMENTS = 1.0  # what checkpointing keeps of a layer: its input, h values per token
-ACTIVATION_MARGIN = 1.3  # on activations and the head: the caching allocator's fragmentation
-OVERHEAD_BYTES = 2**30  # CUDA's context and kernels' workspaces
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Bytes per saved value, by what is saved, and the allowances of one kind of device."""
+
+    layer_input_bytes: float  # a checkpointed layer's input: per token and hidden unit
+    layer_value_bytes: float  # each of a layer's saved values (ACTIVATION_ELEMENTS) per token
+    head_copies: int  # chunk x vocabulary float32 logits alive at once in the chunked head
+    margin: float  # on activations and the head: the caching allocator's fragmentation
+    overhead: int  # bytes: CUDA's context, kernels' workspaces
+
+
+# The float32 proxy on this CPU (bfloat16 autocast saves matmul inputs in 16 bits, norms in 32: 3 bytes).
+CPU = {"float32": Coefficients(4.0, 4.0, 2, 1.3, 2**30), "bfloat16": Coefficients(3.0, 3.0, 2, 1.3, 2**30)}
+# An H100, bfloat16 (module notes); float32 at twice the activations (no T x T scores: policy.py).
+CUDA = {"bfloat16": Coefficients(2.3, 1.0, 1, 1.1, 2**29), "float32": Coefficients(4.6, 2.0, 1, 1.1, 2**29)}
 
 
 @dataclass(frozen=True)
@@ -70,12 +92,15 @@ class MemoryPlan:
     def training(self) -> int:
         return self.static + self.activations + self.head
 
+    margin: float = 1.3  # on activations and the head (Coefficients)
+    overhead: int = 2**30  # bytes beside everything (Coefficients)
+
     @property
     def peak(self) -> int:
         """The larger of the reference's pass (no gradient: a quarter of the activations, about) and
         the training, with the margins."""
-        transient = ACTIVATION_MARGIN * (self.activations + self.head)
-        return int(OVERHEAD_BYTES + max(self.static + transient, self.reference + transient / 4))
+        transient = self.margin * (self.activations + self.head)
+        return int(self.overhead + max(self.static + transient, self.reference + transient / 4))
 
     @property
     def fits(self) -> bool:
@@ -84,9 +109,12 @@ class MemoryPlan:
 
 def plan(shape: ModelShape, *, micro_tokens: int, compute_dtype: str, checkpointing: bool, kl: bool,
          chunk_tokens: int, engine: str = "torch", zero_stage: int = 0, world_size: int = 1,
-         device_bytes: int | None = None) -> MemoryPlan:
-    """The estimate of one device's memory (module notes). `micro_tokens`: the longest micro batch."""
+         device_bytes: int | None = None, device_type: str = "cuda") -> MemoryPlan:
+    """The estimate of one device's memory (module notes). `micro_tokens`: the longest micro batch;
+    `device_type`: whose coefficients ("cuda", or "cpu": the proxy's)."""
     p, bf16 = shape.parameters, compute_dtype == "bfloat16"
+    table = CUDA if device_type == "cuda" else CPU
+    coefficients = table["bfloat16" if bf16 else "float32"]
     n = max(world_size, 1)
     if engine == "deepspeed" and bf16:  # DeepSpeed's bf16: 16-bit weights and gradients, fp32 master
         weights, gradients, optimizer, autocast = 2 * p, 2 * p, 12 * p, 0
@@ -96,16 +124,17 @@ def plan(shape: ModelShape, *, micro_tokens: int, compute_dtype: str, checkpoint
         optimizer //= n if zero_stage >= 1 else 1
         gradients //= n if zero_stage >= 2 else 1
         weights //= n if zero_stage >= 3 else 1
-    value_bytes = 3 if bf16 else 4  # bfloat16 autocast saves matmul inputs in 16 bits, norms in 32
-    per_layer = ACTIVATION_ELEMENTS[0] * shape.hidden + ACTIVATION_ELEMENTS[1] * shape.intermediate
-    if checkpointing:
-        elements = micro_tokens * (shape.layers * LAYER_INPUT_ELEMENTS * shape.hidden + per_layer)
-    else:
-        elements = micro_tokens * shape.layers * per_layer
-    activations = int(elements * value_bytes)
-    head = 2 * min(chunk_tokens, micro_tokens) * shape.vocab * 4 + 2 * micro_tokens * shape.hidden * 4
-    reference = p * value_bytes if kl else 0
-    return MemoryPlan(weights, gradients, optimizer, autocast, reference, activations, head, device_bytes)
+    layer = (ACTIVATION_ELEMENTS[0] * shape.hidden + ACTIVATION_ELEMENTS[1] * shape.intermediate) \
+        * coefficients.layer_value_bytes  # bytes a token saves of one layer's full set
+    if checkpointing:  # every layer's input, and the one layer recomputed in backward
+        per_token = shape.layers * shape.hidden * coefficients.layer_input_bytes + layer
+    else:  # every layer's full set (its input among them)
+        per_token = shape.layers * layer
+    activations = int(micro_tokens * per_token)
+    head = coefficients.head_copies * min(chunk_tokens, micro_tokens) * shape.vocab * 4 + 2 * micro_tokens * shape.hidden * 4
+    reference = p * (2 if bf16 else 4) if kl else 0
+    return MemoryPlan(weights, gradients, optimizer, autocast, reference, activations, head, device_bytes,
+                      coefficients.margin, coefficients.overhead)
 
 
 def refusal(memory: MemoryPlan, *, what: str, checkpointing: bool, compute_dtype: str, engine: str,
@@ -116,7 +145,7 @@ def refusal(memory: MemoryPlan, *, what: str, checkpointing: bool, compute_dtype
     knobs = []
     if not checkpointing:
         knobs.append("--gradient-checkpointing")
-    if compute_dtype != "bfloat16":
+    if compute_dtype not in ("bfloat16", "float16"):
         knobs.append("--compute-dtype bfloat16")
     if micro_tokens > 4096:
         knobs.append(f"a smaller --max-tokens-per-micro-batch (the longest micro batch is {micro_tokens:,} tokens)")
@@ -128,6 +157,35 @@ def refusal(memory: MemoryPlan, *, what: str, checkpointing: bool, compute_dtype
             f"AdamW; activations {human_bytes(memory.activations)}; head {human_bytes(memory.head)}"
             f"{f'; the KL reference {human_bytes(memory.reference)}, before' if memory.reference else ''}); "
             f"try {', '.join(knobs) or 'a GPU with more memory'} (estimated before training)")
+
+
+ALLOCATOR_SETTING = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def expandable_segments() -> None:
+    """Let the CUDA caching allocator grow its segments (verl's `set_expandable_segments`), unless
+    the user chose an allocator setting: fragmentation otherwise holds back gigabytes a long step
+    needs. Set in the environment for what starts CUDA later, and in the allocator already running."""
+    import os
+
+    if ALLOCATOR_SETTING in os.environ:
+        return
+    os.environ[ALLOCATOR_SETTING] = "expandable_segments:True"
+    import torch  # CLI start-up time
+
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)  # torch's own, since 2.1
+    if setter is not None and torch.cuda.is_available():
+        setter("expandable_segments:True")
+
+
+def available_bytes(device) -> int:
+    """What a GPU has for training now: its free memory and what this process's allocator holds
+    (the model already there, the cache), not its total (another process, or an engine that
+    released less than it held, may have the rest)."""
+    import torch  # CLI start-up time
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
 
 
 def out_of_memory_hint() -> str:

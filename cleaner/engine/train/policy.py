@@ -13,7 +13,10 @@ Design decisions:
   restart at each row, with the rows' bounds (`cu_seq_lens`) passed to attention. With flash-attn
   on CUDA and bfloat16 compute that is flash attention's varlen kernel; otherwise
   `packed_sdpa_attention`, registered with transformers' AttentionInterface, runs causal SDPA
-  inside each row's span: no padding, and no T x T mask (SDPA's causal kernels never build one).
+  inside each row's span: no padding, and no T x T mask. On a GPU only the fused kernels may run
+  (flash, memory-efficient, cuDNN: `fused_causal_attention`), in any dtype, with grouped K/V copied
+  per query head, since float32 with grouped heads fell to the math kernel's T x T scores (68 GB at
+  16,384 tokens on an H100); no fused kernel is one line, not a fall back.
   One call per micro batch also keeps ZeRO-3's per-layer gathers in step across ranks. The packed
   implementation is on for the training (checkpointing recomputes layers in backward) and for each
   forward outside it, and the model's own is restored after, so a model the torch backend
@@ -69,10 +72,49 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens
     if sliding_window is not None and longest > sliding_window:
         raise UnsupportedModelError(f"a packed row of {longest:,} tokens is longer than the layer's sliding window "
                                     f"of {sliding_window}, which the packed attention does not apply")
-    spans = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
-                                    value[:, :, start:end], None, is_causal=True, **kwargs)[0]
-             for start, end in zip(row_bounds, row_bounds[1:], strict=False)]
+    if query.is_cuda:
+        spans = [fused_causal_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                        kwargs.get("scaling"), kwargs.get("dropout", 0.0))
+                 for start, end in zip(row_bounds, row_bounds[1:], strict=False)]
+    else:
+        spans = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+                                        value[:, :, start:end], None, is_causal=True, **kwargs)[0]
+                 for start, end in zip(row_bounds, row_bounds[1:], strict=False)]
     return torch.cat(spans, dim=1), None
+
+
+def fused_kernels():
+    """The SDPA kernels allowed on a GPU: the fused ones, whose memory grows with T, never the math
+    kernel, which builds T x T scores (64 GiB at 32,768 tokens and 16 heads in float32)."""
+    from torch.nn.attention import SDPBackend  # CLI start-up time
+
+    return [backend for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                    getattr(SDPBackend, "CUDNN_ATTENTION", None)) if backend is not None]
+
+
+def fused_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                           dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of one row with a fused kernel: query (1, H, n, D), key and value
+    (1, H_kv, n, D) -> (1, n, H, D). Grouped K/V are copied per query head first: the
+    memory-efficient kernel, float32's, takes no grouped heads (with `enable_gqa`, float32 fell to
+    the math kernel). No fused kernel for these rows is one line, never a silent fall back."""
+    from torch.nn.attention import sdpa_kernel  # CLI start-up time
+
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    try:
+        with sdpa_kernel(fused_kernels()):
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                                   dropout_p=dropout)
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        raise UnsupportedModelError(
+            f"no fused attention kernel runs a packed row of {query.shape[2]:,} tokens in {query.dtype} with head "
+            f"dim {query.shape[3]} on {query.device} (cleaner never falls back to the math kernel, which builds T x T "
+            "scores); try --compute-dtype bfloat16") from error
+    return out.transpose(1, 2).contiguous()
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -129,7 +171,7 @@ class TrainablePolicy(torch.nn.Module):
         check_attention(policy)  # sinks; a sliding window is checked against the rows (check_rows)
         self.policy = policy
         self.chunk_tokens = config.logits_chunk_tokens
-        self.compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
+        self.compute_dtype = COMPUTE_DTYPES[config.compute_dtype_on(next(policy.parameters()).device.type)]
         self.entropy_grad = entropy_grad  # entropy in the loss (entropy_coef > 0)
         self.entropy = entropy  # computed at all: the KL reference needs log-probs only
 
@@ -169,7 +211,8 @@ def load_reference(policy_path: str | Path, config: TrainConfig, device: str | t
     """The frozen KL reference: the policy at `policy_path` as saved, in the compute dtype (bfloat16
     under --compute-dtype bfloat16: half the memory, the precision its no-grad forward runs in
     anyway), for step.ReferenceLogProbs to compute its log-probs once and free it."""
-    frozen = load_policy(policy_path, device, COMPUTE_DTYPES[config.compute_dtype]).eval().requires_grad_(False)
+    dtype = COMPUTE_DTYPES[config.compute_dtype_on(torch.device(device).type)]
+    frozen = load_policy(policy_path, device, dtype).eval().requires_grad_(False)
     return TrainablePolicy(frozen, config, entropy=False)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from typing import Protocol
 import torch
 
 from cleaner.config import TrainConfig
+from cleaner.engine.train.flops import model_flops_utilisation
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
@@ -284,3 +286,19 @@ class StepMetrics:
         return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=loss,
                             clip_fraction=clip_fraction, approx_kl=approx_kl, entropy=entropy,
                             grad_norm=grad_norm, lr=lr, tokens=tokens)
+
+
+def timed(row: TrainStepRow, model: torch.nn.Module, mini_rows: Sequence[PurifiedRow], started: float,
+          world_size: int = 1) -> TrainStepRow:
+    """The step's row with its wall time and, on a GPU whose peak flops.py knows, its model FLOPs
+    utilisation: the model work of the mini batch's rows, shared by `world_size` GPUs."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's kernels, AdamW's included, have run
+    seconds = time.perf_counter() - started
+    mfu = None
+    if device.type == "cuda":
+        parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: whole sizes
+        mfu = model_flops_utilisation(model.config, parameters, [len(row.token_ids) for row in mini_rows],
+                                      seconds * world_size, torch.cuda.get_device_name(device))
+    return dataclasses.replace(row, seconds=seconds, mfu=mfu)

@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+import time
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from cleaner.engine.train.step import (
     iter_mini_batches,
     longest_row,
     prepare_rows,
+    timed,
 )
 from cleaner.records import PurifiedRow, TrainStepRow
 
@@ -61,6 +63,7 @@ def _optimizer_step(
     step: int,
 ) -> TrainStepRow:
     """One optimiser step: every micro batch forward and backward, clip, AdamW, the step's row."""
+    started = time.perf_counter()
     total_tokens = sum(loss_token_count(row) for row in mini_rows)
     optimization.optimizer.zero_grad(set_to_none=True)
     metrics = StepMetrics()
@@ -77,7 +80,7 @@ def _optimizer_step(
         )
     row = metrics.row(iteration, step, optimization.step, grad_norm, optimization.lr, total_tokens)
     optimization.advance(apply=math.isfinite(grad_norm))
-    return row
+    return timed(row, policy.policy, mini_rows, started)
 
 
 def train_iteration(

@@ -225,3 +225,29 @@ def test_trie_equals_naive_on_random_small_alphabet_rows(backend, rows, data):
     # every distinct proper prefix's last position once; nothing else
     assert scorer.stats.tokens_forwarded == len({tuple(row[: t + 1]) for row in rows for t in range(len(row) - 1)})
     assert scorer.stats.tokens_forwarded == tokens_to_forward(build_radix_tree(rows, 4))  # the progress bar's total
+
+
+def test_a_gpu_scorer_sizes_its_batches_from_a_memory_budget(backend, monkeypatch):
+    """On a GPU the attention batches hold at most half of what a naive forward of the longest row
+    would (its float32 logits and its cache), within 80% of the free memory, or a budget given;
+    worked by hand on the tiny model's geometry (the device stood in for: sizes only)."""
+    from cleaner.engine.model import trie_scorer
+
+    scorer = PrefixTrieScorer(backend.model, device="cpu")
+    layers, kv_heads, head_dim = scorer.geometry
+    per_token = 2 * layers * kv_heads * head_dim * 4  # float32 keys and values of one position
+    vocab = backend.model.get_output_embeddings().weight.shape[0]
+    free = {"bytes": 10**12}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 10**12))
+
+    def expected(budget):
+        batch = budget // (2 * (scorer.window_batches + 1) * per_token) // 256 * 256
+        batch = max(trie_scorer.BUDGET_MIN_BATCH_TOKENS, min(trie_scorer.GPU_BATCH_TOKENS, batch))
+        return batch, min(trie_scorer.GPU_EDGE_TOKENS, batch)
+
+    longest = 400_000  # long enough that half its naive pass buys more than the smallest batch
+    assert scorer._sizes(longest) == expected(longest * (vocab * 4 + per_token) // 2)
+    scorer.memory_bytes = 2 * (scorer.window_batches + 1) * per_token * 1024
+    assert scorer._sizes(longest) == (1024, 1024)  # the budget given
+    free["bytes"] = 0  # nothing free: the smallest batch
+    assert scorer._sizes(longest) == (trie_scorer.BUDGET_MIN_BATCH_TOKENS, trie_scorer.BUDGET_MIN_BATCH_TOKENS)

@@ -71,7 +71,10 @@ def test_a_file_setting_what_cleaner_sets_is_an_error_naming_the_key(tmp_path, k
 
 
 def test_precision_follows_compute_dtype_and_a_file_setting_it_is_an_error(tmp_path):
-    assert deepspeed_config_for(_config(tmp_path, {}), world_size=1)["bf16"] == {"enabled": False}
+    # --compute-dtype auto: bfloat16 on GPU ranks, float32 on CPU ranks (gloo)
+    assert deepspeed_config_for(_config(tmp_path, {}), world_size=1)["bf16"] == {"enabled": True}
+    assert deepspeed_config_for(_config(tmp_path, {}), world_size=1, device_type="cpu")["bf16"] == {"enabled": False}
+    assert deepspeed_config_for(_config(tmp_path, {}, compute_dtype="float32"), world_size=1)["bf16"] == {"enabled": False}
     auto = _config(tmp_path, {"bf16": {"enabled": "auto"}}, compute_dtype="bfloat16")
     assert deepspeed_config_for(auto, world_size=1)["bf16"] == {"enabled": True}
     with pytest.raises(DeepSpeedConfigError, match="bf16.enabled is cleaner's to set, from --compute-dtype"):

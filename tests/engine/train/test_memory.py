@@ -26,7 +26,7 @@ def test_static_memory_by_hand_and_as_zero_partitions_it():
     assert (fp32.weights, fp32.gradients, fp32.optimizer, fp32.autocast_copy) == (4e6, 4e6, 8e6, 0)
     bf16 = memory.plan(SHAPE, micro_tokens=10, compute_dtype="bfloat16", checkpointing=False, kl=True,
                        chunk_tokens=512)
-    assert bf16.autocast_copy == 0 and bf16.reference == 3e6  # autocast caches no copy; the reference in bf16
+    assert bf16.autocast_copy == 0 and bf16.reference == 2e6  # autocast caches no copy; the reference in bf16
     zero = {stage: memory.plan(SHAPE, micro_tokens=10, compute_dtype="bfloat16", checkpointing=False, kl=False,
                                chunk_tokens=512, engine="deepspeed", zero_stage=stage, world_size=8)
             for stage in (0, 1, 2, 3)}
@@ -35,16 +35,45 @@ def test_static_memory_by_hand_and_as_zero_partitions_it():
         (2e6, 2e6, 12e6), (2e6, 2e6, 1.5e6), (2e6, 250e3, 1.5e6), (250e3, 250e3, 1.5e6)]
 
 
-def test_activations_and_head_by_hand():
-    plain = memory.plan(SHAPE, micro_tokens=1000, compute_dtype="float32", checkpointing=False, kl=False,
-                        chunk_tokens=256)
-    per_layer = 10 * 100 + 5 * 300  # values per token and layer
-    assert plain.activations == 1000 * 4 * per_layer * 4
-    assert plain.head == 2 * 256 * 1000 * 4 + 2 * 1000 * 100 * 4
-    checkpointed = memory.plan(SHAPE, micro_tokens=1000, compute_dtype="float32", checkpointing=True, kl=False,
-                               chunk_tokens=256)
-    assert checkpointed.activations == 1000 * (4 * 100 + per_layer) * 4  # the inputs, and one layer again
+@pytest.mark.parametrize(("device_type", "dtype", "input_bytes", "value_bytes", "copies", "margin", "overhead"), [
+    ("cpu", "float32", 4.0, 4.0, 2, 1.3, GIB),  # the float32 proxy's calibration
+    ("cuda", "bfloat16", 2.3, 1.0, 1, 1.1, GIB // 2),  # an H100's
+    ("cuda", "float32", 4.6, 2.0, 1, 1.1, GIB // 2),
+])
+def test_activations_and_head_by_hand(device_type, dtype, input_bytes, value_bytes, copies, margin, overhead):
+    def plan(checkpointing):
+        return memory.plan(SHAPE, micro_tokens=1000, compute_dtype=dtype, checkpointing=checkpointing, kl=False,
+                           chunk_tokens=256, device_type=device_type)
+
+    plain, checkpointed = plan(False), plan(True)
+    per_layer = (10 * 100 + 5 * 300) * value_bytes  # bytes a token saves of a layer
+    assert plain.activations == int(1000 * 4 * per_layer)
+    assert plain.head == copies * 256 * 1000 * 4 + 2 * 1000 * 100 * 4
+    assert checkpointed.activations == int(1000 * (4 * 100 * input_bytes + per_layer))  # inputs, one layer again
+    assert checkpointed.peak == int(overhead + plain.static + margin * (checkpointed.activations + checkpointed.head))
     assert checkpointed.peak < plain.peak
+
+
+def test_the_gpu_estimate_lies_where_an_h100_measured():
+    """The calibration's figures (bfloat16, checkpointing, KL on, AdamW; rows T and T/4; an H100,
+    as the GPU run of issue #39 measured them): the estimate within [allocated, 1.10 x reserved],
+    and within 15% of allocated for Qwen3-0.6B, whose reserved peak was not reported."""
+    from transformers import Qwen3Config
+
+    qwen3 = {"0.6B": (1024, 3072, 28, 16, 8), "1.7B": (2048, 6144, 28, 16, 8), "4B": (2560, 9728, 36, 32, 8)}
+    measured = [("0.6B", 20_480, 11.43 * GIB, None), ("0.6B", 40_960, 15.51 * GIB, None),
+                ("1.7B", 20_480, 31.03e9, 33.92e9), ("4B", 20_480, 69.76e9, 74.55e9), ("4B", 40_960, 75.24e9, 77.41e9)]
+    for name, tokens, allocated, reserved in measured:
+        hidden, intermediate, layers, heads, kv = qwen3[name]
+        config = Qwen3Config(vocab_size=151_936, hidden_size=hidden, intermediate_size=intermediate,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=128,
+                             tie_word_embeddings=True)
+        estimate = memory.plan(memory.ModelShape.of(config, memory.parameter_count(config)), micro_tokens=tokens,
+                               compute_dtype="bfloat16", checkpointing=True, kl=True, chunk_tokens=512).peak
+        if reserved is None:
+            assert abs(estimate - allocated) <= 0.15 * allocated, (name, tokens, estimate)
+        else:
+            assert allocated <= estimate <= 1.10 * reserved, (name, tokens, estimate)
 
 
 def test_a_plan_that_does_not_fit_is_one_line_naming_the_knobs():
@@ -64,9 +93,11 @@ def test_a_plan_that_does_not_fit_is_one_line_naming_the_knobs():
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """torch.cuda reports one GPU of `fake_gpu.total` bytes."""
-    gpu = SimpleNamespace(total=80 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu.total))
+    """torch.cuda reports one GPU of 80 GiB with `fake_gpu.free` bytes free, and this process's
+    allocator holding `fake_gpu.reserved`."""
+    gpu = SimpleNamespace(free=80 * GIB, reserved=0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gpu.free, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: gpu.reserved)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
     return gpu
 
@@ -75,11 +106,14 @@ def test_the_train_job_refuses_before_training_when_the_gpu_is_too_small(fake_gp
     model = tiny_qwen3(seed=0)  # 64 x 32 embeddings, 2 layers: a few tens of thousands of parameters
     rows = [train_row(f"r{i}", "g", list(range(1, 60)), 4, 1.0, 0.5) for i in range(8)]
     request = TrainRequest(0, "c", tmp_path / "policy", tmp_path / "out", TrainConfig(device="cuda"))
-    fake_gpu.total = 2 * 2**30
-    _check_memory(request, model, rows)  # fits: a few MiB, and the 1 GiB allowance for CUDA itself
-    fake_gpu.total = 2**30
-    with pytest.raises(JobError, match=r"cuda \(Fake GPU\): training needs about .* try --gradient-checkpointing"):
+    fake_gpu.free = GIB
+    _check_memory(request, model, rows)  # fits: a few MiB, and the 0.5 GiB allowance for CUDA itself
+    fake_gpu.free = GIB // 4  # another process holds the rest of the 80 GiB: what is free counts
+    with pytest.raises(JobError, match=r"cuda \(Fake GPU\): training needs about .* it has 256.0 MiB .* try "
+                                       r"--gradient-checkpointing"):
         _check_memory(request, model, rows)
+    fake_gpu.reserved = GIB  # ... but what this process's allocator holds is its own to use
+    _check_memory(request, model, rows)
     on_cpu = dataclasses.replace(request, config=TrainConfig(device="cpu"))
     _check_memory(on_cpu, model, rows)  # the host's memory is not checked
 

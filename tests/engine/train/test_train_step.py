@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -372,3 +373,37 @@ def test_flash_attention_runs_packed_rows_as_varlen_and_equals_the_cpu_step():
         assert packed_attention_for(torch.device("cuda"), torch.bfloat16) == FLASH_ATTENTION
         cuda = TrainablePolicy(model.cuda(), config)(pack_rows(rows, "cuda")).log_probs.cpu()
     torch.testing.assert_close(cuda, cpu, atol=3e-2, rtol=3e-2)
+
+
+def test_the_fused_causal_attention_equals_transformers_sdpa_on_grouped_heads():
+    """fused_causal_attention (what packed rows use on a GPU: K/V copied per query head, fused
+    kernels only) computes what transformers' SDPA path does; here on the CPU, whose flash kernel is
+    one of the fused ones."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from cleaner.engine.train.policy import fused_causal_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 37, 16, generator=generator)
+    key, value = torch.randn(1, 2, 37, 16, generator=generator), torch.randn(1, 2, 37, 16, generator=generator)
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None, is_causal=True, scaling=0.25)
+    torch.testing.assert_close(fused_causal_attention(query, key, value, 0.25), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_attention_on_a_gpu_never_builds_the_scores(dtype):
+    """A 16,384-token row of 16 heads over 8 KV heads: the math kernel would allocate 16 GiB of
+    float32 scores; the fused kernels stay within a few hundred MB."""
+    from cleaner.engine.train.policy import fused_causal_attention
+
+    query = torch.randn(1, 16, 16_384, 128, device="cuda", dtype=dtype)
+    key, value = (torch.randn(1, 8, 16_384, 128, device="cuda", dtype=dtype) for _ in range(2))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fused_causal_attention(query, key, value, None)
+    torch.cuda.synchronize()
+    assert out.shape == (1, 16_384, 16, 128)
+    assert torch.cuda.max_memory_allocated() - before < 2 * 2**30

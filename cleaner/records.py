@@ -237,6 +237,7 @@ class TrainStepRow:
     checkpoint: str | None = None
     seconds: float | None = None  # the step's wall time (its micro batches, clipping and AdamW); None before
     mfu: float | None = None  # model FLOPs utilisation (engine/train/flops.py); None on a CPU or an unknown GPU
+    rollout_corr: str | None = None  # the iteration's rollout-correction metrics, JSON (verl's rollout_corr/* names)
 
 
 

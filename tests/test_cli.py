@@ -216,7 +216,7 @@ def test_show_decodes_with_the_collecting_policys_tokenizer(tmp_path):
 RUN_FLAGS = ["--run-dir", "runs/x", "--iterations", "15", "--prompts", "16", "--group-size", "4",
              "--rollback-prob", "0", "--collect-view", "raw", "--gamma", "1.5", "--similarity-on", "call",
              "--max-retries", "2", "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "96",
-             "--lr", "2e-6", "--warmup-steps", "20", "--clip-ratio-c", "0", "--truncated-is",
+             "--lr", "2e-6", "--warmup-steps", "20", "--clip-ratio-c", "0", "--rollout-is", "token",
              "--mini-batch-size", "8", "--seed", "3"]
 RUN_TOML = """run_dir = "runs/x"
 iterations = 15
@@ -236,7 +236,7 @@ seed = 3
 lr = 2e-6
 warmup_steps = 20
 clip_ratio_c = 0
-truncated_is = true
+rollout_is = "token"
 mini_batch_size = 8
 """
 

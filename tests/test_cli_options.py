@@ -127,7 +127,7 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
     run = runner.invoke(app, ["run", "--prompts", "16", "--top-p", "0.9", "--test-timeout-s", "2",
                               "--sandbox-memory-mb", "512", "--sandbox-workers", "1", "--gamma", "0.7",
                               "--edit", "mask", "--advantage-eps", "1e-5", "--clip-eps-low", "0.1",
-                              "--max-grad-norm", "0.5", "--is-cap", "3", "--seed", "3", "--print-config"])
+                              "--max-grad-norm", "0.5", "--rollout-is-threshold", "3", "--seed", "3", "--print-config"])
     assert run.exit_code == 0, run.output
     resolved = tomllib.loads(run.output)
     where = ["-w", str(tmp_path / "w")]
@@ -146,7 +146,9 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
     trained = _requests(monkeypatch, "cleaner.engine.train.job", "train_job")
     runner.invoke(app, ["train", *where, "--config-id", "abc", "--policy", str(DEFAULT_POLICY), "--out",
                         str(tmp_path / "out"), *_args(resolved["train"])])
-    assert trained[0].config.to_dict() == resolved["train"] | {"deepspeed_config": None, "max_tokens_per_micro_batch": None}
+    assert trained[0].config.to_dict() == resolved["train"] | {
+        "deepspeed_config": None, "max_tokens_per_micro_batch": None, "rollout_is": None, "rollout_rs": None,
+        "rollout_rs_threshold": None, "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None}
     assert (trained[0].config.clip_eps_low, trained[0].config.max_grad_norm, trained[0].config.seed) == (0.1, 0.5, 3)
 
 

@@ -345,8 +345,13 @@ class TrainConfig(_Config):
     clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
     entropy_coef: float = 0.0  # entropy bonus: minus this x the token-mean entropy in the loss; 0 = off
-    truncated_is: bool = False  # truncated IS on rewritten contexts: x min(old/behaviour, is_cap)
-    is_cap: float = 2.0  # cap of the truncated importance ratio
+    rollout_is: str | None = None  # verl's rollout correction: importance weights old/behaviour per token or sequence, truncated; none: off (CLEANER: off)
+    rollout_is_threshold: float = 2.0  # the IS weights' truncation (above only)
+    rollout_is_batch_normalize: bool = False  # divide the truncated IS weights by their mean over the iteration
+    rollout_rs: str | None = None  # rejection sampling by the old/behaviour ratio: token | sequence | geometric; none: off
+    rollout_rs_threshold: float | None = None  # rejection's upper bound on the ratio
+    rollout_rs_threshold_lower: float | None = None  # rejection's lower bound; none: 1 / the upper
+    rollout_token_veto_threshold: float | None = None  # reject a row with any token whose ratio is below this; none: off
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
     max_response_tokens: int = 768  # DAPO overlong: the response length the buffer counts back from
@@ -364,6 +369,17 @@ class TrainConfig(_Config):
     device: str = "cpu"  # torch device
     seed: int = 0  # shuffling and dropout seed
 
+    @staticmethod
+    def upgraded(saved: dict) -> dict:
+        """A saved table of an earlier version in this version's fields: `truncated_is` with its
+        `is_cap` was the token level of rollout correction (rollout_is token, its threshold)."""
+        saved = dict(saved)
+        truncated, cap = saved.pop("truncated_is", None), saved.pop("is_cap", None)
+        if truncated:
+            saved.setdefault("rollout_is", "token")
+            saved.setdefault("rollout_is_threshold", cap if cap is not None else 2.0)
+        return saved
+
     def compute_dtype_on(self, device_type: str) -> str:
         """The compute dtype on a device of this type ("cuda", "cpu"): `auto` resolved."""
         if self.compute_dtype != "auto":
@@ -379,7 +395,17 @@ class TrainConfig(_Config):
         _check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
                f"clip_ratio_c must be > 1, or 0 for off, got {self.clip_ratio_c}")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
-        _check(self.is_cap >= 1, f"is_cap must be >= 1, got {self.is_cap}")
+        _check(self.rollout_is in (None, "token", "sequence"),
+               f"rollout_is must be token, sequence or none, got {self.rollout_is!r}")
+        _check(self.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
+        _check(self.rollout_rs in (None, "token", "sequence", "geometric"),
+               f"rollout_rs must be token, sequence, geometric or none, got {self.rollout_rs!r}")
+        _check(self.rollout_rs is None or (self.rollout_rs_threshold or 0) > 0,
+               "rollout_rs needs rollout_rs_threshold > 0")
+        _check(self.rollout_rs_threshold_lower is None or 0 < self.rollout_rs_threshold_lower <= (
+            self.rollout_rs_threshold or float("inf")), "rollout_rs_threshold_lower must be in (0, rollout_rs_threshold]")
+        _check(self.rollout_token_veto_threshold is None or 0 < self.rollout_token_veto_threshold < 1,
+               f"rollout_token_veto_threshold must be in (0, 1), got {self.rollout_token_veto_threshold}")
         _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
         _check(self.overlong_buffer <= self.max_response_tokens,
                "overlong_buffer must be <= max_response_tokens")

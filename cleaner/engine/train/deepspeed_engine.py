@@ -79,8 +79,9 @@ from cleaner.engine.train.step import (
     forward_micro_batch,
     iter_mini_batches,
     longest_row,
-    prepare_rows,
+    prepare,
     timed,
+    with_rollout_corr,
 )
 from cleaner.outputs import CHECKPOINT, atomic_directory
 from cleaner.records import PurifiedRow, TrainStepRow
@@ -301,7 +302,8 @@ def train_iteration_deepspeed(
     comm = _comm()
     ds_config = deepspeed_config_for(config, comm.get_world_size(), _rank_device().type)
     step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
-    train_rows = prepare_rows(rows, config)
+    prepared = prepare(rows, config)
+    train_rows = prepared.rows
     # the reference's log-probs of the rows this rank trains on, before the policy's engine exists
     mine = [row for mini in iter_mini_batches(train_rows, config, iteration)
             for micro, _ in rank_micro_batches(mini, comm.get_rank(), comm.get_world_size(), config) for row in micro]
@@ -322,4 +324,5 @@ def train_iteration_deepspeed(
     saved = _write_checkpoint(engine, optimization, ds_config, policy_path, out_path, config)
     if hasattr(engine, "destroy"):  # ZeRO-3's hooks would outlive the iteration in `cleaner run`
         engine.destroy()
-    return TrainResult(out_path=saved, steps=steps, model=None, optimization=None, main_process=main)
+    return TrainResult(out_path=saved, steps=with_rollout_corr(steps, prepared.metrics), model=None, optimization=None,
+                       main_process=main)

@@ -10,8 +10,9 @@ Design decisions:
   equals one big batch. The reported metrics (clip fraction, approx KL) use the same normalisation,
   so micro-batch values simply add up to the mini-batch value.
 - Asymmetric clip ("clip-higher"): the ratio is clipped to [1 - eps_low, 1 + eps_high].
-- Truncated importance sampling multiplies the per-token surrogate by min(pi_old / pi_behaviour,
-  cap), detached; the paper's default is off (docs/architecture.md §6).
+- `policy_loss` takes per-token weights on the surrogate (verl's rollout_is_weights); the train
+  step puts rollout correction's in the advantages instead (rollout_correction.py), which is the
+  same for weights >= 0; the paper's default is off (docs/architecture.md §7).
 - Overlong shaping changes rewards, so the trainer recomputes advantages with the same GRPO
   normalisation purify uses (`cleaner.engine.purify.advantages.grpo_advantages`).
 
@@ -139,14 +140,6 @@ def kl_penalty(
     mask = loss_mask.to(log_probs.dtype)
     diff = torch.where(mask > 0, ref_log_probs - log_probs, 0.0)  # (B, T)
     return (k3_kl(diff) * mask).sum() / _token_total(mask, num_loss_tokens)
-
-
-def truncated_is_weights(
-    old_log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """min(pi_old / pi_behaviour, cap), detached; (B, T) -> (B, T)."""
-    with torch.no_grad():
-        return torch.exp(old_log_probs - behavior_log_probs).clamp(max=cap)
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ cost a 4B step at 40,960 tokens its fit on an 80 GB GPU).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from cleaner.engine.train.space import human_bytes
@@ -166,8 +167,6 @@ def expandable_segments() -> None:
     """Let the CUDA caching allocator grow its segments (verl's `set_expandable_segments`), unless
     the user chose an allocator setting: fragmentation otherwise holds back gigabytes a long step
     needs. Set in the environment for what starts CUDA later, and in the allocator already running."""
-    import os
-
     if ALLOCATOR_SETTING in os.environ:
         return
     os.environ[ALLOCATOR_SETTING] = "expandable_segments:True"

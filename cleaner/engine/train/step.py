@@ -31,6 +31,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -43,13 +44,13 @@ import torch
 
 from cleaner.config import TrainConfig
 from cleaner.engine.train.flops import model_flops_utilisation
+from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
     kl_penalty,
     overlong_penalty,
     policy_loss,
-    truncated_is_weights,
 )
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.packing import PackedBatch, loss_token_count, micro_batches, pack_rows
@@ -114,6 +115,23 @@ def longest_micro_batch_tokens(rows: Sequence[PurifiedRow], config: TrainConfig)
 
 
 def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
+    """The rows that are trained on (`prepare`'s)."""
+    return prepare(rows, config).rows
+
+
+def prepare(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
+    """The rows that are trained on, in input order, with shaped advantages when configured and
+    rollout correction applied (rollout_correction.py), and the iteration's correction metrics."""
+    return correct(_shaped(rows, config), config)
+
+
+def with_rollout_corr(steps: list[TrainStepRow], metrics: dict[str, float]) -> list[TrainStepRow]:
+    """The steps' rows, each with its iteration's rollout-correction metrics (JSON)."""
+    text = json.dumps(metrics, sort_keys=True) if metrics else None
+    return [dataclasses.replace(step, rollout_corr=text) for step in steps]
+
+
+def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
     """The rows that are trained on, in input order, with shaped advantages when configured."""
     kept = [row for row in rows if not row.infra_fault]
     if len(kept) < len(rows):
@@ -180,13 +198,10 @@ class MicroLoss:
 def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | None, tokens: LossTokens,
                      config: TrainConfig, num_loss_tokens: int) -> MicroLoss:
     """The objective of one micro batch from its log-probs and entropy, normalised by the mini
-    batch's `num_loss_tokens`: clipped surrogate (x truncated IS) + kl_coef x k3 KL to the
-    reference - entropy_coef x entropy."""
-    is_weights = None
-    if config.truncated_is:
-        is_weights = truncated_is_weights(tokens.old_log_probs, tokens.behavior_log_probs, config.is_cap)
+    batch's `num_loss_tokens`: clipped surrogate + kl_coef x k3 KL to the reference - entropy_coef
+    x entropy (rollout correction's IS weights are in the advantages: rollout_correction.py)."""
     out = policy_loss(outputs.log_probs, tokens.old_log_probs, tokens.advantages, tokens.loss_mask,
-                      config.clip_eps_low, config.clip_eps_high, is_weights, num_loss_tokens,
+                      config.clip_eps_low, config.clip_eps_high, None, num_loss_tokens,
                       clip_ratio_c=config.clip_ratio_c or None)
     loss = out.loss
     if config.kl_coef > 0 and reference_log_probs is not None:

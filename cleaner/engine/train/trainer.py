@@ -45,8 +45,9 @@ from cleaner.engine.train.step import (
     forward_micro_batch,
     iter_mini_batches,
     longest_row,
-    prepare_rows,
+    prepare,
     timed,
+    with_rollout_corr,
 )
 from cleaner.records import PurifiedRow, TrainStepRow
 
@@ -103,7 +104,8 @@ def train_iteration(
             rows, policy_path, out_path, config, iteration, model, progress
         )
     torch.manual_seed(config.seed)
-    train_rows = prepare_rows(rows, config)
+    prepared = prepare(rows, config)
+    train_rows = prepared.rows
     if not train_rows:
         logger.warning("iteration %d: no rows to train on; saving the policy unchanged", iteration)
     reference = ReferenceLogProbs.of_checkpoint(policy_path, train_rows, config, config.device)
@@ -129,4 +131,4 @@ def train_iteration(
         state_files={STATE_PATH: optimization.state(master_weights=config.save_dtype != "float32")},
         save_dtype=config.save_dtype,
     )
-    return TrainResult(out_path=saved, steps=steps, model=model, optimization=optimization)
+    return TrainResult(out_path=saved, steps=with_rollout_corr(steps, prepared.metrics), model=model, optimization=optimization)

@@ -15,7 +15,6 @@ from cleaner.engine.train.loss import (
     overlong_penalty,
     policy_loss,
     token_log_probs,
-    truncated_is_weights,
 )
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -192,14 +191,6 @@ def test_approx_kl_metric_is_clamped_too():
     out = policy_loss(torch.tensor([[15.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
                       EPS_LOW, EPS_HIGH)
     assert out.approx_kl.item() == pytest.approx(10.0)
-
-
-def test_truncated_is_weights_cap():
-    old = _log([[3.0, 0.5, 1.0]])
-    behavior = torch.zeros(1, 3)
-    weights = truncated_is_weights(old.requires_grad_(True), behavior, cap=2.0)
-    assert weights[0].tolist() == pytest.approx([2.0, 0.5, 1.0], abs=1e-6)
-    assert not weights.requires_grad
 
 
 def test_dynamic_sampling_drops_equal_reward_groups():

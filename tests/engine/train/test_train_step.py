@@ -68,7 +68,7 @@ def _assert_same_step(model, reference, rows, config, baseline=None):
         torch.testing.assert_close(chunked_grads[name], grad, atol=TOLERANCE, rtol=1e-4, msg=name)
 
 
-ALL_TERMS = dict(kl_coef=0.3, truncated_is=True, entropy_coef=0.01)
+ALL_TERMS = dict(kl_coef=0.3, rollout_is="token", entropy_coef=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_token_budget_micro_batches_give_the_update_of_fixed_micro_batches(polic
         assert _weights_difference(result.model, fixed.model) < TOLERANCE
 
 
-def test_kl_and_truncated_is_terms_reach_the_step_loss(policy_dir, tmp_path):
+def test_kl_and_rollout_is_terms_reach_the_step_loss(policy_dir, tmp_path):
     """The step's loss equals the hand-assembled objective, -sum(A w)/N + kl_coef sum(k3)/N, with the
     IS weights w and the reference's log-probs computed here independently; both terms are material,
     so deleting either branch from the train step fails this test."""
@@ -279,8 +279,8 @@ def test_kl_and_truncated_is_terms_reach_the_step_loss(policy_dir, tmp_path):
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
     rows = _shifted_behaviour(train_batch(model))  # old log-probs = the moved policy's: ratio 1
-    config = TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2, kl_coef=0.5, truncated_is=True,
-                         is_cap=2.0)
+    config = TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2, kl_coef=0.5, rollout_is="token",
+                         rollout_is_threshold=2.0)
     result = train_iteration(rows, policy_dir, tmp_path / "out", config, 0, model=model, progress=False)
 
     reference = load_policy(policy_dir)

@@ -197,6 +197,7 @@ class CollectConfig(_Config):
     deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
     sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
+    rollout_dtype: str | None = None  # the policy's dtype while it generates (torch backend, SGLang engine): float32 | bfloat16 | float16 (the reference's); none: float32, or a GPU engine's checkpoint dtype
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
     test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
     reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the collection, resumable
@@ -207,7 +208,7 @@ class CollectConfig(_Config):
                             "reward_timeout_s", "sglang_url"})  # the servers' address: they may come back at another
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
-    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool"})
+    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype"})
 
     @functools.cached_property
     def config_id(self) -> str:
@@ -291,6 +292,8 @@ class CollectConfig(_Config):
         _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
                f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
+        _check(self.rollout_dtype in (None, "float32", "bfloat16", "float16"),
+               f"rollout_dtype must be float32, bfloat16, float16 or none, got {self.rollout_dtype!r}")
         _check(self.sglang_url is None or self.backend == "sglang",
                f"sglang_url is for backend sglang, got backend {self.backend!r}")
         _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
@@ -360,8 +363,8 @@ class TrainConfig(_Config):
     max_tokens_per_micro_batch: int | None = None  # pack micro batches by tokens, at most this many (a longer row alone); replaces micro_batch_size
     logits_chunk_tokens: int = 512  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant): activations grow with layers x tokens x hidden only
-    compute_dtype: str = "auto"  # auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | bfloat16: autocast compute; weights, optimiser and log-softmax stay float32
-    save_dtype: str = "float32"  # float32 | bfloat16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32
+    compute_dtype: str = "auto"  # auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | bfloat16 | float16 (with dynamic loss scaling: the reference's): autocast compute; weights, optimiser and log-softmax stay float32
+    save_dtype: str = "float32"  # float32 | bfloat16 | float16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32
     epochs: int = 1  # passes over the iteration's rows
     max_grad_norm: float = 1.0  # gradient clipping
     engine: str = "torch"  # torch | deepspeed (ZeRO over the ranks torchrun starts)
@@ -418,8 +421,8 @@ class TrainConfig(_Config):
         _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
         _check(self.logits_chunk_tokens >= 1, f"logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
-        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
-        _check_choice("save_dtype", self.save_dtype, ("float32", "bfloat16"))
+        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("save_dtype", self.save_dtype, ("float32", "bfloat16", "float16"))
         _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check_choice("engine", self.engine, ("torch", "deepspeed"))
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,

@@ -96,7 +96,8 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
 
 def _load_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
     collect = config.collect
-    return load_backend(collect.backend, policy, device=ranks.device(collect.device), sglang_url=collect.sglang_url,
+    return load_backend(collect.backend, policy, device=ranks.device(collect.device), dtype=collect.rollout_dtype,
+                        sglang_url=collect.sglang_url,
                         seed=collect.seed, deterministic=collect.deterministic_inference,
                         mem_fraction=collect.sglang_mem_fraction)
 

@@ -145,6 +145,7 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
     n_written = 0
     if len(stored) < len(planned):
         load = functools.partial(load_backend, config.backend, config.model, device=config.device,
+                                 dtype=config.rollout_dtype,
                                  sglang_url=config.sglang_url, seed=iteration_seed(config),
                                  deterministic=config.deterministic_inference,
                                  mem_fraction=config.sglang_mem_fraction)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # Save
 
 
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def save_pretrained_as(model: torch.nn.Module, directory: Path, save_dtype: str,

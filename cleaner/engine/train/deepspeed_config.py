@@ -8,9 +8,11 @@ comes from TrainConfig alone, whichever engine runs it:
 - the optimiser, its learning rate and warmup: cleaner's one AdamW and transformers' constant
   schedule with warmup (`optim.py`), handed to DeepSpeed as a client optimiser and scheduler;
 - clipping: `gradient_clipping` = max_grad_norm;
-- precision: `bf16.enabled` = (compute_dtype == "bfloat16"): bfloat16 weights and compute with
-  float32 master weights and optimiser state in DeepSpeed's optimiser wrapper, the counterpart of
-  the torch engine's autocast. fp16 is refused: cleaner trains in float32 or bfloat16.
+- precision: `bf16.enabled` = (compute_dtype == "bfloat16"), `fp16.enabled` = (compute_dtype ==
+  "float16", with dynamic loss scaling: `loss_scale` 0): 16-bit weights and compute with float32
+  master weights and optimiser state in DeepSpeed's optimiser wrapper, the counterpart of the
+  torch engine's autocast (and its GradScaler, for float16). The fp16 section's other settings
+  (initial_scale_power, loss_scale_window, hysteresis, min_loss_scale) are the file's.
 
 The file carries what is DeepSpeed's own: the ZeRO stage, offloading, bf16's other settings,
 communication and logging settings. A file that sets one of cleaner's keys is an error naming the
@@ -105,18 +107,15 @@ def read_deepspeed_config(path: str | Path) -> dict:
 
 
 def _check_precision(path: str | Path, ds_config: dict) -> None:
-    """bf16.enabled is cleaner's (from --compute-dtype); fp16 is not trained."""
+    """bf16.enabled and fp16.enabled are cleaner's (from --compute-dtype)."""
     for section in ("bf16", "fp16"):
         if not isinstance(ds_config.get(section, {}), dict):
             raise DeepSpeedConfigError(f"{path}: {section!r} must be a JSON object")
-    if ds_config.get("bf16", {}).get("enabled", AUTO) != AUTO:
-        raise DeepSpeedConfigError(
-            f"{path}: bf16.enabled is cleaner's to set, from --compute-dtype (bfloat16 enables it), so "
-            "that both engines compute in the same precision; remove it (or set it to \"auto\")")
-    if ds_config.get("fp16", {}).get("enabled") not in (None, False, AUTO):
-        raise DeepSpeedConfigError(
-            f"{path}: fp16.enabled is true, but cleaner trains in float32 or bfloat16 "
-            "(--compute-dtype bfloat16); remove the fp16 section")
+        if ds_config.get(section, {}).get("enabled", AUTO) != AUTO:
+            dtype = "bfloat16" if section == "bf16" else "float16"
+            raise DeepSpeedConfigError(
+                f"{path}: {section}.enabled is cleaner's to set, from --compute-dtype ({dtype} enables it), so "
+                "that both engines compute in the same precision; remove it (or set it to \"auto\")")
 
 
 def zero_stage(ds_config: dict) -> int:
@@ -135,8 +134,12 @@ def deepspeed_config_for(config: TrainConfig, world_size: int, device_type: str 
     ds_config["gradient_accumulation_steps"] = accumulation
     ds_config["train_batch_size"] = config.micro_batch_size * accumulation * world_size
     ds_config["gradient_clipping"] = config.max_grad_norm
-    ds_config["bf16"] = {**ds_config.get("bf16", {}), "enabled": config.compute_dtype_on(device_type) == "bfloat16"}
-    ds_config.pop("fp16", None)
+    dtype = config.compute_dtype_on(device_type)
+    ds_config["bf16"] = {**ds_config.get("bf16", {}), "enabled": dtype == "bfloat16"}
+    fp16 = {**ds_config.get("fp16", {}), "enabled": dtype == "float16"}
+    if dtype == "float16":
+        fp16.setdefault("loss_scale", 0)  # dynamic loss scaling, as the torch engine's GradScaler
+    ds_config["fp16"] = fp16
     zero = dict(ds_config.get("zero_optimization", {}))
     if int(zero.get("stage", 0)) == 3:
         for key in GATHER_KEYS:

@@ -113,11 +113,11 @@ def plan(shape: ModelShape, *, micro_tokens: int, compute_dtype: str, checkpoint
          device_bytes: int | None = None, device_type: str = "cuda") -> MemoryPlan:
     """The estimate of one device's memory (module notes). `micro_tokens`: the longest micro batch;
     `device_type`: whose coefficients ("cuda", or "cpu": the proxy's)."""
-    p, bf16 = shape.parameters, compute_dtype == "bfloat16"
+    p, bf16 = shape.parameters, compute_dtype in ("bfloat16", "float16")  # 16-bit compute: one cost
     table = CUDA if device_type == "cuda" else CPU
     coefficients = table["bfloat16" if bf16 else "float32"]
     n = max(world_size, 1)
-    if engine == "deepspeed" and bf16:  # DeepSpeed's bf16: 16-bit weights and gradients, fp32 master
+    if engine == "deepspeed" and bf16:  # DeepSpeed's bf16/fp16: 16-bit weights and gradients, fp32 master
         weights, gradients, optimizer, autocast = 2 * p, 2 * p, 12 * p, 0
     else:  # float32 weights, gradients and two moments; autocast casts per use (no cached copy)
         weights, gradients, optimizer, autocast = 4 * p, 4 * p, 8 * p, 0

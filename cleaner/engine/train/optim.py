@@ -67,6 +67,16 @@ class Optimization:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     named_params: list[tuple[str, torch.nn.Parameter]]  # the trainable parameters, as the optimiser holds them
+    scaler: torch.amp.GradScaler | None = None  # float16 compute's dynamic loss scale; None otherwise
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate a micro batch's loss (scaled, under float16)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale(self) -> None:
+        """The accumulated gradients back at their true size, before clipping (float16)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
 
     @property
     def step(self) -> int:
@@ -82,6 +92,8 @@ class Optimization:
         """Apply the accumulated gradients (unless `apply` is False) and move the schedule on."""
         if apply:
             self.optimizer.step()
+        if self.scaler is not None:  # the scale halves after a non-finite step, grows after good ones
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -89,6 +101,8 @@ class Optimization:
         """What a checkpoint stores: the optimiser's state_dict and the run-wide step, and with
         `master_weights` the float32 weights it updates (for a checkpoint saved in bfloat16)."""
         state = {"format": STATE_FORMAT, "optimizer": self.optimizer.state_dict(), "optimizer_step": self.step}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         if master_weights:
             state[MASTER_WEIGHTS] = {name: p.detach().to("cpu", copy=True) for name, p in self.named_params}
         return state
@@ -99,8 +113,9 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
-                     optimizer_state: dict | None = None) -> Optimization:
-    """AdamW on the model's trainable parameters, positioned at run-wide step `step`."""
+                     optimizer_state: dict | None = None, scaler_state: dict | None = None) -> Optimization:
+    """AdamW on the model's trainable parameters, positioned at run-wide step `step`; under
+    float16 compute, with a GradScaler (its saved scale resumed)."""
     named_params = _trainable(model)
     params = [p for _, p in named_params]
     # fused on a GPU: one kernel per step, without the foreach path's step-sized temporaries
@@ -113,7 +128,13 @@ def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
         group.update(lr=config.lr, initial_lr=config.lr, weight_decay=config.weight_decay)
         group.update(fused=fused or None, foreach=None)  # where it runs now, not where it was saved
     scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps, last_epoch=step - 1)
-    return Optimization(optimizer, scheduler, named_params)
+    device = params[0].device.type if params else "cpu"
+    scaler = None
+    if config.compute_dtype_on(device) == "float16":
+        scaler = torch.amp.GradScaler(device)
+        if scaler_state:
+            scaler.load_state_dict(scaler_state)
+    return Optimization(optimizer, scheduler, named_params, scaler)
 
 
 def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: str | Path) -> Optimization:
@@ -136,7 +157,7 @@ def load_optimization(model: torch.nn.Module, config: TrainConfig, checkpoint: s
     if MASTER_WEIGHTS in saved:  # the checkpoint's weights are rounded (--save-dtype); these are not
         _restore_master_weights(model, saved[MASTER_WEIGHTS], path)
     logger.info("resuming the optimiser of %s at step %d", checkpoint, saved["optimizer_step"])
-    return new_optimization(model, config, saved["optimizer_step"], saved["optimizer"])
+    return new_optimization(model, config, saved["optimizer_step"], saved["optimizer"], saved.get("scaler"))
 
 
 def _restore_master_weights(model: torch.nn.Module, master: dict[str, torch.Tensor], path: Path) -> None:

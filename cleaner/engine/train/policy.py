@@ -45,7 +45,7 @@ from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.logprobs import TokenOutputs, chunked_token_outputs
 from cleaner.engine.train.packing import PackedBatch
 
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKED_ATTENTION = "cleaner_packed_sdpa"  # the name packed_sdpa_attention is registered under
 FLASH_ATTENTION = "flash_attention_2"
 
@@ -132,8 +132,8 @@ def _register_packed_attention() -> None:
 
 
 def packed_attention_for(device: torch.device, compute_dtype: torch.dtype) -> str:
-    """Flash attention's varlen kernel where it can run (CUDA, installed, bfloat16), else ours."""
-    if device.type == "cuda" and compute_dtype == torch.bfloat16:
+    """Flash attention's varlen kernel where it can run (CUDA, installed, 16-bit), else ours."""
+    if device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16):
         from transformers.utils import is_flash_attn_2_available  # CLI start-up time
 
         if is_flash_attn_2_available():

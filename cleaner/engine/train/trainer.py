@@ -71,8 +71,9 @@ def _optimizer_step(
     for micro_rows in micro_batches(mini_rows, config.micro_batch_size, config.max_tokens_per_micro_batch):
         part = forward_micro_batch(policy, reference, micro_rows, pack_rows(micro_rows, config.device), config,
                                    total_tokens)
-        part.loss.backward()
+        optimization.backward(part.loss)  # scaled under float16
         metrics.add(part)
+    optimization.unscale()
     params = [p for p in policy.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
     if not math.isfinite(grad_norm):

@@ -52,7 +52,7 @@ def test_cleaner_sets_batch_sizes_and_clipping_and_keeps_deepspeeds_own_settings
     ds_config = deepspeed_config_for(config, world_size=2)
     assert ds_config == {
         "zero_optimization": {"stage": 2}, "bf16": {"immediate_grad_update": True, "enabled": True},
-        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,  # 64 / (8 x 2)
+        "fp16": {"enabled": False}, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,  # 64 / (8 x 2)
         "train_batch_size": 64, "gradient_clipping": 0.5,
     }
     # 6 rows on 4 ranks of 1: ceil(6 / 4) = 2 micro batches each, 8 slots (padded with weight 0)
@@ -79,8 +79,14 @@ def test_precision_follows_compute_dtype_and_a_file_setting_it_is_an_error(tmp_p
     assert deepspeed_config_for(auto, world_size=1)["bf16"] == {"enabled": True}
     with pytest.raises(DeepSpeedConfigError, match="bf16.enabled is cleaner's to set, from --compute-dtype"):
         deepspeed_config_for(_config(tmp_path, {"bf16": {"enabled": True}}), world_size=1)
-    with pytest.raises(DeepSpeedConfigError, match="fp16.enabled is true, but cleaner trains in float32 or bfloat16"):
+    with pytest.raises(DeepSpeedConfigError, match="fp16.enabled is cleaner's to set, from --compute-dtype "
+                                                   r"\(float16 enables it\)"):
         deepspeed_config_for(_config(tmp_path, {"fp16": {"enabled": True}}), world_size=1)
+    # --compute-dtype float16 (the reference's): fp16 with dynamic loss scaling, the file's other settings kept
+    fp16 = deepspeed_config_for(_config(tmp_path, {"fp16": {"initial_scale_power": 12}}, compute_dtype="float16"),
+                                world_size=1)
+    assert (fp16["fp16"], fp16["bf16"]) == ({"initial_scale_power": 12, "enabled": True, "loss_scale": 0},
+                                            {"enabled": False})
 
 
 def test_auto_values_are_cleaners_to_fill(tmp_path):

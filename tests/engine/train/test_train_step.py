@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 
 import pytest
@@ -352,6 +353,38 @@ def test_bfloat16_checkpoint_is_served_in_bfloat16_and_resumes_exactly(policy_di
     assert _weights_difference(resumed.model, on.model) == 0.0
     # the bfloat16 weights alone would not continue exactly
     assert _weights_difference(load_policy(first.out_path), first.model) > 0
+
+
+def test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_step_is_skipped(policy_dir, tmp_path):
+    """--compute-dtype float16 (the reference's) on a stored iteration's rows: float16 autocast with
+    a GradScaler. The loss of every step within 2e-2 of float32's and the weights it writes within
+    2e-3 of float32's (lr 1e-3, two steps: float16's 11-bit mantissa, against float32's rounding);
+    the scale is saved with the optimiser and resumed. A step whose scaled gradients overflow is
+    skipped (weights unchanged, grad norm non-finite in its row) and the scale halves."""
+    model = load_policy(policy_dir)
+    rows = train_batch(model)
+    base = TrainConfig(lr=1e-3, mini_batch_size=2, micro_batch_size=2, save_dtype="float16")
+    fp32 = train_iteration(rows, policy_dir, tmp_path / "fp32", dataclasses.replace(base, compute_dtype="float32"), 0,
+                           model=load_policy(policy_dir), progress=False)
+    fp16 = train_iteration(rows, policy_dir, tmp_path / "fp16", dataclasses.replace(base, compute_dtype="float16"), 0,
+                           model=load_policy(policy_dir), progress=False)
+    assert [s.loss for s in fp16.steps] != [s.loss for s in fp32.steps]  # float16 did run
+    assert [s.loss for s in fp16.steps] == pytest.approx([s.loss for s in fp32.steps], abs=2e-2)
+    assert _weights_difference(fp16.model, fp32.model) < 2e-3
+    assert all(p.dtype == torch.float32 for p in fp16.model.parameters())  # master weights stay float32
+    saved = torch.load(fp16.out_path / STATE_PATH, weights_only=True)
+    assert saved["scaler"]["scale"] == fp16.optimization.scaler.get_scale() > 0
+    with safe_open(fp16.out_path / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
+    # an overflow: the scale at float16's largest value makes any gradient infinite
+    optimization = fp16.optimization
+    optimization.scaler.update(65504.0 * 2**10)
+    before = {name: p.detach().clone() for name, p in fp16.model.named_parameters()}
+    again = train_iteration(rows[:2], fp16.out_path, tmp_path / "overflow", dataclasses.replace(
+        base, compute_dtype="float16"), 1, model=fp16.model, optimization=optimization, progress=False)
+    assert not math.isfinite(again.steps[0].grad_norm)
+    assert all(torch.equal(p, before[name]) for name, p in again.model.named_parameters())
+    assert optimization.scaler.get_scale() == 65504.0 * 2**10 / 2
 
 
 # ---------------------------------------------------------------------------

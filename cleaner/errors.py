@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 from pathlib import Path
 
 
@@ -83,6 +84,20 @@ def free_bytes(path: str | os.PathLike) -> int:
 def mount_point(path: str | os.PathLike) -> Path:
     path = existing_ancestor(path)
     return next(p for p in (path, *path.parents) if os.path.ismount(p))
+
+
+def writer_gone(host: str, pid: str) -> bool:
+    """Whether the writer a temporary's name records (`host`, `pid` as text) is a process of this
+    host that has ended, so what it left may go. Another host's process cannot be checked: it stays."""
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    return False
 
 
 def is_disk_full(error: BaseException, path: str | os.PathLike) -> bool:

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
-from cleaner.errors import CleanerError, is_disk_full, write_error
+from cleaner.errors import CleanerError, is_disk_full, write_error, writer_gone
 
 logger = logging.getLogger(__name__)
 
@@ -235,23 +235,12 @@ def remove_stale_temporaries(out_path: Path) -> list[Path]:
     of other hosts stay. Returns what was removed."""
     removed = []
     prefix = _temporary_prefix(out_path.name)
-    host = socket.gethostname()
     for entry in out_path.parent.glob(f"{glob.escape(prefix)}*"):
         pid, at, rest = entry.name[len(prefix):].partition("@")
         writer_host = rest.rpartition("@")[0]
-        if not (at and pid.isdigit() and writer_host == host) or _alive(int(pid)):
+        if not (at and writer_gone(writer_host, pid)):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         logger.info("removed %s, left by pid %s, which is gone", entry, pid)
         removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

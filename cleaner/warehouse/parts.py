@@ -33,7 +33,7 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cleaner.errors import CleanerError, write_error
+from cleaner.errors import CleanerError, write_error, writer_gone
 from cleaner.warehouse.schema import COMMITTED_BY, Dataset
 
 PART_GLOB = "part-*.parquet"  # the glob of every part; hidden temporaries start with a dot
@@ -85,30 +85,19 @@ def remove_leftovers(directory: Path) -> int:
     file as its part: a writer killed between the link and the unlink), or if its writer, a process
     of this host, is gone."""
     removed = 0
-    host = socket.gethostname()
     for temporary in directory.glob(TEMPORARY_GLOB) if directory.is_dir() else ():
         name, _, rest = temporary.name[1:].partition(".parquet.")
         final = directory / f"{name}.parquet"
         owner, _, pid = rest.removesuffix(".tmp").rpartition(".")
         try:
             linked = final.exists() and os.path.samefile(temporary, final)
-            gone = owner == host and pid.isdigit() and not _alive(int(pid))
+            gone = writer_gone(owner, pid)
             if linked or gone:
                 temporary.unlink()
                 removed += 1
         except FileNotFoundError:  # its writer finished meanwhile
             continue
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], None]) -> Path:

@@ -41,8 +41,7 @@ from cleaner.engine.model.radix import (
     Node,
     build_radix_tree,
     mark_first_scored,
-    nodes_with_ending_rows,
-    path_logprobs,
+    row_logprobs,
 )
 
 SCORER_VERSION = "backend-radix-1"
@@ -72,11 +71,7 @@ class BackendScorer:
                 self._score_level(level)
                 bar.update(len(level))
                 level = [(child, path + child.edge) for node, path in level for child in node.children]
-        results: list[list[float]] = [[] for _ in sequences]
-        for node in nodes_with_ending_rows(root):
-            path = path_logprobs(node)
-            for index in node.ending_rows:
-                results[index] = path[starts[index]:]
+        results = row_logprobs(root, starts)
         self.stats.tokens_naive += sum(len(s) for s in sequences)
         if self.computed is not None:
             self.stats.tokens_computed = (self.stats.tokens_computed or 0) + self.computed() - computed_before

@@ -134,3 +134,14 @@ def path_logprobs(node: Node) -> list[float]:
         pieces.append(node.logprobs)
         node = node.parent
     return [lp for piece in reversed(pieces) for lp in piece]
+
+
+def row_logprobs(root: Node, starts: Sequence[int]) -> list[list[float]]:
+    """What a scorer returns once it has filled the tree's log-probs: for row i, those of positions
+    starts[i] to the end of its sequence."""
+    results: list[list[float]] = [[] for _ in starts]
+    for node in nodes_with_ending_rows(root):
+        path = path_logprobs(node)
+        for index in node.ending_rows:
+            results[index] = path[starts[index]:]
+    return results

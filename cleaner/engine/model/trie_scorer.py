@@ -67,8 +67,7 @@ from cleaner.engine.model.radix import (
     Node,
     build_radix_tree,
     mark_first_scored,
-    nodes_with_ending_rows,
-    path_logprobs,
+    row_logprobs,
     tokens_to_forward,
 )
 from cleaner.engine.model.trie_attention import TORCH_GQA, AttentionBatch, packed_attention
@@ -156,11 +155,7 @@ class PrefixTrieScorer:
                 if window:
                     stack.extend(self._forward(_batches(window, self.max_batch_tokens)))
                     bar.update(sum(item.forward_length for item in window))
-        results: list[list[float]] = [[] for _ in sequences]
-        for node in nodes_with_ending_rows(root):
-            path = path_logprobs(node)
-            for index in node.ending_rows:
-                results[index] = path[starts[index] :]
+        results = row_logprobs(root, starts)
         self.stats.tokens_naive += sum(len(s) for s in sequences)
         self.stats.seconds += time.perf_counter() - began
         return results

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import Qwen3ForCausalLM
 
 from cleaner.engine.model.head import UnsupportedModelError
-from cleaner.engine.model.radix import build_radix_tree, tokens_to_forward
+from cleaner.engine.model.radix import build_radix_tree, row_logprobs, tokens_to_forward
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.engine.model.trie_scorer import PrefixTrieScorer
 from tests.factories import SCORED_PROMPT, SCORING_CASES
@@ -47,6 +47,17 @@ def test_radix_tree_shares_prefixes_and_splits_long_edges():
         (node,) = node.children
         edges.append((node.edge, node.depth))
     assert edges == [((1, 2), 0), ((3, 4), 2), ((5,), 4)]
+
+
+def test_row_logprobs_reads_each_row_back_from_its_start():
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2], [7]]
+    root = build_radix_tree(rows, max_edge_tokens=2)
+    pending = list(root.children)
+    while pending:  # each position's "log-prob" is its own index, so a row's read-back is plain
+        node = pending.pop()
+        node.logprobs = [float(node.depth + i) for i in range(len(node.edge))]
+        pending.extend(node.children)
+    assert row_logprobs(root, [1, 3, 1, 1]) == [[1.0, 2.0, 3.0], [3.0, 4.0], [1.0], []]
 
 
 def test_pieces_grow_with_depth_so_copying_prefixes_stays_about_linear():

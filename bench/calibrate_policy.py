@@ -27,7 +27,8 @@ import torch
 
 from cleaner.engine.collect.tasks import toy_tasks
 from cleaner.engine.grading.answers import compute_reward
-from cleaner.engine.model.chat import ChatFormat, format_tool_response, parse_tool_call
+from cleaner.engine.model.chat import ChatFormat, parse_tool_call
+from cleaner.tools.responses import format_tool_response
 
 TYPO_ERRORS = {"NameError", "SyntaxError", "IndentationError"}
 APPROACH_ERRORS = {"ModuleNotFoundError", "ImportError"}

@@ -56,7 +56,8 @@ def random_policy(tmp_path_factory):
     run to their token limits. Use it for plumbing (run loop, resume, crash safety).
     """
     from cleaner.engine.collect.tasks import toy_tasks
-    from cleaner.engine.model.chat import format_call, format_tool_response, tool_response_text
+    from cleaner.engine.model.chat import format_call, tool_response_text
+    from cleaner.tools.responses import format_tool_response
     from cleaner.toys.sft import tiny_model
     from cleaner.toys.tokenizer import build_tokenizer
 

@@ -113,6 +113,12 @@ def test_model_saar_and_grading_import_no_stage():
     assert _breaking(SHARED, BASE + SHARED + ("cleaner.sandbox",)) == []
 
 
+def test_tools_live_below_the_engine():
+    """The code interpreter's name, schema and wording and the user's tools (cleaner/tools) import
+    only the base: the chat format imports them, never the other way round."""
+    assert _breaking(("cleaner.tools",), BASE + ("cleaner.tools",)) == []
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_imports_only_upstream_stages(stage):
     """collect -> purify -> train, and eval after collect: a stage imports the base, the shared
@@ -174,8 +180,8 @@ def test_the_ui_reads_through_the_report_and_the_warehouse():
 
 def test_the_toys_import_what_a_tiny_policy_is_made_of():
     """`cleaner bootstrap`: the chat format, the toy tasks, the checkpoint writer."""
-    allowed = BASE + ("cleaner.toys", "cleaner.engine.model.chat", "cleaner.engine.collect.tasks",
-                      "cleaner.engine.train.checkpoint")
+    allowed = BASE + ("cleaner.toys", "cleaner.engine.model.chat", "cleaner.tools.responses",
+                      "cleaner.engine.collect.tasks", "cleaner.engine.train.checkpoint")
     assert _breaking(("cleaner.toys",), allowed) == []
 
 

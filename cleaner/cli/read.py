@@ -61,8 +61,8 @@ def sandbox_run(
 
     from rich.table import Table
 
-    from cleaner.engine.model.chat import format_tool_response
     from cleaner.sandbox import ExecStatus, SandboxConfig, SandboxError, make_sandbox
+    from cleaner.tools.responses import format_tool_response
 
     for path in (file, stdin):
         if path is not None and not path.is_file():

@@ -2,7 +2,7 @@
 
 Design decisions:
 - The sandbox reports what happened and nothing more. The text the model sees is worded by its
-  caller (the collect loop, with `chat.format_tool_response`), so the sandbox knows nothing of the
+  caller (the collect loop, with `tools.responses.format_tool_response`), so the sandbox knows nothing of the
   chat format and a change of wording never touches the sandbox.
 - `ExecStatus` is a `StrEnum`: its members compare equal to, and serialize as, the plain strings
   ("ok", "error", ...) that the warehouse stores in its `tool_status` column.

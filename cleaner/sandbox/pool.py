@@ -2,7 +2,7 @@
 
 `make_sandbox(config)` returns a `Sandbox`; `run(code, stdin)` gives an `ExecResult` (outcome.py):
 the status, the error class, the captured streams and the wall time. Wording that for the model is
-the caller's business (the collect loop uses `chat.format_tool_response`). `run_many` spreads
+the caller's business (the collect loop uses `tools.responses.format_tool_response`). `run_many` spreads
 snippets over the pool and keeps their order. The pool is thread-safe: the agent loop may call
 `run` from threads.
 

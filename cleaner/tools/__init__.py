@@ -5,7 +5,7 @@ clock (toolbox.py, calls.py)."""
 from cleaner.tools.base import FunctionTool, Tool, ToolError, ToolResult, ToolUnavailable
 from cleaner.tools.calls import CoroutineCalls, DaemonThreads, HungCalls, ThreadCalls, Timed
 from cleaner.tools.loading import load_tools
-from cleaner.tools.toolbox import ToolOutcome, Toolbox, canonical_arguments
+from cleaner.tools.toolbox import Toolbox, ToolOutcome, canonical_arguments
 
 __all__ = ["CoroutineCalls", "DaemonThreads", "FunctionTool", "HungCalls", "ThreadCalls", "Timed", "Tool", "ToolError",
            "ToolOutcome", "ToolResult", "ToolUnavailable", "Toolbox", "canonical_arguments", "load_tools"]

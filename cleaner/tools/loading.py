@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from cleaner.engine.model.chat import TOOL_NAME
 from cleaner.plugins import load_object
 from cleaner.tools.base import FunctionTool, Tool, ToolError
+from cleaner.tools.responses import TOOL_NAME
 
 
 def load_tools(tools_yaml: str | None, tool_specs: str | None) -> list[Tool]:

@@ -29,11 +29,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cleaner.engine.model.chat import TOOL_SCHEMA, valid_text
 from cleaner.records import ToolStatus
 from cleaner.tools.base import Tool, ToolError, ToolResult, ToolUnavailable
 from cleaner.tools.calls import CoroutineCalls, ThreadCalls, Timed
 from cleaner.tools.loading import check_names
+from cleaner.tools.responses import TOOL_SCHEMA, valid_text
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ corpus instead of a sandboxed fork per snippet) and the calibration bench's fall
 sandbox: no limits beyond a wall-clock timeout on the whole batch. The child is the sandbox's own
 user-code runner (`python -m cleaner.sandbox.usercode --batch`), so a snippet's stdout, error class
 and error text come from the same `execute_user_code` / `format_error` as in the sandbox, and the
-response is worded by `chat.format_tool_response` as the collect loop words the sandbox's results
+response is worded by `tools.responses.format_tool_response` as the collect loop words the sandbox's results
 (docs/architecture.md §8): `Tool call success\\nstdout: 42\\n` and
 `Tool call failure\\nreason: error\\nstderr: NameError at line 1: name 'x' is not defined\\n  x`.
 Unlike the sandbox, stdout is not truncated and the snippets' own stderr is not part of the result.
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cleaner.engine.model.chat import format_tool_response
+from cleaner.tools.responses import format_tool_response
 
 # -P: a module in the caller's working directory must not shadow the runner or the standard library.
 RUNNER_COMMAND = [sys.executable, "-P", "-m", "cleaner.sandbox.usercode", "--batch"]

@@ -54,10 +54,10 @@ from cleaner.warehouse.parts import (
     PartExistsError,
     WarehouseError,
     new_part_name,
-    remove_leftovers,
     read_column,
     read_part,
     read_parts,
+    remove_leftovers,
     visible_parts,
     write_part,
 )

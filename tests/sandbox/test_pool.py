@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from cleaner.engine.model.chat import format_tool_response
 from cleaner.sandbox import ExecResult, ExecStatus, LocalSandbox, SandboxConfig, child, make_sandbox
 from cleaner.sandbox.isolation import Reaper
+from cleaner.tools.responses import format_tool_response
 
 LIMIT_S = 10.0  # no single run may take longer to come back than this
 CONFIG = SandboxConfig(workers=2, timeout_s=2.0, cpu_time_s=3, max_output_chars=2048, preload_scientific=False)

@@ -71,7 +71,7 @@ def test_deterministic_and_fail_share_zero():
 
 def test_local_exec_words_errors_exactly_like_the_real_sandbox():
     sandbox_module = pytest.importorskip("cleaner.sandbox")
-    from cleaner.engine.model.chat import format_tool_response
+    from cleaner.tools.responses import format_tool_response
     from cleaner.toys.local_exec import run_snippets
 
     examples = build_corpus(CorpusConfig(size=80, seed=5, fail_share=0.6))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cleaner.engine.model.chat import TOOL_SCHEMA, ChatFormat
+from cleaner.engine.model.chat import ChatFormat
+from cleaner.tools.responses import TOOL_SCHEMA
 from cleaner.toys.corpus import CorpusConfig, build_corpus
 from cleaner.toys.sft import corpus_texts
 from cleaner.toys.tokenizer import SPECIAL_TOKENS, build_tokenizer

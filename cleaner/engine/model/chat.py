@@ -2,7 +2,7 @@
 
 Matches the Qwen/Hermes convention used by the reference (Open-CLEANER's tool agent loop):
 - the prompt is the tokenizer's chat template over the messages with the tools (the built-in
-  `code_interpreter` first, then the user's: cleaner/tools.py) and the generation prompt
+  `code_interpreter` first, then the user's: cleaner/tools) and the generation prompt
   (`<|im_start|>assistant\\n`);
 - an assistant generation ends at `</tool_call>` (a call) or `<|im_end|>` (a final answer);
 - a tool call is `<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "..."}}\\n</tool_call>`,
@@ -33,27 +33,14 @@ from dataclasses import dataclass
 
 import json_repair
 
-TOOL_NAME = "code_interpreter"
+from cleaner.tools.responses import TOOL_NAME, TOOL_SCHEMA, valid_text
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 # Characters x bracket depth of the largest call repaired: 50,000 characters at a call's depth of 2.
 MAX_REPAIR_WORK = 100_000
-
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": "Run Python code and return its printed output. Use print() to see values.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "The Python code to run."}},
-            "required": ["code"],
-        },
-    },
-}
-
 
 _PREVIEW = reprlib.Repr()  # a value quoted in a format error: shallow and short
 _PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother = 2, 80, 80
@@ -76,27 +63,6 @@ def format_tool_call(name: str, arguments: Mapping) -> str:
     """The text of a well-formed call of any tool."""
     payload = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
-
-
-def format_tool_response(success: bool, stdout: str, stderr: str, reason: str | None = None) -> str:
-    """The tool's answer, as the reference's code_interpreter words it.
-
-    Success: `Tool call success`, then `stdout: ...` / `stderr: ...` for the non-empty streams.
-    Failure: `Tool call failure`, `reason: <reason>`, then the non-empty streams.
-    """
-    parts = ["Tool call success"] if success else ["Tool call failure", f"reason: {reason or 'error'}"]
-    if stdout:
-        parts.append(f"stdout: {stdout}")
-    if stderr:
-        parts.append(f"stderr: {stderr}")
-    return "\n".join(parts)
-
-
-def format_tool_text(success: bool, text: str, reason: str | None = None) -> str:
-    """A user tool's answer, worded as the code interpreter's: `Tool call success` then the text,
-    or `Tool call failure`, `reason: <reason>`, then the text."""
-    parts = ["Tool call success"] if success else ["Tool call failure", f"reason: {reason or 'error'}"]
-    return "\n".join([*parts, text] if text else parts)
 
 
 def tool_response_text(response: str) -> str:
@@ -209,17 +175,6 @@ def _preview(value: object) -> str:
     """`value` quoted for a message to the model: escaped, cut, and shallow (`reprlib`), so that
     neither a long string nor a deep list is quoted whole."""
     return _PREVIEW.repr(value)
-
-
-def valid_text(text: str) -> str:
-    """`text` with each lone surrogate written as its escape (`\\udcff`), as Python writes one to
-    a `backslashreplace` stream such as the sandbox's stdout: a tokenizer and a Parquet string
-    column take only valid Unicode. Other characters, control characters included, are kept."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 class ChatFormat:

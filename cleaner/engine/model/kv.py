@@ -43,7 +43,7 @@ def kv_from_cache(cache: DynamicCache) -> KV:
 def _cache_argument_of(forward_type: type, parameters: tuple[str, ...]) -> str:
     if "cache" in parameters or "past_key_values" in parameters:
         return "cache" if "cache" in parameters else "past_key_values"
-    from transformers.modeling_outputs import CausalLMOutputWithPast  # a wrapper's **kwargs: what this version names it
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # what this version names it
 
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 

@@ -30,9 +30,9 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from cleaner.config import SimilarityOn
-from cleaner.engine.model.chat import TOOL_NAME
 from cleaner.engine.saar.gate import Gate
 from cleaner.records import Segment, SegmentKind
+from cleaner.tools.responses import TOOL_NAME
 
 Decode = Callable[[Sequence[int]], str]
 

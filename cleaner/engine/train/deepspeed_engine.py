@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import os
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 

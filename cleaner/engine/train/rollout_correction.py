@@ -5,14 +5,14 @@ measured, and optionally corrected by truncated importance weights and rejection
 (docs/architecture.md §7).
 
 Design decisions, verl's unless said:
-- Per loss token, l = log pi_old - log pi_behaviour. IS weights (`rollout_is`): token level
-  exp(clamp(l, +-20)); sequence level exp(clamp(sum of the row's l, +-20)) on every token of it.
+- Per loss token, log_ratio = log pi_old - log pi_behaviour. IS weights (`rollout_is`): token level
+  exp(clamp(log_ratio, +-20)); sequence level exp(clamp(sum of the row's log_ratio, +-20)) on every token of it.
   Their metrics are taken before truncation; then each is truncated at `rollout_is_threshold`
   (above only) and, with `rollout_is_batch_normalize`, divided by their mean (over tokens; over
   rows at sequence level). The weights multiply each token's clipped surrogate. Here they multiply
   the token's advantage instead, which is the same for any weight >= 0: the clipped surrogate,
   dual clip included, is positively homogeneous in the advantage (max(w a, w b) = w max(a, b)).
-- Rejection sampling (`rollout_rs`): a ratio exp(clamp(.)) of l per token (`token`), of its sum
+- Rejection sampling (`rollout_rs`): a ratio exp(clamp(.)) of log_ratio per token (`token`), of its sum
   (`sequence`) or of its mean (`geometric`), kept within [lower, upper] (`rollout_rs_threshold`,
   `rollout_rs_threshold_lower`, which defaults to 1 / upper): a rejected token (token level) or
   row (sequence, geometric) leaves the loss mask. `rollout_token_veto_threshold` rejects a whole
@@ -50,7 +50,7 @@ class Corrected:
 
 
 def _log_ratios(row: PurifiedRow) -> tuple[np.ndarray, np.ndarray]:
-    """(loss positions, l = old - behaviour at them) of a row."""
+    """(loss positions, log_ratio = old - behaviour at them) of a row."""
     mask = np.fromiter(row.loss_mask, dtype=np.int8, count=len(row.loss_mask)) > 0
     positions = np.flatnonzero(mask)
     old = np.asarray(row.old_logprobs, dtype=np.float64)[positions]
@@ -59,16 +59,16 @@ def _log_ratios(row: PurifiedRow) -> tuple[np.ndarray, np.ndarray]:
 
 
 def offpolicy_metrics(ratios: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> dict[str, float]:
-    """verl's `compute_offpolicy_metrics` over rows' log-ratios l (old - behaviour) and old log-probs."""
-    rows = [(l, o) for l, o in zip(ratios, old, strict=True) if len(l)]
+    """verl's `compute_offpolicy_metrics` over rows' log-ratios log_ratio (old - behaviour) and old log-probs."""
+    rows = [(log_ratio, o) for log_ratio, o in zip(ratios, old, strict=True) if len(log_ratio)]
     if not rows:
         return {}
-    every = np.concatenate([l for l, _ in rows])
-    behaviour_mean = np.array([(o - l).mean() for l, o in rows])  # masked mean of the rollout's log-probs
+    every = np.concatenate([log_ratio for log_ratio, _ in rows])
+    behaviour_mean = np.array([(o - log_ratio).mean() for log_ratio, o in rows])  # masked mean of the rollout's log-probs
     old_mean = np.array([o.mean() for _, o in rows])
     difference = behaviour_mean - old_mean
     clamped = np.clip(every, -SAFETY_BOUND, SAFETY_BOUND)
-    sums = np.clip([l.sum() for l, _ in rows], -SAFETY_BOUND, SAFETY_BOUND)
+    sums = np.clip([log_ratio.sum() for log_ratio, _ in rows], -SAFETY_BOUND, SAFETY_BOUND)
     return {
         "training_ppl": float(np.exp(-old_mean).mean()), "training_log_ppl": float((-old_mean).mean()),
         "rollout_ppl": float(np.exp(-behaviour_mean).mean()), "rollout_log_ppl": float((-behaviour_mean).mean()),
@@ -105,32 +105,32 @@ def _weight_metrics(prefix: str, weights: Sequence[np.ndarray], level: str, uppe
     }
 
 
-def _ratio(l: np.ndarray, level: str) -> np.ndarray:
+def _ratio(log_ratio: np.ndarray, level: str) -> np.ndarray:
     """exp of the clamped log-ratio at `level`: per token, or one for the row (sum, or mean:
     geometric) on each of its tokens."""
     if level == "token":
-        return np.exp(np.clip(l, -SAFETY_BOUND, SAFETY_BOUND))
-    total = l.sum() if level == "sequence" else l.mean()
-    return np.full(len(l), math.exp(min(max(total, -SAFETY_BOUND), SAFETY_BOUND)))
+        return np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+    total = log_ratio.sum() if level == "sequence" else log_ratio.mean()
+    return np.full(len(log_ratio), math.exp(min(max(total, -SAFETY_BOUND), SAFETY_BOUND)))
 
 
 def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
     """The iteration's rows after rollout correction, and its metrics (module notes)."""
     located = [_log_ratios(row) for row in rows]
-    ratios = [l for _, l in located]
+    ratios = [log_ratio for _, log_ratio in located]
     old = [np.asarray(row.old_logprobs, dtype=np.float64)[positions] for row, (positions, _) in zip(rows, located,
                                                                                                    strict=True)]
     metrics = offpolicy_metrics(ratios, old)
-    keep = [np.ones(len(l), dtype=bool) for l in ratios]
+    keep = [np.ones(len(log_ratio), dtype=bool) for log_ratio in ratios]
     if config.rollout_rs is not None:
         upper = config.rollout_rs_threshold
         lower = config.rollout_rs_threshold_lower if config.rollout_rs_threshold_lower is not None else 1 / upper
-        rs = [_ratio(l, config.rollout_rs) for l in ratios]
+        rs = [_ratio(log_ratio, config.rollout_rs) for log_ratio in ratios]
         metrics |= _weight_metrics("rollout_rs", [r for r in rs if len(r)], config.rollout_rs, upper, lower)
         keep = [k & (r >= lower) & (r <= upper) for k, r in zip(keep, rs, strict=True)]
     if config.rollout_token_veto_threshold is not None:
         floor = math.log(config.rollout_token_veto_threshold)
-        vetoed = [bool((l < floor).any()) for l in ratios]
+        vetoed = [bool((log_ratio < floor).any()) for log_ratio in ratios]
         metrics["rollout_is_veto_fraction"] = float(np.mean(vetoed)) if vetoed else 0.0
         metrics["rollout_is_catastrophic_token_fraction"] = float(np.mean(np.concatenate(ratios) < floor)) \
             if ratios else 0.0
@@ -141,7 +141,7 @@ def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
         metrics["rollout_rs_seq_masked_fraction"] = float(np.mean([(~k).any() for k in keep])) if keep else 0.0
     weights = None
     if config.rollout_is is not None:
-        weights = [_ratio(l, config.rollout_is) for l in ratios]
+        weights = [_ratio(log_ratio, config.rollout_is) for log_ratio in ratios]
         threshold = config.rollout_is_threshold
         metrics |= _weight_metrics("rollout_is", [w for w in weights if len(w)], config.rollout_is, threshold,
                                    1 / threshold)

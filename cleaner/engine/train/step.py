@@ -44,7 +44,6 @@ import torch
 
 from cleaner.config import TrainConfig
 from cleaner.engine.train.flops import model_flops_utilisation
-from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import (
     dynamic_sampling_mask,
@@ -55,6 +54,7 @@ from cleaner.engine.train.loss import (
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.packing import PackedBatch, loss_token_count, micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, load_reference
+from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ Design decisions:
 from __future__ import annotations
 
 import logging
-import time
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from cleaner.config import PurifyConfig
 from cleaner.engine.collect.agent import cut_generation
 from cleaner.engine.collect.schedule import LockstepRequests, TokenCounter, collect
 from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat, format_tool_call
-from cleaner.config import PurifyConfig
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.tools import HungCalls, Tool, Toolbox, ToolResult, ToolUnavailable
 from tests.agent_fakes import (
@@ -27,7 +27,6 @@ from tests.agent_fakes import (
     FakeSandbox,
     ScriptedBackend,
     answer,
-    call,
     collect_parts,
     fake_reward,
     task,

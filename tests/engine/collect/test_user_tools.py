@@ -22,8 +22,6 @@ from cleaner.engine.model.chat import (
     ChatFormat,
     ToolCall,
     format_tool_call,
-    format_tool_response,
-    format_tool_text,
     parse_tool_call,
     tool_response_text,
 )
@@ -31,6 +29,7 @@ from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import render, view_for
 from cleaner.plugins import PluginError
 from cleaner.tools import Tool, Toolbox, ToolError, ToolResult, load_tools
+from cleaner.tools.responses import format_tool_response, format_tool_text
 from tests.agent_fakes import (
     BASE,
     CHAINS,

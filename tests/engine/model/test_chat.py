@@ -14,8 +14,8 @@ from cleaner.engine.model.chat import (
     bracket_depth,
     format_call,
     parse_tool_call,
-    valid_text,
 )
+from cleaner.tools.responses import valid_text
 
 OPEN_CALL = '{"name": "code_interpreter", "arguments": {"code": "'
 

@@ -28,7 +28,7 @@ def row(rollout_id: str, old: list[float], behaviour: list[float], advantage: fl
                        n_deep=0, n_unrecovered=0, tokens_removed=0, scorer_version="s")
 
 
-# l = old - behaviour: A (0.5, -1.0), B (0.2, 0.1, -0.1)
+# log_ratio = old - behaviour: A (0.5, -1.0), B (0.2, 0.1, -0.1)
 A = row("a", [-1.0, -2.0], [-1.5, -1.0], 2.0)
 B = row("b", [-0.3, -0.4, -0.5], [-0.5, -0.5, -0.4], -1.0)
 
@@ -36,10 +36,10 @@ B = row("b", [-0.3, -0.4, -0.5], [-0.5, -0.5, -0.4], -1.0)
 def test_off_everything_is_measured_and_nothing_changes():
     done = correct([A, B], TrainConfig())
     assert done.rows == [A, B]
-    l = [0.5, -1.0, 0.2, 0.1, -0.1]
+    log_ratio = [0.5, -1.0, 0.2, 0.1, -0.1]
     m = done.metrics
-    assert m["kl"] == pytest.approx(-sum(l) / 5)  # k1: mean of log behaviour - log old
-    assert m["k3_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in l) / 5)
+    assert m["kl"] == pytest.approx(-sum(log_ratio) / 5)  # k1: mean of log behaviour - log old
+    assert m["k3_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in log_ratio) / 5)
     # per row: mean log-prob of the rollout's policy minus the old policy's
     d = [(-1.5 - 1.0) / 2 - (-1.0 - 2.0) / 2, (-0.5 - 0.5 - 0.4) / 3 - (-0.3 - 0.4 - 0.5) / 3]
     assert m["log_ppl_diff"] == pytest.approx(sum(d) / 2)
@@ -48,7 +48,7 @@ def test_off_everything_is_measured_and_nothing_changes():
     assert m["ppl_ratio"] == pytest.approx(sum(math.exp(x) for x in d) / 2)
     assert m["training_ppl"] == pytest.approx((math.exp(1.5) + math.exp(0.4)) / 2)
     assert m["rollout_ppl"] == pytest.approx((math.exp(1.25) + math.exp(1.4 / 3)) / 2)
-    assert m["chi2_token"] == pytest.approx(sum(math.exp(x) ** 2 for x in l) / 5 - 1)
+    assert m["chi2_token"] == pytest.approx(sum(math.exp(x) ** 2 for x in log_ratio) / 5 - 1)
     assert m["chi2_seq"] == pytest.approx((math.exp(2 * -0.5) + math.exp(2 * 0.2)) / 2 - 1)
 
 
@@ -68,7 +68,7 @@ def test_token_level_is_weights_truncate_and_go_into_the_advantages():
 def test_sequence_level_weights_and_batch_normalisation():
     done = correct([A, B], TrainConfig(rollout_is="sequence", rollout_is_threshold=2.0,
                                        rollout_is_batch_normalize=True))
-    wa, wb = math.exp(-0.5), math.exp(0.2)  # each row's sum of l
+    wa, wb = math.exp(-0.5), math.exp(0.2)  # each row's sum of log_ratio
     mean = (wa + wb) / 2  # over rows
     a, b = done.rows
     assert a.token_advantages[1:] == pytest.approx((2.0 * wa / mean,) * 2)

@@ -172,6 +172,8 @@ class CollectConfig(_Config):
     reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
     tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
     tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
+    multi_turn: bool = True  # tool calls run, turn after turn; off: verl's multi_turn.enable=False, the reference's no-tool baseline (no tool in the template, its no-tool prompts, one generation)
+    max_tool_response_chars: int | None = None  # a longer tool response keeps its first and last halves around "...(truncated)..." (verl's max_tool_response_length, 256 in its recipes); none: whole
     iteration: int = 0  # the iteration to collect (its number in the warehouse)
     n_prompts: int = 64  # prompts per iteration
     group_size: int = 8  # samples per prompt (one GRPO group)
@@ -208,7 +210,8 @@ class CollectConfig(_Config):
                             "reward_timeout_s", "sglang_url"})  # the servers' address: they may come back at another
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
-    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype"})
+    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype", "multi_turn",
+                       "max_tool_response_chars"})
 
     @functools.cached_property
     def config_id(self) -> str:
@@ -289,6 +292,10 @@ class CollectConfig(_Config):
         _check(self.max_concurrent_rollouts >= 1,
                f"max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}")
         _enum_field(self, "schedule", Schedule)
+        _check(self.multi_turn or (self.tools is None and self.tool is None),
+               "multi_turn off runs without any tool: drop tools and tool")
+        _check(self.max_tool_response_chars is None or self.max_tool_response_chars >= 2,
+               f"max_tool_response_chars must be >= 2, got {self.max_tool_response_chars}")
         _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
                f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
@@ -498,6 +505,8 @@ class EvalConfig(_Config):
     reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
     tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
     tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
+    multi_turn: bool = True  # tool calls run, turn after turn; off: the reference's no-tool baseline (no tool in the template, its no-tool prompts, one generation)
+    max_tool_response_chars: int | None = None  # a longer tool response keeps its first and last halves (verl's max_tool_response_length); none: whole
     limit: int | None = None  # evaluate the first N problems of each dataset; none: all
     temperature: float = 1.0  # sampling temperature (the reference's validation setting)
     top_p: float = 0.6  # nucleus sampling (the reference's validation setting)
@@ -540,7 +549,8 @@ class EvalConfig(_Config):
         """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0."""
         return CollectConfig(
             model=model, data=data, prompt_style=self.prompt_style, reward_fn=self.reward_fn, tools=self.tools,
-            tool=self.tool, iteration=0, n_prompts=problems,
+            tool=self.tool, multi_turn=self.multi_turn, max_tool_response_chars=self.max_tool_response_chars,
+            iteration=0, n_prompts=problems,
             group_size=self.n, max_turns=self.max_turns, max_retries=self.max_retries,
             max_new_tokens=self.max_new_tokens, max_response_tokens=self.max_response_tokens,
             temperature=self.temperature, top_p=self.top_p,

@@ -78,15 +78,7 @@ from cleaner.config import CollectConfig
 from cleaner.engine.collect.context import fit_prompts
 from cleaner.engine.grading.reward_file import verl_extra_info
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
-from cleaner.engine.model.chat import (
-    TOOL_NAME,
-    ChatFormat,
-    ToolCall,
-    format_tool_response,
-    format_tool_text,
-    parse_tool_call,
-    valid_text,
-)
+from cleaner.engine.model.chat import ChatFormat, ToolCall, parse_tool_call
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import Rendered, View, render, view_for
 from cleaner.records import (
@@ -96,6 +88,13 @@ from cleaner.records import (
     Segment,
     SegmentKind,
     ToolStatus,
+)
+from cleaner.tools.responses import (
+    TOOL_NAME,
+    format_tool_response,
+    format_tool_text,
+    truncated,
+    valid_text,
 )
 
 if TYPE_CHECKING:
@@ -375,7 +374,7 @@ def _record_generation(state: RolloutState, generation: Generation, story: Story
     """Append the assistant segment; return its call if it is to be executed."""
     config, chat = story.config, story.chat
     text = chat.decode(generation.token_ids)
-    call_start = chat.call_start(generation.token_ids)
+    call_start = chat.call_start(generation.token_ids) if chat.tools else None  # no tool: one generation
     parsed = parse_tool_call(text, story.tool_parameters) if call_start is not None else None
     segment = state.add(
         SegmentKind.ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
@@ -398,7 +397,7 @@ def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: Co
                  chat: ChatFormat) -> None:
     """Append the tool segment and move (step, attempt) on for the next generation."""
     step, attempt = call.segment.step, call.segment.attempt
-    response = outcome.response
+    response = truncated(outcome.response, config.max_tool_response_chars)
     if outcome.status != ToolStatus.OK and attempt >= config.max_retries and attempt >= NOTE_MIN_RETRIES:
         response += RETRIES_EXHAUSTED_NOTE.format(retries=attempt)
     token_ids = chat.tool_response_ids(response)

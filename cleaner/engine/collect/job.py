@@ -81,16 +81,21 @@ class UserCode:
 
     toolbox: Toolbox  # the user's tools (none: the code interpreter alone)
     reward: RewardFunction | None  # None: the built-in grader
+    multi_turn: bool = True  # off: the no-tool baseline, a template without tools, one generation
 
     @classmethod
-    def load(cls, reward_fn: str | None, tools: str | None, tool: str | None, sandbox) -> UserCode:
-        """Import them: every problem is one error line, before any model is loaded."""
-        toolbox = Toolbox(load_tools(tools, tool), sandbox.timeout_s, sandbox.max_output_chars)
-        return cls(toolbox, RewardFunction.load(reward_fn) if reward_fn else None)
+    def load(cls, config) -> UserCode:
+        """Import a collect or eval config's tools and reward function: every problem is one error
+        line, before any model is loaded."""
+        toolbox = Toolbox(load_tools(config.tools, config.tool), config.sandbox.timeout_s,
+                          config.sandbox.max_output_chars)
+        return cls(toolbox, RewardFunction.load(config.reward_fn) if config.reward_fn else None,
+                   config.multi_turn)
 
     def chat(self, tokenizer) -> ChatFormat:
-        """The chat format whose template shows every tool."""
-        return ChatFormat(tokenizer, self.toolbox.schemas)
+        """The chat format whose template shows every tool (none for the no-tool baseline, whose
+        calls the agent loop then never runs)."""
+        return ChatFormat(tokenizer, self.toolbox.schemas if self.multi_turn else ())
 
     def grading(self, tasks: list[Task], config):
         """The built-in grader's context (a grading sandbox for code tasks); none with a reward function."""
@@ -110,7 +115,7 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
         require_backend(config.backend, config.sglang_url)
         check_device(config.device)
         check_model_path(config.model, tokenizer=True)
-    user = UserCode.load(config.reward_fn, config.tools, config.tool, config.sandbox)
+    user = UserCode.load(config)
     tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
     with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
         try:

@@ -51,6 +51,9 @@ CODE_SUBMIT_NOTE = (
     "make sure the current code is correct, do not call the tools again and submit your code within "
     "```python\n# YOUR CODE HERE\n```."
 )
+CODE_SUBMIT_NOTE_NO_TOOLS = (  # the no-tool baseline's (CustomRLHFDataset_notool)
+    "\nOnce you make sure the current code is correct, submit your code within ```python\n# YOUR CODE HERE\n```."
+)
 UNITS_NOTE_DAPO = (
     "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the "
     "numerical value of the final answer only, without any units."
@@ -67,40 +70,49 @@ UNITS_ONLY_SOURCES = ("math_dapo", "mega-science")
 EVAL_SOURCES = ("AIME2024", "AIME2025", "gpqa_diamond", "LiveCodeBench_v6")
 
 
-def aime_prompt(problem: str) -> str:
-    """AIME 2024 / 2025 (the reference's map_fn)."""
-    return MATH_PREAMBLE + problem + TOOL_NOTE + AGENT_NOTE + ANSWER_FORMAT
+def _tool_notes(tools: bool) -> str:
+    """What the tool prompts add after the problem; the no-tool baseline's drop both notes."""
+    return TOOL_NOTE + AGENT_NOTE if tools else ""
 
 
-def gpqa_prompt(problem: str, domain: str) -> str:
+def aime_prompt(problem: str, tools: bool = True) -> str:
+    """AIME 2024 / 2025 (the reference's map_fn; without tools, its no-tool dataset's)."""
+    return MATH_PREAMBLE + problem + _tool_notes(tools) + ANSWER_FORMAT
+
+
+def gpqa_prompt(problem: str, domain: str, tools: bool = True) -> str:
     """GPQA-Diamond (map_fn_gpqa): the domain's preamble and the boxed-letter instruction."""
     preamble = f"Analyze and solve the following {domain} problem step by step. \n\n"
-    return preamble + problem + TOOL_NOTE + AGENT_NOTE + ANSWER_FORMAT + GPQA_LETTER_NOTE
+    return preamble + problem + _tool_notes(tools) + ANSWER_FORMAT + GPQA_LETTER_NOTE
 
 
-def livecodebench_prompt(problem: str, inputs: Sequence[str], outputs: Sequence[str]) -> str:
+def livecodebench_prompt(problem: str, inputs: Sequence[str], outputs: Sequence[str], tools: bool = True) -> str:
     """LiveCodeBench (map_lcb): the stored tests shown as the repr of their Python lists."""
     examples = ("\nHere are some input and output examples of the expected code:\nInput:" + str(list(inputs))
                 + "\nOutput:\n" + str(list(outputs)))
+    if not tools:
+        return CODE_PREAMBLE + problem + examples + CODE_FORMAT
     return CODE_PREAMBLE + problem + examples + AGENT_NOTE + CODE_FORMAT + CODE_SUBMIT_NOTE
 
 
-def training_content(content: str, file_source: str, row_source: str) -> str:
+def training_content(content: str, file_source: str, row_source: str, tools: bool = True) -> str:
     """A training prompt's first message under the reference's mapping for its file.
 
     `file_source` is the data source of the file's first row (it picks the mapping); `row_source`
-    is this row's (the Skywork mapping tells code rows from math rows by it).
+    is this row's (the Skywork mapping tells code rows from math rows by it). Without tools, the
+    mapping of the reference's no-tool baseline (CustomRLHFDataset_notool).
     """
     if file_source in EVAL_SOURCES:
         return content
     if file_source in UNITS_ONLY_SOURCES:
         return content + UNITS_NOTE_DAPO
     if "code" in row_source:
-        return content + AGENT_NOTE + CODE_SUBMIT_NOTE
-    return MATH_PREAMBLE + content + TOOL_NOTE + AGENT_NOTE + ANSWER_FORMAT + UNITS_NOTE_SKYWORK
+        return content + (AGENT_NOTE + CODE_SUBMIT_NOTE if tools else CODE_SUBMIT_NOTE_NO_TOOLS)
+    return MATH_PREAMBLE + content + _tool_notes(tools) + ANSWER_FORMAT + UNITS_NOTE_SKYWORK
 
 
-def reference_training_messages(messages: tuple[dict, ...], file_source: str, row_source: str) -> tuple[dict, ...]:
+def reference_training_messages(messages: tuple[dict, ...], file_source: str, row_source: str,
+                                tools: bool = True) -> tuple[dict, ...]:
     """`messages` with the first one's content mapped by `training_content`."""
-    first = {**messages[0], "content": training_content(messages[0]["content"], file_source, row_source)}
+    first = {**messages[0], "content": training_content(messages[0]["content"], file_source, row_source, tools)}
     return (first, *messages[1:])

@@ -54,7 +54,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
     for model in config.models:
         if model not in backends:
             check_model_path(model, tokenizer=True)
-    user = UserCode.load(config.reward_fn, config.tools, config.tool, config.sandbox)
+    user = UserCode.load(config)
     datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
     for _, loaded in datasets:
         if not loaded.tasks:

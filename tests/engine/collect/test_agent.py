@@ -20,26 +20,24 @@ from cleaner.config import PurifyConfig
 from cleaner.engine.collect.agent import CollectedBatch, rollback_draw
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
-from cleaner.errors import CollectionStopped
 from cleaner.engine.model.base import SamplingParams
-from cleaner.engine.model.chat import (
-    format_call,
-    format_tool_response,
-    tool_response_text,
-)
+from cleaner.engine.model.chat import ChatFormat, format_call, tool_response_text
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import RAW, render, view_for
+from cleaner.errors import CollectionStopped
+from cleaner.tools.responses import format_tool_response, truncated
 from tests.agent_fakes import (
-    collect_parts,
     BASE,
     CHAINS,
     CHAT,
     SPECIALS,
+    CharTokenizer,
     FakeSandbox,
     ScriptedBackend,
     answer,
     call,
+    collect_parts,
     fake_reward,
     fake_score,
     task,
@@ -571,3 +569,49 @@ def test_malformed_call_is_a_format_error_and_not_run():
 
 def test_raw_view_constant_matches_view_for():
     assert view_for(0.99, True, 0.5, 0.5, "code") == RAW
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's tool response length and the no-tool baseline
+
+
+def test_a_long_tool_response_keeps_its_halves_as_verl_cuts_it():
+    """verl's max_tool_response_length (middle side): the first and last limit // 2 characters
+    around "...(truncated)...", the failure told from the whole answer."""
+    config = dataclasses.replace(BASE, max_tool_response_chars=20)
+    batch = run({("long", 0): [call("A.", "print('" + "x" * 40 + "')"), answer("42.")]}, config)
+    (tool,) = [s for s in segments_of(batch, "it0-long-s0") if s.kind == "tool"]
+    whole = format_tool_response(True, "print('" + "x" * 40 + "')", "")  # the fake sandbox prints the code
+    assert len(whole) > 20
+    assert tool.text == tool_response_text(whole[:10] + "...(truncated)..." + whole[-10:])
+    assert tool.tool_status == "ok"
+    short = dataclasses.replace(BASE, max_tool_response_chars=len(whole))
+    batch = run({("long", 0): [call("A.", "print('" + "x" * 40 + "')"), answer("42.")]}, short)
+    assert [s.text for s in batch.segments if s.kind == "tool"] == [tool_response_text(whole)]
+
+
+def test_truncated_matches_verls_arithmetic():
+    assert truncated("abcdefghij", 4) == "ab...(truncated)...ij"
+    assert truncated("abcdefghij", 5) == "ab...(truncated)...ij"  # an odd limit keeps 2 x (limit // 2)
+    assert truncated("abcdefghij", 10) == "abcdefghij"
+    assert truncated("abcdefghij", None) == "abcdefghij"
+
+
+def test_without_tools_a_rollout_is_one_generation_whatever_it_writes():
+    """The no-tool baseline (verl's multi_turn.enable=False): no tool in the template, and a call
+    the model writes anyway is part of its one answer, never run."""
+    config = dataclasses.replace(BASE, multi_turn=False)
+    sandbox = FakeSandbox()
+    chat = ChatFormat(CharTokenizer(), ())
+    backend = ScriptedBackend({("bare", 0): [call("A.", "print(1)"), answer("42.")]}, config)
+    batches = collect_parts([task("bare")], config, backend, sandbox, chat, reward_fn=fake_reward, progress=False)
+    segments = [s for b in batches for s in b.segments]
+    assert [s.kind for s in segments] == ["prompt", "assistant"]
+    assert segments[1].text == call("A.", "print(1)") and segments[1].call_start is None
+    assert sandbox.codes == []
+    assert batches[0].rollouts[0].finish_reason == "answer" and batches[0].rollouts[0].n_tool_calls == 0
+
+
+def test_the_no_tool_baseline_refuses_tools():
+    with pytest.raises(ValueError, match="multi_turn off runs without any tool"):
+        dataclasses.replace(BASE, multi_turn=False, tool="tools.py:convert")

@@ -471,7 +471,7 @@ async def _finish(state: RolloutState, story: Story, requests: Requests, cache: 
         if story.rewards.reward_file is not None:
             result = await _reward_from_file(state, story, requests, cache)
         else:
-            result = await story.rewards.grade(state.rollout_id, assistants[-1].text, state.task.ground_truth,
+            result = await story.rewards.grade(state.rollout_id, assistants[-1].text, state.task.graded_truth,
                                                state.task.data_source)
         reward, correct, answer, details = float(result.reward), bool(result.correct), result.answer, getattr(result, "details", None)
     return Rollout(
@@ -494,5 +494,5 @@ async def _reward_from_file(state: RolloutState, story: Story, requests: Request
     rendered = await _render_context(state, story, requests, cache)
     solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
     turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
-    return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.ground_truth,
+    return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.raw_truth,
                                     verl_extra_info(state.task.extra_info, turns))

@@ -91,22 +91,22 @@ def _text(path: Path, index: int, row: dict, column: str) -> str:
     return value
 
 
-def _aime2024(path: Path, index: int, row: dict) -> _Row:
+def _aime2024(path: Path, index: int, row: dict, tools: bool) -> _Row:
     problem = _text(path, index, row, "Problem")
-    return _Row(problem, aime_prompt(problem), _text(path, index, row, "Answer"))
+    return _Row(problem, aime_prompt(problem, tools), _text(path, index, row, "Answer"))
 
 
-def _aime2025(path: Path, index: int, row: dict) -> _Row:
+def _aime2025(path: Path, index: int, row: dict, tools: bool) -> _Row:
     problem = _text(path, index, row, "problem")
-    return _Row(problem, aime_prompt(problem), _text(path, index, row, "answer"))
+    return _Row(problem, aime_prompt(problem, tools), _text(path, index, row, "answer"))
 
 
-def _gpqa(path: Path, index: int, row: dict) -> _Row:
+def _gpqa(path: Path, index: int, row: dict, tools: bool) -> _Row:
     problem, domain = _text(path, index, row, "problem"), _text(path, index, row, "domain")
-    return _Row(problem, gpqa_prompt(problem, domain), _text(path, index, row, "solution"))
+    return _Row(problem, gpqa_prompt(problem, domain, tools), _text(path, index, row, "solution"))
 
 
-def _livecodebench(path: Path, index: int, row: dict) -> _Row:
+def _livecodebench(path: Path, index: int, row: dict, tools: bool) -> _Row:
     problem = _text(path, index, row, "problem")
     expected = '`reward_model` as a JSON string {"ground_truth": {"inputs": [...], "outputs": [...]}}'
     try:
@@ -118,22 +118,22 @@ def _livecodebench(path: Path, index: int, row: dict) -> _Row:
             or not inputs or not all(isinstance(text, str) for text in inputs + outputs)):
         raise row_error(path, index, "as many string inputs as outputs, at least one", tests)
     ground_truth = json.dumps({"inputs": inputs, "outputs": outputs})
-    return _Row(problem, livecodebench_prompt(problem, inputs, outputs), ground_truth)
+    return _Row(problem, livecodebench_prompt(problem, inputs, outputs, tools), ground_truth)
 
 
-_ROW_READERS: dict[Layout, Callable[[Path, int, dict], _Row]] = {
+_ROW_READERS: dict[Layout, Callable[[Path, int, dict, bool], _Row]] = {
     Layout.AIME2024: _aime2024, Layout.AIME2025: _aime2025, Layout.GPQA_DIAMOND: _gpqa,
     Layout.LIVECODEBENCH_V6: _livecodebench,
 }
 
 
-def _eval_tasks(path: Path, table: pa.Table, layout: Layout, prompt_style: PromptStyle) -> list[Task]:
+def _eval_tasks(path: Path, table: pa.Table, layout: Layout, prompt_style: PromptStyle, tools: bool) -> list[Task]:
     tasks = []
     for index, row in enumerate(table.to_pylist()):
         source = row.get("data_source")
         if not isinstance(source, str) or not source:
             raise row_error(path, index, "a non-empty string `data_source`", source)
-        read = _ROW_READERS[layout](path, index, row)
+        read = _ROW_READERS[layout](path, index, row, tools)
         content = read.reference_prompt if prompt_style == PromptStyle.REFERENCE else read.problem
         tasks.append(Task(f"{source}-{index}", ({"role": "user", "content": content},), read.ground_truth, source,
                           index))
@@ -152,13 +152,14 @@ class LoadedDataset:
 
 
 def load_dataset(path: Path | str, prompt_style: PromptStyle = PromptStyle.REFERENCE,
-                 limit: int | None = None) -> LoadedDataset:
-    """The tasks of a dataset file in any known layout (the first `limit` rows if given)."""
+                 limit: int | None = None, tools: bool = True) -> LoadedDataset:
+    """The tasks of a dataset file in any known layout (the first `limit` rows if given); with
+    `tools` off, the reference's prompts of its no-tool baseline (prompts.py)."""
     path, prompt_style = Path(path), PromptStyle(prompt_style)
     table = read_parquet_table(path)
     layout = detect_layout(path, table.column_names)
     if limit is not None:
         table = table.slice(0, limit)
     if layout == Layout.VERL:
-        return LoadedDataset(path, layout, verl_tasks(path, table, prompt_style))
-    return LoadedDataset(path, layout, _eval_tasks(path, table, layout, prompt_style))
+        return LoadedDataset(path, layout, verl_tasks(path, table, prompt_style, tools))
+    return LoadedDataset(path, layout, _eval_tasks(path, table, layout, prompt_style, tools))

@@ -30,7 +30,7 @@ from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.collect.tasks import Task, toy_tasks
-from cleaner.engine.grading.programs import Grader, grader_for
+from cleaner.engine.grading.programs import Grader, grader_for, is_code_source
 from cleaner.engine.grading.reward_file import RewardFunction
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.chat import ChatFormat
@@ -68,7 +68,7 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
     if config.data is None:
         return toy_tasks(config.n_prompts, seed=iteration_seed(config))
-    tasks = load_dataset(config.data, config.prompt_style).tasks  # DatasetError names file and row
+    tasks = load_dataset(config.data, config.prompt_style, tools=config.multi_turn).tasks  # DatasetError names file and row
     if not tasks:
         raise JobError(f"{config.data}: the dataset has no rows")
     start = (config.iteration * config.n_prompts) % len(tasks)
@@ -101,6 +101,12 @@ class UserCode:
         """The built-in grader's context (a grading sandbox for code tasks); none with a reward function."""
         if self.reward is not None:
             return contextlib.nullcontext(Grader())
+        unfit = next((task for task in tasks if isinstance(task.truth, dict) and not is_code_source(task.data_source)),
+                     None)
+        if unfit is not None:
+            raise JobError(f"{unfit.prompt_id} (row {unfit.source_row}): its ground truth is a struct, which the "
+                           "built-in grader cannot compare an answer with; give a reward function that reads it "
+                           "(--reward-fn PATH.py:NAME, docs/byo-task.md#the-references-reward-file)")
         return grader_for(tasks, config.sandbox, config.test_timeout_s)
 
 

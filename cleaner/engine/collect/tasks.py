@@ -9,12 +9,17 @@ Design decisions:
 - `load_rl_parquet` reads the Open-AgentRL-30K layout (`prompt`, `reward_model.ground_truth`,
   `data_source`, optional `extra_info`); with `PromptStyle.REFERENCE` (the default) the prompts get
   the reference's additions for training sources (prompts.py), with `BARE` they stay as stored.
+  The ground truth reaches a user's reward function as the row held it (a string, a number, a
+  struct as a dict, a list), as verl hands it over; it is stored as text (JSON where it is not a
+  string), and the built-in grader takes a list's first item as the accepted answer.
   The evaluation layouts are read by datasets.py. Every bad file or row raises `DatasetError` (a
   ValueError) naming the file, the row and what was expected; nothing is silently skipped.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +49,25 @@ TOY_TEMPLATES = (
 class Task:
     prompt_id: str
     messages: tuple[dict, ...]  # chat messages {"role", "content"}: system optional, then user
-    ground_truth: str
+    ground_truth: str  # as text, as stored (rollouts.ground_truth): a string as is, anything else as JSON
     data_source: str  # selects the reward; "toy" for the toy family
     source_row: int | None = None  # its row in the dataset file (errors name it); None for toy tasks
     extra_info: object = None  # the row's `extra_info` (a reward function gets it, as verl's do); None: none
+    truth: object = None  # the row's ground truth as the file held it (a user's reward function gets it
+    #                       as verl hands it: a dict, a list, a number); None: `ground_truth` is all there is
+
+    @property
+    def raw_truth(self) -> object:
+        """What a verl reward function gets as `ground_truth`: the value as the row held it."""
+        return self.ground_truth if self.truth is None else self.truth
+
+    @property
+    def graded_truth(self) -> str:
+        """What the built-in grader compares against: the text, a list's first accepted answer."""
+        if isinstance(self.truth, list):
+            first = self.truth[0]
+            return first if isinstance(first, str) else json.dumps(first, ensure_ascii=False)
+        return self.ground_truth
 
 
 @dataclass(frozen=True)
@@ -127,18 +147,15 @@ def _parse_messages(path: Path, index: int, prompt: object) -> tuple[dict, ...]:
     return tuple(messages)
 
 
-def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_source: str) -> Task:
+def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_source: str, tools: bool) -> Task:
     messages = _parse_messages(path, index, row["prompt"])
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise row_error(path, index, "`reward_model` as a struct with `ground_truth`", reward_model)
-    ground_truth = reward_model["ground_truth"]
-    if hasattr(ground_truth, "tolist"):
-        ground_truth = ground_truth.tolist()
-    if isinstance(ground_truth, list):  # some sets store a list of accepted answers; keep the first
-        ground_truth = ground_truth[0] if ground_truth else None
-    if not isinstance(ground_truth, (str, int, float)) or ground_truth == "":
-        raise row_error(path, index, "a non-empty `reward_model.ground_truth`", ground_truth)
+    truth = _plain(reward_model["ground_truth"])
+    if not _usable_truth(truth):
+        raise row_error(path, index, "a non-empty `reward_model.ground_truth` (a string, a number, a struct, or a "
+                                     "list of accepted answers)", truth)
     data_source = row["data_source"]
     if not isinstance(data_source, str) or not data_source:
         raise row_error(path, index, "a non-empty string `data_source`", data_source)
@@ -146,8 +163,36 @@ def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_sourc
     row_index = extra_info.get("index") if isinstance(extra_info, dict) else None
     prompt_id = f"{data_source}-{row_index if row_index is not None else index}"
     if style == PromptStyle.REFERENCE:
-        messages = reference_training_messages(messages, file_source, data_source)
-    return Task(prompt_id, messages, str(ground_truth), data_source, index, extra_info)
+        messages = reference_training_messages(messages, file_source, data_source, tools)
+    text = truth if isinstance(truth, str) else json.dumps(truth, ensure_ascii=False)
+    return Task(prompt_id, messages, text, data_source, index, extra_info, None if isinstance(truth, str) else truth)
+
+
+def _plain(value: object) -> object:
+    """numpy arrays and scalars (from pandas-written files) as Python values, inside structs too."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    return value
+
+
+def _usable_truth(truth: object) -> bool:
+    """A ground truth a grader can hold: a non-empty string, a finite number, a non-empty struct, or
+    a non-empty list whose first item (the built-in grader's accepted answer) is one of those."""
+    if isinstance(truth, bool):
+        return False
+    if isinstance(truth, str):
+        return truth != ""
+    if isinstance(truth, int | float):
+        return math.isfinite(truth)
+    if isinstance(truth, dict):
+        return bool(truth)
+    if isinstance(truth, list):
+        return bool(truth) and not isinstance(truth[0], list) and _usable_truth(truth[0])
+    return False
 
 
 def read_parquet_table(path: str | Path) -> pa.Table:
@@ -187,13 +232,13 @@ def _check_values(path: Path, table: pa.Table) -> None:
         raise DatasetError(f"{path}: column `{name}` is not valid ({problem})")
 
 
-def verl_tasks(path: Path, table: pa.Table, prompt_style: PromptStyle) -> list[Task]:
+def verl_tasks(path: Path, table: pa.Table, prompt_style: PromptStyle, tools: bool = True) -> list[Task]:
     """Tasks of a table in the verl RL layout. The reference picks a file's prompt mapping by its
     FIRST row's data source (prompts.py), so the whole table is needed, not row by row."""
     rows = table.to_pylist()
     file_source = rows[0].get("data_source") if rows else None
     file_source = file_source if isinstance(file_source, str) else ""
-    return [_parse_row(path, index, row, prompt_style, file_source) for index, row in enumerate(rows)]
+    return [_parse_row(path, index, row, prompt_style, file_source, tools) for index, row in enumerate(rows)]
 
 
 def load_rl_parquet(path: str | Path, limit: int | None = None,

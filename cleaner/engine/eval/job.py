@@ -55,7 +55,7 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
         if model not in backends:
             check_model_path(model, tokenizer=True)
     user = UserCode.load(config)
-    datasets = [(name, load_dataset(path, config.prompt_style, config.limit)) for name, path in config.datasets]
+    datasets = [(name, load_dataset(path, config.prompt_style, config.limit, tools=config.multi_turn)) for name, path in config.datasets]
     for _, loaded in datasets:
         if not loaded.tasks:
             raise JobError(f"{loaded.path}: the dataset has no rows")

@@ -73,7 +73,7 @@ class RewardFunction:
     def name(self) -> str:
         return getattr(self.function, "__name__", self.spec)
 
-    async def score(self, rollout_id: str, data_source: str, solution_str: str, ground_truth: str,
+    async def score(self, rollout_id: str, data_source: str, solution_str: str, ground_truth: object,
                     extra_info: object) -> RewardResult:
         """The rollout's reward; RewardFunctionError if the function raises or returns no number."""
         try:

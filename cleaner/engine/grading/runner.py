@@ -80,7 +80,7 @@ class Rewards:
             raise timed.error
         return timed.value
 
-    async def verl(self, rollout_id: str, data_source: str, solution: str, ground_truth: str,
+    async def verl(self, rollout_id: str, data_source: str, solution: str, ground_truth: object,
                    extra_info: object) -> RewardResult:
         """The user's reward function on verl's arguments (reward_file.py checks what it returns)."""
         reward = self.reward_file

@@ -111,3 +111,58 @@ def test_training_sources_get_the_reference_additions_by_the_files_first_row(tmp
         reference_map_fn_skywork("Q4", "train-math-deepscaler"),
         reference_map_fn_skywork("Q5", "train-code-leetcode-Easy")]
     assert [t.messages[0]["content"] for t in load_rl_parquet(skywork, prompt_style=PromptStyle.BARE)] == ["Q4", "Q5"]
+
+
+# ---- the no-tool baseline: the reference's CustomRLHFDataset_notool, verbatim ----------------------
+
+def reference_notool_map_fn(problem):
+    return math_prompt_1 + problem + answer_format
+
+
+def reference_notool_map_fn_gpqa(problem, domain):
+    prompt_1 = f"Analyze and solve the following {domain} problem step by step. \n\n"
+    return prompt_1 + problem + answer_format + "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"  # noqa: E501
+
+
+def reference_notool_map_lcb(problem, reward_model_json):
+    start_prompt = "You will be given a question (problem specification) and will generate a correct Python program that matches the specification and passes all tests.\n\n"  # noqa: E501
+    code_prompt = "\n\nRead the inputs from stdin solve the problem and write the answer to stdout (do not directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n```python\n# YOUR CODE HERE\n\""  # noqa: E501
+    reward_model = json.loads(reward_model_json)
+    inputs = reward_model['ground_truth']['inputs']
+    outputs = reward_model['ground_truth']['outputs']
+    public_examples = "\nHere are some input and output examples of the expected code:\nInput:" + str(inputs) + "\nOutput:\n" + str(outputs)  # noqa: E501
+    return start_prompt + problem + public_examples + code_prompt
+
+
+def reference_notool_map_fn_skywork(content, data_source):
+    if "code" in data_source:
+        return content + "\nOnce you make sure the current code is correct, submit your code within ```python\n# YOUR CODE HERE\n```."  # noqa: E501
+    return math_prompt_1 + content + answer_format + "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be the final numerical value of the final answer only, without any units."  # noqa: E501
+
+
+def test_the_no_tool_baseline_gets_the_references_no_tool_prompts(tmp_path):
+    """multi_turn off (the reference's qwen*_notool.sh) reads datasets as its no-tool dataset class does."""
+    def contents(path):
+        return [task.messages[0]["content"] for task in load_dataset(path, tools=False).tasks]
+
+    aime24 = _write(tmp_path, "a24.parquet", [{"Problem": PROBLEM, "Answer": 45, "data_source": "AIME2024"}])
+    gpqa = _write(tmp_path, "gpqa.parquet", [{"problem": PROBLEM, "solution": "B", "domain": "Physics",
+                                              "data_source": "gpqa_diamond"}])
+    lcb = _write(tmp_path, "lcb.parquet", [{"problem": "Add two numbers.", "ability": "Code", "reward_model": LCB_TESTS,
+                                            "extra_info": json.dumps({"index": 0}), "data_source": "LiveCodeBench_v6"}])
+    dapo = _write(tmp_path, "dapo.parquet", [_verl("Q1", "math_dapo")])
+    skywork = _write(tmp_path, "skywork.parquet", [_verl("Q4", "train-math-deepscaler"),
+                                                    _verl("Q5", "train-code-leetcode-Easy")])
+    assert contents(aime24) == [reference_notool_map_fn(PROBLEM)]
+    assert contents(gpqa) == [reference_notool_map_fn_gpqa(PROBLEM, "Physics")]
+    assert contents(lcb) == [reference_notool_map_lcb("Add two numbers.", LCB_TESTS)]
+    assert contents(dapo) == [reference_map_fn2("Q1")]  # the same edit with or without tools
+    assert contents(skywork) == [reference_notool_map_fn_skywork("Q4", "train-math-deepscaler"),
+                                 reference_notool_map_fn_skywork("Q5", "train-code-leetcode-Easy")]
+    from cleaner.config import CollectConfig
+    from cleaner.engine.collect.job import load_tasks
+    (notool,) = load_tasks(CollectConfig(data=str(skywork), n_prompts=1, multi_turn=False))
+    (tool,) = load_tasks(CollectConfig(data=str(skywork), n_prompts=1))
+    assert (notool.messages[0]["content"], tool.messages[0]["content"]) == (
+        reference_notool_map_fn_skywork("Q4", "train-math-deepscaler"),
+        reference_map_fn_skywork("Q4", "train-math-deepscaler"))

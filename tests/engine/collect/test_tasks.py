@@ -113,3 +113,44 @@ def test_verl_files_of_evaluation_sources_keep_their_built_prompts(tmp_path):
     path = tmp_path / "aime.parquet"
     pq.write_table(pa.Table.from_pylist([_row("Built prompt.", "7", "AIME2024")]), path)
     assert load_rl_parquet(path) == load_rl_parquet(path, prompt_style=PromptStyle.BARE)
+
+
+def test_a_ground_truth_reaches_a_reward_function_as_the_row_held_it(tmp_path):
+    """verl hands `reward_model.ground_truth` over as it is (a struct, a list, a number); it is stored
+    as JSON text, and the built-in grader takes a list's first item as the accepted answer."""
+    tests = {"inputs": ["1\n"], "outputs": ["2\n"]}
+    files = {"number": 42, "list": ["3/4", "0.75"], "struct": tests, "text": "x^2"}
+    tasks = {}
+    for name, truth in files.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist([_row("Q?", truth, "lcb_code" if name == "struct" else "math_dapo")]),
+                       path)
+        (tasks[name],) = load_rl_parquet(path)
+    assert [tasks[name].raw_truth for name in files] == [42, ["3/4", "0.75"], tests, "x^2"]
+    assert [tasks[name].ground_truth for name in files] == [
+        "42", '["3/4", "0.75"]', '{"inputs": ["1\\n"], "outputs": ["2\\n"]}', "x^2"]
+    assert [tasks[name].graded_truth for name in files] == ["42", "3/4", tasks["struct"].ground_truth, "x^2"]
+    assert tasks["text"].truth is None  # a string row is what it always was
+
+
+@pytest.mark.parametrize(("truth", "shown"), [
+    ("", "''"), ([], r"\[\]"), (float("nan"), "nan"), ([[1]], r"\[\[1\]\]"), (True, "True")])
+def test_an_unusable_ground_truth_names_the_row(tmp_path, truth, shown):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("Q?", truth)]), path)  # a column holds one type
+    with pytest.raises(ValueError, match=rf"bad\.parquet: row 0: expected a non-empty `reward_model.ground_truth`.*"
+                                         rf"got {shown}"):
+        load_rl_parquet(path)
+
+
+def test_the_built_in_grader_refuses_a_struct_it_cannot_read():
+    """A math row whose ground truth is a struct needs the user's reward function: one line before
+    any rollout, naming the row and the flag."""
+    from cleaner.config import CollectConfig
+    from cleaner.engine.collect.job import UserCode
+    from cleaner.errors import JobError
+
+    task = Task("math_dapo-7", ({"role": "user", "content": "?"},), '{"a": 1}', "math_dapo", 3, truth={"a": 1})
+    with pytest.raises(JobError, match=r"^math_dapo-7 \(row 3\): its ground truth is a struct, which the built-in "
+                                       r"grader cannot compare an answer with; .*--reward-fn"):
+        UserCode(None, None).grading([task], CollectConfig())

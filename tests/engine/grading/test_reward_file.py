@@ -252,3 +252,23 @@ def test_a_reward_function_runs_in_a_worker_process_on_its_main_thread(reward_fi
     rollouts = collect_with(RewardFunction.load(str(reward_file)), scripts={("p", 0): [answer("42")]})
     details = json.loads(rollouts[0].reward_details)
     assert details["main"] is True and details["pid"] != os.getpid()
+
+
+def test_the_ground_truth_reaches_the_function_as_the_row_held_it(reward_file):
+    """verl hands `reward_model.ground_truth` over as the row holds it; so does the worker process,
+    while the warehouse stores its text (JSON where it is not a string)."""
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return {'score': 1.0, 'type': type(ground_truth).__name__, 'truth': ground_truth}\n")
+    truths = {"d": {"inputs": ["1\n"], "outputs": ["2\n"]}, "l": ["3/4", "0.75"], "n": 42, "s": None}
+    tasks = [Task(p, ({"role": "user", "content": "?"},), "x" if truth is None else json.dumps(truth), "toy",
+                  truth=truth) for p, truth in truths.items()]
+    rollouts = collect_with(RewardFunction.load(str(reward_file)), scripts={(p, 0): [answer("42")] for p in truths},
+                            tasks=tasks)
+    got = {r.prompt_id: (json.loads(r.reward_details), r.ground_truth) for r in rollouts}
+    assert got == {
+        "d": ({"type": "dict", "truth": truths["d"]}, '{"inputs": ["1\\n"], "outputs": ["2\\n"]}'),
+        "l": ({"type": "list", "truth": ["3/4", "0.75"]}, '["3/4", "0.75"]'),
+        "n": ({"type": "int", "truth": 42}, "42"),
+        "s": ({"type": "str", "truth": "x"}, "x"),
+    }

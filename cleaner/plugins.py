@@ -1,11 +1,16 @@
 """Loading the user's own code: a reward function or a tool named `PATH.py:NAME` (docs/byo-task.md).
 
 `load_object("reward.py:compute_score", "reward function")` imports the file as a module of its
-own, as verl's `custom_reward_function.path` does, and returns the attribute. A dotted module on
-the path works too (`my_pkg.rewards:compute_score`, or `my_pkg.rewards.compute_score`, verl's
-tool `class_name` spelling). Every way it can fail, a missing file, a file that does not import
-(a syntax error, an import it needs, an exception at import time) or a missing name, is one
-`PluginError` line naming the spec and what to fix, raised before any model is loaded.
+own, as verl's `custom_reward_function.path` does, and returns the attribute; the file's folder
+goes on `sys.path`, so it imports its neighbours as it would run as a script. A dotted module works
+too (`my_pkg.rewards:compute_score`, or `my_pkg.rewards.compute_score`, verl's tool `class_name`
+spelling): importable as it is, or from the folder that holds its top package, looked for in the
+current directory, then in the tool config's folder and those above it (`recipe.cleaner.
+code_judge_tool.PythonTool` from the reference's checkout, as verl finds it from its working
+directory). Every way it can fail, a missing file, a file that does not import (a syntax error,
+an import it needs, an exception at import time) or a missing name, is one `PluginError` line
+naming the spec and what to fix, raised before any model is loaded; a missing `verl` says how to
+install it.
 """
 
 from __future__ import annotations
@@ -46,15 +51,46 @@ def load_object(spec: str, what: str, default_name: str | None = None, base: Pat
     if where.endswith(".py") or "/" in where:
         module = _import_file(Path(where) if base is None else base / where, spec, what)
     else:
+        _find_package_root(where.partition(".")[0], base)
         try:
             module = importlib.import_module(where)
         except Exception as error:  # noqa: BLE001 - whatever importing the user's module raises
             raise PluginError(f"{what} {spec!r}: cannot import module {where!r} "
-                              f"({type(error).__name__}: {error})") from error
+                              f"({type(error).__name__}: {error}){_verl_hint(error)}") from error
     if not hasattr(module, name):
         names = sorted(key for key in vars(module) if not key.startswith("_"))
         raise PluginError(f"{what} {spec!r}: {where} has no {name!r}; it defines {', '.join(names[:12]) or 'nothing'}")
     return getattr(module, name)
+
+
+VERL_HINT = ("; it is a verl tool or reward and verl is not installed: see "
+             "docs/byo-task.md#verl-tools-as-they-are")
+
+
+def _verl_hint(error: BaseException) -> str:
+    return VERL_HINT if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "verl" else ""
+
+
+def _find_package_root(top: str, base: Path | None) -> None:
+    """Put the folder that holds package `top` on `sys.path` if `top` is not importable as it is:
+    the current directory, then `base` and the folders above it."""
+    if importlib.util.find_spec(top) is not None:
+        return
+    places = [Path.cwd()]
+    if base is not None:
+        base = base.expanduser().resolve()
+        places += [base, *base.parents]
+    for place in places:
+        if (place / top).is_dir() or (place / f"{top}.py").is_file():
+            sys.path.insert(0, str(place))
+            importlib.invalidate_caches()
+            return
+
+
+def _on_path(folder: Path) -> None:
+    """The user's file imports its neighbours, as it would run as a script."""
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
 
 
 def _import_file(path: Path, spec: str, what: str):
@@ -72,6 +108,7 @@ def _import_file(path: Path, spec: str, what: str):
         raise PluginError(f"{what} {spec!r}: {path} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    _on_path(path.parent)
     try:
         module_spec.loader.exec_module(module)
     except BaseException as error:  # a SyntaxError, a missing import, an exit at import time
@@ -80,5 +117,5 @@ def _import_file(path: Path, spec: str, what: str):
             raise
         where = f" (line {error.lineno})" if isinstance(error, SyntaxError) and error.lineno else ""
         raise PluginError(f"{what} {spec!r}: importing {path} failed{where}: "
-                          f"{type(error).__name__}: {error}") from error
+                          f"{type(error).__name__}: {error}{_verl_hint(error)}") from error
     return module

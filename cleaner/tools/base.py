@@ -17,6 +17,9 @@ A plain function with type hints and a Google-style docstring is a tool too (its
 transformers' `get_json_schema` of it, as transformers' chat templates read functions), called with
 the arguments as keywords. `call` (or the function) may be a coroutine function.
 
+A verl tool (a `verl.tools.base_tool.BaseTool` subclass in a verl tool config) is run as verl runs
+it, per call: `create`, `execute`, `release` (verl.py).
+
 Three outcomes, and only the first two are the model's:
 - a success: a str, or `ToolResult(text)`;
 - a failed call (SAAR retries it and may purify it): an exception the tool raises, or
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cleaner.plugins import PluginError
 
@@ -52,6 +55,23 @@ class ToolResult:
     ok: bool = True
     error_type: str | None = None  # a failed call's kind, stored as the row's error_type (default "ToolError")
     infra: bool = False  # the tool's service failed, not the call: retried, then stored as infra_error
+    reward: float | None = None  # a step reward (verl's `execute` returns one): the reward function's
+    #                              extra_info["rollout_reward_scores"][name] lists them
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Whose call it is: the rollout, and its dataset row's `extra_info["tools_kwargs"]` (verl's
+    per-row tool arguments: `{name: {"create_kwargs": {...}}}`)."""
+
+    rollout_id: str = ""
+    tools_kwargs: Mapping = field(default_factory=dict)
+
+    def create_kwargs(self, name: str) -> dict:
+        """The row's `create_kwargs` for tool `name` ({} without)."""
+        entry = self.tools_kwargs.get(name) if isinstance(self.tools_kwargs, Mapping) else None
+        kwargs = entry.get("create_kwargs") if isinstance(entry, Mapping) else None
+        return dict(kwargs) if isinstance(kwargs, Mapping) else {}
 
 
 class Tool:
@@ -61,6 +81,7 @@ class Tool:
     description: str = ""
     parameters: Mapping = {"type": "object", "properties": {}}  # JSON schema of the arguments
     timeout_s: float | None = None  # per call; None: the sandbox's timeout (--sandbox-timeout-s)
+    verbatim: bool = False  # its text reaches the model as it is (verl's tools word their own answers)
 
     def __init__(self, config: Mapping | None = None, tool_schema: Mapping | None = None) -> None:
         self.config = dict(config or {})
@@ -89,6 +110,16 @@ class Tool:
 
     def call(self, arguments: dict) -> ToolResult | str:
         raise NotImplementedError(f"tool {self.name!r} has no call()")
+
+    def call_in(self, arguments: dict, context: CallContext):
+        """The call made by a rollout (`context`); a plain tool's is `call(arguments)`."""
+        return self.call(arguments)
+
+    async def open(self) -> None:
+        """Set up on the toolbox's own event loop, once, before any call (verl tools are built here)."""
+
+    async def close(self) -> None:
+        """Tear down on the toolbox's own event loop, once, after the last call."""
 
 
 class FunctionTool(Tool):

@@ -2,13 +2,14 @@
 (docs/byo-task.md).
 
 Design decisions:
-- The code interpreter (`code_interpreter`, chat.py) stays built in, first in the list the template
-  shows; a user tool may not take its name, nor two tools one name.
+- The code interpreter (`code_interpreter`, responses.py) is built in, first in the list the template
+  shows. A user tool of that name takes its place (the reference's code-judge tool is one: its
+  config names it `code_interpreter`); no two user tools may share a name.
 - The YAML layout is verl's tool config: `tools:` a list of `class_name` (a `PATH.py:Class`, read
   from the YAML file's folder, or a dotted `module.Class`), `config` (a mapping passed to the class
   as `config=`) and `tool_schema` (an OpenAI function schema, passed as `tool_schema=`; it
   overrides the class's own name, description and parameters). A function may stand in for a class
-  (no config).
+  (no config). A verl `BaseTool` class is run as verl runs it (verl.py).
 - Every problem is one ToolError line, raised before any model is loaded.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from cleaner.plugins import load_object
 from cleaner.tools.base import FunctionTool, Tool, ToolError
-from cleaner.tools.responses import TOOL_NAME
+from cleaner.tools.verl import VerlTool, is_verl_tool
 
 
 def load_tools(tools_yaml: str | None, tool_specs: str | None) -> list[Tool]:
@@ -60,7 +61,9 @@ def _from_yaml(path: Path) -> list[Tool]:
 def _make(found: object, spec: str, config: dict | None, schema: dict | None) -> Tool:
     """A Tool from what a spec names: a Tool class (instantiated), a Tool, or a function."""
     try:
-        if isinstance(found, type) and issubclass(found, Tool):
+        if is_verl_tool(found):
+            tool = VerlTool(found, spec, config, schema)
+        elif isinstance(found, type) and issubclass(found, Tool):
             tool = found(config=config, tool_schema=schema)
         elif isinstance(found, Tool):
             tool = found
@@ -69,7 +72,8 @@ def _make(found: object, spec: str, config: dict | None, schema: dict | None) ->
             if schema is not None:
                 tool.set_schema(schema)
         else:
-            raise ToolError(f"tool {spec!r}: expected a Tool subclass, a Tool or a function, got {type(found).__name__}")
+            raise ToolError(f"tool {spec!r}: expected a cleaner Tool subclass, a verl BaseTool subclass, a Tool or a "
+                            f"function, got {type(found).__name__} {getattr(found, '__name__', '')}".rstrip())
     except ToolError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's constructor
@@ -92,9 +96,9 @@ def _check_schema(tool: Tool, spec: str) -> None:
 
 
 def check_names(tools: Sequence[Tool]) -> None:
-    seen = {TOOL_NAME}
+    """No two user tools share a name (one named `code_interpreter` replaces the built-in one)."""
+    seen = set()
     for tool in tools:
         if tool.name in seen:
-            clash = "the built-in code interpreter's" if tool.name == TOOL_NAME else "another tool's"
-            raise ToolError(f"tool {tool.name!r}: the name is {clash}; give each tool its own")
+            raise ToolError(f"tool {tool.name!r}: the name is another tool's; give each tool its own")
         seen.add(tool.name)

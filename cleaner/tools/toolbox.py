@@ -24,16 +24,17 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cleaner.records import ToolStatus
-from cleaner.tools.base import Tool, ToolError, ToolResult, ToolUnavailable
+from cleaner.tools.base import CallContext, Tool, ToolError, ToolResult, ToolUnavailable
 from cleaner.tools.calls import CoroutineCalls, ThreadCalls, Timed
 from cleaner.tools.loading import check_names
-from cleaner.tools.responses import TOOL_SCHEMA, valid_text
+from cleaner.tools.responses import TOOL_NAME, TOOL_SCHEMA, valid_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ToolOutcome:
     error_type: str | None
     text: str
     exec_ms: float  # the call's own run (the last try's)
+    verbatim: bool = False  # shown to the model as it is (a verl tool's own wording)
+    reward: float | None = None  # the call's step reward, where the tool gives one (verl's)
 
 
 class Toolbox:
@@ -63,24 +66,33 @@ class Toolbox:
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self.threads = ThreadCalls(THREADS, MAX_HUNG, "cleaner-tool")
         self.coroutines = CoroutineCalls("cleaner-tool")
+        for tool in self._with("open"):  # before any model is loaded: a tool that cannot start is one line
+            self.coroutines.submit(tool.open())
+        if TOOL_NAME in self.tools:
+            logger.info("tool %s (%s) replaces the built-in code interpreter", TOOL_NAME, type(self.tools[TOOL_NAME]).__name__)
+
+    def _with(self, hook: str) -> list[Tool]:
+        """The tools that have their own `open` or `close` (the others need no loop started for it)."""
+        return [tool for tool in self.tools.values() if getattr(type(tool), hook) is not getattr(Tool, hook)]
 
     @property
     def schemas(self) -> list[dict]:
-        """Every tool's schema, the code interpreter's first."""
-        return [TOOL_SCHEMA, *(tool.schema for tool in self.tools.values())]
+        """Every tool's schema, the code interpreter's (built in, or the user's of its name) first."""
+        interpreter = self.tools[TOOL_NAME].schema if TOOL_NAME in self.tools else TOOL_SCHEMA
+        return [interpreter, *(tool.schema for name, tool in self.tools.items() if name != TOOL_NAME)]
 
     @property
     def parameters(self) -> dict[str, Mapping]:
         """{name: JSON schema of its arguments} of the user's tools (the parser checks calls with them)."""
         return {name: tool.parameters for name, tool in self.tools.items()}
 
-    async def run(self, name: str, arguments: dict) -> ToolOutcome:
-        """Call tool `name` with `arguments`; its exception, failure or timeout is a failed call, its
-        service's fault is tried again and then `infra_error`."""
-        tool = self.tools[name]
+    async def run(self, name: str, arguments: dict, context: CallContext | None = None) -> ToolOutcome:
+        """Call tool `name` with `arguments` for a rollout (`context`); its exception, failure or
+        timeout is a failed call, its service's fault is tried again and then `infra_error`."""
+        tool, context = self.tools[name], context or CallContext()
         backoff = INFRA_BACKOFF_S
         for attempt in range(INFRA_TRIES):
-            outcome = await self._run_once(tool, arguments)
+            outcome = await self._run_once(tool, arguments, context)
             if outcome.status != ToolStatus.INFRA_ERROR or attempt == INFRA_TRIES - 1:
                 return outcome
             logger.warning("tool %s reports its service down (try %d of %d): %s", name, attempt + 1,
@@ -89,13 +101,14 @@ class Toolbox:
             backoff *= 2
         raise AssertionError("unreachable")
 
-    async def _run_once(self, tool: Tool, arguments: dict) -> ToolOutcome:
+    async def _run_once(self, tool: Tool, arguments: dict, context: CallContext) -> ToolOutcome:
         timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
         if tool.is_coroutine:
-            timed = await self.coroutines.run(lambda: tool.call(arguments), timeout)
+            timed = await self.coroutines.run(lambda: tool.call_in(arguments, context), timeout)
         else:
-            timed = await self.threads.run(tool.call, (arguments,), timeout, f"tool {tool.name!r}")
-        return self._outcome(tool.name, timeout, timed)
+            timed = await self.threads.run(tool.call_in, (arguments, context), timeout, f"tool {tool.name!r}")
+        outcome = self._outcome(tool.name, timeout, timed)
+        return dataclasses.replace(outcome, verbatim=tool.verbatim) if tool.verbatim else outcome
 
     def _outcome(self, name: str, timeout: float, timed: Timed) -> ToolOutcome:
         exec_ms = timed.seconds * 1000
@@ -103,6 +116,8 @@ class Toolbox:
             logger.warning("tool %s ran past its %.1f s timeout", name, timeout)
             return ToolOutcome(ToolStatus.TIMEOUT, "TimeoutError", f"the call ran past its {timeout:g} s timeout", exec_ms)
         error = timed.error
+        if isinstance(error, ToolError):  # the tool broke its protocol (a verl tool never opened)
+            raise error
         if isinstance(error, ToolUnavailable):
             return ToolOutcome(ToolStatus.INFRA_ERROR, type(error).__name__, self._cut(f"the tool's service failed: {error}"),
                                exec_ms)
@@ -121,7 +136,7 @@ class Toolbox:
                                    self._cut(str(result.text)), exec_ms)
             error_type = None if result.ok else valid_text(result.error_type or "ToolError")
             return ToolOutcome(ToolStatus.OK if result.ok else ToolStatus.ERROR, error_type, self._cut(str(result.text)),
-                               exec_ms)
+                               exec_ms, reward=result.reward)
         raise ToolError(f"tool {name!r} returned {type(result).__name__} ({result!r:.80}); a tool returns "
                         "a str or a cleaner.tools.ToolResult")
 
@@ -132,8 +147,13 @@ class Toolbox:
         return f"{text[:self.max_output_chars]}...[truncated {len(text) - self.max_output_chars} chars]"
 
     def close(self) -> None:
-        """Stop the toolbox's own loop; threads still running timed-out calls end on their own."""
-        self.coroutines.close()
+        """Close every tool, then stop the toolbox's own loop; threads still running timed-out calls
+        end on their own."""
+        try:
+            for tool in self._with("close"):
+                self.coroutines.submit(tool.close())
+        finally:
+            self.coroutines.close()
 
 
 def canonical_arguments(arguments: Mapping) -> str:

@@ -42,7 +42,8 @@ Design decisions:
   is always executed (the reference regenerates it with its termination checks off).
 - A LENGTH finish without a call ends the rollout (`max_tokens`); an unclosed call is a format error.
 - Tools: a call names the built-in code interpreter (run in the sandbox) or one of the user's
-  tools (cleaner/tools.py, run by the toolbox under its timeout); an unknown name, or arguments the
+  tools (cleaner/tools/, run by the toolbox under its timeout, with the row's verl `tools_kwargs`;
+  one named `code_interpreter` takes the built-in's place); an unknown name, or arguments the
   tool's schema refuses, is a `format_error`. Whatever the tool, a failed call opens a retry, and
   SAAR compares calls by their `tool_code` (a user tool's: its arguments as sorted JSON).
 - Faults: a backend exception (after the backend's own retries) ends that rollout unfinished
@@ -89,8 +90,8 @@ from cleaner.records import (
     SegmentKind,
     ToolStatus,
 )
+from cleaner.tools.base import CallContext
 from cleaner.tools.responses import (
-    TOOL_NAME,
     format_tool_response,
     format_tool_text,
     truncated,
@@ -179,6 +180,7 @@ class RolloutState:
     finish_reason: FinishReason | None = None
     phase: Phase = Phase.PENDING
     index: int = 0  # its place in the plan (parts keep plan order)
+    tool_rewards: dict[str, list[float]] = field(default_factory=dict)  # the tools' step rewards, per tool
 
     def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
@@ -267,7 +269,7 @@ class Requests(Protocol):
 
     async def run_code(self, code: str) -> ExecResult: ...
 
-    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome: ...
+    async def run_tool(self, name: str, arguments: dict, context: CallContext) -> ToolOutcome: ...
 
     def leave(self, state: RolloutState) -> None:
         """The rollout needs no more turns (a lock step stops waiting for it)."""
@@ -311,7 +313,7 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
         if call is None:
             break  # answered, out of tokens, or the last step's call, which is not run
         state.phase = Phase.TOOL
-        outcome = await _execute(call, requests)
+        outcome = await _execute(call, state, story, requests)
         _record_tool(state, call, outcome, story.config, story.chat)
     state.phase = Phase.DONE
     requests.leave(state)
@@ -418,17 +420,22 @@ def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: Co
 # Tool execution
 
 
-async def _execute(call: _Call, requests: Requests) -> _Outcome:
+async def _execute(call: _Call, state: RolloutState, story: Story, requests: Requests) -> _Outcome:
     """What the call produced: a format error without running it, the sandbox's outcome (the code
     interpreter) or the toolbox's (a user tool, whose own failures are failed calls; a tool that
     breaks the protocol raises ToolError, which stops the collection)."""
     if call.parsed.code is None:
         response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
         return _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
-    if call.parsed.name != TOOL_NAME:
-        done = await requests.run_tool(call.parsed.name, call.parsed.arguments)
+    if call.parsed.name in story.tool_parameters:  # the user's (one named code_interpreter replaces ours)
+        extra = state.task.extra_info
+        context = CallContext(state.rollout_id, extra.get("tools_kwargs") or {} if isinstance(extra, dict) else {})
+        done = await requests.run_tool(call.parsed.name, call.parsed.arguments, context)
+        if done.reward is not None:
+            state.tool_rewards.setdefault(call.parsed.name, []).append(done.reward)
         status = ToolStatus(done.status)
-        response = format_tool_text(status == ToolStatus.OK, done.text, None if status == ToolStatus.OK else status)
+        response = done.text if done.verbatim else format_tool_text(
+            status == ToolStatus.OK, done.text, None if status == ToolStatus.OK else status)
         return _Outcome(status, done.error_type, float(done.exec_ms), response)
     error: Exception | None = None
     for attempt in range(2):  # the sandbox retries its own faults; one more try for a raise
@@ -495,4 +502,4 @@ async def _reward_from_file(state: RolloutState, story: Story, requests: Request
     solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
     turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
     return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.raw_truth,
-                                    verl_extra_info(state.task.extra_info, turns))
+                                    verl_extra_info(state.task.extra_info, turns, state.tool_rewards))

@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from cleaner.engine.grading.reward_file import RewardFunction
     from cleaner.sandbox import ExecResult
     from cleaner.tools import Toolbox, ToolOutcome
+    from cleaner.tools.base import CallContext
 
 logger = logging.getLogger(__name__)
 
@@ -430,8 +431,8 @@ class DirectRequests:
         return await self._counted(self.sandbox.run_async(code), lambda result: (
             f"the sandbox: {result.stderr}" if result.status == ToolStatus.INFRA_ERROR else None))
 
-    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome:
-        return await self._counted(self.toolbox.run(name, arguments), lambda outcome: (
+    async def run_tool(self, name: str, arguments: dict, context: CallContext) -> ToolOutcome:
+        return await self._counted(self.toolbox.run(name, arguments, context), lambda outcome: (
             f"tool {name}: {outcome.text}" if outcome.status == ToolStatus.INFRA_ERROR else None))
 
     def leave(self, state: RolloutState) -> None:
@@ -463,8 +464,8 @@ class LockstepRequests(DirectRequests):
     async def run_code(self, code: str) -> ExecResult:
         return await self._hold_call(lambda: DirectRequests.run_code(self, code))
 
-    async def run_tool(self, name: str, arguments: dict) -> ToolOutcome:
-        return await self._hold_call(lambda: DirectRequests.run_tool(self, name, arguments))
+    async def run_tool(self, name: str, arguments: dict, context: CallContext) -> ToolOutcome:
+        return await self._hold_call(lambda: DirectRequests.run_tool(self, name, arguments, context))
 
     async def _hold_call(self, request: Callable[[], Awaitable]):
         future = asyncio.get_running_loop().create_future()

@@ -11,8 +11,12 @@ Design decisions:
   saw and wrote, its calls and the tools' responses included. With SAAR in the collect view that is
   the purified context, as the reference's agent loop hands its rolled-back response to the
   reward; in the raw view it is every attempt. `extra_info` is a copy of the row's `extra_info`
-  (a dict; `{}` without one) with verl's `num_turns` added: the trajectory's generations and tool
-  responses, plus one (verl's count of the messages after the system prompt).
+  (a dict; `{}` without one) with what verl's naive and DAPO reward managers add: `num_turns`, the
+  trajectory's generations and tool responses plus one (verl's count of the messages after the
+  system prompt), and `rollout_reward_scores`, the step rewards the tools returned ({tool name:
+  [reward of each call]}, verl tools' `execute` gives one; `{}` without, as the reference's agent
+  loop always passes). `ground_truth` is the row's as it was stored in the file: a string, a
+  number, a dict of a struct, a list (collect/tasks.py).
 - It returns a number (a bool, an int, a float, a numpy scalar) or a dict with a `score` key, as
   verl takes either. NaN, infinity and a number a float32 column cannot hold (beyond +-3.4e38: it
   would be stored as infinity and turn the advantages into NaN) are not rewards. A dict's other
@@ -137,10 +141,14 @@ def _plain(value: object) -> object:
     return value
 
 
-def verl_extra_info(row_extra_info: object, num_turns: int) -> object:
-    """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`."""
+def verl_extra_info(row_extra_info: object, num_turns: int,
+                    rollout_reward_scores: Mapping[str, list[float]] | None = None) -> object:
+    """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`
+    and `rollout_reward_scores` (the tools' step rewards, {tool name: [reward of each call]})."""
+    added = {"num_turns": num_turns, "rollout_reward_scores": {name: list(rewards) for name, rewards
+                                                               in (rollout_reward_scores or {}).items()}}
     if row_extra_info is None:
-        return {"num_turns": num_turns}
+        return added
     if isinstance(row_extra_info, Mapping):
-        return {**row_extra_info, "num_turns": num_turns}
+        return {**row_extra_info, **added}
     return row_extra_info

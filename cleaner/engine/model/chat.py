@@ -76,8 +76,8 @@ def tool_response_text(response: str) -> str:
 def parse_tool_call(text: str, tools: Mapping[str, Mapping] | None = None) -> ToolCall | None:
     """Parse the first call in an assistant segment's text; None if it contains no call.
 
-    `tools` maps each user tool's name to the JSON schema of its arguments (cleaner/tools.py); the
-    code interpreter is always there. Never raises: whatever the text, a call that cannot be read,
+    `tools` maps each user tool's name to the JSON schema of its arguments (cleaner/tools/); the
+    code interpreter is always there, built in unless a user tool takes its name. Never raises: whatever the text, a call that cannot be read,
     names no known tool or has arguments its tool's schema refuses is a ToolCall with its reason.
     """
     start = text.find(TOOL_CALL_OPEN)
@@ -97,14 +97,15 @@ def parse_tool_call(text: str, tools: Mapping[str, Mapping] | None = None) -> To
     known = isinstance(name, str) and (name == TOOL_NAME or name in tools)
     named = valid_text(name) if isinstance(name, str) else None
     if not known:
-        choices = f"the tools are {', '.join([TOOL_NAME, *tools])}" if tools else f"the only tool is {TOOL_NAME}"
+        names = list(dict.fromkeys([TOOL_NAME, *tools]))
+        choices = f"the tools are {', '.join(names)}" if len(names) > 1 else f"the only tool is {TOOL_NAME}"
         return ToolCall(None, f"unknown tool {_preview(name)}; {choices}", named)
     arguments = payload.get("arguments")
     if isinstance(arguments, str):  # some models double-encode the arguments
         arguments, error = _load_json(arguments, "the arguments string")
         if error is not None:
             return ToolCall(None, error, name)
-    if name != TOOL_NAME:
+    if name in tools:
         return _user_call(name, arguments, tools[name])
     if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
         return ToolCall(None, 'the call needs "arguments": {"code": "..."}', name)

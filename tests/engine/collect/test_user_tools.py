@@ -243,8 +243,6 @@ def test_the_yaml_is_verls_layout_its_schema_and_config_win(tmp_path):
      "tool '{d}/t.py:f': importing {d}/t.py failed: ModuleNotFoundError: No module named 'not_a_module_here'"),
     ("def g():\n    pass\n", "{d}/t.py:f", "tool '{d}/t.py:f': {d}/t.py has no 'f'; it defines g"),
     ("def f(x):\n    return x\n", "{d}/t.py:f", "tool '{d}/t.py:f': cannot read a schema from f's signature"),
-    ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'code_interpreter'\n", "{d}/t.py:f",
-     "tool 'code_interpreter': the name is the built-in code interpreter's; give each tool its own"),
     ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'x'\n    parameters = {'type': 'string'}\n",
      "{d}/t.py:f", "tool '{d}/t.py:f': its parameters must be a JSON schema of type object"),
     ("from cleaner.tools import Tool\nclass f(Tool):\n    name = 'x'\n    parameters = {'type': 7}\n",
@@ -270,6 +268,29 @@ def test_two_tools_of_one_name_and_a_bad_yaml_are_refused(tmp_path):
     empty = write(tmp_path / "empty.yaml", "tool: []\n")
     with pytest.raises(ToolError, match=r"expected a `tools:` list of \{class_name, config, tool_schema\}"):
         load_tools(str(empty), None)
+
+
+def test_a_tool_named_code_interpreter_takes_the_built_in_ones_place():
+    """As the reference's code-judge tool does: the template shows its schema first, and its calls
+    go to it, never to the sandbox."""
+    class Judge(Tool):
+        name, description = "code_interpreter", "A tool for executing code."
+        parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+
+        def call(self, arguments):
+            return f"Tool call success\nstdout: judged {arguments['code']}"
+
+    box = Toolbox([Judge(), *UNITS])
+    assert [schema["function"]["name"] for schema in box.schemas] == ["code_interpreter", "convert_units"]
+    assert box.schemas[0]["function"]["description"] == "A tool for executing code."
+    chat, sandbox = ChatFormat(CharTokenizer(), box.schemas), FakeSandbox()
+    scripts = {("p", 0): [call("Run.", "print(1)"), answer("42")]}
+    parts = collect_parts([task("p")], BASE, ScriptedBackend(scripts, BASE), sandbox, chat, reward_fn=fake_reward,
+                          progress=False, toolbox=box)
+    (tool,) = [s for part in parts for s in part.segments if s.kind == "tool"]
+    assert (tool.tool_name, tool.tool_status, tool.tool_code) == ("code_interpreter", "ok", '{"code": "print(1)"}')
+    assert tool.text == tool_response_text(format_tool_text(True, "Tool call success\nstdout: judged print(1)"))
+    assert sandbox.codes == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,300 @@
+"""verl tools as they are (cleaner/tools/verl.py): a BaseTool subclass from a verl tool config, run
+per call as verl runs it, and the reference's own code-judge tool, unchanged, against a code-judge
+service faked on 127.0.0.1.
+
+verl itself is not installed here: `tests/fixtures/verl_stub` stands in for its tool interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from cleaner.engine.collect.tasks import Task
+from cleaner.engine.grading.reward_file import RewardFunction
+from cleaner.engine.model.chat import ChatFormat, format_tool_call, tool_response_text
+from cleaner.plugins import PluginError
+from cleaner.tools import CallContext, Toolbox, ToolError, load_tools
+from cleaner.tools import toolbox as toolbox_module
+from cleaner.tools.verl import FORMAT_TEXT
+from tests.agent_fakes import (
+    BASE,
+    CharTokenizer,
+    FakeSandbox,
+    ScriptedBackend,
+    answer,
+    collect_parts,
+    fake_reward,
+)
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+REFERENCE = FIXTURES / "open_cleaner"
+
+
+@pytest.fixture
+def verl(monkeypatch):
+    """verl's tool interface on the path (the stand-in), and no module of it left behind."""
+    monkeypatch.syspath_prepend(str(FIXTURES / "verl_stub"))
+    yield
+    for name in [name for name in sys.modules if name.split(".")[0] in ("verl", "recipe")]:
+        del sys.modules[name]
+
+
+LOOKUP = '''
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
+
+LOG = []
+
+
+class Lookup(BaseTool):
+    """Answers from the row's own table (create_kwargs), as verl's per-trajectory tools keep state."""
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.tables = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        instance_id, response = await super().create(instance_id, **kwargs)
+        self.tables[instance_id] = kwargs["create_kwargs"].get("table", {})
+        LOG.append(("create", instance_id, kwargs["create_kwargs"]))
+        return instance_id, response
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        LOG.append(("execute", instance_id, parameters))
+        key = parameters["key"]
+        if key == "down":
+            raise ConnectionError("connection refused")
+        if key == "nested":
+            return ToolResponse(text=parameters["no such argument"]), 0.0, {}
+        table = self.tables[instance_id]
+        if key in table:
+            return ToolResponse(text=f"Tool call success\\n{key} = {table[key]}"), 0.5, {}
+        return ToolResponse(text=f"Tool call failure\\nNameError: {key} is not in the table"), -0.25, {}
+
+    async def release(self, instance_id, **kwargs):
+        LOG.append(("release", instance_id))
+        del self.tables[instance_id]
+'''
+
+SCHEMA = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a key up.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "The key."}},
+                   "required": ["key"]}}}
+
+
+def lookup_yaml(tmp_path: Path, config: str = "{}") -> Path:
+    (tmp_path / "lookup_tool.py").write_text(LOOKUP)
+    path = tmp_path / "tools.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        tools:
+          - class_name: lookup_tool.Lookup
+            config: {config}
+            tool_schema: {json.dumps(SCHEMA)}
+        """))
+    return path
+
+
+def run(box: Toolbox, name: str, arguments: dict, context: CallContext):
+    return asyncio.run(box.run(name, arguments, context))
+
+
+def test_a_verl_tool_is_created_executed_and_released_per_call_with_the_rows_create_kwargs(verl, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `lookup_tool.Lookup` is found from the working directory, as verl finds it
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.0)
+    (tool,) = load_tools(str(lookup_yaml(tmp_path)), None)
+    assert (tool.name, tool.parameters, tool.verbatim) == ("lookup", SCHEMA["function"]["parameters"], True)
+    box = Toolbox([tool])
+    log = sys.modules["lookup_tool"].LOG
+    row = CallContext("it0-p-s0", {"lookup": {"create_kwargs": {"table": {"x": 7}}}})
+    found = run(box, "lookup", {"key": "x"}, row)
+    assert (found.status, found.error_type, found.text, found.verbatim, found.reward) == (
+        "ok", None, "Tool call success\nx = 7", True, 0.5)
+    missing = run(box, "lookup", {"key": "y"}, row)
+    assert (missing.status, missing.error_type, missing.text, missing.reward) == (
+        "error", "NameError", "Tool call failure\nNameError: y is not in the table", -0.25)
+    other_row = run(box, "lookup", {"key": "x"}, CallContext("it0-q-s0", {}))  # its row has no table
+    assert (other_row.status, other_row.error_type) == ("error", "NameError")
+    wrong = run(box, "lookup", {"key": "nested"}, row)  # a KeyError in the tool: verl's format answer
+    assert (wrong.status, wrong.error_type, wrong.text) == ("error", "KeyError", FORMAT_TEXT)
+    down = run(box, "lookup", {"key": "down"}, row)  # the service's fault: tried again, then infra_error
+    assert (down.status, down.error_type, down.text) == (
+        "infra_error", "ToolUnavailable", "the tool's service failed: ConnectionError: connection refused")
+    box.close()
+    # each call is its own instance: created with the row's create_kwargs, released whatever happened
+    instances = [entry[1] for entry in log if entry[0] == "create"]
+    assert len(set(instances)) == len(instances) == 4 + toolbox_module.INFRA_TRIES
+    assert [entry[0] for entry in log] == ["create", "execute", "release"] * len(instances)
+    assert [entry[2] for entry in log if entry[0] == "create"] == [
+        {"table": {"x": 7}}, {"table": {"x": 7}}, {}, {"table": {"x": 7}}] + [{"table": {"x": 7}}] * 3
+    assert all(log[i][1] == log[i + 1][1] == log[i + 2][1] for i in range(0, len(log), 3))
+
+
+def test_success_is_read_from_the_text_as_the_reference_reads_it(verl, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tool,) = load_tools(str(lookup_yaml(tmp_path)), None)
+    assert [tool.failure(text) for text in (
+        "", "Tool call success\nstdout: 1", "Tool call failure\nreason: error\nstderr: ZeroDivisionError: x",
+        "Tool call failure\nstderr: NameError, then a TypeError", "Tool call failure.")] == [
+        None, None, "ZeroDivisionError", "NameError", "unknown_error"]  # the first pattern in the reference's order
+    (plain,) = load_tools(str(lookup_yaml(tmp_path, "{success_marker: null, timeout_s: 2}")), None)
+    assert plain.failure("Tool call failure") is None and plain.timeout_s == 2.0
+
+
+def test_a_verl_tool_in_a_collection_answers_verbatim_and_its_rewards_reach_the_reward_function(verl, tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    box = Toolbox(load_tools(str(lookup_yaml(tmp_path)), None))
+    chat = ChatFormat(CharTokenizer(), box.schemas)
+    scripts = {("p", 0): ["Look." + format_tool_call("lookup", {"key": "z"}),
+                          "Again." + format_tool_call("lookup", {"key": "x"}), answer("7")]}
+    tasks = [Task("p", ({"role": "user", "content": "x?"},), "7", "toy",
+                  extra_info={"index": 3, "tools_kwargs": {"lookup": {"create_kwargs": {"table": {"x": 7}}}}})]
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info):
+        seen.append(extra_info)
+        return 1.0
+
+    parts = collect_parts(tasks, BASE, ScriptedBackend(scripts, BASE), FakeSandbox(), chat, reward_fn=fake_reward,
+                          progress=False, toolbox=box, reward_file=RewardFunction("judge.py:judge", judge))
+    box.close()
+    tools = [s for part in parts for s in part.segments if s.kind == "tool"]
+    assert [(s.tool_name, s.tool_status, s.error_type) for s in tools] == [
+        ("lookup", "error", "NameError"), ("lookup", "ok", None)]
+    assert [s.text for s in tools] == [chat.decode(chat.tool_response_ids(text)) for text in (
+        "Tool call failure\nNameError: z is not in the table", "Tool call success\nx = 7")]
+    assert tools[1].text == tool_response_text("Tool call success\nx = 7")  # no wording of cleaner's around it
+    (extra,) = seen
+    assert extra["rollout_reward_scores"] == {"lookup": [-0.25, 0.5]} and extra["index"] == 3
+
+
+def test_a_verl_tool_that_cannot_start_or_load_is_one_line(verl, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_tool.py").write_text(
+        "from verl.tools.base_tool import BaseTool\n"
+        "class Broken(BaseTool):\n"
+        "    def __init__(self, config, tool_schema):\n"
+        "        raise OSError('no code judge configured')\n")
+    yaml = tmp_path / "broken.yaml"
+    yaml.write_text(f"tools:\n  - class_name: broken_tool.Broken\n    tool_schema: {json.dumps(SCHEMA)}\n")
+    with pytest.raises(ToolError, match=r"^tool 'broken_tool.Broken': creating it raised OSError: no code judge "
+                                        r"configured$"):
+        Toolbox(load_tools(str(yaml), None))
+    yaml.write_text("tools:\n  - class_name: broken_tool.Broken\n")
+    with pytest.raises(ToolError, match=r"a verl tool takes its name and parameters from the entry's `tool_schema`"):
+        load_tools(str(yaml), None)
+
+
+def test_a_missing_verl_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "needs_verl.py").write_text("from verl.tools.base_tool import BaseTool\n")
+    with pytest.raises(PluginError) as raised:
+        load_tools(None, f"{tmp_path}/needs_verl.py:BaseTool")
+    assert str(raised.value).endswith("ModuleNotFoundError: No module named 'verl'; it is a verl tool or reward and "
+                                      "verl is not installed: see docs/byo-task.md#verl-tools-as-they-are")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference's code-judge tool, unchanged, against a code judge faked here
+
+
+class CodeJudge(BaseHTTPRequestHandler):
+    """The code-judge service's /run/long-batch: each submission run as a Python program on its input."""
+
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/run/long-batch" and body["type"] == "batch"
+        type(self).requests.append(body)
+        results = []
+        for submission in body["submissions"]:
+            assert submission["type"] == "python"
+            done = subprocess.run([sys.executable, "-c", submission["solution"]], input=submission["input"] or "",
+                                  capture_output=True, text=True, timeout=30)
+            ok = done.returncode == 0
+            results.append({"run_success": ok, "success": ok, "reason": "success" if ok else "runtime_error",
+                            "stdout": done.stdout, "stderr": done.stderr})
+        payload = json.dumps({"results": results}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def code_judge():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CodeJudge)
+    CodeJudge.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def reference_yaml(tmp_path: Path, port: int) -> Path:
+    """The reference's tool config as it is, but for the port of the judge faked here."""
+    text = (REFERENCE / "recipe" / "cleaner" / "rstar_code_judge.yaml").read_text()
+    assert 'host_port: "8088"' in text
+    path = tmp_path / "rstar_code_judge.yaml"
+    path.write_text(text.replace('host_port: "8088"', f'host_port: "{port}"'))
+    return path
+
+
+def test_the_references_code_judge_tool_runs_unchanged(verl, tmp_path, monkeypatch, code_judge):
+    monkeypatch.chdir(REFERENCE)  # the reference's checkout: `recipe.cleaner.code_judge_tool` is found from it
+    (tool,) = load_tools(str(reference_yaml(tmp_path, code_judge)), None)
+    assert type(tool).__name__ == "VerlTool" and tool.cls.__module__ == "recipe.cleaner.code_judge_tool"
+    box = Toolbox([tool])  # the code_interpreter of its config takes the built-in one's place
+    assert [schema["function"]["name"] for schema in box.schemas] == ["code_interpreter"]
+    assert box.schemas[0]["function"]["description"] == "A tool for executing code."
+    try:
+        context = CallContext("it0-p-s0", {})
+        ok = run(box, "code_interpreter", {"code": "print(6 * 7)"}, context)
+        failed = run(box, "code_interpreter", {"code": "print(1 / 0)"}, context)
+        reads = run(box, "code_interpreter", {"code": "print(int(input()) + 1)", "input": "41\n"}, context)
+    finally:
+        box.close()
+    assert (ok.status, ok.error_type, ok.text, ok.verbatim) == ("ok", None, "Tool call success\nstdout: 42\n", True)
+    assert (failed.status, failed.error_type, failed.text) == ("error", "ZeroDivisionError", (
+        "Tool call failure\nreason: runtime_error\nstderr: ZeroDivisionError at line 1: division by zero\n"
+        "  print(1 / 0)\n"))  # the reference's template reports the model's line
+    assert (reads.status, reads.text) == ("ok", "Tool call success\nstdout: 42\n")
+    # the code the tool sent is the reference's template around the model's code, base64 inside
+    solutions = [body["submissions"][0]["solution"] for body in CodeJudge.requests]
+    assert base64.b64encode(b"print(6 * 7)").decode() in solutions[0]
+
+
+def test_the_code_judge_down_is_an_infrastructure_fault_never_the_models(verl, tmp_path, monkeypatch):
+    """The reference's tool retries a refused connection 4 times (7.5 s of backoff), then raises:
+    stored as infra_error, which purify never trains; the reference trains it as a failed call."""
+    monkeypatch.chdir(REFERENCE)
+    monkeypatch.setattr(toolbox_module, "INFRA_TRIES", 1)
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    box = Toolbox(load_tools(str(reference_yaml(tmp_path, port)), None))
+    try:
+        down = run(box, "code_interpreter", {"code": "print(1)"}, CallContext())
+    finally:
+        box.close()
+    assert (down.status, down.error_type) == ("infra_error", "ToolUnavailable")
+    assert down.text.startswith("the tool's service failed: RuntimeError: run_tool_calls_on_server_async failed")

@@ -55,7 +55,7 @@ def oracle(rollouts, segments, extra_infos: dict[str, dict], collect_view: str, 
                         config.similarity_on)
         rendered = render(mine, view)
         solution = tokenizer.decode(list(rendered.token_ids[rendered.prompt_len:]), skip_special_tokens=True)
-        extra = {**extra_infos[rollout.prompt_id], "num_turns": len(mine), "rollout_reward_scores": {}}
+        extra = {**extra_infos[rollout.prompt_id], "num_turns": len(mine), "rollout_reward_scores": {}, "tool_rewards": []}
         expected[rollout.rollout_id] = score(data_source=rollout.data_source, solution_str=solution,
                                             ground_truth=rollout.ground_truth, extra_info=extra)
     return expected

@@ -17,8 +17,13 @@ A plain function with type hints and a Google-style docstring is a tool too (its
 transformers' `get_json_schema` of it, as transformers' chat templates read functions), called with
 the arguments as keywords. `call` (or the function) may be a coroutine function.
 
-A verl tool (a `verl.tools.base_tool.BaseTool` subclass in a verl tool config) is run as verl runs
-it, per call: `create`, `execute`, `release` (verl.py).
+A tool may keep state per rollout, as verl's tools keep it per trajectory: `create(context)` is
+called before a rollout's first call of it (`context` holds the rollout's id and its row's verl
+`tools_kwargs`), `call_in(arguments, context)` for each call, and `release(rollout_id)` once the
+rollout ends, whatever ended it; what `release` returns (a number) is the tool's reward for the
+rollout, which the reward function reads as verl's `extra_info["rollout_reward_scores"][name]`.
+A verl tool (a `verl.tools.base_tool.BaseTool` subclass in a verl tool config) is run through the
+same life: `create`, `execute`, `calc_reward` and `release` (verl.py).
 
 Three outcomes, and only the first two are the model's:
 - a success: a str, or `ToolResult(text)`;
@@ -114,6 +119,15 @@ class Tool:
     def call_in(self, arguments: dict, context: CallContext):
         """The call made by a rollout (`context`); a plain tool's is `call(arguments)`."""
         return self.call(arguments)
+
+    def create(self, context: CallContext) -> None:
+        """Before a rollout's first call of this tool (may be `async def`; an exception is a failed
+        call, `ToolUnavailable` a service fault, and the next call tries again)."""
+
+    def release(self, rollout_id: str) -> float | None:
+        """Once the rollout has ended, if `create` ran for it (may be `async def`): its state goes,
+        and a number returned is the tool's reward for the rollout."""
+        return None
 
     async def open(self) -> None:
         """Set up on the toolbox's own event loop, once, before any call (verl tools are built here)."""

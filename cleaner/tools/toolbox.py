@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -66,14 +67,15 @@ class Toolbox:
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self.threads = ThreadCalls(THREADS, MAX_HUNG, "cleaner-tool")
         self.coroutines = CoroutineCalls("cleaner-tool")
+        self.live: dict[str, set[str]] = {}  # rollout id -> the tools `create`d for it, to release at its end
         for tool in self._with("open"):  # before any model is loaded: a tool that cannot start is one line
             self.coroutines.submit(tool.open())
         if TOOL_NAME in self.tools:
             logger.info("tool %s (%s) replaces the built-in code interpreter", TOOL_NAME, type(self.tools[TOOL_NAME]).__name__)
 
     def _with(self, hook: str) -> list[Tool]:
-        """The tools that have their own `open` or `close` (the others need no loop started for it)."""
-        return [tool for tool in self.tools.values() if getattr(type(tool), hook) is not getattr(Tool, hook)]
+        """The tools that have their own `hook` (`open`, `create`, ...): the others need no call of it."""
+        return [tool for tool in self.tools.values() if _has(tool, hook)]
 
     @property
     def schemas(self) -> list[dict]:
@@ -102,13 +104,53 @@ class Toolbox:
         raise AssertionError("unreachable")
 
     async def _run_once(self, tool: Tool, arguments: dict, context: CallContext) -> ToolOutcome:
-        timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+        timeout = self._timeout(tool)
+        if context.rollout_id and _has(tool, "create") and tool.name not in self.live.get(context.rollout_id, ()):
+            created = await self._invoke(tool.create, (context,), timeout, f"tool {tool.name!r}")
+            if created.timed_out or created.error is not None:  # the call is not made; the next one creates again
+                return self._marked(tool, self._outcome(tool.name, timeout, created))
+            self.live.setdefault(context.rollout_id, set()).add(tool.name)
         if tool.is_coroutine:
             timed = await self.coroutines.run(lambda: tool.call_in(arguments, context), timeout)
         else:
             timed = await self.threads.run(tool.call_in, (arguments, context), timeout, f"tool {tool.name!r}")
-        outcome = self._outcome(tool.name, timeout, timed)
+        return self._marked(tool, self._outcome(tool.name, timeout, timed))
+
+    def _timeout(self, tool: Tool) -> float:
+        return tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+
+    async def _invoke(self, method, args: tuple, timeout: float, what: str) -> Timed:
+        """A tool's `create` or `release`, run where its calls run, under its timeout."""
+        if inspect.iscoroutinefunction(method):
+            return await self.coroutines.run(lambda: method(*args), timeout)
+        return await self.threads.run(method, args, timeout, what)
+
+    @staticmethod
+    def _marked(tool: Tool, outcome: ToolOutcome) -> ToolOutcome:
         return dataclasses.replace(outcome, verbatim=tool.verbatim) if tool.verbatim else outcome
+
+    async def finish(self, rollout_id: str) -> dict[str, float]:
+        """Release the tools a rollout created; {name: reward} of those whose `release` returned one.
+        A release that raises or hangs is logged, never the rollout's outcome."""
+        rewards = {}
+        for name in sorted(self.live.pop(rollout_id, ())):
+            tool = self.tools[name]
+            done = await self._invoke(tool.release, (rollout_id,), self._timeout(tool), f"tool {name!r}")
+            if done.timed_out or done.error is not None:
+                logger.warning("tool %s: releasing rollout %s failed: %s", name, rollout_id,
+                               "timed out" if done.timed_out else repr(done.error))
+            elif done.value is not None:
+                value = done.value.tolist() if hasattr(done.value, "tolist") else done.value
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise ToolError(f"tool {name!r}: release returned {type(value).__name__} ({value!r:.80}); it "
+                                    "returns None or the tool's reward for the rollout, a number")
+                rewards[name] = float(value)
+        return rewards
+
+    def abandon(self, rollout_id: str) -> None:
+        """Release a rollout that ended without finishing (a fault, a stop), without waiting for it."""
+        if rollout_id in self.live:
+            asyncio.run_coroutine_threadsafe(self.finish(rollout_id), self.coroutines.loop())
 
     def _outcome(self, name: str, timeout: float, timed: Timed) -> ToolOutcome:
         exec_ms = timed.seconds * 1000
@@ -154,6 +196,11 @@ class Toolbox:
                 self.coroutines.submit(tool.close())
         finally:
             self.coroutines.close()
+
+
+def _has(tool: Tool, hook: str) -> bool:
+    """The tool's class has its own `hook` (not Tool's no-op)."""
+    return getattr(type(tool), hook) is not getattr(Tool, hook)
 
 
 def canonical_arguments(arguments: Mapping) -> str:

@@ -1,5 +1,5 @@
 """verl tools as they are: a `verl.tools.base_tool.BaseTool` subclass named in a verl tool config,
-run per call as verl's agent loop (and the reference's) runs one (docs/byo-task.md#verl-tools-as-they-are).
+run through the life verl gives its tools (docs/byo-task.md#verl-tools-as-they-are).
 
 Design decisions:
 - A verl tool is told by its class hierarchy (a base class `BaseTool` from a `verl.` module), so
@@ -7,10 +7,16 @@ Design decisions:
 - It is built once, on the toolbox's own event loop (`open`), with the entry's `config` and its
   `tool_schema` as verl's `OpenAIFunctionToolSchema`: a tool that opens an aiohttp session in its
   constructor (the reference's code-judge tool does) binds it to the loop its calls run on.
-- Each call is verl's: `create(create_kwargs=...)` with the row's `extra_info.tools_kwargs[name]`
-  `.create_kwargs`, `execute(instance_id, arguments)`, then `release(instance_id)` whatever
-  happened. `execute`'s reward (verl's step reward) goes to the reward function's
-  `extra_info["rollout_reward_scores"]`.
+- An instance per rollout, as verl's SGLang multi-turn rollout drives its tools (`lifetime:
+  rollout`, the default): `create(create_kwargs=...)` with the row's `extra_info.tools_kwargs[name]
+  .create_kwargs` before the rollout's first call, `execute(instance_id, arguments)` for each call,
+  and at the rollout's end, whatever ended it, `calc_reward(instance_id)`, the reward function's
+  `extra_info["rollout_reward_scores"][name]`, then `release(instance_id)`. `lifetime: call` runs
+  each call as verl's ToolAgentLoop, and so the reference, runs it: `create`, `execute`,
+  `release`, and no `calc_reward`. The code-judge tool keeps no state between calls, so either
+  gives it the same answers. `execute`'s reward is the call's step reward (`extra_info["tool_rewards"]`).
+- `create` raising KeyError, TypeError, AttributeError or ValueError is the row's or the tool's
+  problem, never the model's (its arguments do not reach `create`): one line stops the collection.
 - The text reaches the model as the tool wrote it (`verbatim`: verl adds no wording), cut by
   --max-tool-response-chars as verl cuts it.
 - Success or failure is read from the text as the reference reads its code judge's answers: empty,
@@ -42,6 +48,7 @@ ARGUMENT_ERRORS = (KeyError, TypeError, AttributeError, ValueError)
 FORMAT_TEXT = ("Tool call failure: tool call format is wrong, please make sure to generate correct json-format "
                "tool call arguments.")  # verl's (the reference's) answer to a call its tool could not take
 TIMEOUT_S = 300.0
+LIFETIMES = ("rollout", "call")
 CLEANUP_S = 30.0
 
 
@@ -62,17 +69,21 @@ class VerlTool(Tool):
                             "`tool_schema` (an OpenAI function schema); the entry has none")
         config = dict(config or {})
         self.success_marker = config.get("success_marker", SUCCESS_MARKER)
+        self.lifetime = config.get("lifetime", "rollout")
+        if self.lifetime not in LIFETIMES:
+            raise ToolError(f"tool {spec!r}: lifetime must be one of {', '.join(LIFETIMES)}, got {self.lifetime!r}")
         super().__init__(config, tool_schema)
         self.timeout_s = float(config.get("timeout_s", TIMEOUT_S))
         self.cls, self.spec, self.tool_schema = cls, spec, dict(tool_schema)
         self.instance = None
+        self.instances: dict[str, str] = {}  # rollout id -> its instance id (lifetime: rollout)
 
     async def call(self, arguments: dict) -> ToolResult:
         return await self.call_in(arguments, CallContext())
 
     async def open(self) -> None:
         try:
-            from verl.tools.schemas import OpenAIFunctionToolSchema  # the user's verl: imported by the tool's module
+            from verl.tools.schemas import OpenAIFunctionToolSchema  # the user's verl
         except ImportError as error:
             raise ToolError(f"tool {self.spec!r}: verl.tools.schemas is not importable ({error}); "
                             "see docs/byo-task.md#verl-tools-as-they-are") from error
@@ -82,14 +93,30 @@ class VerlTool(Tool):
         except Exception as error:  # noqa: BLE001 - the user's constructor, or pydantic on the schema
             raise ToolError(f"tool {self.spec!r}: creating it raised {type(error).__name__}: {error}") from error
 
-    async def call_in(self, arguments: dict, context: CallContext) -> ToolResult:
-        tool, instance_id = self.instance, None
-        if tool is None:
+    async def create(self, context: CallContext) -> None:
+        if self.lifetime == "rollout":
+            self.instances[context.rollout_id] = await self._create(context)
+
+    async def _create(self, context: CallContext) -> str:
+        if self.instance is None:
             raise ToolError(f"tool {self.spec!r} was called before it was opened")
         try:
-            created = await tool.create(create_kwargs=context.create_kwargs(self.name))
-            instance_id = created[0] if isinstance(created, tuple) else created
-            answer = await tool.execute(instance_id, arguments)
+            created = await self.instance.create(create_kwargs=context.create_kwargs(self.name))
+        except ARGUMENT_ERRORS as error:
+            raise ToolError(f"tool {self.name!r} ({self.spec}): create raised {type(error).__name__}: {error} on "
+                            f"rollout {context.rollout_id}; it reads the row's extra_info.tools_kwargs."
+                            f"{self.name}.create_kwargs, which has {sorted(context.create_kwargs(self.name))}") from error
+        except (ToolError, asyncio.CancelledError):
+            raise
+        except Exception as error:  # noqa: BLE001 - the tool's service: retried, then infra_error
+            raise ToolUnavailable(f"{type(error).__name__}: {error}") from error
+        return created[0] if isinstance(created, tuple) else created
+
+    async def call_in(self, arguments: dict, context: CallContext) -> ToolResult:
+        per_call = self.lifetime == "call" or context.rollout_id not in self.instances
+        instance_id = await self._create(context) if per_call else self.instances[context.rollout_id]
+        try:
+            answer = await self.instance.execute(instance_id, arguments)
         except ARGUMENT_ERRORS as error:
             return ToolResult(FORMAT_TEXT, ok=False, error_type=type(error).__name__)
         except (ToolError, ToolUnavailable, asyncio.CancelledError):
@@ -97,8 +124,8 @@ class VerlTool(Tool):
         except Exception as error:  # noqa: BLE001 - the tool's service, not the call: retried, then infra_error
             raise ToolUnavailable(f"{type(error).__name__}: {error}") from error
         finally:
-            if instance_id is not None:
-                await _quietly(tool.release(instance_id))
+            if per_call:
+                await _quietly(self.instance.release(instance_id))
         response, reward = (answer[0], answer[1]) if isinstance(answer, tuple) else (answer, None)
         text = response if isinstance(response, str) else getattr(response, "text", None)
         text = "" if text is None else str(text)
@@ -111,6 +138,16 @@ class VerlTool(Tool):
         if self.success_marker is None or not text or self.success_marker in text:
             return None
         return next((pattern for pattern in ERROR_PATTERNS if pattern in text), UNKNOWN_ERROR)
+
+    async def release(self, rollout_id: str) -> float | None:
+        instance_id = self.instances.pop(rollout_id, None)
+        if instance_id is None:
+            return None
+        try:
+            reward = await self.instance.calc_reward(instance_id)
+        finally:
+            await _quietly(self.instance.release(instance_id))
+        return None if reward is None else float(reward)
 
     async def close(self) -> None:
         cleanup = getattr(self.instance, "cleanup", None)

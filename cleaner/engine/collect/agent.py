@@ -180,7 +180,8 @@ class RolloutState:
     finish_reason: FinishReason | None = None
     phase: Phase = Phase.PENDING
     index: int = 0  # its place in the plan (parts keep plan order)
-    tool_rewards: dict[str, list[float]] = field(default_factory=dict)  # the tools' step rewards, per tool
+    tool_rewards: list[float] = field(default_factory=list)  # the tools' step rewards, in call order
+    tool_scores: dict[str, float] = field(default_factory=dict)  # {tool: its reward for the rollout, at release}
 
     def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
@@ -271,6 +272,12 @@ class Requests(Protocol):
 
     async def run_tool(self, name: str, arguments: dict, context: CallContext) -> ToolOutcome: ...
 
+    async def finish_tools(self, state: RolloutState) -> dict[str, float]:
+        """Release the rollout's tools: {tool: its reward for the rollout} (the toolbox's `finish`)."""
+
+    def abandon_tools(self, state: RolloutState) -> None:
+        """Release the tools of a rollout that ended without finishing, without waiting."""
+
     def leave(self, state: RolloutState) -> None:
         """The rollout needs no more turns (a lock step stops waiting for it)."""
 
@@ -296,6 +303,14 @@ class Story:
 async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> Rollout:
     """Generate one rollout to its end, turn after turn: render, generate, record, run the call,
     record its outcome, decide. Returns its row; its segments are on `state`."""
+    try:
+        return await _run(state, story, requests)
+    except BaseException:  # a fault, a stop: the rollout's tools are released all the same
+        requests.abandon_tools(state)
+        raise
+
+
+async def _run(state: RolloutState, story: Story, requests: Requests) -> Rollout:
     cache = ScoreCache()  # the IS gate's scores of this rollout's retries
     while state.finish_reason is None:
         state.phase = Phase.PENDING
@@ -317,6 +332,7 @@ async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> 
         _record_tool(state, call, outcome, story.config, story.chat)
     state.phase = Phase.DONE
     requests.leave(state)
+    state.tool_scores = await requests.finish_tools(state)
     return await _finish(state, story, requests, cache)
 
 
@@ -432,7 +448,7 @@ async def _execute(call: _Call, state: RolloutState, story: Story, requests: Req
         context = CallContext(state.rollout_id, extra.get("tools_kwargs") or {} if isinstance(extra, dict) else {})
         done = await requests.run_tool(call.parsed.name, call.parsed.arguments, context)
         if done.reward is not None:
-            state.tool_rewards.setdefault(call.parsed.name, []).append(done.reward)
+            state.tool_rewards.append(done.reward)
         status = ToolStatus(done.status)
         response = done.text if done.verbatim else format_tool_text(
             status == ToolStatus.OK, done.text, None if status == ToolStatus.OK else status)
@@ -502,4 +518,5 @@ async def _reward_from_file(state: RolloutState, story: Story, requests: Request
     solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
     turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
     return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.raw_truth,
-                                    verl_extra_info(state.task.extra_info, turns, state.tool_rewards))
+                                    verl_extra_info(state.task.extra_info, turns, state.tool_scores,
+                                                                    state.tool_rewards))

@@ -435,6 +435,13 @@ class DirectRequests:
         return await self._counted(self.toolbox.run(name, arguments, context), lambda outcome: (
             f"tool {name}: {outcome.text}" if outcome.status == ToolStatus.INFRA_ERROR else None))
 
+    async def finish_tools(self, state: RolloutState) -> dict[str, float]:
+        return {} if self.toolbox is None else await self.toolbox.finish(state.rollout_id)
+
+    def abandon_tools(self, state: RolloutState) -> None:
+        if self.toolbox is not None:
+            self.toolbox.abandon(state.rollout_id)
+
     def leave(self, state: RolloutState) -> None:
         """A rollout needs no more turns (nothing to do when nobody waits for it)."""
 

@@ -13,9 +13,11 @@ Design decisions:
   reward; in the raw view it is every attempt. `extra_info` is a copy of the row's `extra_info`
   (a dict; `{}` without one) with what verl's naive and DAPO reward managers add: `num_turns`, the
   trajectory's generations and tool responses plus one (verl's count of the messages after the
-  system prompt), and `rollout_reward_scores`, the step rewards the tools returned ({tool name:
-  [reward of each call]}, verl tools' `execute` gives one; `{}` without, as the reference's agent
-  loop always passes). `ground_truth` is the row's as it was stored in the file: a string, a
+  system prompt), and `rollout_reward_scores`, the tools' rewards for the rollout ({tool: what its
+  `release` returned}, a verl tool's `calc_reward`, as verl's SGLang rollout filled it; `{}`
+  without, as the reference's agent loop always passes), and `tool_rewards`, the calls' step
+  rewards in order (verl tools' `execute` returns one; the reference's agent loop keeps them
+  under that name). `ground_truth` is the row's as it was stored in the file: a string, a
   number, a dict of a struct, a list (collect/tasks.py).
 - It returns a number (a bool, an int, a float, a numpy scalar) or a dict with a `score` key, as
   verl takes either. NaN, infinity and a number a float32 column cannot hold (beyond +-3.4e38: it
@@ -141,12 +143,13 @@ def _plain(value: object) -> object:
     return value
 
 
-def verl_extra_info(row_extra_info: object, num_turns: int,
-                    rollout_reward_scores: Mapping[str, list[float]] | None = None) -> object:
-    """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`
-    and `rollout_reward_scores` (the tools' step rewards, {tool name: [reward of each call]})."""
-    added = {"num_turns": num_turns, "rollout_reward_scores": {name: list(rewards) for name, rewards
-                                                               in (rollout_reward_scores or {}).items()}}
+def verl_extra_info(row_extra_info: object, num_turns: int, rollout_reward_scores: Mapping[str, float] | None = None,
+                    tool_rewards: list[float] | None = None) -> object:
+    """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`,
+    `rollout_reward_scores` ({tool: its reward for the rollout}) and `tool_rewards` (the calls' step
+    rewards, in order)."""
+    added = {"num_turns": num_turns, "rollout_reward_scores": dict(rollout_reward_scores or {}),
+             "tool_rewards": list(tool_rewards or [])}
     if row_extra_info is None:
         return added
     if isinstance(row_extra_info, Mapping):

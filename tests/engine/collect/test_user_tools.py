@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import textwrap
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from cleaner.config import PurifyConfig
 from cleaner.engine.collect.schedule import collect
+from cleaner.engine.grading.reward_file import RewardFunction
 from cleaner.engine.model.chat import (
     ChatFormat,
     ToolCall,
@@ -228,6 +230,26 @@ def test_a_documented_function_is_a_tool(tmp_path):
     assert run_call(Toolbox([tool]), "add", {"a": 2, "b": 3}).text == "5"
 
 
+def test_a_tool_file_imports_the_files_beside_it(tmp_path, monkeypatch):
+    """As it would run as a script: its folder is on the path."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    write(tmp_path / "helpers_beside.py", "FACTOR = 3\n")
+    write(tmp_path / "uses.py", '''
+        from helpers_beside import FACTOR
+
+        def triple(a: int) -> str:
+            """Triple it.
+
+            Args:
+                a: The number.
+            """
+            return str(FACTOR * a)
+    ''')
+    (tool,) = load_tools(None, f"{tmp_path}/uses.py:triple")
+    assert run_call(Toolbox([tool]), "triple", {"a": 2}).text == "6"
+    del sys.modules["helpers_beside"]
+
+
 def test_the_yaml_is_verls_layout_its_schema_and_config_win(tmp_path):
     (tool,) = UNITS
     assert (tool.name, tool.timeout_s, tool.digits) == ("convert_units", 2.0, 6)
@@ -431,3 +453,49 @@ def test_a_tool_call_does_not_hold_the_other_rollouts():
     (gate,) = [s for s in segments if s.rollout_id == "it0-waits-s0" and s.kind == "tool"]
     assert gate.text == tool_response_text("Tool call success\nopen")
     box.close()
+
+
+def test_a_tool_keeps_state_per_rollout_and_its_release_is_the_rollouts_tool_reward():
+    """cleaner's own protocol has verl's per-trajectory life: create (with the row's create_kwargs)
+    before a rollout's first call, calls that see the rollout, release at its end with a reward."""
+    class Counter(Tool):
+        name, description = "count", "Count."
+        parameters = {"type": "object", "properties": {}}
+
+        def __init__(self):
+            super().__init__()
+            self.counts, self.log = {}, []
+
+        def create(self, context):
+            self.counts[context.rollout_id] = context.create_kwargs("count").get("start", 0)
+            self.log.append(("create", context.rollout_id))
+
+        def call_in(self, arguments, context):
+            self.counts[context.rollout_id] += 1
+            return str(self.counts[context.rollout_id])
+
+        def release(self, rollout_id):
+            self.log.append(("release", rollout_id))
+            return self.counts.pop(rollout_id)
+
+    counter = Counter()
+    box = Toolbox([counter])
+    chat = ChatFormat(CharTokenizer(), box.schemas)
+    count = "Count." + format_tool_call("count", {})
+    scripts = {(p, 0): [count, count, answer("42")] for p in ("a", "b")}
+    tasks = [dataclasses.replace(task(p), extra_info={"tools_kwargs": {"count": {"create_kwargs": {"start": start}}}})
+             for p, start in (("a", 10), ("b", 0))]
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info):
+        seen.append(extra_info["rollout_reward_scores"])
+        return 1.0
+
+    config = dataclasses.replace(BASE, max_concurrent_rollouts=1)
+    parts = collect_parts(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), chat, reward_fn=fake_reward,
+                          progress=False, toolbox=box, reward_file=RewardFunction("judge.py:judge", judge))
+    texts = [s.text for part in parts for s in part.segments if s.kind == "tool"]
+    assert texts == [tool_response_text(format_tool_text(True, n)) for n in ("11", "12", "1", "2")]
+    assert counter.log == [("create", "it0-a-s0"), ("release", "it0-a-s0"), ("create", "it0-b-s0"),
+                           ("release", "it0-b-s0")]
+    assert seen == [{"count": 12.0}, {"count": 2.0}] and counter.counts == {}

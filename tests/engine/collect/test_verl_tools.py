@@ -45,7 +45,7 @@ def verl(monkeypatch):
     """verl's tool interface on the path (the stand-in), and no module of it left behind."""
     monkeypatch.syspath_prepend(str(FIXTURES / "verl_stub"))
     yield
-    for name in [name for name in sys.modules if name.split(".")[0] in ("verl", "recipe")]:
+    for name in [name for name in sys.modules if name.split(".")[0] in ("verl", "recipe", "lookup_tool", "broken_tool")]:
         del sys.modules[name]
 
 
@@ -65,13 +65,15 @@ class Lookup(BaseTool):
 
     async def create(self, instance_id=None, **kwargs):
         instance_id, response = await super().create(instance_id, **kwargs)
-        self.tables[instance_id] = kwargs["create_kwargs"].get("table", {})
+        self.tables[instance_id] = dict(kwargs["create_kwargs"].get("table", {}).items())
+        self.asked = getattr(self, "asked", {})
         LOG.append(("create", instance_id, kwargs["create_kwargs"]))
         return instance_id, response
 
     async def execute(self, instance_id, parameters, **kwargs):
         LOG.append(("execute", instance_id, parameters))
         key = parameters["key"]
+        self.asked.setdefault(instance_id, set()).add(key)
         if key == "down":
             raise ConnectionError("connection refused")
         if key == "nested":
@@ -80,6 +82,10 @@ class Lookup(BaseTool):
         if key in table:
             return ToolResponse(text=f"Tool call success\\n{key} = {table[key]}"), 0.5, {}
         return ToolResponse(text=f"Tool call failure\\nNameError: {key} is not in the table"), -0.25, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        LOG.append(("calc_reward", instance_id))
+        return float(sum(key in self.tables[instance_id] for key in self.asked.get(instance_id, ())))
 
     async def release(self, instance_id, **kwargs):
         LOG.append(("release", instance_id))
@@ -108,12 +114,14 @@ def run(box: Toolbox, name: str, arguments: dict, context: CallContext):
     return asyncio.run(box.run(name, arguments, context))
 
 
-def test_a_verl_tool_is_created_executed_and_released_per_call_with_the_rows_create_kwargs(verl, tmp_path,
-                                                                                          monkeypatch):
+def test_a_verl_tool_lives_per_rollout_with_the_rows_create_kwargs(verl, tmp_path, monkeypatch):
+    """As verl's SGLang rollout drives a tool: one instance per rollout, created before its first
+    call with the row's create_kwargs, executed per call, rewarded and released at its end."""
     monkeypatch.chdir(tmp_path)  # `lookup_tool.Lookup` is found from the working directory, as verl finds it
     monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.0)
     (tool,) = load_tools(str(lookup_yaml(tmp_path)), None)
-    assert (tool.name, tool.parameters, tool.verbatim) == ("lookup", SCHEMA["function"]["parameters"], True)
+    assert (tool.name, tool.parameters, tool.verbatim, tool.lifetime) == (
+        "lookup", SCHEMA["function"]["parameters"], True, "rollout")
     box = Toolbox([tool])
     log = sys.modules["lookup_tool"].LOG
     row = CallContext("it0-p-s0", {"lookup": {"create_kwargs": {"table": {"x": 7}}}})
@@ -123,21 +131,61 @@ def test_a_verl_tool_is_created_executed_and_released_per_call_with_the_rows_cre
     missing = run(box, "lookup", {"key": "y"}, row)
     assert (missing.status, missing.error_type, missing.text, missing.reward) == (
         "error", "NameError", "Tool call failure\nNameError: y is not in the table", -0.25)
-    other_row = run(box, "lookup", {"key": "x"}, CallContext("it0-q-s0", {}))  # its row has no table
-    assert (other_row.status, other_row.error_type) == ("error", "NameError")
     wrong = run(box, "lookup", {"key": "nested"}, row)  # a KeyError in the tool: verl's format answer
     assert (wrong.status, wrong.error_type, wrong.text) == ("error", "KeyError", FORMAT_TEXT)
     down = run(box, "lookup", {"key": "down"}, row)  # the service's fault: tried again, then infra_error
     assert (down.status, down.error_type, down.text) == (
         "infra_error", "ToolUnavailable", "the tool's service failed: ConnectionError: connection refused")
+    other_row = run(box, "lookup", {"key": "x"}, CallContext("it0-q-s0", {}))  # its row has no table
+    assert (other_row.status, other_row.error_type) == ("error", "NameError")
+    assert asyncio.run(box.finish("it0-p-s0")) == {"lookup": 1.0}  # calc_reward: one key found
+    assert asyncio.run(box.finish("it0-q-s0")) == {"lookup": 0.0} and asyncio.run(box.finish("it0-q-s0")) == {}
     box.close()
-    # each call is its own instance: created with the row's create_kwargs, released whatever happened
-    instances = [entry[1] for entry in log if entry[0] == "create"]
-    assert len(set(instances)) == len(instances) == 4 + toolbox_module.INFRA_TRIES
-    assert [entry[0] for entry in log] == ["create", "execute", "release"] * len(instances)
-    assert [entry[2] for entry in log if entry[0] == "create"] == [
-        {"table": {"x": 7}}, {"table": {"x": 7}}, {}, {"table": {"x": 7}}] + [{"table": {"x": 7}}] * 3
-    assert all(log[i][1] == log[i + 1][1] == log[i + 2][1] for i in range(0, len(log), 3))
+    p, q = (next(entry[1] for entry in log if entry[0] == "create" and entry[2] == kwargs)
+            for kwargs in ({"table": {"x": 7}}, {}))
+    tries = toolbox_module.INFRA_TRIES
+    assert log == [("create", p, {"table": {"x": 7}}), ("execute", p, {"key": "x"}), ("execute", p, {"key": "y"}),
+                   ("execute", p, {"key": "nested"})] + [("execute", p, {"key": "down"})] * tries + [
+                   ("create", q, {}), ("execute", q, {"key": "x"}),
+                   ("calc_reward", p), ("release", p), ("calc_reward", q), ("release", q)]
+
+
+def test_lifetime_call_runs_each_call_as_the_references_agent_loop(verl, tmp_path, monkeypatch):
+    """verl's ToolAgentLoop (the reference's): create, execute and release per call, no calc_reward."""
+    monkeypatch.chdir(tmp_path)
+    (tool,) = load_tools(str(lookup_yaml(tmp_path, "{lifetime: call}")), None)
+    box = Toolbox([tool])
+    row = CallContext("it0-p-s0", {"lookup": {"create_kwargs": {"table": {"x": 7}}}})
+    assert [run(box, "lookup", {"key": key}, row).status for key in ("x", "nested", "y")] == ["ok", "error", "error"]
+    assert asyncio.run(box.finish("it0-p-s0")) == {}
+    box.close()
+    log = sys.modules["lookup_tool"].LOG
+    assert [entry[0] for entry in log] == ["create", "execute", "release"] * 3
+    assert len({entry[1] for entry in log}) == 3  # an instance per call, released whatever happened
+    with pytest.raises(ToolError, match=r"lifetime must be one of rollout, call, got 'episode'"):
+        load_tools(str(lookup_yaml(tmp_path, "{lifetime: episode}")), None)
+
+
+def test_a_rollout_that_ends_on_a_fault_releases_its_tools(verl, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    box = Toolbox(load_tools(str(lookup_yaml(tmp_path)), None))
+    run(box, "lookup", {"key": "x"}, CallContext("it0-p-s0", {}))
+    box.abandon("it0-p-s0")  # what the agent loop does when the rollout raises (a backend fault, a stop)
+    box.close()  # after the release it queued
+    assert [entry[0] for entry in sys.modules["lookup_tool"].LOG] == ["create", "execute", "calc_reward", "release"]
+    assert box.live == {}
+
+
+def test_a_bad_create_kwargs_is_one_line_never_the_models_failure(verl, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    box = Toolbox(load_tools(str(lookup_yaml(tmp_path)), None))
+    try:
+        with pytest.raises(ToolError, match=r"^tool 'lookup' \(lookup_tool.Lookup\): create raised AttributeError: "
+                                            r".* on rollout it0-p-s0; it reads the row's extra_info.tools_kwargs."
+                                            r"lookup.create_kwargs, which has \['table'\]$"):
+            run(box, "lookup", {"key": "x"}, CallContext("it0-p-s0", {"lookup": {"create_kwargs": {"table": 7}}}))
+    finally:
+        box.close()
 
 
 def test_success_is_read_from_the_text_as_the_reference_reads_it(verl, tmp_path, monkeypatch):
@@ -175,8 +223,10 @@ def test_a_verl_tool_in_a_collection_answers_verbatim_and_its_rewards_reach_the_
     assert [s.text for s in tools] == [chat.decode(chat.tool_response_ids(text)) for text in (
         "Tool call failure\nNameError: z is not in the table", "Tool call success\nx = 7")]
     assert tools[1].text == tool_response_text("Tool call success\nx = 7")  # no wording of cleaner's around it
-    (extra,) = seen
-    assert extra["rollout_reward_scores"] == {"lookup": [-0.25, 0.5]} and extra["index"] == 3
+    (extra,) = seen  # calc_reward's 1.0 (one key found), execute's step rewards in call order
+    assert (extra["rollout_reward_scores"], extra["tool_rewards"], extra["index"]) == ({"lookup": 1.0}, [-0.25, 0.5], 3)
+    log = sys.modules["lookup_tool"].LOG
+    assert [entry[0] for entry in log] == ["create", "execute", "execute", "calc_reward", "release"]
 
 
 def test_a_verl_tool_that_cannot_start_or_load_is_one_line(verl, tmp_path, monkeypatch):

@@ -199,9 +199,10 @@ def test_solution_str_is_the_views_response_without_special_tokens(reward_file, 
     fixed += "The answer is \\boxed{42}."
     assert sorted(by_id) == sorted([fixed, "Easy: \\boxed{41}."])
     # the dataset row's extra_info, plus verl's num_turns (generations and tool responses, plus one)
-    # and rollout_reward_scores (the tools' step rewards: the code interpreter gives none)
-    assert by_id[fixed]["extra_info"] == {"index": 0, "num_turns": 6, "rollout_reward_scores": {}}
-    assert by_id["Easy: \\boxed{41}."]["extra_info"] == {"index": 1, "num_turns": 2, "rollout_reward_scores": {}}
+    # and the tools' rewards, rollout_reward_scores and tool_rewards (the code interpreter gives none)
+    none = {"rollout_reward_scores": {}, "tool_rewards": []}
+    assert by_id[fixed]["extra_info"] == {"index": 0, "num_turns": 6, **none}
+    assert by_id["Easy: \\boxed{41}."]["extra_info"] == {"index": 1, "num_turns": 2, **none}
     assert {c["ground_truth"] for c in calls} == {"42"} and {c["data_source"] for c in calls} == {"toy"}
     stored = {r.rollout_id: (r.reward, r.correct, r.answer, json.loads(r.reward_details)) for r in rollouts}
     assert stored == {"it0-fixed-s0": (1.0, True, "42", {"acc": True, "pred": "42", "source": "toy"}),
@@ -236,7 +237,7 @@ def test_a_function_that_changes_extra_info_changes_no_later_rollout():
     tasks = [Task("p", ({"role": "user", "content": "?"},), "42", "toy", extra_info={"tags": ["a"]})]
     collect_parts(tasks, config, ScriptedBackend(scripts, config), FakeSandbox(), CHAT, reward_fn=fake_reward,
                   progress=False, reward_file=RewardFunction("judge.py:judge", judge))
-    assert seen == ['{"num_turns": 2, "rollout_reward_scores": {}, "tags": ["a"]}'] * 3
+    assert seen == ['{"num_turns": 2, "rollout_reward_scores": {}, "tags": ["a"], "tool_rewards": []}'] * 3
     assert tasks[0].extra_info == {"tags": ["a"]}
 
 

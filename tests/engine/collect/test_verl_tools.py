@@ -2,14 +2,18 @@
 per call as verl runs it, and the reference's own code-judge tool, unchanged, against a code-judge
 service faked on 127.0.0.1.
 
-verl itself is not installed here: `tests/fixtures/verl_stub` stands in for its tool interface.
+Where verl is not installed (CI), `tests/fixtures/verl_stub` stands in for its tool interface; in
+the environment of tools/verl-reference/setup.sh the same tests run against the reference's verl,
+and verl's own gsm8k tool config runs too (CLEANER_REFERENCE names the checkout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,12 +44,20 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REFERENCE = FIXTURES / "open_cleaner"
 
 
+REAL_VERL = importlib.util.find_spec("verl") is not None  # tools/verl-reference/setup.sh's environment
+
+
 @pytest.fixture
 def verl(monkeypatch):
-    """verl's tool interface on the path (the stand-in), and no module of it left behind."""
-    monkeypatch.syspath_prepend(str(FIXTURES / "verl_stub"))
+    """verl's tool interface on the path (the stand-in where verl is not installed), and no module
+    of the tools left behind."""
+    if not REAL_VERL:
+        monkeypatch.syspath_prepend(str(FIXTURES / "verl_stub"))
+    else:
+        monkeypatch.setattr(sys, "path", list(sys.path))
     yield
-    for name in [name for name in sys.modules if name.split(".")[0] in ("verl", "recipe", "lookup_tool", "broken_tool")]:
+    gone = ("recipe", "lookup_tool", "broken_tool") + (() if REAL_VERL else ("verl",))
+    for name in [name for name in sys.modules if name.split(".")[0] in gone]:
         del sys.modules[name]
 
 
@@ -246,6 +258,7 @@ def test_a_verl_tool_that_cannot_start_or_load_is_one_line(verl, tmp_path, monke
         load_tools(str(yaml), None)
 
 
+@pytest.mark.skipif(REAL_VERL, reason="verl is installed here")
 def test_a_missing_verl_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "needs_verl.py").write_text("from verl.tools.base_tool import BaseTool\n")
@@ -348,3 +361,28 @@ def test_the_code_judge_down_is_an_infrastructure_fault_never_the_models(verl, t
         box.close()
     assert (down.status, down.error_type) == ("infra_error", "ToolUnavailable")
     assert down.text.startswith("the tool's service failed: RuntimeError: run_tool_calls_on_server_async failed")
+
+
+@pytest.mark.skipif(not (REAL_VERL and os.environ.get("CLEANER_REFERENCE")),
+                    reason="needs verl and CLEANER_REFERENCE (tools/verl-reference/setup.sh)")
+def test_verls_gsm8k_tool_keeps_its_state_per_rollout(verl, tmp_path):
+    """verl's example tool, from its own config: the row's ground truth by create_kwargs, a step
+    penalty for an answer that does not improve (state across the rollout's calls), calc_reward at
+    the end. Its answers carry no success marker, so the config says `success_marker: null`."""
+    example = Path(os.environ["CLEANER_REFERENCE"]) / "verl/examples/sglang_multiturn/config/tool_config"
+    text = (example / "gsm8k_tool_config.yaml").read_text()
+    assert "      type: native\n" in text
+    yaml = tmp_path / "gsm8k.yaml"
+    yaml.write_text(text.replace("      type: native\n", "      type: native\n      success_marker: null\n"))
+    box = Toolbox(load_tools(str(yaml), None))
+    row = CallContext("it0-gsm8k-7-s0", {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}})
+    try:
+        answers = [run(box, "calc_gsm8k_reward", {"answer": answer}, row) for answer in ("70", "72", "72")]
+        scores = asyncio.run(box.finish(row.rollout_id))
+    finally:
+        box.close()
+    assert [(a.status, a.text, a.reward) for a in answers] == [
+        ("ok", "Current parsed answer='70' reward=0.0", -0.05),  # not better than 0.0: verl's penalty
+        ("ok", "Current parsed answer='72' reward=1.0", 0.0),
+        ("ok", "Current parsed answer='72' reward=1.0", -0.05)]
+    assert scores == {"calc_gsm8k_reward": 1.0}

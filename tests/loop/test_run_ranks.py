@@ -42,7 +42,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 ZERO2 = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "zero2.json"
 ARGS = ("--iterations", "2", "--prompts", "4", "--group-size", "2", "--max-turns", "3", "--max-new-tokens",
         "64", "--lr", "5e-5", "--mini-batch-size", "4", "--micro-batch-size", "1", "--batch-rollouts", "2",
-        "--sandbox-workers", "1", "--seed", "4")
+        "--sandbox-workers", "1", "--seed", "4",
+        # two in flight, so a kill point between parts exists (eight at once finish in one burst of parts)
+        "--max-concurrent-rollouts", "2")
 DEEPSPEED = ("--engine", "deepspeed", "--deepspeed-config", str(ZERO2))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 TOLERANCE = 1e-5

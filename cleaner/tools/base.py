@@ -110,8 +110,10 @@ class Tool:
 
     @property
     def is_coroutine(self) -> bool:
-        """Its call is a coroutine function (run on the toolbox's own loop, not a thread)."""
-        return inspect.iscoroutinefunction(self.call)
+        """Its call is a coroutine function (run on the toolbox's own loop, not a thread): `call_in`
+        where the tool writes its own, else `call`."""
+        own = type(self).call_in is not Tool.call_in
+        return inspect.iscoroutinefunction(self.call_in if own else self.call)
 
     def call(self, arguments: dict) -> ToolResult | str:
         raise NotImplementedError(f"tool {self.name!r} has no call()")
@@ -126,7 +128,7 @@ class Tool:
 
     def release(self, rollout_id: str) -> float | None:
         """Once the rollout has ended, if `create` ran for it (may be `async def`): its state goes,
-        and a number returned is the tool's reward for the rollout."""
+        and what it returns (a number, as verl's `calc_reward`) is the tool's reward for the rollout."""
         return None
 
     async def open(self) -> None:

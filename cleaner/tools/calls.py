@@ -128,9 +128,10 @@ class ThreadCalls:
 
     def _slot(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
-        for closed in [other for other in self._slots if other.is_closed()]:
-            del self._slots[closed]
-        return self._slots.setdefault(loop, asyncio.Semaphore(self.limit))
+        with self.lock:  # the collection's loop and the toolbox's (a release) both ask
+            for closed in [other for other in self._slots if other.is_closed()]:
+                del self._slots[closed]
+            return self._slots.setdefault(loop, asyncio.Semaphore(self.limit))
 
     async def run(self, fn: Callable, args: tuple, timeout_s: float, what: str) -> Timed:
         """`fn(*args)` on a thread of its own, once a slot is free; `what` names it in HungCalls."""

@@ -24,6 +24,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import inspect
 import json
@@ -43,6 +44,7 @@ THREADS = 32  # synchronous tool calls running at once; more wait, with no clock
 MAX_HUNG = 32  # calls still running past their timeouts before the collection stops
 INFRA_TRIES = 3  # tries of a call whose tool reports its service down
 INFRA_BACKOFF_S = 0.5  # before the second try; doubled before each later one
+RELEASE_WAIT_S = 30.0  # at close, for the releases of stopped rollouts still running
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Toolbox:
         self.threads = ThreadCalls(THREADS, MAX_HUNG, "cleaner-tool")
         self.coroutines = CoroutineCalls("cleaner-tool")
         self.live: dict[str, set[str]] = {}  # rollout id -> the tools `create`d for it, to release at its end
+        self.releasing: set[concurrent.futures.Future] = set()  # releases of stopped rollouts under way
         for tool in self._with("open"):  # before any model is loaded: a tool that cannot start is one line
             self.coroutines.submit(tool.open())
         if TOOL_NAME in self.tools:
@@ -106,15 +109,17 @@ class Toolbox:
     async def _run_once(self, tool: Tool, arguments: dict, context: CallContext) -> ToolOutcome:
         timeout = self._timeout(tool)
         if context.rollout_id and _has(tool, "create") and tool.name not in self.live.get(context.rollout_id, ()):
+            live = self.live.setdefault(context.rollout_id, set())
+            live.add(tool.name)  # before it runs: a rollout stopped meanwhile still releases it
             created = await self._invoke(tool.create, (context,), timeout, f"tool {tool.name!r}")
             if created.timed_out or created.error is not None:  # the call is not made; the next one creates again
-                return self._marked(tool, self._outcome(tool.name, timeout, created))
-            self.live.setdefault(context.rollout_id, set()).add(tool.name)
+                live.discard(tool.name)
+                return self._marked(tool, self._outcome(tool.name, timeout, created, tool.verbatim))
         if tool.is_coroutine:
             timed = await self.coroutines.run(lambda: tool.call_in(arguments, context), timeout)
         else:
             timed = await self.threads.run(tool.call_in, (arguments, context), timeout, f"tool {tool.name!r}")
-        return self._marked(tool, self._outcome(tool.name, timeout, timed))
+        return self._marked(tool, self._outcome(tool.name, timeout, timed, tool.verbatim))
 
     def _timeout(self, tool: Tool) -> float:
         return tool.timeout_s if tool.timeout_s is not None else self.timeout_s
@@ -129,9 +134,10 @@ class Toolbox:
     def _marked(tool: Tool, outcome: ToolOutcome) -> ToolOutcome:
         return dataclasses.replace(outcome, verbatim=tool.verbatim) if tool.verbatim else outcome
 
-    async def finish(self, rollout_id: str) -> dict[str, float]:
-        """Release the tools a rollout created; {name: reward} of those whose `release` returned one.
-        A release that raises or hangs is logged, never the rollout's outcome."""
+    async def finish(self, rollout_id: str) -> dict[str, object]:
+        """Release the tools a rollout created; {name: reward} of those whose `release` returned
+        one (as verl passes `calc_reward`'s value on: a number, or what the tool gives). A release
+        that raises or hangs is logged, never the rollout's outcome."""
         rewards = {}
         for name in sorted(self.live.pop(rollout_id, ())):
             tool = self.tools[name]
@@ -140,19 +146,23 @@ class Toolbox:
                 logger.warning("tool %s: releasing rollout %s failed: %s", name, rollout_id,
                                "timed out" if done.timed_out else repr(done.error))
             elif done.value is not None:
-                value = done.value.tolist() if hasattr(done.value, "tolist") else done.value
-                if not isinstance(value, int | float) or isinstance(value, bool):
-                    raise ToolError(f"tool {name!r}: release returned {type(value).__name__} ({value!r:.80}); it "
-                                    "returns None or the tool's reward for the rollout, a number")
-                rewards[name] = float(value)
+                rewards[name] = plain(done.value)
         return rewards
 
     def abandon(self, rollout_id: str) -> None:
-        """Release a rollout that ended without finishing (a fault, a stop), without waiting for it."""
+        """Release a rollout that ended without finishing (a fault, a stop), without waiting here;
+        `close` waits for it."""
         if rollout_id in self.live:
-            asyncio.run_coroutine_threadsafe(self.finish(rollout_id), self.coroutines.loop())
+            future = asyncio.run_coroutine_threadsafe(self.finish(rollout_id), self.coroutines.loop())
+            self.releasing.add(future)
+            future.add_done_callback(self._released)
 
-    def _outcome(self, name: str, timeout: float, timed: Timed) -> ToolOutcome:
+    def _released(self, future: concurrent.futures.Future) -> None:
+        self.releasing.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            logger.warning("releasing a stopped rollout's tools failed: %r", future.exception())
+
+    def _outcome(self, name: str, timeout: float, timed: Timed, verbatim: bool = False) -> ToolOutcome:
         exec_ms = timed.seconds * 1000
         if timed.timed_out:
             logger.warning("tool %s ran past its %.1f s timeout", name, timeout)
@@ -170,14 +180,15 @@ class Toolbox:
             raise ToolError(f"tool {name!r} raised {type(error).__name__}; a tool returns a str or a "
                             "cleaner.tools.ToolResult, or raises an Exception for a failed call") from error
         result = timed.value
+        cut = valid_text if verbatim else self._cut  # a verl tool's text as it is (verl cuts it only by length)
         if isinstance(result, str):
-            return ToolOutcome(ToolStatus.OK, None, self._cut(result), exec_ms)
+            return ToolOutcome(ToolStatus.OK, None, cut(result), exec_ms)
         if isinstance(result, ToolResult):
             if result.infra:
                 return ToolOutcome(ToolStatus.INFRA_ERROR, valid_text(result.error_type or "ToolUnavailable"),
-                                   self._cut(str(result.text)), exec_ms)
+                                   cut(str(result.text)), exec_ms)
             error_type = None if result.ok else valid_text(result.error_type or "ToolError")
-            return ToolOutcome(ToolStatus.OK if result.ok else ToolStatus.ERROR, error_type, self._cut(str(result.text)),
+            return ToolOutcome(ToolStatus.OK if result.ok else ToolStatus.ERROR, error_type, cut(str(result.text)),
                                exec_ms, reward=result.reward)
         raise ToolError(f"tool {name!r} returned {type(result).__name__} ({result!r:.80}); a tool returns "
                         "a str or a cleaner.tools.ToolResult")
@@ -192,10 +203,24 @@ class Toolbox:
         """Close every tool, then stop the toolbox's own loop; threads still running timed-out calls
         end on their own."""
         try:
+            concurrent.futures.wait(list(self.releasing), timeout=RELEASE_WAIT_S)
             for tool in self._with("close"):
-                self.coroutines.submit(tool.close())
+                try:
+                    self.coroutines.submit(tool.close())
+                except Exception as error:  # noqa: BLE001 - a tool's tear-down never masks how the job ended
+                    logger.warning("tool %s: closing it failed: %r", tool.name, error)
         finally:
             self.coroutines.close()
+
+
+def plain(value: object) -> object:
+    """numpy scalars and arrays, inside lists and dicts too, as Python values (a reward worker
+    process and JSON take them)."""
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def _has(tool: Tool, hook: str) -> bool:

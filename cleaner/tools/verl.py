@@ -7,11 +7,13 @@ Design decisions:
 - It is built once, on the toolbox's own event loop (`open`), with the entry's `config` and its
   `tool_schema` as verl's `OpenAIFunctionToolSchema`: a tool that opens an aiohttp session in its
   constructor (the reference's code-judge tool does) binds it to the loop its calls run on.
-- An instance per rollout, as verl's SGLang multi-turn rollout drives its tools (`lifetime:
+- An instance per rollout, the life verl designs its tools for (`lifetime:
   rollout`, the default): `create(create_kwargs=...)` with the row's `extra_info.tools_kwargs[name]
   .create_kwargs` before the rollout's first call, `execute(instance_id, arguments)` for each call,
   and at the rollout's end, whatever ended it, `calc_reward(instance_id)`, the reward function's
-  `extra_info["rollout_reward_scores"][name]`, then `release(instance_id)`. `lifetime: call` runs
+  `extra_info["rollout_reward_scores"][name]` as it returned it, then `release(instance_id)`.
+  `create` is called as verl's agent loop calls it (`create_kwargs=` the row's); a tool the
+  rollout never calls is never created, and has no score. `lifetime: call` runs
   each call as verl's ToolAgentLoop, and so the reference, runs it: `create`, `execute`,
   `release`, and no `calc_reward`. The code-judge tool keeps no state between calls, so either
   gives it the same answers. `execute`'s reward is the call's step reward (`extra_info["tool_rewards"]`).
@@ -23,10 +25,11 @@ Design decisions:
   or holding the success marker (`config.success_marker`, default "Tool call success"), is a
   success; any other text is a failed call whose error type is the first of the reference's
   error patterns it holds, else `unknown_error`. `success_marker: null` makes every text a success.
-- An exception: KeyError, TypeError, AttributeError or ValueError (what arguments a tool cannot use
-  raise) is a failed call with verl's text for it; any other (the code judge's RuntimeError after
-  its retries, a connection refused) is the service's fault: tried again, then `infra_error`,
-  never trained. The reference trains those as the model's failures ("Tool call failure.").
+- An exception from `execute`: KeyError, TypeError or AttributeError is a failed call with the
+  reference's "tool call format is wrong" text, ValueError one with its "Tool call failure."; any
+  other (the code judge's RuntimeError after its retries, a connection refused) is the service's
+  fault: tried again, then `infra_error`, never trained. The reference trains those as the model's
+  failures ("Tool call failure.").
 - verl sets no timeout on a call; here `config.timeout_s`, default `TIMEOUT_S`.
 - `close` awaits the tool's `cleanup()` where it has one (the code judge's closes its session).
 """
@@ -44,9 +47,11 @@ SUCCESS_MARKER = "Tool call success"  # the reference's code judge's first line 
 ERROR_PATTERNS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndexError", "IndentationError", "NameError",
                   "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError")
 UNKNOWN_ERROR = "unknown_error"
-ARGUMENT_ERRORS = (KeyError, TypeError, AttributeError, ValueError)
+FORMAT_ERRORS = (KeyError, TypeError, AttributeError)  # the reference's: arguments the tool could not read
 FORMAT_TEXT = ("Tool call failure: tool call format is wrong, please make sure to generate correct json-format "
-               "tool call arguments.")  # verl's (the reference's) answer to a call its tool could not take
+               "tool call arguments.")  # the reference's answer to them
+FAILURE_TEXT = "Tool call failure."  # the reference's answer to any other exception; here a ValueError's
+ARGUMENT_ERRORS = (*FORMAT_ERRORS, ValueError)  # what arguments a tool cannot use raise: the call's failure
 TIMEOUT_S = 300.0
 LIFETIMES = ("rollout", "call")
 CLEANUP_S = 30.0
@@ -118,7 +123,8 @@ class VerlTool(Tool):
         try:
             answer = await self.instance.execute(instance_id, arguments)
         except ARGUMENT_ERRORS as error:
-            return ToolResult(FORMAT_TEXT, ok=False, error_type=type(error).__name__)
+            text = FORMAT_TEXT if isinstance(error, FORMAT_ERRORS) else FAILURE_TEXT
+            return ToolResult(text, ok=False, error_type=type(error).__name__)
         except (ToolError, ToolUnavailable, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - the tool's service, not the call: retried, then infra_error
@@ -130,8 +136,12 @@ class VerlTool(Tool):
         text = response if isinstance(response, str) else getattr(response, "text", None)
         text = "" if text is None else str(text)
         error_type = self.failure(text)
-        return ToolResult(text, ok=error_type is None, error_type=error_type,
-                          reward=None if reward is None else float(reward))
+        try:
+            reward = None if reward is None else float(reward)
+        except (TypeError, ValueError):
+            raise ToolError(f"tool {self.name!r} ({self.spec}): execute returned the step reward {reward!r:.80}; "
+                            "verl's execute returns (ToolResponse, reward: float, metrics: dict)") from None
+        return ToolResult(text, ok=error_type is None, error_type=error_type, reward=reward)
 
     def failure(self, text: str) -> str | None:
         """None for a success, else the failed call's type (module notes)."""
@@ -139,15 +149,14 @@ class VerlTool(Tool):
             return None
         return next((pattern for pattern in ERROR_PATTERNS if pattern in text), UNKNOWN_ERROR)
 
-    async def release(self, rollout_id: str) -> float | None:
+    async def release(self, rollout_id: str) -> object:
         instance_id = self.instances.pop(rollout_id, None)
         if instance_id is None:
             return None
         try:
-            reward = await self.instance.calc_reward(instance_id)
+            return await self.instance.calc_reward(instance_id)  # passed on as it is, as verl does
         finally:
             await _quietly(self.instance.release(instance_id))
-        return None if reward is None else float(reward)
 
     async def close(self) -> None:
         cleanup = getattr(self.instance, "cleanup", None)

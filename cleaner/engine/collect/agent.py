@@ -181,7 +181,7 @@ class RolloutState:
     phase: Phase = Phase.PENDING
     index: int = 0  # its place in the plan (parts keep plan order)
     tool_rewards: list[float] = field(default_factory=list)  # the tools' step rewards, in call order
-    tool_scores: dict[str, float] = field(default_factory=dict)  # {tool: its reward for the rollout, at release}
+    tool_scores: dict[str, object] = field(default_factory=dict)  # {tool: its reward for the rollout, at release}
 
     def add(self, kind: SegmentKind, token_ids: Sequence[int], text: str, **fields) -> Segment:
         segment = Segment(
@@ -272,7 +272,7 @@ class Requests(Protocol):
 
     async def run_tool(self, name: str, arguments: dict, context: CallContext) -> ToolOutcome: ...
 
-    async def finish_tools(self, state: RolloutState) -> dict[str, float]:
+    async def finish_tools(self, state: RolloutState) -> dict[str, object]:
         """Release the rollout's tools: {tool: its reward for the rollout} (the toolbox's `finish`)."""
 
     def abandon_tools(self, state: RolloutState) -> None:

@@ -101,8 +101,10 @@ class UserCode:
         """The built-in grader's context (a grading sandbox for code tasks); none with a reward function."""
         if self.reward is not None:
             return contextlib.nullcontext(Grader())
-        unfit = next((task for task in tasks if isinstance(task.truth, dict) and not is_code_source(task.data_source)),
-                     None)
+        def struct(truth: object) -> bool:  # a dict, or a list whose first answer (the grader's) is one
+            return isinstance(truth, dict) or isinstance(truth, list) and isinstance(truth[0], dict)
+
+        unfit = next((task for task in tasks if struct(task.truth) and not is_code_source(task.data_source)), None)
         if unfit is not None:
             raise JobError(f"{unfit.prompt_id} (row {unfit.source_row}): its ground truth is a struct, which the "
                            "built-in grader cannot compare an answer with; give a reward function that reads it "

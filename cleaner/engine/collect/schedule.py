@@ -435,7 +435,7 @@ class DirectRequests:
         return await self._counted(self.toolbox.run(name, arguments, context), lambda outcome: (
             f"tool {name}: {outcome.text}" if outcome.status == ToolStatus.INFRA_ERROR else None))
 
-    async def finish_tools(self, state: RolloutState) -> dict[str, float]:
+    async def finish_tools(self, state: RolloutState) -> dict[str, object]:
         return {} if self.toolbox is None else await self.toolbox.finish(state.rollout_id)
 
     def abandon_tools(self, state: RolloutState) -> None:

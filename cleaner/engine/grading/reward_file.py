@@ -143,7 +143,7 @@ def _plain(value: object) -> object:
     return value
 
 
-def verl_extra_info(row_extra_info: object, num_turns: int, rollout_reward_scores: Mapping[str, float] | None = None,
+def verl_extra_info(row_extra_info: object, num_turns: int, rollout_reward_scores: Mapping[str, object] | None = None,
                     tool_rewards: list[float] | None = None) -> object:
     """What verl hands a reward function as `extra_info`: the row's dict (a copy) with `num_turns`,
     `rollout_reward_scores` ({tool: its reward for the rollout}) and `tool_rewards` (the calls' step

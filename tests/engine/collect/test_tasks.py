@@ -150,7 +150,8 @@ def test_the_built_in_grader_refuses_a_struct_it_cannot_read():
     from cleaner.engine.collect.job import UserCode
     from cleaner.errors import JobError
 
-    task = Task("math_dapo-7", ({"role": "user", "content": "?"},), '{"a": 1}', "math_dapo", 3, truth={"a": 1})
-    with pytest.raises(JobError, match=r"^math_dapo-7 \(row 3\): its ground truth is a struct, which the built-in "
-                                       r"grader cannot compare an answer with; .*--reward-fn"):
-        UserCode(None, None).grading([task], CollectConfig())
+    for truth in ({"a": 1}, [{"a": 1}]):  # a struct, or a list whose first answer is one
+        task = Task("math_dapo-7", ({"role": "user", "content": "?"},), "{}", "math_dapo", 3, truth=truth)
+        with pytest.raises(JobError, match=r"^math_dapo-7 \(row 3\): its ground truth is a struct, which the "
+                                           r"built-in grader cannot compare an answer with; .*--reward-fn"):
+            UserCode(None, None).grading([task], CollectConfig())

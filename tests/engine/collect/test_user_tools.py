@@ -30,7 +30,7 @@ from cleaner.engine.model.chat import (
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import render, view_for
 from cleaner.plugins import PluginError
-from cleaner.tools import Tool, Toolbox, ToolError, ToolResult, load_tools
+from cleaner.tools import CallContext, Tool, Toolbox, ToolError, ToolResult, load_tools
 from cleaner.tools.responses import format_tool_response, format_tool_text
 from tests.agent_fakes import (
     BASE,
@@ -499,3 +499,21 @@ def test_a_tool_keeps_state_per_rollout_and_its_release_is_the_rollouts_tool_rew
     assert counter.log == [("create", "it0-a-s0"), ("release", "it0-a-s0"), ("create", "it0-b-s0"),
                            ("release", "it0-b-s0")]
     assert seen == [{"count": 12.0}, {"count": 2.0}] and counter.counts == {}
+
+
+def test_an_async_call_in_is_awaited_on_the_toolbox_loop():
+    """A tool that writes its own call_in as a coroutine, with no call of its own."""
+    class Echo(Tool):
+        name, description = "echo", "Echo."
+        parameters = {"type": "object", "properties": {"text": {"type": "string"}}}
+
+        async def call_in(self, arguments, context):
+            await asyncio.sleep(0)
+            return f"{context.rollout_id}: {arguments['text']}"
+
+    box = Toolbox([Echo()])
+    try:
+        done = asyncio.run(box.run("echo", {"text": "hi"}, CallContext("it0-p-s0")))
+    finally:
+        box.close()
+    assert (done.status, done.text) == ("ok", "it0-p-s0: hi")

@@ -90,6 +90,12 @@ class Lookup(BaseTool):
             raise ConnectionError("connection refused")
         if key == "nested":
             return ToolResponse(text=parameters["no such argument"]), 0.0, {}
+        if key == "number":
+            return ToolResponse(text=str(int(parameters["key"]))), 0.0, {}
+        if key == "long":
+            return ToolResponse(text="Tool call success\\n" + "x" * 5000 + "end"), 0.0, {}
+        if key == "bad reward":
+            return ToolResponse(text="Tool call success"), "high", {}
         table = self.tables[instance_id]
         if key in table:
             return ToolResponse(text=f"Tool call success\\n{key} = {table[key]}"), 0.5, {}
@@ -145,11 +151,17 @@ def test_a_verl_tool_lives_per_rollout_with_the_rows_create_kwargs(verl, tmp_pat
         "error", "NameError", "Tool call failure\nNameError: y is not in the table", -0.25)
     wrong = run(box, "lookup", {"key": "nested"}, row)  # a KeyError in the tool: verl's format answer
     assert (wrong.status, wrong.error_type, wrong.text) == ("error", "KeyError", FORMAT_TEXT)
+    value = run(box, "lookup", {"key": "number"}, row)  # a ValueError: the reference's plain failure
+    assert (value.status, value.error_type, value.text) == ("error", "ValueError", "Tool call failure.")
+    long = run(box, "lookup", {"key": "long"}, row)  # as the tool wrote it: verl cuts only by --max-tool-response-chars
+    assert (long.status, len(long.text), long.text[-3:]) == ("ok", 5021, "end") and box.max_output_chars < 5021
     down = run(box, "lookup", {"key": "down"}, row)  # the service's fault: tried again, then infra_error
     assert (down.status, down.error_type, down.text) == (
         "infra_error", "ToolUnavailable", "the tool's service failed: ConnectionError: connection refused")
     other_row = run(box, "lookup", {"key": "x"}, CallContext("it0-q-s0", {}))  # its row has no table
     assert (other_row.status, other_row.error_type) == ("error", "NameError")
+    with pytest.raises(ToolError, match=r"execute returned the step reward 'high'; verl's execute returns"):
+        run(box, "lookup", {"key": "bad reward"}, row)
     assert asyncio.run(box.finish("it0-p-s0")) == {"lookup": 1.0}  # calc_reward: one key found
     assert asyncio.run(box.finish("it0-q-s0")) == {"lookup": 0.0} and asyncio.run(box.finish("it0-q-s0")) == {}
     box.close()
@@ -157,8 +169,9 @@ def test_a_verl_tool_lives_per_rollout_with_the_rows_create_kwargs(verl, tmp_pat
             for kwargs in ({"table": {"x": 7}}, {}))
     tries = toolbox_module.INFRA_TRIES
     assert log == [("create", p, {"table": {"x": 7}}), ("execute", p, {"key": "x"}), ("execute", p, {"key": "y"}),
-                   ("execute", p, {"key": "nested"})] + [("execute", p, {"key": "down"})] * tries + [
-                   ("create", q, {}), ("execute", q, {"key": "x"}),
+                   ("execute", p, {"key": "nested"}), ("execute", p, {"key": "number"}), ("execute", p, {"key": "long"})
+                   ] + [("execute", p, {"key": "down"})] * tries + [
+                   ("create", q, {}), ("execute", q, {"key": "x"}), ("execute", p, {"key": "bad reward"}),
                    ("calc_reward", p), ("release", p), ("calc_reward", q), ("release", q)]
 
 
@@ -332,6 +345,7 @@ def test_the_references_code_judge_tool_runs_unchanged(verl, tmp_path, monkeypat
         ok = run(box, "code_interpreter", {"code": "print(6 * 7)"}, context)
         failed = run(box, "code_interpreter", {"code": "print(1 / 0)"}, context)
         reads = run(box, "code_interpreter", {"code": "print(int(input()) + 1)", "input": "41\n"}, context)
+        scores = asyncio.run(box.finish(context.rollout_id))
     finally:
         box.close()
     assert (ok.status, ok.error_type, ok.text, ok.verbatim) == ("ok", None, "Tool call success\nstdout: 42\n", True)
@@ -339,6 +353,7 @@ def test_the_references_code_judge_tool_runs_unchanged(verl, tmp_path, monkeypat
         "Tool call failure\nreason: runtime_error\nstderr: ZeroDivisionError at line 1: division by zero\n"
         "  print(1 / 0)\n"))  # the reference's template reports the model's line
     assert (reads.status, reads.text) == ("ok", "Tool call success\nstdout: 42\n")
+    assert scores == {"code_interpreter": []}  # its calc_reward's value, passed on as verl passes it
     # the code the tool sent is the reference's template around the model's code, base64 inside
     solutions = [body["submissions"][0]["solution"] for body in CodeJudge.requests]
     assert base64.b64encode(b"print(6 * 7)").decode() in solutions[0]

@@ -124,12 +124,12 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
         check_device(config.device)
         check_model_path(config.model, tokenizer=True)
     user = UserCode.load(config)
-    tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
-    with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
-        try:
+    try:
+        tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
+        with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
             return _collect(warehouse, request, tasks, backend, progress, started, user)
-        finally:
-            user.toolbox.close()
+    finally:
+        user.toolbox.close()
 
 
 def shard_of(shard: Shard) -> tuple[int, int] | None:

@@ -55,28 +55,31 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
         if model not in backends:
             check_model_path(model, tokenizer=True)
     user = UserCode.load(config)
-    datasets = [(name, load_dataset(path, config.prompt_style, config.limit, tools=config.multi_turn)) for name, path in config.datasets]
-    for _, loaded in datasets:
-        if not loaded.tasks:
-            raise JobError(f"{loaded.path}: the dataset has no rows")
-    plans = [_as_stored(warehouse, plan) for plan in eval_plans(config, datasets)]
-    todo = [plan for plan in plans if warehouse.read_eval_run(plan.eval_id) is None]
-    if todo:
-        tasks = [task for _, loaded in datasets for task in loaded.tasks]
-        with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
-            for model in dict.fromkeys(plan.model for plan in todo):  # one model served at a time
-                load = functools.partial(load_backend, config.backend, model, device=config.device,
-                                         sglang_url=config.sglang_url,
-                                         deterministic=config.deterministic_inference,
-                                         mem_fraction=config.sglang_mem_fraction)
-                with serving_backend(backends.get(model), load) as serving:
-                    if serving.tokenizer is None:
-                        raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "
-                                       "for the chat format")
-                    _warm_up(serving, sandbox, tasks[0])
-                    for model_plan in [plan for plan in todo if plan.model == model]:
-                        _evaluate(warehouse, model_plan, serving, sandbox, grader, progress, user)
-    user.toolbox.close()
+    try:
+        datasets = [(name, load_dataset(path, config.prompt_style, config.limit, tools=config.multi_turn))
+                    for name, path in config.datasets]
+        for _, loaded in datasets:
+            if not loaded.tasks:
+                raise JobError(f"{loaded.path}: the dataset has no rows")
+        plans = [_as_stored(warehouse, plan) for plan in eval_plans(config, datasets)]
+        todo = [plan for plan in plans if warehouse.read_eval_run(plan.eval_id) is None]
+        if todo:
+            tasks = [task for _, loaded in datasets for task in loaded.tasks]
+            with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
+                for model in dict.fromkeys(plan.model for plan in todo):  # one model served at a time
+                    load = functools.partial(load_backend, config.backend, model, device=config.device,
+                                             sglang_url=config.sglang_url,
+                                             deterministic=config.deterministic_inference,
+                                             mem_fraction=config.sglang_mem_fraction)
+                    with serving_backend(backends.get(model), load) as serving:
+                        if serving.tokenizer is None:
+                            raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "
+                                           "for the chat format")
+                        _warm_up(serving, sandbox, tasks[0])
+                        for model_plan in [plan for plan in todo if plan.model == model]:
+                            _evaluate(warehouse, model_plan, serving, sandbox, grader, progress, user)
+    finally:
+        user.toolbox.close()
     rows = [warehouse.read_eval_run(plan.eval_id) for plan in plans]
     return EvalOutcome(rows, [plan.eval_id for plan in todo], time.monotonic() - started)
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from cleaner.errors import JobError
@@ -26,6 +27,18 @@ from cleaner.errors import JobError
 
 class PluginError(JobError):
     """The user's file or object cannot be loaded; the message names it and why."""
+
+
+def plain(value: object) -> object:
+    """numpy scalars and arrays (what the user's code returns, what pandas-written files hold) as
+    Python values, inside dicts (keys as text), lists and tuples too: JSON and pickling take them."""
+    if isinstance(value, Mapping):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays, torch tensors
+        return value.tolist()
+    return value
 
 
 def split_spec(spec: str, default_name: str | None = None, what: str = "object") -> tuple[str, str]:

@@ -112,8 +112,11 @@ class Tool:
     def is_coroutine(self) -> bool:
         """Its call is a coroutine function (run on the toolbox's own loop, not a thread): `call_in`
         where the tool writes its own, else `call`."""
-        own = type(self).call_in is not Tool.call_in
-        return inspect.iscoroutinefunction(self.call_in if own else self.call)
+        return inspect.iscoroutinefunction(self.call_in if self.has_own("call_in") else self.call)
+
+    def has_own(self, hook: str) -> bool:
+        """Its class writes its own `hook` (`call_in`, `create`, `open`, ...), not Tool's default."""
+        return getattr(type(self), hook) is not getattr(Tool, hook)
 
     def call(self, arguments: dict) -> ToolResult | str:
         raise NotImplementedError(f"tool {self.name!r} has no call()")

@@ -29,9 +29,10 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from cleaner.plugins import plain
 from cleaner.records import ToolStatus
 from cleaner.tools.base import CallContext, Tool, ToolError, ToolResult, ToolUnavailable
 from cleaner.tools.calls import CoroutineCalls, ThreadCalls, Timed
@@ -78,7 +79,7 @@ class Toolbox:
 
     def _with(self, hook: str) -> list[Tool]:
         """The tools that have their own `hook` (`open`, `create`, ...): the others need no call of it."""
-        return [tool for tool in self.tools.values() if _has(tool, hook)]
+        return [tool for tool in self.tools.values() if tool.has_own(hook)]
 
     @property
     def schemas(self) -> list[dict]:
@@ -108,18 +109,18 @@ class Toolbox:
 
     async def _run_once(self, tool: Tool, arguments: dict, context: CallContext) -> ToolOutcome:
         timeout = self._timeout(tool)
-        if context.rollout_id and _has(tool, "create") and tool.name not in self.live.get(context.rollout_id, ()):
+        if context.rollout_id and tool.has_own("create") and tool.name not in self.live.get(context.rollout_id, ()):
             live = self.live.setdefault(context.rollout_id, set())
             live.add(tool.name)  # before it runs: a rollout stopped meanwhile still releases it
             created = await self._invoke(tool.create, (context,), timeout, f"tool {tool.name!r}")
             if created.timed_out or created.error is not None:  # the call is not made; the next one creates again
                 live.discard(tool.name)
-                return self._marked(tool, self._outcome(tool.name, timeout, created, tool.verbatim))
+                return self._outcome(tool, timeout, created)
         if tool.is_coroutine:
             timed = await self.coroutines.run(lambda: tool.call_in(arguments, context), timeout)
         else:
             timed = await self.threads.run(tool.call_in, (arguments, context), timeout, f"tool {tool.name!r}")
-        return self._marked(tool, self._outcome(tool.name, timeout, timed, tool.verbatim))
+        return self._outcome(tool, timeout, timed)
 
     def _timeout(self, tool: Tool) -> float:
         return tool.timeout_s if tool.timeout_s is not None else self.timeout_s
@@ -129,10 +130,6 @@ class Toolbox:
         if inspect.iscoroutinefunction(method):
             return await self.coroutines.run(lambda: method(*args), timeout)
         return await self.threads.run(method, args, timeout, what)
-
-    @staticmethod
-    def _marked(tool: Tool, outcome: ToolOutcome) -> ToolOutcome:
-        return dataclasses.replace(outcome, verbatim=tool.verbatim) if tool.verbatim else outcome
 
     async def finish(self, rollout_id: str) -> dict[str, object]:
         """Release the tools a rollout created; {name: reward} of those whose `release` returned
@@ -146,7 +143,7 @@ class Toolbox:
                 logger.warning("tool %s: releasing rollout %s failed: %s", name, rollout_id,
                                "timed out" if done.timed_out else repr(done.error))
             elif done.value is not None:
-                rewards[name] = plain(done.value)
+                rewards[name] = plain(done.value)  # as a reward worker process and JSON take it
         return rewards
 
     def abandon(self, rollout_id: str) -> None:
@@ -162,7 +159,14 @@ class Toolbox:
         if not future.cancelled() and future.exception() is not None:
             logger.warning("releasing a stopped rollout's tools failed: %r", future.exception())
 
-    def _outcome(self, name: str, timeout: float, timed: Timed, verbatim: bool = False) -> ToolOutcome:
+    def _outcome(self, tool: Tool, timeout: float, timed: Timed) -> ToolOutcome:
+        """What a call (or a `create`) came to; a verl tool's text as it wrote it (verl cuts it only by
+        --max-tool-response-chars), marked so."""
+        if not tool.verbatim:
+            return self._read(tool.name, timeout, timed, self._cut)
+        return dataclasses.replace(self._read(tool.name, timeout, timed, valid_text), verbatim=True)
+
+    def _read(self, name: str, timeout: float, timed: Timed, cut: Callable[[str], str]) -> ToolOutcome:
         exec_ms = timed.seconds * 1000
         if timed.timed_out:
             logger.warning("tool %s ran past its %.1f s timeout", name, timeout)
@@ -180,7 +184,6 @@ class Toolbox:
             raise ToolError(f"tool {name!r} raised {type(error).__name__}; a tool returns a str or a "
                             "cleaner.tools.ToolResult, or raises an Exception for a failed call") from error
         result = timed.value
-        cut = valid_text if verbatim else self._cut  # a verl tool's text as it is (verl cuts it only by length)
         if isinstance(result, str):
             return ToolOutcome(ToolStatus.OK, None, cut(result), exec_ms)
         if isinstance(result, ToolResult):
@@ -211,21 +214,6 @@ class Toolbox:
                     logger.warning("tool %s: closing it failed: %r", tool.name, error)
         finally:
             self.coroutines.close()
-
-
-def plain(value: object) -> object:
-    """numpy scalars and arrays, inside lists and dicts too, as Python values (a reward worker
-    process and JSON take them)."""
-    if isinstance(value, Mapping):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(item) for item in value]
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
-def _has(tool: Tool, hook: str) -> bool:
-    """The tool's class has its own `hook` (not Tool's no-op)."""
-    return getattr(type(tool), hook) is not getattr(Tool, hook)
 
 
 def canonical_arguments(arguments: Mapping) -> str:

@@ -445,7 +445,8 @@ async def _execute(call: _Call, state: RolloutState, story: Story, requests: Req
         return _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
     if call.parsed.name in story.tool_parameters:  # the user's (one named code_interpreter replaces ours)
         extra = state.task.extra_info
-        context = CallContext(state.rollout_id, extra.get("tools_kwargs") or {} if isinstance(extra, dict) else {})
+        tools_kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None  # verl's, per row
+        context = CallContext(state.rollout_id, tools_kwargs or {})
         done = await requests.run_tool(call.parsed.name, call.parsed.arguments, context)
         if done.reward is not None:
             state.tool_rewards.append(done.reward)

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from cleaner.config import PromptStyle
 from cleaner.engine.collect.prompts import reference_training_messages
 from cleaner.errors import CleanerError
+from cleaner.plugins import plain
 
 TOY_SOURCE = "toy"
 
@@ -152,7 +153,7 @@ def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_sourc
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise row_error(path, index, "`reward_model` as a struct with `ground_truth`", reward_model)
-    truth = _plain(reward_model["ground_truth"])
+    truth = plain(reward_model["ground_truth"])  # numpy values of a pandas-written file as Python's
     if not _usable_truth(truth):
         raise row_error(path, index, "a non-empty `reward_model.ground_truth` (a string, a number, a struct, or a "
                                      "list of accepted answers)", truth)
@@ -166,17 +167,6 @@ def _parse_row(path: Path, index: int, row: dict, style: PromptStyle, file_sourc
         messages = reference_training_messages(messages, file_source, data_source, tools)
     text = truth if isinstance(truth, str) else json.dumps(truth, ensure_ascii=False)
     return Task(prompt_id, messages, text, data_source, index, extra_info, None if isinstance(truth, str) else truth)
-
-
-def _plain(value: object) -> object:
-    """numpy arrays and scalars (from pandas-written files) as Python values, inside structs too."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if hasattr(value, "tolist"):
-        return _plain(value.tolist())
-    return value
 
 
 def _usable_truth(truth: object) -> bool:

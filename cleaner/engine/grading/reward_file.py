@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cleaner.engine.grading.answers import RewardResult
-from cleaner.plugins import PluginError, load_object
+from cleaner.plugins import PluginError, load_object, plain
 
 DEFAULT_NAME = "compute_score"  # verl's custom_reward_function.name default
 
@@ -102,17 +102,17 @@ class RewardFunction:
             score = result["score"]
         else:
             score = result
-        score = _plain(score)  # a numpy scalar (np.float32, np.bool_) as Python's
+        score = plain(score)  # a numpy scalar (np.float32, np.bool_) as Python's
         if not isinstance(score, numbers.Real) or not _float32(score):
             raise self._bad(rollout_id, f"{type(score).__name__} {score!r:.80}, not a finite number a "
                                         f"float32 holds (|x| <= {FLOAT32_MAX:.4g})")
         score = float(score)
         if details is None:
             return RewardResult(score, score > 0, None)
-        correct = bool(_plain(details["acc"])) if "acc" in details else score > 0
+        correct = bool(plain(details["acc"])) if "acc" in details else score > 0
         pred = details.get("pred")
-        answer = None if pred is None else str(_plain(pred))
-        text = json.dumps(_plain(details), sort_keys=True, ensure_ascii=False, default=str)
+        answer = None if pred is None else str(plain(pred))
+        text = json.dumps(plain(details), sort_keys=True, ensure_ascii=False, default=str)
         return RewardResult(score, correct, answer, text)
 
     def _bad(self, rollout_id: str, what: str) -> RewardFunctionError:
@@ -130,17 +130,6 @@ def _float32(score: numbers.Real) -> bool:
     except OverflowError:  # an int beyond any float (10**400)
         return False
     return math.isfinite(value) and abs(value) <= FLOAT32_MAX
-
-
-def _plain(value: object) -> object:
-    """numpy scalars and arrays as Python values, inside dicts and lists too (JSON takes them)."""
-    if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays, torch tensors
-        return value.tolist()
-    return value
 
 
 def verl_extra_info(row_extra_info: object, num_turns: int, rollout_reward_scores: Mapping[str, object] | None = None,

@@ -55,6 +55,14 @@ def test_run_loop_chains_iterations_and_is_idempotent(tmp_path, random_policy):
     assert connection.sql("SELECT count(*) FROM purified").fetchall() == [(8,)]
 
 
+def test_a_run_dir_given_relative_runs_its_second_iteration(tmp_path, random_policy, monkeypatch):
+    """`make demo`'s `runs/demo`: the checkpoint the loop's backend adopts is named relative to the
+    working directory, the one iteration 1's collect stored resolved; purify takes them as one."""
+    monkeypatch.chdir(tmp_path)
+    rows = run_loop(_config(Path("run"), random_policy), progress=False)
+    assert [r.iteration for r in rows] == [0, 1]
+
+
 def test_a_second_process_on_the_same_run_dir_fails_at_once_and_writes_nothing(tmp_path, random_policy):
     """Two processes driving one run would collect the same iteration twice (duplicate rollouts);
     the second finds the run directory's lock held and stops before touching the warehouse."""

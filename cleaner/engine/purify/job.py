@@ -203,7 +203,7 @@ def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, 
                  progress: bool, scorer_memory_gb: float | None = None) -> tuple[list[PurifyResult], ScorerStats]:
     """Render and score the rollouts under the configs with the collecting policy's scorer."""
     policy = collected_policy(warehouse, iteration)
-    if backend is not None and Path(backend.model_path) != Path(policy):
+    if backend is not None and Path(backend.model_path).resolve() != Path(policy).resolve():  # one stored resolved
         raise JobError(f"iteration {iteration} was collected by {policy}, but the backend serves "
                        f"{backend.model_path}; purify scores with the policy that collected")
     with serving_backend(backend, load) as serving:

@@ -178,6 +178,8 @@ class StandIn:
                  port: int = 0) -> None:
         self.model_path, self.workers, self.delay_s = model_path, workers, delay_s
         self.drop_after: int | None = None  # after this many /generate requests, hang up on every request
+        self.wedged: set[str] = set()  # paths it takes requests on and never answers (until closed)
+        self.released = threading.Event()  # set at close: the wedged requests end (the connection drops)
         self.busy_after_update = False  # SGLang's "weights in, cache not flushed" answer, then a flush
         self.idle_within_timeout = True  # does a flush that waits for idle find it?
         self.requests: list[tuple[str, dict | None]] = []
@@ -239,6 +241,11 @@ class StandIn:
                 if stand_in.drop_after is not None and len(stand_in.paths("/generate")) >= stand_in.drop_after:
                     self.close_connection = True  # a server that died mid-request: the connection drops
                     return
+                if self.path in stand_in.wedged:  # a wedged server: the request is taken, never answered
+                    stand_in.requests.append((self.path, body))
+                    stand_in.released.wait(600)
+                    self.close_connection = True
+                    return
                 with stand_in.lock:
                     stand_in.in_flight += 1
                     stand_in.most_in_flight = max(stand_in.most_in_flight, stand_in.in_flight)
@@ -268,6 +275,7 @@ class StandIn:
         return Handler
 
     def close(self) -> None:
+        self.released.set()
         self.http.shutdown()
         self.http.server_close()
 

@@ -196,6 +196,7 @@ class CollectConfig(_Config):
     schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
     backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
     sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    sglang_request_timeout_s: float | None = None  # a request to an SGLang server unanswered past this is tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token
     deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
     sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
@@ -207,7 +208,8 @@ class CollectConfig(_Config):
     # How rollouts are run, not what they contain: not part of the config's identity (its id, and
     # what resuming an iteration must match).
     SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction",
-                            "reward_timeout_s", "sglang_url"})  # the servers' address: they may come back at another
+                            "reward_timeout_s", "sglang_request_timeout_s",
+                            "sglang_url"})  # the servers' address: they may come back at another
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
     ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype", "multi_turn",
@@ -307,6 +309,10 @@ class CollectConfig(_Config):
                f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
         _check(self.test_timeout_s > 0, f"test_timeout_s must be > 0, got {self.test_timeout_s}")
         _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        _check(self.sglang_request_timeout_s is None or self.sglang_url is not None,
+               "sglang_request_timeout_s is for the servers at sglang_url")
+        _check(self.sglang_request_timeout_s is None or self.sglang_request_timeout_s > 0,
+               f"sglang_request_timeout_s must be > 0, got {self.sglang_request_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -522,6 +528,7 @@ class EvalConfig(_Config):
     schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
     backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
     sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
+    sglang_request_timeout_s: float | None = None  # a request to an SGLang server unanswered past this is tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token
     deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
     sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
@@ -558,6 +565,7 @@ class EvalConfig(_Config):
             rollback_prob=1.0, similarity_on=self.similarity_on, seed=self.seed,
             batch_rollouts=self.batch_rollouts, max_concurrent_rollouts=self.max_concurrent_rollouts,
             schedule=self.schedule, backend=self.backend, sglang_url=self.sglang_url,
+            sglang_request_timeout_s=self.sglang_request_timeout_s,
             deterministic_inference=self.deterministic_inference, sglang_mem_fraction=self.sglang_mem_fraction,
             device=self.device, sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
             reward_timeout_s=self.reward_timeout_s,

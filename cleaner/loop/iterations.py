@@ -99,7 +99,8 @@ def _load_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
     return load_backend(collect.backend, policy, device=ranks.device(collect.device), dtype=collect.rollout_dtype,
                         sglang_url=collect.sglang_url,
                         seed=collect.seed, deterministic=collect.deterministic_inference,
-                        mem_fraction=collect.sglang_mem_fraction)
+                        mem_fraction=collect.sglang_mem_fraction,
+                        request_timeout_s=collect.sglang_request_timeout_s)
 
 
 def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str) -> torch.nn.Module | None:

@@ -161,7 +161,8 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                                  dtype=config.rollout_dtype,
                                  sglang_url=config.sglang_url, seed=iteration_seed(config),
                                  deterministic=config.deterministic_inference,
-                                 mem_fraction=config.sglang_mem_fraction)
+                                 mem_fraction=config.sglang_mem_fraction,
+                                 request_timeout_s=config.sglang_request_timeout_s)
         with serving_backend(backend, load) as serving:
             if serving.tokenizer is None:
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "

@@ -70,7 +70,8 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
                     load = functools.partial(load_backend, config.backend, model, device=config.device,
                                              sglang_url=config.sglang_url,
                                              deterministic=config.deterministic_inference,
-                                             mem_fraction=config.sglang_mem_fraction)
+                                             mem_fraction=config.sglang_mem_fraction,
+                                             request_timeout_s=config.sglang_request_timeout_s)
                     with serving_backend(backends.get(model), load) as serving:
                         if serving.tokenizer is None:
                             raise JobError(f"model {model!r} has no tokenizer files; eval needs its tokenizer "

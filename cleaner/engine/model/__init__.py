@@ -34,7 +34,7 @@ def require_backend(kind: str, sglang_url: str | None = None) -> None:
 
 def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: str | None = None,
                  sglang_url: str | None = None, seed: int = 0, *, deterministic: bool = True,
-                 mem_fraction: float | None = None) -> Backend:
+                 mem_fraction: float | None = None, request_timeout_s: float | None = None) -> Backend:
     """A ready backend serving `model_path`.
 
     dtype is a torch dtype name (float32, bfloat16, float16); None means float32 for torch and for
@@ -43,6 +43,8 @@ def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: 
     an SGLang engine's random seed (what makes its sampling reproducible where per-request seeds
     are not honoured); the other backends take one seed per request instead. `deterministic` and
     `mem_fraction` are an SGLang engine's on a GPU (sglang_engine.py); the others ignore them.
+    `request_timeout_s` is the servers' per-request limit (None: derived from each request's
+    tokens; sglang_server.py).
     """
     require_backend(kind, sglang_url)
     if kind == "torch":
@@ -55,7 +57,7 @@ def load_backend(kind: str, model_path: str | Path, device: str = "cpu", dtype: 
     if sglang_url is not None:
         from cleaner.engine.model.sglang_server import SGLangServerBackend  # (start-up time)
 
-        return SGLangServerBackend(sglang_url, model_path)
+        return SGLangServerBackend(sglang_url, model_path, request_timeout_s=request_timeout_s)
     from cleaner.engine.model.sglang_engine import SGLangBackend  # (start-up time)
 
     return SGLangBackend(model_path, device=device, dtype=dtype, seed=seed, deterministic=deterministic,

@@ -41,7 +41,7 @@ class SGLangRequests:
     serves a checkpoint (and after each `adopt`), `_send` the bodies' responses in order."""
 
     tokenizer: object | None
-    vocab_size: int | None
+    vocab_size: int | None  # the checkpoint's: every id it answers is checked against it (answers.py)
     tokens_computed: int  # over every `score` request: prompt tokens minus cached ones
     _model_path: Path
     _policy_version: str
@@ -106,13 +106,13 @@ class SGLangRequests:
     ) -> list[Generation]:
         check_generate_inputs(prompts, seeds)
         bodies = [generate_body(p, params, s) for p, s in zip(prompts, seeds, strict=True)]
-        return [generation_from_response(r) for r in self._send(bodies)]
+        return [generation_from_response(r, params.max_new_tokens, self.vocab_size) for r in self._send(bodies)]
 
     async def generate_async(self, prompt: Sequence[int], params: SamplingParams, seed: int,
                              session: str | None = None) -> Generation:
         check_generate_inputs([prompt], [seed])
         (response,) = await self._send_async([generate_body(prompt, params, seed)], session)
-        return generation_from_response(response)
+        return generation_from_response(response, params.max_new_tokens, self.vocab_size)
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
         check_score_inputs(sequences, starts)

@@ -56,10 +56,12 @@ from typing import Any
 
 import httpx
 
+from cleaner.engine.model.answers import BadAnswer
 from cleaner.engine.model.sglang_common import SGLangRequests
 from cleaner.engine.model.sglang_wire import (
     FLUSH_WAIT_S,
     EngineError,
+    check_answer,
     error_message,
     responses_of,
     served_model,
@@ -79,10 +81,27 @@ RETRY_BACKOFF_S = 1.0  # wait before a try when no server is left in the rotatio
 PROBE_BACKOFF_S = 1.0  # a failed server's first time out of the rotation; doubled at each failure ...
 MAX_PROBE_BACKOFF_S = 60.0  # ... up to this
 PROBE_TIMEOUT_S = 5.0  # a health probe's limit
+CONTROL_TIMEOUT_S = 60.0  # the control plane's questions: which workers, which checkpoint
+UPDATE_TIMEOUT_S = 3600.0  # a weight update: a large checkpoint loads for minutes
+# A request's own limit, unless the user sets one (--sglang-request-timeout-s): a fixed part, plus
+# what its tokens take at rates well below a loaded server's (20 new tokens/s for one request's
+# decode in a full batch, 200 tokens/s of prefill), so only a server that stopped answering hits it.
+REQUEST_BASE_S = 60.0
+REQUEST_S_PER_NEW_TOKEN = 0.05
+REQUEST_S_PER_INPUT_TOKEN = 0.005
 
 
 class ServerUnavailable(EngineError):
     """A transient failure of one server (connection, timeout, 5xx, 429): tried again elsewhere."""
+
+
+def request_timeout_s(body: dict[str, Any], fixed_s: float | None = None) -> float:
+    """How long one `/generate` body may wait for its answer: `fixed_s`, or the default derived
+    from its tokens (module notes: REQUEST_BASE_S)."""
+    if fixed_s is not None:
+        return fixed_s
+    return (REQUEST_BASE_S + REQUEST_S_PER_NEW_TOKEN * body["sampling_params"]["max_new_tokens"]
+            + REQUEST_S_PER_INPUT_TOKEN * len(body["input_ids"]))
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -108,12 +127,16 @@ def http_json(url: str, body: dict[str, Any] | None, timeout_s: float) -> tuple[
     return _parsed(response)
 
 
-async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
-    """POST and return the parsed answer; a transient failure is ServerUnavailable, any other
-    non-2xx status an EngineError, both with SGLang's message."""
+async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    """POST and return the parsed answer; a transient failure (no answer within `timeout_s`
+    included) is ServerUnavailable, any other non-2xx status an EngineError, both with SGLang's
+    message."""
     try:
-        status, payload = _parsed(await client.post(url, json=body))
-    except httpx.TransportError as error:  # refused, reset, timed out
+        status, payload = _parsed(await client.post(url, json=body, timeout=httpx.Timeout(timeout_s, pool=None)))
+    except httpx.TimeoutException as error:  # connected, or not, and no answer in time: a wedged server
+        raise ServerUnavailable(f"sglang at {url} did not answer within {timeout_s:.0f} s ({type(error).__name__})") \
+            from error
+    except httpx.TransportError as error:  # refused, reset
         raise ServerUnavailable(f"cannot reach sglang at {url}: {error!r}") from error
     except httpx.HTTPError as error:
         raise EngineError(f"cannot reach sglang at {url}: {error!r}") from error
@@ -184,10 +207,13 @@ class StickyRoutes:
             self.backoff[server] = min(2 * self.backoff[server], MAX_PROBE_BACKOFF_S)
             log.warning("%s is out of the rotation for %.0f s", server, self.out[server] - now)
 
-    def recovered(self, server: str) -> None:
+    def recovered(self, server: str, answered: bool = True) -> None:
+        """`server` is back in the rotation; `answered`: it answered a request (not only a health
+        probe, which a wedged server may pass), so its next back-off starts short again."""
         if self.out.pop(server, None) is not None:
             log.info("%s answers again: back in the rotation", server)
-        self.backoff[server] = PROBE_BACKOFF_S
+        if answered:
+            self.backoff[server] = PROBE_BACKOFF_S
 
     def due(self, now: float) -> list[str]:
         """Servers out of the rotation whose back-off has passed: to be probed."""
@@ -214,21 +240,25 @@ class SGLangServerBackend(SGLangRequests):
     """Generation and scoring through SGLang's native `/generate` on running servers."""
 
     def __init__(self, url: str, model_path: str | Path, *, max_concurrency: int = DEFAULT_CONCURRENCY,
-                 timeout_s: float = 3600.0) -> None:
+                 request_timeout_s: float | None = None) -> None:
+        """`request_timeout_s`: each request's limit, after which it is tried on another server and
+        its server benched; None: derived from the request's tokens (`request_timeout_s()`)."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if request_timeout_s is not None and not 0 < request_timeout_s < float("inf"):
+            raise ValueError(f"request_timeout_s must be a number > 0, got {request_timeout_s}")
         self.url = url.rstrip("/")
         self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s
         self._read_checkpoint(model_path)
-        self.workers = discover_workers(self.url, timeout_s)
+        self.workers = discover_workers(self.url, CONTROL_TIMEOUT_S)
         self.routes = StickyRoutes(self.workers)
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._probes: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Task] = {}  # health probes running
         log.info("sglang at %s: %d server(s) %s", self.url, len(self.workers), self.workers)
         self._serve(model_path)
         for worker in self.workers:
-            if served_checkpoint(worker, timeout_s) != os.path.normpath(str(model_path)):
+            if served_checkpoint(worker, CONTROL_TIMEOUT_S) != os.path.normpath(str(model_path)):
                 self._update(worker, model_path)
 
     def adopt(self, model_path: str | Path) -> None:
@@ -239,11 +269,11 @@ class SGLangServerBackend(SGLangRequests):
 
     def _update(self, worker: str, model_path: str | Path) -> None:
         status, answer = http_json(worker + "/update_weights_from_disk", update_weights_body(model_path),
-                                   self.timeout_s)
+                                   UPDATE_TIMEOUT_S)
         message = error_message(answer)
         if not 200 <= status < 300 and weights_in_cache_kept(message):  # weights in, flush when idle
             status, answer = http_json(f"{worker}/flush_cache?timeout={FLUSH_WAIT_S:g}", {},
-                                       self.timeout_s + FLUSH_WAIT_S)
+                                       UPDATE_TIMEOUT_S + FLUSH_WAIT_S)
             message = error_message(answer)
         if not 200 <= status < 300 or isinstance(answer, dict) and answer.get("success") is False:
             raise EngineError(f"{worker} could not load weights from {model_path}: HTTP {status}: {message}")
@@ -304,14 +334,16 @@ class SGLangServerBackend(SGLangRequests):
 
     async def _probe_due(self, client: httpx.AsyncClient, every: bool = False) -> None:
         """Ask each server out of the rotation whose back-off has passed (`every`: each one)
-        whether it is healthy, one probe a server at a time; wait for the probes running."""
+        whether it is healthy, one probe a server at a time. The probes run beside the requests:
+        only a request that finds no server left in the rotation waits for them (a probe may load
+        our checkpoint onto a restarted server, which takes minutes)."""
         loop = asyncio.get_running_loop()
         due = list(self.routes.out) if every else self.routes.due(time.monotonic())
         for server in due:
             if (loop, server) not in self._probes:
                 self._probes[loop, server] = loop.create_task(self._probe(client, server))
         running = [task for (owner, _), task in self._probes.items() if owner is loop]
-        if running:
+        if running and not self.routes.rotation:
             await asyncio.gather(*[asyncio.shield(task) for task in running], return_exceptions=True)
 
     async def _probe(self, client: httpx.AsyncClient, server: str) -> None:
@@ -326,7 +358,7 @@ class SGLangServerBackend(SGLangRequests):
         finally:
             self._probes.pop((asyncio.get_running_loop(), server), None)
         if healthy:
-            self.routes.recovered(server)
+            self.routes.recovered(server, answered=False)
         else:
             self.routes.out.pop(server, None)
             self.routes.failed(server, time.monotonic())
@@ -346,13 +378,26 @@ class SGLangServerBackend(SGLangRequests):
         raise AssertionError("unreachable")
 
     async def close_requests(self) -> None:
-        """Close the running loop's connection pool."""
-        client = self._clients.pop(asyncio.get_running_loop(), None)
+        """Stop the running loop's health probes and close its connection pool."""
+        loop = asyncio.get_running_loop()
+        probes = [task for (owner, _), task in list(self._probes.items()) if owner is loop]
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        client = self._clients.pop(loop, None)
         if client is not None:
             await client.aclose()
 
     async def _post(self, client: httpx.AsyncClient, server: str, body: dict[str, Any]) -> dict[str, Any]:
-        (response,) = responses_of(await post_ok_async(client, server + "/generate", body), 1)
+        """`server`'s answer to `body`, within the request's timeout. An answer no policy gives
+        (answers.py) is the server's transient failure, like a 5xx: the request is tried elsewhere
+        and the server benched."""
+        answer = await post_ok_async(client, server + "/generate", body, request_timeout_s(body, self.request_timeout_s))
+        (response,) = responses_of(answer, 1)
+        try:
+            check_answer(body, response, self.vocab_size)
+        except BadAnswer as error:
+            raise ServerUnavailable(f"{server} answered what no policy gives: {error}") from error
         return response
 
     def _client(self) -> httpx.AsyncClient:
@@ -365,6 +410,6 @@ class SGLangServerBackend(SGLangRequests):
 
     def _new_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout_s, pool=None))
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(CONTROL_TIMEOUT_S, pool=None))  # requests set their own
 
 

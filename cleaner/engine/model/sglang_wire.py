@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cleaner.engine.model.answers import BadAnswer, checked_generation, checked_scores
 from cleaner.engine.model.base import LENGTH, STOP, BackendError, Generation, SamplingParams
 
 SEED_MODULUS = 2**63
@@ -133,8 +134,10 @@ def responses_of(payload: Any, n_requests: int) -> list[dict[str, Any]]:
     return responses
 
 
-def generation_from_response(response: dict[str, Any]) -> Generation:
-    """One response -> Generation (ids and log-probs from output_token_logprobs)."""
+def generation_from_response(response: dict[str, Any], max_new_tokens: int,
+                             vocab_size: int | None = None) -> Generation:
+    """One response -> Generation (ids and log-probs from output_token_logprobs), checked as a
+    policy's answer to a request of `max_new_tokens` (answers.py: BadAnswer if it is not one)."""
     meta = response["meta_info"]
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -142,12 +145,18 @@ def generation_from_response(response: dict[str, Any]) -> Generation:
         raise EngineError(f"sglang aborted a request: {reason}")
     entries = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text or None], ...]
     if any(entry[0] is None for entry in entries):
-        raise EngineError("sglang returned a null output log-prob (NaN or inf in the logits?)")
-    return Generation(
-        token_ids=tuple(int(entry[1]) for entry in entries),
-        logprobs=tuple(float(entry[0]) for entry in entries),
-        finish_reason=STOP if kind == "stop" else LENGTH,
-    )
+        raise BadAnswer("sglang returned a null output log-prob (NaN or inf in the logits?)")
+    try:
+        generation = Generation(
+            token_ids=tuple(int(entry[1]) for entry in entries),
+            logprobs=tuple(float(entry[0]) for entry in entries),
+            finish_reason=STOP if kind == "stop" else LENGTH,
+        )
+        reported = meta.get("completion_tokens")
+        reported = int(reported) if reported is not None else None
+    except (TypeError, ValueError, IndexError) as error:
+        raise BadAnswer(f"sglang's output_token_logprobs cannot be read: {error}") from error
+    return checked_generation(generation, max_new_tokens, vocab_size, reported)
 
 
 def input_logprobs_from_response(response: dict[str, Any], sequence: Sequence[int], start: int,
@@ -158,15 +167,29 @@ def input_logprobs_from_response(response: dict[str, Any], sequence: Sequence[in
     if wanted == 0:
         return []
     entries = (response["meta_info"].get("input_token_logprobs") or [])[-wanted:]
-    ids = [int(entry[1]) for entry in entries]
+    try:
+        ids = [int(entry[1]) for entry in entries]
+        values = [None if entry[0] is None else float(entry[0]) for entry in entries]
+    except (TypeError, ValueError, IndexError) as error:
+        raise BadAnswer(f"sglang's input_token_logprobs cannot be read: {error}") from error
     expected = [int(t) for t in sequence[start:]]
     if vocab_size is not None:
         expected = [0 if t == vocab_size - 1 else t for t in expected]
-    if ids != expected or any(entry[0] is None for entry in entries):
-        raise EngineError(
+    if ids != expected or None in values:
+        raise BadAnswer(
             f"sglang input_token_logprobs do not line up with the sequence from position {start}"
         )
-    return [float(entry[0]) for entry in entries]
+    return checked_scores(values, wanted)
+
+
+def check_answer(body: dict[str, Any], response: dict[str, Any], vocab_size: int | None) -> None:
+    """BadAnswer unless `response` is a policy's answer to the single request `body` (a score
+    request asks for no new token)."""
+    ids, params = body["input_ids"], body["sampling_params"]
+    if params["max_new_tokens"] == 0:
+        input_logprobs_from_response(response, ids, body["logprob_start_len"] + 1, vocab_size)
+    else:
+        generation_from_response(response, params["max_new_tokens"], vocab_size)
 
 
 def computed_tokens(response: dict[str, Any]) -> int:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from cleaner.engine.model.answers import checked_generation, checked_score_rows
 from cleaner.engine.model.base import (
     Generation,
     SamplingParams,
@@ -99,6 +100,12 @@ class TorchBackend:
     @property
     def context_length(self) -> int | None:
         return context_length(self.model.config)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the model's embedding: the ids a forward can take (answers.py)."""
+        size = getattr(self.model.config, "vocab_size", None)
+        return int(size) if size is not None else None
 
     @property
     def pad_id(self) -> int:
@@ -195,7 +202,8 @@ class TorchBackend:
         requests = [DecodeRequest(tuple(int(t) for t in prompt), params, int(seed), keep(index))
                     for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))]
         run_to_end(self._new_batch(), requests)
-        return [result for result in results]  # run_to_end ends every request
+        return [result if isinstance(result, BaseException)  # run_to_end ends every request
+                else checked_generation(result, params.max_new_tokens, self.vocab_size) for result in results]
 
     async def generate_async(self, prompt: Sequence[int], params: SamplingParams, seed: int,
                              session: str | None = None) -> Generation:
@@ -210,13 +218,14 @@ class TorchBackend:
 
         self._server.submit(DecodeRequest(tuple(int(t) for t in prompt), params, int(seed), done,
                                           cancelled=future.cancelled))
-        return await future
+        return checked_generation(await future, params.max_new_tokens, self.vocab_size)
 
     async def score_async(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
                           session: str | None = None) -> list[list[float]]:
         """`score`, run on the decoding thread between two of its steps."""
         check_score_inputs(sequences, starts)
-        return await asyncio.wrap_future(self._server.call(lambda: self.score(sequences, starts)))
+        scores = await asyncio.wrap_future(self._server.call(lambda: self.score(sequences, starts)))
+        return checked_score_rows(scores, sequences, starts)
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(self.model, self.device, self.pad_id)

@@ -243,7 +243,7 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(sglang_server, "MAX_PROBE_BACKOFF_S", 0.2)
 
 
-def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset()):
+def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset(), request_timeout_s: float | None = None):
     """A collection of `prompts` x 2 single-turn rollouts through the servers behind `url`: the parts
     it wrote, and what it raised (None if it finished)."""
     from cleaner.config import CollectConfig
@@ -252,9 +252,10 @@ def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset()):
     from cleaner.engine.model.chat import ChatFormat
     from tests.agent_fakes import FakeSandbox, fake_reward
 
-    backend = SGLangServerBackend(url, model_dir)
+    backend = SGLangServerBackend(url, model_dir, request_timeout_s=request_timeout_s)
     config = CollectConfig(model=str(model_dir), backend="sglang", sglang_url=url, n_prompts=prompts, group_size=2,
-                           max_turns=1, max_new_tokens=4, max_response_tokens=8, batch_rollouts=4)
+                           max_turns=1, max_new_tokens=4, max_response_tokens=8, batch_rollouts=4,
+                           sglang_request_timeout_s=request_timeout_s)
     parts = []
     try:
         collect(toy_tasks(prompts, seed=3), config, backend, FakeSandbox(), ChatFormat(backend.tokenizer),
@@ -357,7 +358,11 @@ def test_a_server_back_from_a_fault_is_probed_into_the_rotation(model_dir, quick
                 assert backend.routes.rotation == [workers[0].url]
                 workers[1].drop_after = None  # b is back
                 time.sleep(0.25)  # its back-off has passed
-                await backend.generate_async([0], params, 0, session="probe")  # b is probed (and answers)
+                await backend.generate_async([0], params, 0, session="probe")  # b is probed, beside the request
+                for _ in range(100):  # the probe runs beside the requests: it answers within a moment
+                    if workers[1].url in backend.routes.rotation:
+                        break
+                    await asyncio.sleep(0.02)
                 await asyncio.gather(*[backend.generate_async([index], params, 0, session=f"late{index}")
                                        for index in range(4)])
             finally:
@@ -394,3 +399,170 @@ def test_collect_against_a_server_answering_500_exits_1_and_purify_refuses_the_i
     assert "Traceback" not in result.output
     refused = runner.invoke(app, ["purify", "-w", str(tmp_path / "wh")])
     assert refused.exit_code == 1 and "holds 0 of the 16 rollouts" in " ".join(refused.output.split())
+
+
+# ---------------------------------------------------------------------------- answers no policy gives
+
+
+def _misanswering(stand_in: StandIn, how: str) -> StandIn:
+    """`stand_in` answering every generation wrongly in one way (answers.py's cases)."""
+    from cleaner.engine.model.loading import vocab_size_of
+
+    honest = stand_in.generate
+
+    def generate(body: dict) -> tuple[int, object]:
+        status, payload = honest(body)
+        meta = payload["meta_info"]
+        entries = meta["output_token_logprobs"]
+        if how == "id past the vocabulary":
+            entries[0][1] = vocab_size_of(stand_in.model_path)  # the first id past the checkpoint's
+        elif how == "NaN log-prob":
+            entries[0][0] = float("nan")  # json.dumps writes NaN, which httpx reads back as nan
+        elif how == "positive log-prob":
+            entries[0][0] = 0.7
+        elif how == "empty, not stopped":
+            meta["output_token_logprobs"], meta["completion_tokens"] = [], 0
+        elif how == "length disagrees":
+            meta["completion_tokens"] += 1
+        return status, payload
+
+    stand_in.generate = generate
+    return stand_in
+
+
+HOW = ["id past the vocabulary", "NaN log-prob", "positive log-prob", "empty, not stopped", "length disagrees"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_server_answering_what_no_policy_gives_is_routed_around(model_dir, quick_retries, how):
+    """Two workers behind a router, one answering every generation wrongly: each such answer is a
+    fault of that server (benched, the request tried on the other), so the warehouse is the one a
+    healthy server collects and holds nothing the bad server said."""
+    healthy = StandIn(str(model_dir))
+    expected, error = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    workers = [StandIn(str(model_dir)), _misanswering(StandIn(str(model_dir)), how)]
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    try:
+        got, error = _collect_over(router.url, model_dir)
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert error is None
+    assert workers[1].paths("/generate")  # it was asked, and its answers were refused
+    assert _rows(got) == _rows(expected) and len(_rows(got)[0]) == 24
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_the_only_server_answering_what_no_policy_gives_stops_the_collection_and_it_resumes(model_dir, quick_retries,
+                                                                                          how):
+    from cleaner.errors import CollectionStopped
+
+    healthy = StandIn(str(model_dir))
+    expected, _ = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    server = _misanswering(StandIn(str(model_dir)), how)
+    try:
+        got, error = _collect_over(server.url, model_dir)
+    finally:
+        server.close()
+    assert got == [] and isinstance(error, CollectionStopped), error
+    assert "answered what no policy gives" in str(error) and "--resume" in str(error)
+    assert "\n" not in str(error)
+    back = StandIn(str(model_dir), port=server.port)
+    try:
+        rest, error = _collect_over(back.url, model_dir)
+    finally:
+        back.close()
+    assert error is None and _rows(rest) == _rows(expected)
+
+
+# ---------------------------------------------------------------------------- a server that takes requests and never answers
+
+
+def test_a_requests_default_timeout_follows_its_tokens_not_an_hour():
+    from cleaner.engine.model.sglang_server import request_timeout_s
+    from cleaner.engine.model.sglang_wire import generate_body, score_body
+
+    params = SamplingParams(max_new_tokens=8192, stop_token_ids=())
+    assert request_timeout_s(generate_body([1] * 16_000, params, 0)) == pytest.approx(60 + 0.05 * 8192 + 0.005 * 16_000)
+    assert request_timeout_s(score_body([1] * 2_000, 1)) == pytest.approx(60 + 0.005 * 2_000)
+    assert request_timeout_s(score_body([1] * 2_000, 1), fixed_s=7.5) == 7.5
+
+
+def test_a_wedged_server_is_timed_out_and_routed_around(model_dir, quick_retries):
+    """Two workers, one of which takes every generation and never answers: each request to it ends
+    at the request timeout, is tried on the other, and the wedged server leaves the rotation; the
+    warehouse is the one a healthy server collects."""
+    import time
+
+    healthy = StandIn(str(model_dir))
+    expected, _ = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    workers = [StandIn(str(model_dir)), StandIn(str(model_dir))]
+    workers[1].wedged = {"/generate"}
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    started = time.monotonic()
+    try:
+        got, error = _collect_over(router.url, model_dir, request_timeout_s=0.5)
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert error is None, error
+    assert workers[1].paths("/generate")  # it took requests
+    assert _rows(got) == _rows(expected) and len(_rows(got)[0]) == 24
+    assert time.monotonic() - started < 30
+
+
+def test_the_only_server_wedged_ends_the_collection_as_a_dead_one_and_it_resumes(model_dir, quick_retries):
+    from cleaner.errors import CollectionStopped
+
+    healthy = StandIn(str(model_dir))
+    expected, _ = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    server = StandIn(str(model_dir))
+    server.wedged = {"/generate"}
+    try:
+        got, error = _collect_over(server.url, model_dir, request_timeout_s=0.3)
+    finally:
+        server.close()
+    assert got == [] and isinstance(error, CollectionStopped), error
+    assert "did not answer within 0 s" in str(error) and "--resume" in str(error) and "\n" not in str(error)
+    back = StandIn(str(model_dir), port=server.port)
+    try:
+        rest, error = _collect_over(back.url, model_dir)
+    finally:
+        back.close()
+    assert error is None and _rows(rest) == _rows(expected)
+
+
+def test_a_routed_request_never_waits_on_a_probe_while_a_server_serves(model_dir, quick_retries):
+    """Worker b is out of the rotation and its health probe hangs (a probe may load our checkpoint
+    for minutes): requests of rollouts keep going to a, each as fast as a answers."""
+    import asyncio
+    import time
+
+    workers = [StandIn(str(model_dir)), StandIn(str(model_dir))]
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+    try:
+        backend = SGLangServerBackend(router.url, model_dir)
+        backend.routes.failed(workers[1].url, time.monotonic() - 10)  # out, and due for a probe at once
+        workers[1].wedged = {"/health"}
+
+        async def main():
+            try:
+                started = time.monotonic()
+                for index in range(5):
+                    await backend.generate_async([index], params, 0, session=f"r{index}")
+                return time.monotonic() - started
+            finally:
+                await backend.close_requests()
+
+        seconds = asyncio.run(main())
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert workers[1].paths("/health")  # it was probed ...
+    assert seconds < 2.0  # ... and nobody waited for the probe (PROBE_TIMEOUT_S is 5 s)
+    assert len(workers[0].paths("/generate")) == 5

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from cleaner.engine.model.answers import BadAnswer
 from cleaner.engine.model.base import LENGTH, STOP, SamplingParams
 from cleaner.engine.model.sglang_wire import (
     EngineError,
     batch_body,
+    check_answer,
     computed_tokens,
     error_message,
     generate_body,
@@ -84,25 +86,66 @@ def _response(output, finish, inputs=None):
 
 def test_generation_from_response_reads_ids_and_finish_reason():
     stopped = _response([[-0.5, 4, None], [-1.25, 9, None]], {"type": "stop", "matched": 9})
-    generation = generation_from_response(stopped)
+    generation = generation_from_response(stopped, 8)
     assert generation.token_ids == (4, 9) and generation.logprobs == (-0.5, -1.25)
     assert generation.finish_reason == STOP
     full = _response([[-0.1, 1, None]] * 3, {"type": "length", "length": 3})
-    assert generation_from_response(full).finish_reason == LENGTH
+    assert generation_from_response(full, 3).finish_reason == LENGTH
     with pytest.raises(RuntimeError, match="aborted"):
         generation_from_response(_response([], {"type": "abort", "message": "Aborted",
-                                                 "status_code": None, "err_type": None}))
+                                                 "status_code": None, "err_type": None}), 8)
 
 
 def test_a_model_eos_outside_our_stop_ids_still_ends_as_a_stop_and_is_kept():
     eos = _response([[-0.5, 4, None], [-0.2, 63, "<eos>"]], {"type": "stop", "matched": 63})
-    generation = generation_from_response(eos)
+    generation = generation_from_response(eos, 8)
     assert generation.token_ids == (4, 63) and generation.finish_reason == STOP
 
 
 def test_a_null_output_logprob_is_an_error():
-    with pytest.raises(EngineError, match="null output log-prob"):
-        generation_from_response(_response([[None, 4, None]], {"type": "length", "length": 1}))
+    with pytest.raises(BadAnswer, match="null output log-prob"):
+        generation_from_response(_response([[None, 4, None]], {"type": "length", "length": 1}), 8)
+
+
+@pytest.mark.parametrize(("output", "finish", "limit", "why"), [
+    ([[-0.5, 64, None]], {"type": "length", "length": 1}, 8, "outside the vocabulary"),  # id == vocab size
+    ([[-0.5, -1, None]], {"type": "length", "length": 1}, 8, "outside the vocabulary"),
+    ([[float("nan"), 4, None]], {"type": "length", "length": 1}, 8, "not a finite number"),
+    ([[float("-inf"), 4, None]], {"type": "length", "length": 1}, 8, "not a finite number"),
+    ([[0.25, 4, None]], {"type": "length", "length": 1}, 8, "not a finite number <= 0"),  # a probability above 1
+    ([], {"type": "length", "length": 0}, 8, "no token generated"),
+    ([], {"type": "stop", "matched": 9}, 8, "no token generated"),
+    ([[-0.5, 4, None]] * 3, {"type": "length", "length": 3}, 2, "at most 2"),
+    ([[-0.5, 4, None], ["x", 4, None]], {"type": "length", "length": 2}, 8, "cannot be read"),
+])
+def test_an_answer_no_policy_gives_is_a_bad_answer(output, finish, limit, why):
+    with pytest.raises(BadAnswer, match=why):
+        generation_from_response(_response(output, finish), limit, vocab_size=64)
+
+
+def test_the_length_the_engine_reports_must_be_the_ids_it_sends():
+    response = _response([[-0.5, 4, None], [-0.5, 5, None]], {"type": "length", "length": 2})
+    response["meta_info"]["completion_tokens"] = 3
+    with pytest.raises(BadAnswer, match="reports 3 generated tokens but sent 2"):
+        generation_from_response(response, 8, vocab_size=64)
+
+
+def test_log_probs_at_zero_within_rounding_are_a_policys():
+    near = _response([[0.0, 63, None], [4e-4, 1, None]], {"type": "length", "length": 2})
+    assert generation_from_response(near, 8, vocab_size=64).logprobs == (0.0, 4e-4)
+
+
+def test_check_answer_reads_a_score_request_by_its_body():
+    body = score_body([5, 6, 7], start=1)
+    good = {"meta_info": {"input_token_logprobs": [(None, 5, None), (-0.3, 6, None), (-0.7, 7, None)]}}
+    check_answer(body, good, vocab_size=64)
+    for value in (float("nan"), 0.5):
+        bad = {"meta_info": {"input_token_logprobs": [(None, 5, None), (value, 6, None), (-0.7, 7, None)]}}
+        with pytest.raises(BadAnswer, match="not a finite number"):
+            check_answer(body, bad, vocab_size=64)
+    generate = generate_body([5, 6], SamplingParams(max_new_tokens=2, stop_token_ids=()), seed=1)
+    with pytest.raises(BadAnswer, match="outside the vocabulary"):
+        check_answer(generate, _response([[-0.1, 70, None]], {"type": "length", "length": 1}), vocab_size=64)
 
 
 def test_input_logprobs_take_the_tail_and_check_ids():
@@ -111,9 +154,9 @@ def test_input_logprobs_take_the_tail_and_check_ids():
     output = {"meta_info": {"input_token_logprobs": [(None, 6, None), (-0.3, 7, None), (-0.7, 8, None)]}}
     assert input_logprobs_from_response(output, sequence, start=2) == [-0.3, -0.7]
     assert input_logprobs_from_response(output, sequence, start=4) == []
-    with pytest.raises(RuntimeError, match="do not line up"):
+    with pytest.raises(BadAnswer, match="do not line up"):
         input_logprobs_from_response(output, [5, 6, 7, 9], start=2)
-    with pytest.raises(RuntimeError, match="do not line up"):
+    with pytest.raises(BadAnswer, match="do not line up"):
         input_logprobs_from_response(output, sequence, start=1)  # would need the None entry
 
 
@@ -124,9 +167,9 @@ def test_the_last_vocabulary_id_may_come_back_as_zero():
                                                      (-13.0979, 0, None), (-11.0352, 5, None)]}}
     assert input_logprobs_from_response(output, [1, 2, 3, 511, 5], 1, vocab_size=512) == [
         -7.8232, -11.6111, -13.0979, -11.0352]
-    with pytest.raises(EngineError, match="do not line up"):
+    with pytest.raises(BadAnswer, match="do not line up"):
         input_logprobs_from_response(output, [1, 2, 3, 511, 5], 1)  # without the vocab size: strict
-    with pytest.raises(EngineError, match="do not line up"):
+    with pytest.raises(BadAnswer, match="do not line up"):
         input_logprobs_from_response(output, [1, 2, 3, 510, 5], 1, vocab_size=512)  # only the last id
 
 
@@ -135,7 +178,7 @@ def test_the_wire_cheat_sheet_response():
     response = _response([[-0.2, 17, None], [-0.01, 2, None]], {"type": "stop", "matched": 2},
                          inputs=[[None, 2, None], [-3.1, 3, None]])
     assert input_logprobs_from_response(response, [1, 2, 3], start=2) == [-3.1]
-    assert generation_from_response(response).token_ids == (17, 2)
+    assert generation_from_response(response, 8).token_ids == (17, 2)
 
 
 def test_responses_of_takes_one_object_or_a_batch_list():

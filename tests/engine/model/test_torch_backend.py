@@ -185,3 +185,37 @@ def test_adopt_without_training_in_place_loads_the_checkpoint(model_dir, tmp_pat
     backend.adopt(tmp_path / "half")
     assert backend.model is not before
     assert backend.score([PROMPTS[0]], [1])[0] == pytest.approx(other.score([PROMPTS[0]], [1])[0], abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- answers no policy gives
+
+
+def test_a_forward_that_overflows_into_nan_is_a_bad_answer_never_a_generation(model_dir):
+    """float16 rollouts are where NaN log-probs really come from: a model whose head gives NaN is
+    refused at the backend (answers.py), by the batch and the request API alike, and so is its
+    scoring for the IS gate."""
+    import asyncio
+
+    from cleaner.engine.model.answers import BadAnswer
+
+    backend = TorchBackend(model_dir)
+    try:
+        with torch.no_grad():
+            backend.model.lm_head.weight[3].fill_(float("nan"))  # one row: every logit vector holds a NaN
+        params = SamplingParams(max_new_tokens=3, stop_token_ids=(), temperature=1.0)
+        with pytest.raises(BadAnswer, match="not a finite number"):
+            backend.generate([PROMPTS[0]], params, seeds=[1])
+
+        async def one():
+            return await backend.generate_async(PROMPTS[1], params, seed=2)
+
+        with pytest.raises(BadAnswer, match="not a finite number|outside the vocabulary"):
+            asyncio.run(one())
+
+        async def score():
+            return await backend.score_async([PROMPTS[0]], [1])
+
+        with pytest.raises(BadAnswer, match="not log-probs"):
+            asyncio.run(score())
+    finally:
+        backend.close()

@@ -138,7 +138,8 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
     assert collected[0].config.to_dict() == resolved["collect"] | {"data": None, "sglang_url": None, "reward_fn": None,
                                                                    "tools": None, "tool": None,
                                                                    "sglang_mem_fraction": None, "rollout_dtype": None,
-                                                                   "max_tool_response_chars": None}
+                                                                   "max_tool_response_chars": None,
+                                                                   "sglang_request_timeout_s": None}
 
     purified = _requests(monkeypatch, "cleaner.engine.purify.job", "purify_job")
     runner.invoke(app, ["purify", *where, *_args(resolved["purify"])])

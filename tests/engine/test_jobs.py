@@ -178,3 +178,116 @@ def test_purify_ablate_and_train_commands(collected, tmp_path):
     missing = cli.invoke(app, ["train", "-w", str(warehouse.root), "--config-id", "nope", "--policy",
                                str(DEFAULT_POLICY), "--out", str(tmp_path / "x")])
     assert missing.exit_code == 1 and "run `cleaner purify` first" in missing.output
+
+
+# ---------------------------------------------------------------------------------------------
+# What no policy produced: refused where a warehouse written by an older version holds it
+
+
+def _rewritten(collected, tmp_path, segment_change=None, row_change=None):
+    """A warehouse holding `collected`'s iteration 0 as an older cleaner would have stored it with
+    `segment_change(segment) -> segment` applied (and, purified under the default config,
+    `row_change(row) -> row`): (warehouse, the rollout ids changed)."""
+    from cleaner.config import PurifyConfig
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.warehouse import Warehouse
+    from tests.factories import make_purify_config
+
+    source = _copy(collected, tmp_path / "source")
+    rollouts, segments = source.read_rollouts(0), source.read_segments(0)
+    changed = set()
+    if segment_change is not None:
+        segments = [segment_change(s) for s in segments]
+        changed = {s.rollout_id for s, o in zip(segments, source.read_segments(0), strict=True) if s != o}
+    warehouse = Warehouse(tmp_path / "wh")
+    warehouse.save_collect_config(0, source.collect_config(0))
+    warehouse.write_rollouts(0, rollouts, segments)
+    if row_change is not None:
+        config = PurifyConfig()
+        purify_job(source, PurifyRequest(0, [config]), progress=False)
+        rows = [row_change(row) for row in source.read_purified(0, config.config_id)]
+        changed = {r.rollout_id for r, o in zip(rows, source.read_purified(0, config.config_id), strict=True) if r != o}
+        warehouse.write_purified(0, make_purify_config(config.config_id), rows)
+    return warehouse, changed
+
+
+def _assistant_of(rollout_id: str, change):
+    """A segment change applied to `rollout_id`'s first assistant segment only."""
+    def apply(segment):
+        if segment.rollout_id == rollout_id and segment.kind == "assistant" and segment.seq == 1:
+            return change(segment)
+        return segment
+    return apply
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda s: dataclasses.replace(s, logprobs=(float("nan"),) + s.logprobs[1:]), "log-prob nan at position 0"),
+    (lambda s: dataclasses.replace(s, logprobs=(0.5,) + s.logprobs[1:]), "log-prob 0.5 at position 0"),
+    (lambda s: dataclasses.replace(s, token_ids=(512,) + s.token_ids[1:]), "token id 512 at position 0 is outside the vocabulary"),
+])
+def test_purify_refuses_what_an_older_version_stored_unchecked_naming_the_rollout(collected, tmp_path, change, why):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    rollout_id = _copy(collected, tmp_path / "ids").read_rollouts(0)[3].rollout_id
+    warehouse, changed = _rewritten(collected, tmp_path, segment_change=_assistant_of(rollout_id, change))
+    assert changed == {rollout_id}
+    result = CliRunner().invoke(app, ["purify", "-w", str(warehouse.root)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert f"1 rollout(s) hold tokens or log-probs no policy produced: {rollout_id} (seq 1: {why}" in line, line
+    assert not list(warehouse.root.glob("purified/**/*.parquet"))
+
+
+def test_train_refuses_rows_holding_nan_naming_the_rollout(collected, tmp_path):
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
+    from cleaner.engine.train.job import TrainRequest, train_job
+    from cleaner.errors import JobError
+
+    def nan_old(row):
+        if row.rollout_id != target:
+            return row
+        trained = row.loss_mask.index(1)
+        old = list(row.old_logprobs)
+        old[trained] = float("nan")
+        return dataclasses.replace(row, old_logprobs=tuple(old))
+
+    target = _copy(collected, tmp_path / "ids").read_rollouts(0)[5].rollout_id
+    warehouse, changed = _rewritten(collected, tmp_path, row_change=nan_old)
+    assert changed == {target}
+    request = TrainRequest(0, PurifyConfig().config_id, DEFAULT_POLICY, tmp_path / "out",
+                           TrainConfig(lr=1e-4, mini_batch_size=6, micro_batch_size=3))
+    with pytest.raises(JobError, match=f"1 rollout\\(s\\) hold values no policy produced: {target} \\(old log-prob nan"):
+        train_job(warehouse, request, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_train_job_whose_loss_is_never_finite_fails_and_saves_nothing(collected, tmp_path):
+    """The policy's forward gives NaN (a broken checkpoint): every step's loss is NaN, every step
+    is skipped, and the job says so in one line instead of saving the policy and succeeding."""
+    import shutil
+
+    import torch
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig
+    from cleaner.engine.model.loading import load_policy
+
+    warehouse = _copy(collected, tmp_path)
+    assert CliRunner().invoke(app, ["purify", "-w", str(warehouse.root)]).exit_code == 0
+    broken = tmp_path / "broken"
+    shutil.copytree(DEFAULT_POLICY, broken)
+    model = load_policy(broken, "cpu", torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(broken)
+    result = CliRunner().invoke(app, ["train", "-w", str(warehouse.root), "--config-id", PurifyConfig().config_id,
+                                      "--policy", str(broken), "--out", str(tmp_path / "ckpt"), "--lr", "1e-4",
+                                      "--mini-batch-size", "6", "--micro-batch-size", "3"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "iteration 0: the loss is not finite at any of its 2 steps" in line
+    assert not (tmp_path / "ckpt").exists()
+    assert warehouse.connect().sql("SELECT count(*) FROM train_steps").fetchall() == [(0,)]

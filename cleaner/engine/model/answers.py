@@ -38,19 +38,17 @@ class BadAnswer(BackendError):
 
 
 def _ids_fault(token_ids: Sequence[int], vocab_size: int | None) -> str | None:
-    if vocab_size is None:
+    if vocab_size is None or not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None  # min and max first: a warehouse's hundreds of millions of ids are read at C speed
+    position, token = next((p, t) for p, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    return f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
+
+
+def _logprobs_fault(logprobs: Sequence[float]) -> str | None:
+    if not logprobs or (all(map(math.isfinite, logprobs)) and max(logprobs) <= LOGPROB_SLACK):
         return None
-    for position, token in enumerate(token_ids):
-        if not 0 <= token < vocab_size:
-            return f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
-    return None
-
-
-def _logprobs_fault(logprobs: Iterable[float]) -> str | None:
-    for position, value in enumerate(logprobs):
-        if not math.isfinite(value) or value > LOGPROB_SLACK:
-            return f"log-prob {value!r} at position {position} is not a finite number <= 0"
-    return None
+    position, value = next((p, v) for p, v in enumerate(logprobs) if not (math.isfinite(v) and v <= LOGPROB_SLACK))
+    return f"log-prob {value!r} at position {position} is not a finite number <= 0"
 
 
 def generation_fault(generation: Generation, max_new_tokens: int, vocab_size: int | None,

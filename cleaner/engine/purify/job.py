@@ -23,9 +23,10 @@ from cleaner.engine.collect.agent import rollout_key
 from cleaner.engine.collect.job import collected_policy, load_tasks, shard_of
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
+from cleaner.engine.model.answers import refusal, row_value_faults, stored_value_faults
 from cleaner.engine.model.base import ScorerStats
 from cleaner.engine.model.chat import ChatFormat
-from cleaner.engine.model.loading import check_device
+from cleaner.engine.model.loading import check_device, vocab_size_of
 from cleaner.engine.purify.pipeline import (
     PurifyResult,
     errors_by_type,
@@ -113,6 +114,7 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
     iteration, configs = request.iteration, request.configs
     check_collected(warehouse, iteration, request.shard)
     rollouts, segments = _share(warehouse, iteration, request.shard)
+    check_stored_values(warehouse, iteration, segments)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
     todo = [c for c in configs if missing[c.config_id]]
@@ -167,6 +169,17 @@ def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
                        "its other options) before purifying, so the rows cover the whole iteration")
 
 
+def check_stored_values(warehouse: Warehouse, iteration: int, segments: Sequence[Segment]) -> None:
+    """JobError, naming the rollouts, when stored segments hold what no policy produced (ids past
+    the collecting policy's vocabulary, behaviour log-probs that are not finite or above 0): an
+    older cleaner stored engines' answers unchecked (docs/architecture.md §5)."""
+    faults = stored_value_faults(segments, vocab_size_of(collected_policy(warehouse, iteration)))
+    if faults:
+        raise JobError(f"{warehouse.root}: iteration {iteration}: {refusal(faults, 'tokens or log-probs')}; an "
+                       "older cleaner stored its engine's answers unchecked: collect the iteration again (into "
+                       "another warehouse or --iteration) before purifying")
+
+
 def _stored_result(warehouse: Warehouse, iteration: int, config: PurifyConfig, ids: frozenset[str],
                    rollouts: list[Rollout], segments: list[Segment],
                    errors: tuple[tuple[str, int], ...]) -> PurifyResult:
@@ -212,6 +225,10 @@ def _purify_with(warehouse: Warehouse, iteration: int, backend: Backend | None, 
         decode = ChatFormat(serving.tokenizer).decode
         purified = purify_iteration(rollouts, segments, configs, scorer, decode,
                                     scorer_version=f"{scorer.version}:{serving.policy_version}")
+    faults = row_value_faults((row for result in purified for row in result.rows), vocab_size_of(policy))
+    if faults:  # nothing is stored: a NaN old log-prob would train as one
+        raise JobError(f"{warehouse.root}: iteration {iteration}: the scorer of {policy} gave "
+                       f"{refusal(faults, 'rows')}; score with a checkpoint whose forward is finite")
     return purified, scorer.stats
 
 

@@ -70,6 +70,7 @@ from cleaner.engine.train.optim import (
     new_optimization,
     other_engine_error,
 )
+from cleaner.engine.train.outcome import check_trained
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
 from cleaner.engine.train.policy import load_trainable, training
 from cleaner.engine.train.step import (
@@ -321,6 +322,10 @@ def train_iteration_deepspeed(
     with training(engine.module, config):
         for index, mini_rows in enumerate(bar):
             steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
+    # every rank holds the same (all-reduced) step rows, so all refuse alike; ZeRO-3's partitioned
+    # weights are empty here and go unchecked
+    check_trained(steps, engine.module.policy.named_parameters(), iteration,
+                  loss_scaled=config.compute_dtype_on(_rank_device().type) == "float16")
     saved = _write_checkpoint(engine, optimization, ds_config, policy_path, out_path, config)
     if hasattr(engine, "destroy"):  # ZeRO-3's hooks would outlive the iteration in `cleaner run`
         engine.destroy()

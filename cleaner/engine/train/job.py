@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from cleaner.config import TrainConfig
-from cleaner.engine.model.loading import check_device, check_model_path
+from cleaner.engine.model.answers import refusal, row_value_faults
+from cleaner.engine.model.loading import check_device, check_model_path, vocab_size_of
 from cleaner.engine.train import memory, space
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.engine.train.deepspeed_config import zero_stage as zero_stage_of
@@ -90,6 +91,7 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
                 rows = warehouse.read_purified(iteration, config_id)
             except WarehouseError as exc:
                 raise JobError(f"{exc}; run `cleaner purify` first") from exc
+        _check_values(warehouse, request, config_id, model, rows)
         _check_memory(request, model, rows)
         try:
             result = train_iteration(rows, request.policy, request.out, config, iteration, model=model,
@@ -120,6 +122,19 @@ def _check_purified(warehouse: Warehouse, iteration: int, config_id: str) -> Non
                        f"{len(rollouts) - len(missing)} of its {len(rollouts)} rollouts: its purify was interrupted "
                        f"(or the collection was resumed after it); run `cleaner purify --iteration {iteration}` with "
                        "the same options again, then train")
+
+
+def _check_values(warehouse: Warehouse, request: TrainRequest, config_id: str, model,
+                  rows: Sequence[PurifiedRow]) -> None:
+    """JobError, naming the rollouts, when the rows hold what no policy produced (ids past the
+    policy's vocabulary, log-probs, rewards or advantages that are not finite): an older cleaner
+    stored engines' answers unchecked (docs/architecture.md §5), and NaN would train as a number."""
+    vocab_size = getattr(model.config, "vocab_size", None) if model is not None else vocab_size_of(request.policy)
+    faults = row_value_faults(rows, vocab_size)
+    if faults:
+        raise JobError(f"{warehouse.root}: iteration {request.iteration}, purify config {config_id}: "
+                       f"{refusal(faults, 'values')}; an older cleaner stored them unchecked: collect and purify "
+                       "the iteration again before training")
 
 
 def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> None:

@@ -11,7 +11,8 @@ resumes its optimiser from the checkpoint at `policy_path` (an `optimization` pa
 engine's and is not used).
 
 Design decisions:
-- A step whose gradient norm is not finite is skipped (grads dropped) and logged, not applied.
+- A step whose gradient norm is not finite is skipped (grads dropped) and logged, not applied;
+  an iteration that trained nothing, or broke its weights, saves nothing (outcome.py).
 - `model` may be passed in so `cleaner run` needs no reload.
 - One optimiser for the run (`optim.py`): `cleaner run` passes the same `Optimization` to every
   iteration; otherwise the one saved with `policy_path` is resumed. Each step's row records the
@@ -36,6 +37,7 @@ from cleaner.engine.model.loading import load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic
 from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
+from cleaner.engine.train.outcome import check_trained
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, load_trainable, training
 from cleaner.engine.train.step import (
@@ -124,6 +126,7 @@ def train_iteration(
                                   iteration, step)
             steps.append(row)
             bar.set_postfix(loss=f"{row.loss:.4f}", clip=f"{row.clip_fraction:.3f}")
+    check_trained(steps, model.named_parameters(), iteration, loss_scaled=optimization.scaler is not None)
     saved = save_checkpoint_atomic(
         model,
         load_tokenizer_if_present(policy_path),

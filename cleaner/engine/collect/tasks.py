@@ -228,7 +228,27 @@ def verl_tasks(path: Path, table: pa.Table, prompt_style: PromptStyle, tools: bo
     rows = table.to_pylist()
     file_source = rows[0].get("data_source") if rows else None
     file_source = file_source if isinstance(file_source, str) else ""
-    return [_parse_row(path, index, row, prompt_style, file_source, tools) for index, row in enumerate(rows)]
+    tasks = [_parse_row(path, index, row, prompt_style, file_source, tools) for index, row in enumerate(rows)]
+    _check_unique_ids(path, tasks)
+    return tasks
+
+
+def _check_unique_ids(path: Path, tasks: list[Task]) -> None:
+    """DatasetError naming the rows that share a prompt id: the id names a GRPO group and its
+    rollouts, so two rows under one id would be collected as one group and stored twice."""
+    first: dict[str, int | None] = {}
+    clashes: list[tuple[int | None, int | None, str]] = []
+    for task in tasks:
+        if task.prompt_id in first:
+            clashes.append((first[task.prompt_id], task.source_row, task.prompt_id))
+        else:
+            first[task.prompt_id] = task.source_row
+    if clashes:
+        shown = ", ".join(f"rows {a} and {b} ({prompt_id!r})" for a, b, prompt_id in clashes[:3])
+        more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
+        raise DatasetError(f"{path}: {len(clashes)} row(s) repeat another row's prompt id (data_source and "
+                           f"extra_info.index): {shown}{more}; each row's id names its GRPO group and must be "
+                           "unique: give every row its own extra_info.index")
 
 
 def load_rl_parquet(path: str | Path, limit: int | None = None,

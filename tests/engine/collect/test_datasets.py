@@ -37,13 +37,14 @@ def _write(tmp_path, rows, name="data.parquet"):
 
 @pytest.mark.parametrize("layout", list(Layout))
 def test_each_layout_is_detected_and_read(tmp_path, layout):
-    path = _write(tmp_path, [ROWS[layout], ROWS[layout]])
+    again = ROWS[layout] | ({"extra_info": {"index": 8}} if layout == Layout.VERL else {})  # ids are unique
+    path = _write(tmp_path, [ROWS[layout], again])
     loaded = load_dataset(path, PromptStyle.BARE)
     assert loaded.layout == layout
     first, second = loaded.tasks
     source = ROWS[layout]["data_source"]
     assert first.ground_truth == TRUTHS[layout] and first.data_source == source
-    prompt_ids = ["math_dapo-7", "math_dapo-7"] if layout == Layout.VERL else [f"{source}-0", f"{source}-1"]
+    prompt_ids = ["math_dapo-7", "math_dapo-8"] if layout == Layout.VERL else [f"{source}-0", f"{source}-1"]
     assert [first.prompt_id, second.prompt_id] == prompt_ids
     bare = {"Q?", "Q? A) x B) y", "Add."}
     assert first.messages[-1]["content"] in bare

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cleaner.config import PromptStyle
-from cleaner.engine.collect.tasks import Task, load_rl_parquet, toy_tasks
+from cleaner.engine.collect.tasks import DatasetError, Task, load_rl_parquet, toy_tasks
 
 # ---------------------------------------------------------------------------------------------
 # Toy family
@@ -155,3 +155,30 @@ def test_the_built_in_grader_refuses_a_struct_it_cannot_read():
         with pytest.raises(JobError, match=r"^math_dapo-7 \(row 3\): its ground truth is a struct, which the "
                                            r"built-in grader cannot compare an answer with; .*--reward-fn"):
             UserCode(None, None).grading([task], CollectConfig())
+
+
+def test_rows_sharing_a_prompt_id_are_refused_at_load_naming_them(tmp_path):
+    path = tmp_path / "train.parquet"
+    rows = [_row("1+1?", "2", index=0), _row("2+2?", "4", index=1), _row("3+3?", "6", index=0),
+            _row("4+4?", "8", "aime", index=0), _row("5+5?", "10", index=1)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DatasetError) as raised:
+        load_rl_parquet(path)
+    assert str(raised.value) == (
+        f"{path}: 2 row(s) repeat another row's prompt id (data_source and extra_info.index): rows 0 and 2 "
+        "('math_dapo-0'), rows 1 and 4 ('math_dapo-1'); each row's id names its GRPO group and must be unique: "
+        "give every row its own extra_info.index")
+
+
+def test_collect_on_colliding_rows_writes_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from cleaner.cli import app
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("1+1?", "2", index=7), _row("2+2?", "4", index=7)]), path)
+    result = CliRunner().invoke(app, ["collect", "-w", str(tmp_path / "wh"), "--data", str(path), "--prompts", "2"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "rows 0 and 1 ('math_dapo-7')" in line
+    assert not list((tmp_path / "wh").rglob("*.parquet"))

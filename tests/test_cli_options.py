@@ -158,3 +158,73 @@ def test_a_nested_field_error_names_its_flag(tmp_path):
     result = runner.invoke(app, ["collect", "-w", str(tmp_path / "w"), "--sandbox-memory-mb", "10"])
     assert result.exit_code == 1
     assert "error: invalid option: --sandbox-memory-mb must be >= 64, got 10" in " ".join(result.output.split())
+
+
+# ---------------------------------------------------------------------------- numbers that cannot work
+
+
+def _number_fields(cls: type) -> list[str]:
+    """The fields of a config that hold a number (int or float, or optionally one)."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls)
+            if any(kind in (int, float) for kind in (typing.get_args(hints[f.name]) or (hints[f.name],)))
+            and hints[f.name] is not bool]
+
+
+def _configs():
+    from cleaner.config import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
+    from cleaner.sandbox import SandboxConfig
+
+    eval_base = {"datasets": (("d", "/tmp/d.parquet"),)}
+    return [(CollectConfig, {}), (PurifyConfig, {}), (TrainConfig, {}), (RunConfig, {}), (SandboxConfig, {}),
+            (EvalConfig, eval_base)]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_every_number_of_every_config_is_finite(value):
+    checked = 0
+    for cls, base in _configs():
+        for name in _number_fields(cls):
+            with pytest.raises(ValueError, match=f"^{name} must be a finite number, got {value}$"):
+                cls(**base, **{name: value})
+            checked += 1
+    assert checked >= 60  # every number of the six configs, not a sample
+
+
+def test_every_duration_is_within_a_day():
+    servers = {"backend": "sglang", "sglang_url": "http://127.0.0.1:1"}  # what a server's timeout needs
+    for cls, base in _configs():
+        for name in [name for name in _number_fields(cls) if name.endswith("_s")]:
+            needs = base | (servers if name == "sglang_request_timeout_s" else {})
+            for value in (1e10, 86_401, 0, -1):
+                with pytest.raises(ValueError, match=f"^{name} must be in \\(0, 86,400\\] seconds"):
+                    cls(**needs, **{name: value})
+            cls(**needs, **{name: 86_400})
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--lr", "inf"], ["train", "--lr", "nan"], ["train", "--max-grad-norm", "inf"],
+    ["collect", "--reward-timeout-s", "inf"], ["collect", "--reward-timeout-s", "1e10"],
+    ["collect", "--sandbox-timeout-s", "inf"], ["collect", "--temperature", "nan"],
+    ["train", "--rollout-rs-threshold-lower", "0.5"], ["train", "--rollout-rs-threshold", "2"],
+    ["train", "--rollout-is-batch-normalize"], ["collect", "--sglang-request-timeout-s", "5"],
+    ["collect", "--sglang-mem-fraction", "0.5"],
+])
+def test_settings_that_cannot_work_are_one_line_before_any_work(tmp_path, args):
+    command, *flags = args
+    where = ["-w", str(tmp_path / "w")]
+    extra = (["--config-id", "abc", "--policy", str(DEFAULT_POLICY), "--out", str(tmp_path / "out")]
+             if command == "train" else [])
+    result = runner.invoke(app, [command, *where, *extra, *flags])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("error: invalid option: ") and flags[0] in line, line
+    assert not (tmp_path / "w").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_toml_layer_is_held_to_the_same_numbers(tmp_path):
+    (tmp_path / "run.toml").write_text("[train]\nlr = inf\n")
+    result = runner.invoke(app, ["run", "--run-dir", str(tmp_path / "run"), "--config", str(tmp_path / "run.toml")])
+    assert result.exit_code == 1 and result.output.strip() == (
+        f"error: {tmp_path / 'run.toml'}.train: lr must be a finite number, got inf")
+    assert not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -88,6 +89,24 @@ def _digest(fields: dict) -> str:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+# The longest limit a `*_s` option takes: a day. A limit past it is no limit (a run would wait days on
+# a hung call), and clocks and timestamps overflow far beyond it (`inf`, 1e10).
+MAX_SECONDS = 86_400.0
+
+
+def _check_numbers(config: object) -> None:
+    """Every number of a config, before its own checks: a float field finite (`inf` and `nan` pass
+    most comparisons, or none, and would be trained or waited on), a `*_s` field a duration in
+    (0, MAX_SECONDS]. Nested configs check their own."""
+    for item in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, item.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        _check(math.isfinite(value), f"{item.name} must be a finite number, got {value}")
+        _check(not item.name.endswith("_s") or 0 < value <= MAX_SECONDS,
+               f"{item.name} must be in (0, {MAX_SECONDS:,.0f}] seconds, got {value}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -266,6 +285,7 @@ class CollectConfig(_Config):
         return json.loads(json.dumps(cls.from_json(saved_json).identity(), sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _set(self, model=resolved_path(self.model, always=False), data=resolved_path(self.data),
              reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
              tool=resolved_specs(self.tool))
@@ -301,6 +321,8 @@ class CollectConfig(_Config):
         _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
                f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         _check_choice("backend", self.backend, ("torch", "sglang"))
+        _check(self.sglang_mem_fraction is None or self.backend == "sglang",
+               f"sglang_mem_fraction is for backend sglang, got backend {self.backend!r}")
         _check(self.rollout_dtype in (None, "float32", "bfloat16", "float16"),
                f"rollout_dtype must be float32, bfloat16, float16 or none, got {self.rollout_dtype!r}")
         _check(self.sglang_url is None or self.backend == "sglang",
@@ -331,6 +353,7 @@ class PurifyConfig(_Config):
     edit: Edit = Edit.REPLACE  # replace (SAAR's sequence) | mask (the raw one, what replace drops untrained)
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
         _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
         _enum_field(self, "similarity_on", SimilarityOn)
@@ -403,6 +426,7 @@ class TrainConfig(_Config):
         return "bfloat16" if device_type == "cuda" else "float32"
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
@@ -418,6 +442,11 @@ class TrainConfig(_Config):
                f"rollout_rs must be token, sequence, geometric or none, got {self.rollout_rs!r}")
         _check(self.rollout_rs is None or (self.rollout_rs_threshold or 0) > 0,
                "rollout_rs needs rollout_rs_threshold > 0")
+        _check(self.rollout_rs is not None or (self.rollout_rs_threshold is None and self.rollout_rs_threshold_lower is None),
+               "rollout_rs_threshold and rollout_rs_threshold_lower bound rejection sampling: set rollout_rs "
+               "(token, sequence or geometric) too, or drop them")
+        _check(self.rollout_is is not None or not self.rollout_is_batch_normalize,
+               "rollout_is_batch_normalize normalises the IS weights: set rollout_is (token or sequence) too")
         _check(self.rollout_rs_threshold_lower is None or 0 < self.rollout_rs_threshold_lower <= (
             self.rollout_rs_threshold or float("inf")), "rollout_rs_threshold_lower must be in (0, rollout_rs_threshold]")
         _check(self.rollout_token_veto_threshold is None or 0 < self.rollout_token_veto_threshold < 1,
@@ -491,6 +520,7 @@ class RunConfig(_Config):
     train: TrainConfig = field(default_factory=TrainConfig)  # the training of each iteration
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
 
 
@@ -537,6 +567,7 @@ class EvalConfig(_Config):
     reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the evaluation, resumable
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _set(self, models=tuple(resolved_path(model, always=False) for model in self.models),
              datasets=tuple((name, resolved_path(path)) for name, path in self.datasets),
              reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),

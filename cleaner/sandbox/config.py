@@ -15,9 +15,11 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 BACKENDS = ("local", "docker")
+MAX_SECONDS = 86_400.0  # the longest timeout: a day (the engine's configs take the same)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -41,6 +43,12 @@ class SandboxConfig:
     preload_scientific: bool = True  # warm workers also import numpy+sympy: fast `import sympy`, costlier fork
 
     def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):  # numbers finite, durations within a day (as the engine's configs)
+            value = getattr(self, item.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                _check(math.isfinite(value), f"{item.name} must be a finite number, got {value}")
+                _check(not item.name.endswith("_s") or 0 < value <= MAX_SECONDS,
+                       f"{item.name} must be in (0, {MAX_SECONDS:,.0f}] seconds, got {value}")
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
         _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")

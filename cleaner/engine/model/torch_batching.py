@@ -462,21 +462,26 @@ class DecodeServer:
         return RuntimeError("the torch backend was closed") if self._closed else None
 
     def submit(self, request: DecodeRequest) -> None:
-        if (refusal := self._refusal()) is not None:
+        if (refusal := self._enqueue(request)) is not None:
             request.settle(refusal)
-            return
-        self._ensure_running()
-        self._inbox.put(request)
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the decoding thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if (refusal := self._refusal()) is not None:
+        if (refusal := self._enqueue(_Call(fn, future))) is not None:
             future.set_exception(refusal)
-            return future
-        self._ensure_running()
-        self._inbox.put(_Call(fn, future))
         return future
+
+    def _enqueue(self, item: DecodeRequest | _Call) -> BaseException | None:
+        """Put `item` in the inbox for a running thread, or say why not. Under the lock the thread
+        takes to record its death or close: an item checked in before either is in the inbox when
+        the thread drains it at its end, and one after is refused, so none is left unanswered."""
+        with self._lock:
+            if (refusal := self._refusal()) is not None:
+                return refusal
+            self._ensure_running()
+            self._inbox.put(item)
+        return None
 
     def close(self) -> None:
         """End the thread; requests and calls still waiting or running fail."""
@@ -490,10 +495,10 @@ class DecodeServer:
         self._take(block=False, waiting=deque(), closing=True)  # what came in after the stop
 
     def _ensure_running(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="torch-decode", daemon=True)
-                self._thread.start()
+        """Start the decoding thread if none runs (the caller holds the lock)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._serve, name="torch-decode", daemon=True)
+            self._thread.start()
 
     def _serve(self) -> None:
         batch: DecodeBatch | None = None
@@ -508,7 +513,8 @@ class DecodeServer:
             self._end(batch, waiting, RuntimeError("the torch backend was closed"))
         except BaseException as error:  # noqa: BLE001 - the thread itself broke: answer all it holds
             log.exception("the torch backend's decoding thread died")
-            self.broken = error
+            with self._lock:  # from here on every request is refused at once (`_enqueue`)
+                self.broken = error
             self._end(batch, waiting, self._refusal())
 
     def _end(self, batch: DecodeBatch | None, waiting: deque, error: BaseException) -> None:

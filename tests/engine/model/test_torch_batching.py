@@ -344,3 +344,39 @@ def test_a_decoding_thread_that_dies_answers_every_request_and_refuses_the_next(
     message = "the torch backend's decoding thread died: Lost: device lost"
     assert [str(result) for result in results + later] == [message] * 3
     assert isinstance(server.broken, Lost)
+
+
+def test_a_request_submitted_as_the_thread_dies_is_answered(monkeypatch):
+    """The race the lock closes: a request checked in while the thread is alive, put in its inbox
+    only after the dying thread drained it. Here the submit pauses between the two until the thread
+    has had every chance to die; the request must still be answered (with the thread's death)."""
+    import threading
+
+    go = threading.Event()
+
+    def new_batch():
+        go.wait(5)
+        raise RuntimeError("device lost")  # outside a forward: the decoding thread dies
+
+    server = DecodeServer(new_batch)
+    first, second = [], []
+    server.submit(DecodeRequest(tuple(PROMPTS[0]), SamplingParams(4, ()), 1, first.append))
+    original = DecodeServer._ensure_running
+
+    def slow_start(self):  # between the check and the put: the thread dies meanwhile, if it can
+        original(self)
+        go.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(2)
+
+    monkeypatch.setattr(DecodeServer, "_ensure_running", slow_start)
+    answered = threading.Event()
+    submitter = threading.Thread(target=lambda: server.submit(DecodeRequest(
+        tuple(PROMPTS[1]), SamplingParams(4, ()), 2, lambda result: (second.append(result), answered.set()))))
+    submitter.start()
+    submitter.join(10)
+    assert answered.wait(10), "a request submitted as the decoding thread died was never answered"
+    message = "the torch backend's decoding thread died: RuntimeError: device lost"
+    assert [str(result) for result in first + second] == [message, message]
+    server.close()

@@ -28,8 +28,9 @@ Design decisions:
   finished: it is not written, and `--resume` collects it again. `Faults` keeps the outcome of the
   last `FAULT_WINDOW` requests (generations, scores and tool calls, an infrastructure fault being a
   failure): once at least `MIN_FAULTS` of them, and at least `MAX_FAULT_SHARE` of them, failed, the
-  collection stops. Either way, and on a Ctrl-C, the parts finished before are written, and
-  `CollectionStopped` says in one line what is committed and that `--resume` finishes it.
+  collection stops. Either way, and on a Ctrl-C, every rollout that finished before is written
+  (a last part holds those not yet handed over), and `CollectionStopped` says in one line what is
+  committed and that `--resume` finishes it.
 - The event loop is the backend's own where it has one (SGLang's in-process engine receives its
   results there), else a new one.
 - Progress: rollouts finished of planned, in flight (and how many wait on their tools), and the
@@ -151,6 +152,8 @@ def collect(
             main.cancel()
             loop.run_until_complete(asyncio.gather(main, return_exceptions=True))
             loop.run_until_complete(run.stop())
+            for part in run.leftover_parts():  # what finished before the stop is committed too
+                writer.put_last(part)
             writer.close()
             if own_loop:
                 loop.close()
@@ -224,6 +227,10 @@ class PartWriter:
         await self._slots.acquire()
         if self.error is not None:
             raise self.error
+        self._queue.put(part)
+
+    def put_last(self, part: CollectedBatch) -> None:
+        """Hand `part` over once the loop has stopped (nothing waits on the slots any more)."""
         self._queue.put(part)
 
     def _drain(self) -> None:
@@ -304,30 +311,44 @@ class _Run:
             done, _ = await asyncio.wait([*self.running, failed], return_when=asyncio.FIRST_COMPLETED)
             if failed.done():
                 raise writer.error
-            for task in done:
-                self._finish(task, self.running.pop(task))
+            broken = [error for task in done if (error := self._finish(task, self.running.pop(task)))]
             bar.update(len(done))
             self._show(bar)
+            if broken:
+                raise broken[0]  # a tool or reward that broke its contract, or a bug: the collection stops
             self.faults.check()
             while len(self.finished) >= size:
                 await writer.put(self._part(size))
+                del self.finished[:size]  # only once handed over: a stop meanwhile still finds them
         if self.finished:
             await writer.put(self._part(size))
+            self.finished.clear()
 
-    def _finish(self, task: asyncio.Task, state: RolloutState) -> None:
+    def _finish(self, task: asyncio.Task, state: RolloutState) -> BaseException | None:
+        """Keep a finished rollout; an exception that is not an infrastructure fault is returned,
+        once every rollout that finished beside it is kept."""
         error = task.exception()
         if isinstance(error, InfraFault):  # not finished: not written, collected again on --resume
             logger.warning("%s; the rollout is not stored (--resume collects it again)", error)
             self.abandoned.append(state.rollout_id)
-        elif error is not None:
-            raise error  # a tool or reward that broke its contract, or a bug: the collection stops
-        else:
+            return None
+        if error is None:
             self.finished.append((task.result(), state))
+        return error
 
     def _part(self, size: int) -> CollectedBatch:
-        part, self.finished = self.finished[:size], self.finished[size:]
-        part.sort(key=lambda pair: pair[1].index)
+        """The first `size` finished rollouts (plan order within the part), left in `finished`."""
+        part = sorted(self.finished[:size], key=lambda pair: pair[1].index)
         return CollectedBatch([rollout for rollout, _ in part], [segment for _, state in part for segment in state.segments])
+
+    def leftover_parts(self) -> list[CollectedBatch]:
+        """The rollouts that finished but were not handed over when the collection stopped, in parts."""
+        size = self.config.batch_rollouts
+        parts = []
+        while self.finished:
+            parts.append(self._part(size))
+            del self.finished[:size]
+        return parts
 
     def _take(self, count: int) -> list[RolloutState]:
         taken = []

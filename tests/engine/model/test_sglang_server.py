@@ -243,7 +243,8 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(sglang_server, "MAX_PROBE_BACKOFF_S", 0.2)
 
 
-def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset(), request_timeout_s: float | None = None):
+def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset(), request_timeout_s: float | None = None,
+                  batch_rollouts: int = 4):
     """A collection of `prompts` x 2 single-turn rollouts through the servers behind `url`: the parts
     it wrote, and what it raised (None if it finished)."""
     from cleaner.config import CollectConfig
@@ -254,7 +255,7 @@ def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset(), requ
 
     backend = SGLangServerBackend(url, model_dir, request_timeout_s=request_timeout_s)
     config = CollectConfig(model=str(model_dir), backend="sglang", sglang_url=url, n_prompts=prompts, group_size=2,
-                           max_turns=1, max_new_tokens=4, max_response_tokens=8, batch_rollouts=4,
+                           max_turns=1, max_new_tokens=4, max_response_tokens=8, batch_rollouts=batch_rollouts,
                            sglang_request_timeout_s=request_timeout_s)
     parts = []
     try:
@@ -321,6 +322,34 @@ def test_the_only_server_dead_stops_the_collection_in_one_line_and_it_resumes(mo
     finally:
         back.close()
     assert error is None
+    assert _rows(got + rest) == _rows(expected)
+
+
+def test_a_stop_commits_every_rollout_that_finished_before_it(model_dir, quick_retries):
+    """Parts of 24 (the whole collection): the server dies after answering 6 requests, and the
+    collection stops before any part fills. The rollouts that finished are committed all the same
+    (a last part), the line counts them, and --resume collects only the others."""
+    from cleaner.errors import CollectionStopped
+
+    healthy = StandIn(str(model_dir))
+    expected, _ = _collect_over(healthy.url, model_dir)
+    healthy.close()
+    server = StandIn(str(model_dir))
+    server.drop_after = 6
+    try:
+        got, error = _collect_over(server.url, model_dir, batch_rollouts=24)
+    finally:
+        server.close()
+    answered = len(server.paths("/generate"))  # 6, or 7 where two requests raced past the count
+    stored = frozenset(r.rollout_id for p in got for r in p.rollouts)
+    assert isinstance(error, CollectionStopped), error
+    assert f"{answered} of 24 rollouts are committed in 1 parts" in str(error) and len(stored) == answered >= 6
+    back = StandIn(str(model_dir), port=server.port)
+    try:
+        rest, error = _collect_over(back.url, model_dir, skip=stored, batch_rollouts=24)
+    finally:
+        back.close()
+    assert error is None and len(back.paths("/generate")) == 24 - answered
     assert _rows(got + rest) == _rows(expected)
 
 

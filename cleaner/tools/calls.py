@@ -12,11 +12,25 @@ wait beside it or how late the loop looks. So:
   timeout timed out, however quickly the loop noticed, and one that returned within it did not,
   however late the loop noticed. A call still running at its deadline is given up: its slot goes to
   the next call, and its thread runs on as a daemon (a thread cannot be killed; a daemon never holds
-  up the process's exit). It counts as hung until it returns; past `max_hung` at once the next call
-  raises `HungCalls`, one line, since a tool or reward that hangs that often is broken.
-- `CoroutineCalls` runs coroutine functions on an event loop of their own, on one daemon thread,
+  up the process's exit). It counts as hung (`Hung`) until it returns; past `max_hung` at once the
+  next call raises `HungCalls`, one line, since a tool or reward that hangs that often is broken.
+- `CoroutineCalls` runs coroutine functions on an event loop of its own, on one daemon thread,
   timed there: the collection's loop may be busy rendering a thousand contexts, and that latency
-  is not the call's.
+  is not the call's. The toolbox gives each tool a `CoroutineCalls` of its own (a loop per tool),
+  rather than moving a tool's calls elsewhere once its loop stops answering: a coroutine tool's
+  state is bound to the loop it was made on (the reference's code judge opens an aiohttp session
+  in its constructor, which only that loop may use), so its calls cannot move, while a loop of its
+  own keeps a tool that blocks (`time.sleep`, `requests` or a subprocess inside `async def`) from
+  delaying any other tool's calls: it delays its own calls only, which run one after the other
+  as its blocking makes them.
+- A coroutine call's clock starts when its loop starts it, as a thread call's starts on its thread:
+  waiting behind a blocking neighbour of the same tool is not its run, and a call that blocks past
+  its timeout and then returns timed out by its own clock. The loop's heartbeat (a tick every
+  `TICK_S`) tells a busy loop from a stuck one: a tick later than `BLOCKED_S` is reported once, in
+  one warning line naming what blocks; a call its loop has not started while the loop gave no tick
+  for its timeout and `LOOP_GRACE_S` is given up (`LoopBlocked`: the service's fault, never the
+  call's), and a started call its loop has not finished by then timed out. Either counts as hung
+  until its loop gets back to it, so a loop blocked for good stops the collection as hung threads do.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -32,13 +47,21 @@ from dataclasses import dataclass
 
 from cleaner.errors import JobError
 
-# A coroutine call is given this long beyond its timeout to come back from the calls' own loop
-# before it counts as hung there (a coroutine that blocks that loop with synchronous work).
+logger = logging.getLogger(__name__)
+
+# A coroutine call is given this long beyond its timeout to come back from its loop (or, not yet
+# started, for its loop to tick) before it is given up: a loop that long silent is blocked.
 LOOP_GRACE_S = 5.0
+TICK_S = 0.1  # a coroutine loop's heartbeat
+BLOCKED_S = 0.5  # a heartbeat this late means a coroutine ran that long without awaiting: reported
 
 
 class HungCalls(JobError):
     """Too many calls are still running past their timeouts; the message names what hung."""
+
+
+class LoopBlocked(Exception):  # noqa: N818 - names what happened to the call
+    """A coroutine call its loop never started: the loop was blocked (module notes)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,37 @@ class Timed:
     error: BaseException | None = None  # what it raised
     seconds: float = 0.0  # its own run, from its start on its thread (or loop) to its end or deadline
     timed_out: bool = False  # it ran past its timeout (given up, or returned late)
+
+
+class Hung:
+    """Calls given up at their deadline that have not returned yet, by what was called; shared by
+    every kind of call of one toolbox (or one collection's rewards)."""
+
+    def __init__(self, max_hung: int) -> None:
+        if max_hung < 0:
+            raise ValueError(f"max_hung must be >= 0, got {max_hung}")
+        self.max_hung = max_hung
+        self.lock = threading.Lock()  # also guards each call's start, end and abandonment
+        self.count = 0
+        self.by: Counter[str] = Counter()
+
+    def check(self) -> None:
+        """HungCalls, one line, when more than `max_hung` calls hang."""
+        with self.lock:
+            if self.count > self.max_hung:
+                which = ", ".join(f"{name}: {count}" for name, count in self.by.most_common() if count)
+                raise HungCalls(f"{self.count} calls are still running past their timeouts ({which}; at most "
+                                f"{self.max_hung} may hang at once); the collection stops")
+
+    def add(self, what: str) -> None:
+        """One more hung call of `what` (the caller holds `lock`)."""
+        self.count += 1
+        self.by[what] += 1
+
+    def remove(self, what: str) -> None:
+        """A hung call of `what` returned (the caller holds `lock`)."""
+        self.count -= 1
+        self.by[what] -= 1
 
 
 def _settle(future: asyncio.Future, value: object) -> None:
@@ -84,6 +138,10 @@ class DaemonThreads(concurrent.futures.Executor):
         return future
 
 
+# ---------------------------------------------------------------------------------------------
+# Synchronous calls, a daemon thread each
+
+
 class _ThreadCall:
     """One call on a daemon thread, recording its own start and end."""
 
@@ -105,41 +163,34 @@ class _ThreadCall:
             self.value = self.fn(*self.args)
         except BaseException as error:  # noqa: BLE001 - the caller's to judge (SystemExit included)
             self.error = error
-        with self.calls.lock:
+        with self.calls.hung.lock:
             self.ended_at = time.monotonic()
             if self.abandoned:
-                self.calls.hung -= 1
-                self.calls.hung_by[self.what] -= 1
+                self.calls.hung.remove(self.what)
         _notify(self.loop, self.done, None)
 
 
 class ThreadCalls:
     """Synchronous calls on daemon threads, at most `limit` running (module notes)."""
 
-    def __init__(self, limit: int, max_hung: int, name: str) -> None:
-        if limit < 1 or max_hung < 0:
-            raise ValueError(f"limit must be >= 1 and max_hung >= 0, got {limit}, {max_hung}")
-        self.limit, self.max_hung, self.name = limit, max_hung, name
-        self.lock = threading.Lock()
-        self.hung = 0  # calls given up at their deadline that have not returned yet
-        self.hung_by: Counter[str] = Counter()  # the same, by what was called
+    def __init__(self, limit: int, hung: Hung, name: str) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit, self.hung, self.name = limit, hung, name
         self.executor = DaemonThreads(f"{name}-call")
         self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self._lock = threading.Lock()
 
     def _slot(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
-        with self.lock:  # the collection's loop and the toolbox's (a release) both ask
+        with self._lock:  # the collection's loop and the toolbox's (a release) both ask
             for closed in [other for other in self._slots if other.is_closed()]:
                 del self._slots[closed]
             return self._slots.setdefault(loop, asyncio.Semaphore(self.limit))
 
     async def run(self, fn: Callable, args: tuple, timeout_s: float, what: str) -> Timed:
         """`fn(*args)` on a thread of its own, once a slot is free; `what` names it in HungCalls."""
-        with self.lock:
-            if self.hung > self.max_hung:
-                which = ", ".join(f"{name}: {count}" for name, count in self.hung_by.most_common() if count)
-                raise HungCalls(f"{self.hung} calls are still running past their timeouts ({which}; at most "
-                                f"{self.max_hung} may hang at once); the collection stops")
+        self.hung.check()
         async with self._slot():  # no clock runs while a call waits here
             call = _ThreadCall(fn, args, self, what)
             await call.started
@@ -147,11 +198,10 @@ class ThreadCalls:
             while call.ended_at is None and (left := deadline - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):  # the loop's clock may run ahead of the call's
                     await asyncio.wait_for(asyncio.shield(call.done), left)
-            with self.lock:
+            with self.hung.lock:
                 if call.ended_at is None:  # still running at its deadline, by its own clock
                     call.abandoned = True
-                    self.hung += 1
-                    self.hung_by[what] += 1
+                    self.hung.add(what)
                     return Timed(seconds=time.monotonic() - call.started_at, timed_out=True)
             seconds = call.ended_at - call.started_at
             if seconds > timeout_s:  # it returned, but after its timeout
@@ -159,12 +209,30 @@ class ThreadCalls:
             return Timed(call.value, call.error, seconds)
 
 
-class CoroutineCalls:
-    """Coroutine functions on an event loop of their own (module notes); one daemon thread."""
+# ---------------------------------------------------------------------------------------------
+# Coroutine calls, on a loop of their own
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+
+@dataclass
+class _LoopCall:
+    """One coroutine call as its loop and its waiter both see it (under `Hung.lock`)."""
+
+    started_at: float | None = None
+    ended: bool = False
+    abandoned: bool = False  # given up by its waiter: counted as hung until its loop gets to it
+
+
+class CoroutineCalls:
+    """Coroutine functions on an event loop of their own (module notes); one daemon thread.
+    `what` names them in warnings and in HungCalls ("tool 'lookup'")."""
+
+    def __init__(self, what: str, hung: Hung | None = None) -> None:
+        self.what = what
+        self.hung = hung if hung is not None else Hung(max_hung=1 << 30)
+        self.last_tick = time.monotonic()  # the heartbeat's last tick on the loop
+        self.reported = False  # the warning that the loop blocks was given
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._beating: asyncio.Task | None = None  # the heartbeat, on the loop
         self._lock = threading.Lock()
 
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -172,39 +240,116 @@ class CoroutineCalls:
         with self._lock:
             if self._loop is None or self._loop.is_closed():
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name=f"{self.name}-loop", daemon=True).start()
-                self._loop = loop
+                self._loop, self.last_tick = loop, time.monotonic()
+                self._beating = loop.create_task(self._heartbeat())  # before the loop runs: no race
+                threading.Thread(target=loop.run_forever, name=f"cleaner {self.what} loop", daemon=True).start()
             return self._loop
 
+    async def _heartbeat(self) -> None:
+        while True:
+            before = self.last_tick = time.monotonic()
+            await asyncio.sleep(TICK_S)
+            silent = time.monotonic() - before
+            if silent - TICK_S > BLOCKED_S:
+                self._blocked(f"it did not answer for {silent:.1f} s")
+
+    def _blocked(self, how: str) -> None:
+        with self._lock:
+            first, self.reported = not self.reported, True
+        if first:
+            logger.warning("%s blocks its event loop (%s): its calls wait for one another; blocking work in "
+                           "`async def` belongs in `await asyncio.to_thread(...)`, or make it synchronous", self.what, how)
+
     async def run(self, make: Callable[[], Awaitable], timeout_s: float) -> Timed:
-        """Await `make()` on the calls' loop under `timeout_s`, timed there."""
-        async def timed() -> Timed:
-            started = time.monotonic()
-            try:
-                value = await asyncio.wait_for(make(), timeout_s)
-            except TimeoutError as error:
-                seconds = time.monotonic() - started
-                if seconds >= timeout_s:
-                    return Timed(seconds=seconds, timed_out=True)
-                return Timed(error=error, seconds=seconds)  # the call's own TimeoutError
-            except Exception as error:  # noqa: BLE001 - the caller's to judge
-                return Timed(error=error, seconds=time.monotonic() - started)
-            return Timed(value, None, time.monotonic() - started)
-
-        future = asyncio.run_coroutine_threadsafe(timed(), self.loop())
+        """Await `make()` on the calls' loop under `timeout_s` of its own run (module notes)."""
+        self.hung.check()
+        call = _LoopCall()
+        future = asyncio.run_coroutine_threadsafe(self._timed(make, timeout_s, call), self.loop())
+        waiter = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + LOOP_GRACE_S)
-        except TimeoutError:  # the calls' loop is blocked (a coroutine doing synchronous work)
+            while True:
+                with self.hung.lock:
+                    start = call.started_at if call.started_at is not None else self.last_tick
+                left = start + timeout_s + LOOP_GRACE_S - time.monotonic()
+                if left > 0:
+                    done, _ = await asyncio.wait({waiter}, timeout=left)
+                    if done:
+                        return waiter.result()
+                    continue
+                given_up = self._give_up(call, timeout_s)
+                if given_up is None:
+                    return await waiter  # it ended just now: its outcome is on its way
+                if given_up.timed_out:
+                    future.cancel()  # stop awaiting it, once its loop gets back to it
+                return given_up  # one never started sees, when its loop gets to it, that it was given up
+        except asyncio.CancelledError:
             future.cancel()
-            return Timed(seconds=timeout_s + LOOP_GRACE_S, timed_out=True)
+            raise
 
-    def submit(self, coroutine: Awaitable) -> object:
-        """Run `coroutine` on the calls' loop and wait for it here (for set-up and tear-down)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop()).result()
+    def _give_up(self, call: _LoopCall, timeout_s: float) -> Timed | None:
+        """The call's outcome once its loop has not answered by its deadline; None if it just ended."""
+        with self.hung.lock:
+            if call.ended:
+                return None
+            call.abandoned = True
+            self.hung.add(self.what)
+            started = call.started_at
+        if started is None:
+            self._blocked(f"it did not answer for {timeout_s + LOOP_GRACE_S:g} s")
+            return Timed(error=LoopBlocked(f"{self.what}'s event loop was blocked for {timeout_s + LOOP_GRACE_S:g} s "
+                                           "before the call could start"))
+        self._blocked(f"a call ran {time.monotonic() - started:.1f} s and its loop did not answer")
+        return Timed(seconds=time.monotonic() - started, timed_out=True)
+
+    async def _timed(self, make: Callable[[], Awaitable], timeout_s: float, call: _LoopCall) -> Timed | None:
+        with self.hung.lock:
+            if call.abandoned:  # given up before its loop got to it: never run
+                self.hung.remove(self.what)
+                return None
+            started = call.started_at = time.monotonic()
+        try:
+            value = await asyncio.wait_for(make(), timeout_s)
+        except TimeoutError as error:
+            seconds = time.monotonic() - started
+            if seconds >= timeout_s:
+                return Timed(seconds=seconds, timed_out=True)
+            return Timed(error=error, seconds=seconds)  # the call's own TimeoutError
+        except Exception as error:  # noqa: BLE001 - the caller's to judge
+            return Timed(error=error, seconds=time.monotonic() - started)
+        finally:
+            with self.hung.lock:
+                call.ended = True
+                if call.abandoned:
+                    self.hung.remove(self.what)
+        seconds = time.monotonic() - started
+        if seconds > timeout_s:  # it blocked its loop past its timeout, then returned
+            return Timed(seconds=seconds, timed_out=True)
+        return Timed(value, None, seconds)
+
+    def submit(self, coroutine: Awaitable, timeout_s: float) -> object:
+        """Run `coroutine` on the calls' loop and wait for it here, at most `timeout_s` (set-up and
+        tear-down); TimeoutError past it, the coroutine cancelled."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop())
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{self.what} did not return within {timeout_s:g} s") from None
 
     def close(self) -> None:
         """Stop the calls' loop (what still runs there is dropped with its daemon thread)."""
         with self._lock:
             loop, self._loop = self._loop, None
+            beating, self._beating = self._beating, None
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(loop.stop)
+            with contextlib.suppress(RuntimeError):
+                asyncio.run_coroutine_threadsafe(_stop(beating), loop)
+
+
+async def _stop(beating: asyncio.Task | None) -> None:
+    """Stop the running loop, its heartbeat (`beating`) ended first."""
+    if beating is not None:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+    asyncio.get_running_loop().stop()

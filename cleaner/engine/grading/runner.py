@@ -30,7 +30,7 @@ from cleaner.engine.grading.programs import Grader, is_code_source
 from cleaner.engine.grading.reward_file import RewardFunction, RewardFunctionError
 from cleaner.engine.grading.workers import function_ref, reward_workers, spec_ref
 from cleaner.errors import JobError
-from cleaner.tools.calls import CoroutineCalls, DaemonThreads, ThreadCalls, Timed
+from cleaner.tools.calls import CoroutineCalls, DaemonThreads, Hung, ThreadCalls, Timed
 
 REWARD_THREADS = 32  # in-process reward calls running at once
 DEFAULT_REWARD_TIMEOUT_S = 60.0
@@ -61,8 +61,8 @@ class Rewards:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.grader, self.reward_file, self.timeout_s = grader, reward_file, timeout_s
-        self.threads = ThreadCalls(REWARD_THREADS, REWARD_THREADS, "cleaner-reward")
-        self.coroutines = CoroutineCalls("cleaner-reward")
+        self.threads = ThreadCalls(REWARD_THREADS, Hung(REWARD_THREADS), "cleaner-reward")
+        self.coroutines = CoroutineCalls("the reward function")
 
     async def grade(self, rollout_id: str, text: str, ground_truth: str, data_source: str) -> RewardResult:
         """The built-in grader's reward (or the callable handed in) of a response's text."""

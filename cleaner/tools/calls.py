@@ -222,6 +222,35 @@ class _LoopCall:
     abandoned: bool = False  # given up by its waiter: counted as hung until its loop gets to it
 
 
+class _Steps:
+    """A call's coroutine awaited step by step, as `await` drives it, the time inside its own steps
+    counted in `own` and in its loop's `busy`, and the call marked as its loop's `stepping` meanwhile."""
+
+    def __init__(self, awaitable: Awaitable, calls: CoroutineCalls, call: _LoopCall) -> None:
+        self.inner, self.calls, self.call, self.own = awaitable.__await__(), calls, call, 0.0
+
+    def __await__(self):
+        send, value = self.inner.send, None
+        while True:
+            self.calls.stepping, began = self.call, time.monotonic()
+            try:
+                yielded = send(value)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                spent = time.monotonic() - began
+                self.own += spent
+                self.calls.busy += spent
+                self.calls.stepping = None
+            try:
+                value, send = (yield yielded), self.inner.send
+            except GeneratorExit:
+                self.inner.close()
+                raise
+            except BaseException as error:  # noqa: BLE001 - thrown in by its task (a cancellation): passed on
+                value, send = error, self.inner.throw
+
+
 class CoroutineCalls:
     """Coroutine functions on an event loop of their own (module notes); one daemon thread.
     `what` names them in warnings and in HungCalls ("tool 'lookup'")."""
@@ -230,9 +259,12 @@ class CoroutineCalls:
         self.what = what
         self.hung = hung if hung is not None else Hung(max_hung=1 << 30)
         self.last_tick = time.monotonic()  # the heartbeat's last tick on the loop
+        self.busy = 0.0  # seconds the loop has spent inside its calls' steps (on the loop's thread only)
+        self.stepping: _LoopCall | None = None  # the call whose step the loop runs now
         self.reported = False  # the warning that the loop blocks was given
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beating: asyncio.Task | None = None  # the heartbeat, on the loop
+        self._ending: set[asyncio.Task] = set()  # calls cancelled and not yet ended (held: the loop holds none)
         self._lock = threading.Lock()
 
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -267,10 +299,8 @@ class CoroutineCalls:
         future = asyncio.run_coroutine_threadsafe(self._timed(make, timeout_s, call), self.loop())
         waiter = asyncio.wrap_future(future)
         try:
-            while True:
-                with self.hung.lock:
-                    start = call.started_at if call.started_at is not None else self.last_tick
-                left = start + timeout_s + LOOP_GRACE_S - time.monotonic()
+            while True:  # the loop times the call; here, only a loop silent for its timeout and grace
+                left = self.last_tick + timeout_s + LOOP_GRACE_S - time.monotonic()
                 if left > 0:
                     done, _ = await asyncio.wait({waiter}, timeout=left)
                     if done:
@@ -279,7 +309,7 @@ class CoroutineCalls:
                 given_up = self._give_up(call, timeout_s)
                 if given_up is None:
                     return await waiter  # it ended just now: its outcome is on its way
-                if given_up.timed_out:
+                if call.started_at is not None:
                     future.cancel()  # stop awaiting it, once its loop gets back to it
                 return given_up  # one never started sees, when its loop gets to it, that it was given up
         except asyncio.CancelledError:
@@ -287,44 +317,57 @@ class CoroutineCalls:
             raise
 
     def _give_up(self, call: _LoopCall, timeout_s: float) -> Timed | None:
-        """The call's outcome once its loop has not answered by its deadline; None if it just ended."""
+        """The call's outcome once its loop has been silent past its timeout and the grace: timed out
+        if it is what blocks the loop, else never run (LoopBlocked); None if it just ended."""
+        silent = time.monotonic() - self.last_tick
         with self.hung.lock:
             if call.ended:
                 return None
             call.abandoned = True
             self.hung.add(self.what)
-            started = call.started_at
-        if started is None:
-            self._blocked(f"it did not answer for {timeout_s + LOOP_GRACE_S:g} s")
-            return Timed(error=LoopBlocked(f"{self.what}'s event loop was blocked for {timeout_s + LOOP_GRACE_S:g} s "
-                                           "before the call could start"))
-        self._blocked(f"a call ran {time.monotonic() - started:.1f} s and its loop did not answer")
-        return Timed(seconds=time.monotonic() - started, timed_out=True)
+        self._blocked(f"it did not answer for {silent:.1f} s")
+        if self.stepping is call:
+            return Timed(seconds=time.monotonic() - call.started_at, timed_out=True)
+        return Timed(error=LoopBlocked(f"{self.what}'s event loop was blocked for {silent:.1f} s by another call, "
+                                       "past this call's timeout"))
 
     async def _timed(self, make: Callable[[], Awaitable], timeout_s: float, call: _LoopCall) -> Timed | None:
+        """The call on its loop, under `timeout_s` of its own run: its wall time less the time its
+        loop spent in other calls' steps meanwhile (a neighbour that blocks is not its run)."""
         with self.hung.lock:
             if call.abandoned:  # given up before its loop got to it: never run
                 self.hung.remove(self.what)
                 return None
             started = call.started_at = time.monotonic()
+        others_before = self.busy
+        steps = _Steps(make(), self, call)
+
+        def own() -> float:
+            return time.monotonic() - started - (self.busy - others_before - steps.own)
+
+        task = asyncio.ensure_future(_drive(steps))
         try:
-            value = await asyncio.wait_for(make(), timeout_s)
-        except TimeoutError as error:
-            seconds = time.monotonic() - started
-            if seconds >= timeout_s:
+            while not task.done() and (left := timeout_s - own()) > 0:
+                await asyncio.wait({task}, timeout=left)
+            if not task.done():  # cancelled in `finally`; a call that ignores it ends on its own
+                return Timed(seconds=own(), timed_out=True)
+            if task.cancelled():  # it cancelled itself: not a call's outcome the model made
+                return Timed(error=RuntimeError("the call was cancelled from within"), seconds=own())
+            seconds, error = own(), task.exception()
+            if seconds > timeout_s:  # it blocked its loop past its timeout, then returned
                 return Timed(seconds=seconds, timed_out=True)
-            return Timed(error=error, seconds=seconds)  # the call's own TimeoutError
-        except Exception as error:  # noqa: BLE001 - the caller's to judge
-            return Timed(error=error, seconds=time.monotonic() - started)
+            if error is not None and not isinstance(error, Exception):
+                raise error  # a KeyboardInterrupt, SystemExit: not a call's outcome
+            return Timed(error=error, seconds=seconds) if error is not None else Timed(task.result(), None, seconds)
         finally:
+            if not task.done():  # past its timeout, or this waiter cancelled: the call goes too
+                task.cancel()
+                self._ending.add(task)
+                task.add_done_callback(self._ending.discard)
             with self.hung.lock:
                 call.ended = True
                 if call.abandoned:
                     self.hung.remove(self.what)
-        seconds = time.monotonic() - started
-        if seconds > timeout_s:  # it blocked its loop past its timeout, then returned
-            return Timed(seconds=seconds, timed_out=True)
-        return Timed(value, None, seconds)
 
     def submit(self, coroutine: Awaitable, timeout_s: float) -> object:
         """Run `coroutine` on the calls' loop and wait for it here, at most `timeout_s` (set-up and
@@ -344,6 +387,10 @@ class CoroutineCalls:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 asyncio.run_coroutine_threadsafe(_stop(beating), loop)
+
+
+async def _drive(steps: _Steps) -> object:
+    return await steps
 
 
 async def _stop(beating: asyncio.Task | None) -> None:

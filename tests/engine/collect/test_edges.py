@@ -198,7 +198,7 @@ class Blocks(Tool):
 
     name = "blocks"
     parameters = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    timeout_s = 4.0
+    timeout_s = 1.5  # a call's 1 s is within it; had the wait for its loop counted, the second would not be
 
     def __init__(self, seconds: float, blocking: bool = True) -> None:
         super().__init__()

@@ -253,6 +253,10 @@ class Stuck(Tool):
         self.release, self.where = release, where
 
     async def call(self, arguments):
+        if arguments.get("n") == 1:  # awaits, as a healthy call does
+            await asyncio.sleep(0.3)
+            return "fine"
+        await asyncio.sleep(0.05)  # then blocks
         self.release.wait(30)
         return "late"
 
@@ -266,10 +270,11 @@ class Stuck(Tool):
 
 
 def test_a_loop_blocked_for_good_gives_its_calls_up_as_hung_and_leaves_the_others(monkeypatch):
-    """A call blocks its tool's loop past its timeout and the grace: it times out, counted as hung;
-    the calls queued behind it never start: the service's fault (infra_error after its tries), each
-    try counted as hung. A healthy tool's call beside them is ok. Past MAX_HUNG the next call stops
-    the collection; once the loop is back, nothing is counted as hung."""
+    """A call blocks its tool's loop past its timeout and the grace: it times out, counted as hung.
+    A call of the same tool awaiting beside it (a run of its own of 0.3 s), and its tries after,
+    which never start: the service's fault (infra_error), each try counted as hung. A healthy
+    tool's call is ok. Past MAX_HUNG the next call stops the collection; once the loop is back,
+    nothing is counted as hung."""
     from cleaner.tools import calls as calls_module
     from cleaner.tools import toolbox as toolbox_module
 
@@ -279,9 +284,7 @@ def test_a_loop_blocked_for_good_gives_its_calls_up_as_hung_and_leaves_the_other
     box = Toolbox([Stuck(release), AwaitingSleeper(0.1, 0.5)])
 
     async def main():
-        first = asyncio.create_task(box.run("stuck", {"n": 0}))
-        await asyncio.sleep(0.1)  # it has started, and blocks the loop
-        return await asyncio.gather(first, box.run("stuck", {"n": 1}), box.run("work", {"n": 2}))
+        return await asyncio.gather(box.run("stuck", {"n": 0}), box.run("stuck", {"n": 1}), box.run("work", {"n": 2}))
 
     try:
         stuck, queued, healthy = asyncio.run(main())

@@ -142,26 +142,31 @@ class Hangs(Tool):
 
 
 def test_hung_calls_give_up_their_threads_and_past_the_cap_stop_the_collection(monkeypatch):
-    """40 calls hang: each times out at its deadline and frees its slot, so later calls of another
-    tool run at once; past MAX_HUNG hung calls the next call stops the collection in one line."""
+    """More calls hang than there are threads (40 against 32): each times out at its deadline and
+    frees its slot, so the last 8 run and time out too, and 40 calls of another tool run at once;
+    past MAX_HUNG hung calls the next call stops the collection in one line."""
     from cleaner.tools import toolbox as toolbox_module
 
     release = threading.Event()
     box = Toolbox([Hangs(release), Sleeper(0.0, 1.0)])
+    hanging = toolbox_module.THREADS + 8
+    monkeypatch.setattr(box.hung, "max_hung", hanging)
 
     async def main():
-        hung = await asyncio.gather(*[box.run("hangs", {"n": i}) for i in range(20)])
+        hung = await asyncio.wait_for(asyncio.gather(*[box.run("hangs", {"n": i}) for i in range(hanging)]), 5)
         fine = await asyncio.wait_for(asyncio.gather(*[box.run("work", {"n": i}) for i in range(40)]), 5)
         return hung, fine
 
-    hung, fine = asyncio.run(main())
-    assert {o.status for o in hung} == {"timeout"} and {o.status for o in fine} == {"ok"}
-    assert box.hung.count == 20
-    monkeypatch.setattr(box.hung, "max_hung", 20)
-    with pytest.raises(HungCalls, match=r"^21 calls are still running past their timeouts \(tool 'hangs': 21; at "
-                                        r"most 20 may hang at once\); the collection stops$"):
-        asyncio.run(_hang_one_more(box))
-    release.set()  # they return at last: no longer counted
+    try:
+        hung, fine = asyncio.run(main())
+        assert {o.status for o in hung} == {"timeout"} and {o.status for o in fine} == {"ok"}
+        assert box.hung.count == hanging
+        with pytest.raises(HungCalls, match=rf"^{hanging + 1} calls are still running past their timeouts \(tool "
+                                            rf"'hangs': {hanging + 1}; at most {hanging} may hang at once\); the "
+                                            r"collection stops$"):
+            asyncio.run(_hang_one_more(box))
+    finally:
+        release.set()  # they return at last: no longer counted
     deadline = time.monotonic() + 5
     while box.hung.count and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -170,8 +175,8 @@ def test_hung_calls_give_up_their_threads_and_past_the_cap_stop_the_collection(m
 
 
 async def _hang_one_more(box):
-    await box.run("hangs", {"n": 99})  # the 21st hangs too
-    await box.run("work", {"n": 0})  # refused: 21 hang
+    await box.run("hangs", {"n": 99})  # one more hangs
+    await box.run("work", {"n": 0})  # refused: one more hangs than may
 
 
 def test_a_hung_call_never_holds_up_the_exit():

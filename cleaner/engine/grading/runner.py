@@ -84,8 +84,10 @@ class Rewards:
                    extra_info: object) -> RewardResult:
         """The user's reward function on verl's arguments (reward_file.py checks what it returns)."""
         reward = self.reward_file
-        arguments = {"data_source": data_source, "solution_str": solution, "ground_truth": ground_truth,
-                     "extra_info": copy.deepcopy(extra_info)}  # the row's own stays as it was
+        # each call its own copies, whichever way it runs: the row's values stay as they were for its
+        # other rollouts (a worker's are copies already, by pickle; a thread's or coroutine's are not)
+        arguments = {"data_source": data_source, "solution_str": solution,
+                     "ground_truth": copy.deepcopy(ground_truth), "extra_info": copy.deepcopy(extra_info)}
         if asyncio.iscoroutinefunction(reward.function):
             timed = await self.coroutines.run(lambda: reward.function(**arguments), self.timeout_s)
         elif reward.importable:

@@ -5,6 +5,7 @@ line naming the reward and the rollout."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -52,6 +53,35 @@ def test_a_coroutine_reward_function_past_its_timeout_and_one_that_kills_its_wor
         asyncio.run(Rewards(reward_file=RewardFunction.load(str(path))).verl("r2", "toy", "x", "1", {}))
     # the pool replaced the worker: the next reward is computed
     assert asyncio.run(Rewards().grade("r3", "\\boxed{2}", "2", "math")).correct
+
+
+@pytest.mark.parametrize("kind", ["thread", "coroutine", "score"])
+def test_each_reward_call_gets_its_own_copy_of_the_rows_values(kind):
+    """A reward function that changes the ground truth and extra_info it is handed (in this
+    process: on a thread, on its loop, or through `score`): the next call, and the row, see them
+    as they were."""
+    truth, extra = {"answers": ["7"]}, {"index": 3, "table": {"x": [1]}}
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info):
+        seen.append(json.dumps([ground_truth, extra_info], sort_keys=True))
+        ground_truth["answers"].append("changed")
+        extra_info["table"]["x"].append(2)
+        return 1.0
+
+    async def coroutine_judge(**arguments):
+        return judge(**arguments)
+
+    function = RewardFunction("judge.py:judge", coroutine_judge if kind == "coroutine" else judge)
+    rewards = Rewards(reward_file=function)
+    for rollout_id in ("r0", "r1"):
+        if kind == "score":
+            asyncio.run(function.score(rollout_id, "toy", "x", truth, extra))
+        else:
+            asyncio.run(rewards.verl(rollout_id, "toy", "x", truth, extra))
+    rewards.close()
+    assert seen == [json.dumps([{"answers": ["7"]}, {"index": 3, "table": {"x": [1]}}], sort_keys=True)] * 2
+    assert (truth, extra) == ({"answers": ["7"]}, {"index": 3, "table": {"x": [1]}})
 
 
 def test_a_script_that_collects_at_its_top_level_needs_no_main_guard(tmp_path):

@@ -90,12 +90,15 @@ class Toolbox:
         self.control = CoroutineCalls("the toolbox's releases")  # where stopped rollouts' tools are released
         self.live: dict[str, set[str]] = {}  # rollout id -> the tools `create`d for it, to release at its end
         self.releasing: set[concurrent.futures.Future] = set()  # releases of stopped rollouts under way
-        for tool in self._with("open"):  # before any model is loaded: a tool that cannot start is one line
-            try:
-                self.loops[tool.name].submit(tool.open(), OPEN_TIMEOUT_S)
-            except TimeoutError:
-                self._stop_loops()
-                raise ToolError(f"tool {tool.name!r}: open() did not return within {OPEN_TIMEOUT_S:g} s") from None
+        try:
+            for tool in self._with("open"):  # before any model is loaded: a tool that cannot start is one line
+                try:
+                    self.loops[tool.name].submit(tool.open(), OPEN_TIMEOUT_S)
+                except TimeoutError:
+                    raise ToolError(f"tool {tool.name!r}: open() did not return within {OPEN_TIMEOUT_S:g} s") from None
+        except BaseException:
+            self._stop_loops()
+            raise
         if TOOL_NAME in self.tools:
             logger.info("tool %s (%s) replaces the built-in code interpreter", TOOL_NAME, type(self.tools[TOOL_NAME]).__name__)
 

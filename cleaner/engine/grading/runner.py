@@ -30,7 +30,7 @@ from cleaner.engine.grading.programs import Grader, is_code_source
 from cleaner.engine.grading.reward_file import RewardFunction, RewardFunctionError
 from cleaner.engine.grading.workers import function_ref, reward_workers, spec_ref
 from cleaner.errors import JobError
-from cleaner.tools.calls import CoroutineCalls, DaemonThreads, Hung, ThreadCalls, Timed
+from cleaner.tools.calls import CoroutineCalls, DaemonThreads, Hung, LoopBlocked, ThreadCalls, Timed
 
 REWARD_THREADS = 32  # in-process reward calls running at once
 DEFAULT_REWARD_TIMEOUT_S = 60.0
@@ -95,7 +95,7 @@ class Rewards:
         else:
             timed = await self.threads.run(lambda: reward.function(**arguments), (), self.timeout_s,
                                            f"reward function {reward.name}")
-        if timed.timed_out:
+        if timed.timed_out or isinstance(timed.error, LoopBlocked):  # its loop blocked by another call of it
             raise self._timeout(f"reward function {reward.name} ({reward.spec})", rollout_id)
         if isinstance(timed.error, Exception):
             error = timed.error

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -82,6 +83,33 @@ def test_each_reward_call_gets_its_own_copy_of_the_rows_values(kind):
     rewards.close()
     assert seen == [json.dumps([{"answers": ["7"]}, {"index": 3, "table": {"x": [1]}}], sort_keys=True)] * 2
     assert (truth, extra) == ({"answers": ["7"]}, {"index": 3, "table": {"x": [1]}})
+
+
+def test_a_coroutine_reward_that_blocks_its_loop_is_a_timeout_for_every_call_it_holds_up(monkeypatch):
+    """A coroutine reward doing synchronous work for good: the call blocking its loop, and the one
+    its loop never gets to, each end in the reward's one timeout line."""
+    from cleaner.tools import calls as calls_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    release = threading.Event()
+
+    async def judge(data_source, solution_str, ground_truth, extra_info):
+        release.wait(30)
+        return 1.0
+
+    rewards = Rewards(reward_file=RewardFunction("judge.py:judge", judge), timeout_s=0.2)
+
+    async def both():
+        return await asyncio.gather(*[rewards.verl(f"r{i}", "toy", "x", "1", {}) for i in range(2)],
+                                    return_exceptions=True)
+
+    try:
+        outcomes = asyncio.run(both())
+    finally:
+        release.set()
+        rewards.close()
+    assert [type(outcome) for outcome in outcomes] == [RewardTimeout, RewardTimeout]
+    assert str(outcomes[1]).startswith("reward function judge (judge.py:judge) did not return within 0.2 s on rollout r1")
 
 
 def test_a_script_that_collects_at_its_top_level_needs_no_main_guard(tmp_path):

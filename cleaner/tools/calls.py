@@ -23,14 +23,17 @@ wait beside it or how late the loop looks. So:
   own keeps a tool that blocks (`time.sleep`, `requests` or a subprocess inside `async def`) from
   delaying any other tool's calls: it delays its own calls only, which run one after the other
   as its blocking makes them.
-- A coroutine call's clock starts when its loop starts it, as a thread call's starts on its thread:
-  waiting behind a blocking neighbour of the same tool is not its run, and a call that blocks past
-  its timeout and then returns timed out by its own clock. The loop's heartbeat (a tick every
-  `TICK_S`) tells a busy loop from a stuck one: a tick later than `BLOCKED_S` is reported once, in
-  one warning line naming what blocks; a call its loop has not started while the loop gave no tick
-  for its timeout and `LOOP_GRACE_S` is given up (`LoopBlocked`: the service's fault, never the
-  call's), and a started call its loop has not finished by then timed out. Either counts as hung
-  until its loop gets back to it, so a loop blocked for good stops the collection as hung threads do.
+- A coroutine call's run is timed on its loop as a thread call's is on its thread: from when its
+  loop starts it, less the time its loop spent inside other calls' steps meanwhile (each call's
+  coroutine is driven step by step, `_Steps`, so the loop knows whose synchronous work it ran).
+  Waiting behind a blocking neighbour of the same tool is not its run, at any concurrency; a call
+  that blocks past its timeout and then returns timed out by its own clock. The loop's heartbeat
+  (a tick every `TICK_S`) tells a busy loop from a stuck one: a tick later than `BLOCKED_S` is
+  reported once, in one warning line naming what blocks. Once the loop has given no tick for a
+  call's timeout and `LOOP_GRACE_S`, the call is given up: timed out if its own step is what
+  blocks the loop, else `LoopBlocked` (the service's fault, never the call's). Either counts as
+  hung until its loop gets back to it, so a loop blocked for good stops the collection as hung
+  threads do.
 """
 
 from __future__ import annotations

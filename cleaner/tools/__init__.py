@@ -10,9 +10,17 @@ from cleaner.tools.base import (
            ToolResult,
            ToolUnavailable,
 )
-from cleaner.tools.calls import CoroutineCalls, DaemonThreads, HungCalls, ThreadCalls, Timed
+from cleaner.tools.calls import (
+           CoroutineCalls,
+           DaemonThreads,
+           Hung,
+           HungCalls,
+           LoopBlocked,
+           ThreadCalls,
+           Timed,
+)
 from cleaner.tools.loading import load_tools
 from cleaner.tools.toolbox import Toolbox, ToolOutcome, canonical_arguments
 
-__all__ = ["CallContext", "CoroutineCalls", "DaemonThreads", "FunctionTool", "HungCalls", "ThreadCalls", "Timed",
+__all__ = ["CallContext", "CoroutineCalls", "DaemonThreads", "FunctionTool", "Hung", "HungCalls", "LoopBlocked", "ThreadCalls", "Timed",
            "Tool", "ToolError", "ToolOutcome", "ToolResult", "ToolUnavailable", "Toolbox", "canonical_arguments", "load_tools"]

@@ -25,14 +25,19 @@ rollout, which the reward function reads as verl's `extra_info["rollout_reward_s
 A verl tool (a `verl.tools.base_tool.BaseTool` subclass in a verl tool config) is run through the
 same life: `create`, `execute`, `calc_reward` and `release` (verl.py).
 
-Three outcomes, and only the first two are the model's:
+Three outcomes, and only the first two are the model's; every kind of tool is read by this one rule:
 - a success: a str, or `ToolResult(text)`;
-- a failed call (SAAR retries it and may purify it): an exception the tool raises, or
+- a failed call (SAAR retries it and may purify it): an argument error the call raises
+  (`ARGUMENT_ERRORS`: what code raises on arguments it cannot use, `ValueError`, `KeyError`,
+  `IndexError`, `TypeError`, `AttributeError`, `ZeroDivisionError`, ...), or
   `ToolResult(text, ok=False)`;
-- an infrastructure fault, the tool's service and not the call: `raise ToolUnavailable(...)`, or
-  `ToolResult(text, infra=True)`. The call is tried again (`Toolbox`); if the service stays down
-  it is stored as `infra_error`, as the code interpreter's sandbox faults are, and the rollout is
-  never trained on (docs/architecture.md §7).
+- an infrastructure fault, the tool's service and not the call: any other exception (a
+  `RuntimeError`, a refused connection, the tool's own `TimeoutError`), `raise
+  ToolUnavailable(...)`, or `ToolResult(text, infra=True)`. The call is tried again (`Toolbox`); if
+  the service stays down it is stored as `infra_error`, as the code interpreter's sandbox faults
+  are, and the rollout is never trained on (docs/architecture.md §7).
+`create` never sees the model's arguments: an argument error there is the row's or the tool's
+problem (one line stops the collection), any other exception its service's fault.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cleaner.plugins import PluginError
+
+# What code raises on arguments it cannot use: a call's failure, the model's (module notes).
+ARGUMENT_ERRORS = (LookupError, TypeError, AttributeError, ValueError, ArithmeticError)
 
 
 class ToolError(PluginError):
@@ -110,7 +118,7 @@ class Tool:
 
     @property
     def is_coroutine(self) -> bool:
-        """Its call is a coroutine function (run on the toolbox's own loop, not a thread): `call_in`
+        """Its call is a coroutine function (run on the tool's own loop, not a thread): `call_in`
         where the tool writes its own, else `call`."""
         return inspect.iscoroutinefunction(self.call_in if self.has_own("call_in") else self.call)
 
@@ -126,8 +134,9 @@ class Tool:
         return self.call(arguments)
 
     def create(self, context: CallContext) -> None:
-        """Before a rollout's first call of this tool (may be `async def`; an exception is a failed
-        call, `ToolUnavailable` a service fault, and the next call tries again)."""
+        """Before a rollout's first call of this tool (may be `async def`). An argument error is the
+        row's problem (one line stops the collection); any other exception a service fault, tried
+        again and then `infra_error`; the next call creates again."""
 
     def release(self, rollout_id: str) -> float | None:
         """Once the rollout has ended, if `create` ran for it (may be `async def`): its state goes,
@@ -135,10 +144,10 @@ class Tool:
         return None
 
     async def open(self) -> None:
-        """Set up on the toolbox's own event loop, once, before any call (verl tools are built here)."""
+        """Set up on the tool's own event loop, once, before any call (verl tools are built here)."""
 
     async def close(self) -> None:
-        """Tear down on the toolbox's own event loop, once, after the last call."""
+        """Tear down on the tool's own event loop, once, after the last call."""
 
 
 class FunctionTool(Tool):

@@ -4,7 +4,7 @@ run through the life verl gives its tools (docs/byo-task.md#verl-tools-as-they-a
 Design decisions:
 - A verl tool is told by its class hierarchy (a base class `BaseTool` from a `verl.` module), so
   loading one needs no verl import here; the tool's own module imports verl, which the user installs.
-- It is built once, on the toolbox's own event loop (`open`), with the entry's `config` and its
+- It is built once, on its own event loop in the toolbox (`open`), with the entry's `config` and its
   `tool_schema` as verl's `OpenAIFunctionToolSchema`: a tool that opens an aiohttp session in its
   constructor (the reference's code-judge tool does) binds it to the loop its calls run on.
 - An instance per rollout, the life verl designs its tools for (`lifetime:
@@ -17,8 +17,10 @@ Design decisions:
   each call as verl's ToolAgentLoop, and so the reference, runs it: `create`, `execute`,
   `release`, and no `calc_reward`. The code-judge tool keeps no state between calls, so either
   gives it the same answers. `execute`'s reward is the call's step reward (`extra_info["tool_rewards"]`).
-- `create` raising KeyError, TypeError, AttributeError or ValueError is the row's or the tool's
-  problem, never the model's (its arguments do not reach `create`): one line stops the collection.
+- `create` raising an argument error (base.py's `ARGUMENT_ERRORS`: KeyError, TypeError, ValueError,
+  ...) is the row's or the tool's problem, never the model's (its arguments do not reach
+  `create`): one line stops the collection; any other exception is its service's fault. The
+  toolbox reads a cleaner tool's `create` by the same rule.
 - The text reaches the model as the tool wrote it (`verbatim`: verl adds no wording), cut by
   --max-tool-response-chars as verl cuts it.
 - Success or failure is read from the text as the reference reads its code judge's answers: empty,
@@ -26,10 +28,11 @@ Design decisions:
   success; any other text is a failed call whose error type is the first of the reference's
   error patterns it holds, else `unknown_error`. `success_marker: null` makes every text a success.
 - An exception from `execute`: KeyError, TypeError or AttributeError is a failed call with the
-  reference's "tool call format is wrong" text, ValueError one with its "Tool call failure."; any
-  other (the code judge's RuntimeError after its retries, a connection refused) is the service's
-  fault: tried again, then `infra_error`, never trained. The reference trains those as the model's
-  failures ("Tool call failure.").
+  reference's "tool call format is wrong" text, another argument error (ValueError, IndexError,
+  ZeroDivisionError, ...) one with its "Tool call failure."; any other (the code judge's
+  RuntimeError after its retries, a connection refused) is the service's fault: tried again, then
+  `infra_error`, never trained, as any tool's (base.py). The reference trains those as the
+  model's failures ("Tool call failure.").
 - verl sets no timeout on a call; here `config.timeout_s`, default `TIMEOUT_S`.
 - `close` awaits the tool's `cleanup()` where it has one (the code judge's closes its session).
 """
@@ -40,7 +43,14 @@ import asyncio
 import inspect
 from collections.abc import Mapping
 
-from cleaner.tools.base import CallContext, Tool, ToolError, ToolResult, ToolUnavailable
+from cleaner.tools.base import (
+    ARGUMENT_ERRORS,
+    CallContext,
+    Tool,
+    ToolError,
+    ToolResult,
+    ToolUnavailable,
+)
 
 SUCCESS_MARKER = "Tool call success"  # the reference's code judge's first line on a success
 # The reference's rollback error patterns (recipe/cleaner/*.sh), in its order: a failed call's type.
@@ -50,8 +60,7 @@ UNKNOWN_ERROR = "unknown_error"
 FORMAT_ERRORS = (KeyError, TypeError, AttributeError)  # the reference's: arguments the tool could not read
 FORMAT_TEXT = ("Tool call failure: tool call format is wrong, please make sure to generate correct json-format "
                "tool call arguments.")  # the reference's answer to them
-FAILURE_TEXT = "Tool call failure."  # the reference's answer to any other exception; here a ValueError's
-ARGUMENT_ERRORS = (*FORMAT_ERRORS, ValueError)  # what arguments a tool cannot use raise: the call's failure
+FAILURE_TEXT = "Tool call failure."  # the reference's answer to any other exception; here another argument error's
 TIMEOUT_S = 300.0
 LIFETIMES = ("rollout", "call")
 CLEANUP_S = 30.0

@@ -24,6 +24,9 @@ Design decisions:
   would be stored as infinity and turn the advantages into NaN) are not rewards. A dict's other
   keys are the rollout's `reward_details` (JSON, queryable with DuckDB's `->>`); its `acc`, where
   there is one, is the rollout's `correct` (else score > 0) and its `pred` the rollout's `answer`.
+  Both numbers are read strictly: `score` a finite number, `acc` a bool or a finite number (correct
+  when > 0, as score is read without it); anything else (`acc: "no"`, which Python's truth would
+  make correct) is one error line naming the key.
 - A function that raises, or returns anything else, stops the collection with one
   `RewardFunctionError` line naming the function, the rollout and the exception; the parts
   committed before stay, and `--resume` goes on from them once the function is fixed.
@@ -35,6 +38,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -81,10 +85,11 @@ class RewardFunction:
 
     async def score(self, rollout_id: str, data_source: str, solution_str: str, ground_truth: object,
                     extra_info: object) -> RewardResult:
-        """The rollout's reward; RewardFunctionError if the function raises or returns no number."""
+        """The rollout's reward; RewardFunctionError if the function raises or returns no number. The
+        function gets its own copies of the row's values (one call's changes never reach the next)."""
         try:
-            result = self.function(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                                   extra_info=extra_info)
+            result = self.function(data_source=data_source, solution_str=solution_str,
+                                   ground_truth=copy.deepcopy(ground_truth), extra_info=copy.deepcopy(extra_info))
             if inspect.isawaitable(result):
                 result = await result
         except Exception as error:  # noqa: BLE001 - the user's function: one line naming it and the rollout
@@ -109,15 +114,26 @@ class RewardFunction:
         score = float(score)
         if details is None:
             return RewardResult(score, score > 0, None)
-        correct = bool(plain(details["acc"])) if "acc" in details else score > 0
+        correct = self._acc(details["acc"], rollout_id) if "acc" in details else score > 0
         pred = details.get("pred")
         answer = None if pred is None else str(plain(pred))
         text = json.dumps(plain(details), sort_keys=True, ensure_ascii=False, default=str)
         return RewardResult(score, correct, answer, text)
 
-    def _bad(self, rollout_id: str, what: str) -> RewardFunctionError:
+    def _acc(self, acc: object, rollout_id: str) -> bool:
+        """A dict's `acc` as the rollout's `correct`: a bool, or a finite number (> 0: correct)."""
+        acc = plain(acc)
+        if isinstance(acc, bool):
+            return acc
+        if isinstance(acc, numbers.Real) and _float32(acc):
+            return acc > 0
+        raise self._bad(rollout_id, f"a dict whose 'acc' is {type(acc).__name__} {acc!r:.80}, not a bool or a finite "
+                                    "number,", "a dict's 'acc' (the rollout's correct) is a bool or a number")
+
+    def _bad(self, rollout_id: str, what: str,
+             rule: str = "it must return a number or a dict with a 'score' number") -> RewardFunctionError:
         return RewardFunctionError(f"reward function {self.name} ({self.spec}) returned {what} on rollout "
-                                   f"{rollout_id}; it must return a number or a dict with a 'score' number")
+                                   f"{rollout_id}; {rule}")
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored as float32 (the warehouse's `reward`)

@@ -30,7 +30,7 @@ from cleaner.engine.grading.programs import Grader, is_code_source
 from cleaner.engine.grading.reward_file import RewardFunction, RewardFunctionError
 from cleaner.engine.grading.workers import function_ref, reward_workers, spec_ref
 from cleaner.errors import JobError
-from cleaner.tools.calls import CoroutineCalls, DaemonThreads, ThreadCalls, Timed
+from cleaner.tools.calls import CoroutineCalls, DaemonThreads, Hung, LoopBlocked, ThreadCalls, Timed
 
 REWARD_THREADS = 32  # in-process reward calls running at once
 DEFAULT_REWARD_TIMEOUT_S = 60.0
@@ -61,8 +61,8 @@ class Rewards:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.grader, self.reward_file, self.timeout_s = grader, reward_file, timeout_s
-        self.threads = ThreadCalls(REWARD_THREADS, REWARD_THREADS, "cleaner-reward")
-        self.coroutines = CoroutineCalls("cleaner-reward")
+        self.threads = ThreadCalls(REWARD_THREADS, Hung(REWARD_THREADS), "cleaner-reward")
+        self.coroutines = CoroutineCalls("the reward function")
 
     async def grade(self, rollout_id: str, text: str, ground_truth: str, data_source: str) -> RewardResult:
         """The built-in grader's reward (or the callable handed in) of a response's text."""
@@ -84,8 +84,10 @@ class Rewards:
                    extra_info: object) -> RewardResult:
         """The user's reward function on verl's arguments (reward_file.py checks what it returns)."""
         reward = self.reward_file
-        arguments = {"data_source": data_source, "solution_str": solution, "ground_truth": ground_truth,
-                     "extra_info": copy.deepcopy(extra_info)}  # the row's own stays as it was
+        # each call its own copies, whichever way it runs: the row's values stay as they were for its
+        # other rollouts (a worker's are copies already, by pickle; a thread's or coroutine's are not)
+        arguments = {"data_source": data_source, "solution_str": solution,
+                     "ground_truth": copy.deepcopy(ground_truth), "extra_info": copy.deepcopy(extra_info)}
         if asyncio.iscoroutinefunction(reward.function):
             timed = await self.coroutines.run(lambda: reward.function(**arguments), self.timeout_s)
         elif reward.importable:
@@ -93,7 +95,7 @@ class Rewards:
         else:
             timed = await self.threads.run(lambda: reward.function(**arguments), (), self.timeout_s,
                                            f"reward function {reward.name}")
-        if timed.timed_out:
+        if timed.timed_out or isinstance(timed.error, LoopBlocked):  # its loop blocked by another call of it
             raise self._timeout(f"reward function {reward.name} ({reward.spec})", rollout_id)
         if isinstance(timed.error, Exception):
             error = timed.error

@@ -2,17 +2,25 @@
 that kills it (grading/runner.py; docs/architecture.md §5).
 
 Design decisions:
-- Workers are processes of our own, `python -m cleaner.engine.grading.workers`, talking over their
-  stdin and stdout (a 4-byte length, then a pickle: both ends are this module). Not
-  multiprocessing: its spawned workers import the caller's main script again, so a user's script
-  that calls cleaner at its top level, without a `__main__` guard, would run again in each worker.
+- Workers are processes of our own, `python -m cleaner.engine.grading.workers`, talking over two
+  pipes of their own (a 4-byte length, then a pickle: both ends are this module), never their
+  stdin and stdout: a reward's subprocess (a code judge, a shell) inherits those, and what it
+  writes there must not land in a reply. A worker's stdout and stderr are the collection's stderr,
+  where what a reward and its subprocesses print can be read (docs/byo-task.md); its stdin is
+  /dev/null. Not multiprocessing: its spawned workers import the caller's main script again, so a
+  user's script that calls cleaner at its top level, without a `__main__` guard, would run again
+  in each worker.
 - A worker's main thread runs the call, so signal-based timeouts work there (math-verify's, which
   a verl reward function calls too). It ignores SIGINT and sits in a session of its own: a Ctrl-C is
   the collection's to handle. It ends when its stdin closes, and, busy or not, once its parent is
   gone, so it never outlives the collection's process, whatever kills that.
 - A call's clock starts when the worker is handed it: waiting for a free worker, and a worker's
-  start-up (its imports), are not the call's. Past its timeout the worker is killed and a new one
-  starts for the next call; a worker that dies under a call is reported as that call's error.
+  start-up (its imports), are not the call's. Past its timeout the worker is killed with its whole
+  process group (it leads a session of its own, so every process a reward started goes with it,
+  none left orphaned), and a new one starts for the next call; a worker that dies under a call is
+  reported as that call's error.
+- Replies are awaited with `poll`, not `select`, which refuses a descriptor >= 1024 (FD_SETSIZE):
+  a collection holding many sockets and files open gets such descriptors for its pipes.
 - What is called is named, not pickled: `module:qualname` of an importable function, or a reward
   function's `PATH.py:NAME` spec, loaded in the worker by plugins.py (once per file content, so a
   file fixed since is read again).
@@ -21,7 +29,9 @@ Design decisions:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
+import math
 import os
 import pickle
 import queue
@@ -59,12 +69,15 @@ def _send(fd: int, message: object) -> None:
 
 def _receive(fd: int, deadline: float | None = None) -> object:
     """The next message; WorkerLost at end of stream, TimeoutError past `deadline`."""
+    poller = select.poll()  # not select.select: it refuses a descriptor >= 1024 (module notes)
+    poller.register(fd, select.POLLIN)
+
     def read(size: int) -> bytes:
         buffer = bytearray()
         while len(buffer) < size:
             if deadline is not None:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                if left <= 0 or not poller.poll(math.ceil(left * 1000)):
                     raise TimeoutError
             chunk = os.read(fd, size - len(buffer))
             if not chunk:
@@ -90,15 +103,32 @@ def spec_ref(spec: str) -> tuple[str, str]:
     return "spec", spec
 
 
+def _stderr() -> int:
+    """Where a worker's stdout goes: this process's stderr (fd 2), or /dev/null where it has none."""
+    try:
+        os.fstat(2)
+    except OSError:
+        return subprocess.DEVNULL
+    return 2
+
+
 class _Worker:
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
+        self.requests = self.replies = -1  # this side's ends of the worker's two pipes
 
     def _start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True)
+        requests_read, self.requests = os.pipe()
+        self.replies, replies_write = os.pipe()
         try:
-            _receive(self.process.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)  # ready
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(requests_read), str(replies_write)], stdin=subprocess.DEVNULL,
+                stdout=_stderr(), pass_fds=(requests_read, replies_write), start_new_session=True)
+        finally:
+            os.close(requests_read)
+            os.close(replies_write)
+        try:
+            _receive(self.replies, time.monotonic() + START_TIMEOUT_S)  # ready
         except (TimeoutError, WorkerLost) as error:
             self.kill()
             raise WorkerLost(f"a reward worker did not start ({type(error).__name__})") from error
@@ -108,8 +138,8 @@ class _Worker:
             self._start()
         started = time.monotonic()
         try:
-            _send(self.process.stdin.fileno(), (ref, args))
-            ok, value = _receive(self.process.stdout.fileno(), started + timeout_s)
+            _send(self.requests, (ref, args))
+            ok, value = _receive(self.replies, started + timeout_s)
         except TimeoutError:
             self.kill()  # the call ran past its timeout: its worker goes with it
             return Timed(seconds=time.monotonic() - started, timed_out=True)
@@ -125,13 +155,15 @@ class _Worker:
         return Timed(value, None, seconds) if ok else Timed(error=value, seconds=seconds)
 
     def kill(self) -> None:
+        """The worker and every process of its group (what its rewards started), then its pipes."""
         if self.process is not None:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-            for stream in (self.process.stdin, self.process.stdout):
-                stream.close()
-        self.process = None
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a group already gone
+                os.killpg(self.process.pid, signal.SIGKILL)  # its pid is its group's id: it leads its session
+            self.process.wait()
+        for fd in (self.requests, self.replies):
+            if fd >= 0:
+                os.close(fd)
+        self.process, self.requests, self.replies = None, -1, -1
 
 
 class RewardWorkers:
@@ -193,17 +225,18 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _serve() -> None:
+def _serve(requests: int, replies: int) -> None:
+    """Answer calls from `requests` on `replies` (module notes: neither is a standard stream)."""
+    for fd in (requests, replies):
+        os.set_inheritable(fd, False)  # a reward's `os.system` or shell never holds them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
-    sys.stdout = sys.stderr  # what the user's function prints goes to stderr, never into the replies
     import cleaner.engine.grading.answers  # noqa: F401 - math-verify and sympy before the first call is timed
 
-    _send(stdout, "ready")
+    _send(replies, "ready")
     while True:
         try:
-            ref, args = _receive(stdin)
+            ref, args = _receive(requests)
         except WorkerLost:
             return  # the collection's process is gone
         try:
@@ -212,10 +245,10 @@ def _serve() -> None:
         except Exception as error:  # noqa: BLE001 - the caller's to word
             reply = (False, error)
         try:
-            _send(stdout, reply)
+            _send(replies, reply)
         except (pickle.PicklingError, TypeError, AttributeError):  # a value or an error pickle cannot carry
-            _send(stdout, (False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]!r:.300}")))
+            _send(replies, (False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]!r:.300}")))
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]), int(sys.argv[2]))

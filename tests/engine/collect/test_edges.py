@@ -19,7 +19,7 @@ from cleaner.engine.collect.schedule import LockstepRequests, TokenCounter, coll
 from cleaner.engine.model.base import LENGTH, STOP, Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat, format_tool_call
 from cleaner.engine.purify.pipeline import render_iteration
-from cleaner.tools import HungCalls, Tool, Toolbox, ToolResult, ToolUnavailable
+from cleaner.tools import HungCalls, Tool, Toolbox, ToolError, ToolResult, ToolUnavailable
 from tests.agent_fakes import (
     BASE,
     CHAT,
@@ -142,36 +142,41 @@ class Hangs(Tool):
 
 
 def test_hung_calls_give_up_their_threads_and_past_the_cap_stop_the_collection(monkeypatch):
-    """40 calls hang: each times out at its deadline and frees its slot, so later calls of another
-    tool run at once; past MAX_HUNG hung calls the next call stops the collection in one line."""
+    """More calls hang than there are threads (40 against 32): each times out at its deadline and
+    frees its slot, so the last 8 run and time out too, and 40 calls of another tool run at once;
+    past MAX_HUNG hung calls the next call stops the collection in one line."""
     from cleaner.tools import toolbox as toolbox_module
 
     release = threading.Event()
     box = Toolbox([Hangs(release), Sleeper(0.0, 1.0)])
+    hanging = toolbox_module.THREADS + 8
+    monkeypatch.setattr(box.hung, "max_hung", hanging)
 
     async def main():
-        hung = await asyncio.gather(*[box.run("hangs", {"n": i}) for i in range(20)])
+        hung = await asyncio.wait_for(asyncio.gather(*[box.run("hangs", {"n": i}) for i in range(hanging)]), 5)
         fine = await asyncio.wait_for(asyncio.gather(*[box.run("work", {"n": i}) for i in range(40)]), 5)
         return hung, fine
 
-    hung, fine = asyncio.run(main())
-    assert {o.status for o in hung} == {"timeout"} and {o.status for o in fine} == {"ok"}
-    assert box.threads.hung == 20
-    monkeypatch.setattr(box.threads, "max_hung", 20)
-    with pytest.raises(HungCalls, match=r"^21 calls are still running past their timeouts \(tool 'hangs': 21; at "
-                                        r"most 20 may hang at once\); the collection stops$"):
-        asyncio.run(_hang_one_more(box))
-    release.set()  # they return at last: no longer counted
+    try:
+        hung, fine = asyncio.run(main())
+        assert {o.status for o in hung} == {"timeout"} and {o.status for o in fine} == {"ok"}
+        assert box.hung.count == hanging
+        with pytest.raises(HungCalls, match=rf"^{hanging + 1} calls are still running past their timeouts \(tool "
+                                            rf"'hangs': {hanging + 1}; at most {hanging} may hang at once\); the "
+                                            r"collection stops$"):
+            asyncio.run(_hang_one_more(box))
+    finally:
+        release.set()  # they return at last: no longer counted
     deadline = time.monotonic() + 5
-    while box.threads.hung and time.monotonic() < deadline:
+    while box.hung.count and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert box.threads.hung == 0
+    assert box.hung.count == 0
     assert toolbox_module.MAX_HUNG == 32
 
 
 async def _hang_one_more(box):
-    await box.run("hangs", {"n": 99})  # the 21st hangs too
-    await box.run("work", {"n": 0})  # refused: 21 hang
+    await box.run("hangs", {"n": 99})  # one more hangs
+    await box.run("work", {"n": 0})  # refused: one more hangs than may
 
 
 def test_a_hung_call_never_holds_up_the_exit():
@@ -190,6 +195,140 @@ def test_a_hung_call_never_holds_up_the_exit():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "timeout", done.stderr
     assert time.monotonic() - started < 30
+
+
+class Blocks(Tool):
+    """A coroutine tool that works `seconds` synchronously inside `async def` (`time.sleep`, as
+    `requests` or a subprocess would), or, `blocking=False`, awaits them."""
+
+    name = "blocks"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    timeout_s = 1.5  # a call's 1 s is within it; had the wait for its loop counted, the second would not be
+
+    def __init__(self, seconds: float, blocking: bool = True) -> None:
+        super().__init__()
+        self.seconds, self.blocking = seconds, blocking
+
+    async def call(self, arguments):
+        if self.blocking:
+            time.sleep(self.seconds)
+        else:
+            await asyncio.sleep(self.seconds)
+        return f"done {arguments['n']}"
+
+
+def _beside(neighbour: Tool, prompts: int = 9):
+    """Every third prompt's rollout calls `neighbour`, the others a healthy coroutine tool (five
+    0.05 s awaits under a 0.5 s timeout), all at once: (rollouts, segments) as they compare."""
+    box = Toolbox([AwaitingSleeper(0.25, 0.5), neighbour])
+    scripts = {(f"p{i}", 0): ["Go." + format_tool_call("blocks" if i % 3 == 0 else "work", {"n": i}), answer("42")]
+               for i in range(prompts)}
+    try:
+        parts = collect_parts([task(f"p{i}") for i in range(prompts)], BASE, ScriptedBackend(scripts, BASE),
+                              FakeSandbox(), ChatFormat(CharTokenizer(), box.schemas), reward_fn=fake_reward,
+                              progress=False, toolbox=box)
+    finally:
+        box.close()
+    return comparable([r for p in parts for r in p.rollouts], [s for p in parts for s in p.segments])
+
+
+def test_a_coroutine_tool_that_blocks_its_loop_delays_only_its_own_calls(caplog):
+    """Three calls of a tool that sleeps 1 s inside `async def` beside six of a healthy coroutine
+    tool: the healthy calls are ok, as beside a neighbour that awaits; the blocking tool's calls
+    wait for one another with no clock running, so they are ok too; one warning names it."""
+    with caplog.at_level("WARNING", logger="cleaner.tools.calls"):
+        blocked = _beside(Blocks(1.0))
+    awaited = _beside(Blocks(1.0, blocking=False))
+    assert [(s.tool_name, s.tool_status) for s in blocked[1] if s.kind == "tool"] == [
+        ("blocks" if i % 3 == 0 else "work", "ok") for i in range(9)]
+    assert blocked == awaited
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("tool 'blocks' blocks its event loop (it did not answer for 1.")
+
+
+class Stuck(Tool):
+    """A coroutine tool whose calls, `open` or `close` block its loop until `release` is set."""
+
+    name = "stuck"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    timeout_s = 0.2
+
+    def __init__(self, release: threading.Event, where: str = "call") -> None:
+        super().__init__()
+        self.release, self.where = release, where
+
+    async def call(self, arguments):
+        if arguments.get("n") == 1:  # awaits, as a healthy call does
+            await asyncio.sleep(0.3)
+            return "fine"
+        await asyncio.sleep(0.05)  # then blocks
+        self.release.wait(30)
+        return "late"
+
+    async def open(self):
+        if self.where == "open":
+            self.release.wait(30)
+
+    async def close(self):
+        if self.where == "close":
+            self.release.wait(30)
+
+
+def test_a_loop_blocked_for_good_gives_its_calls_up_as_hung_and_leaves_the_others(monkeypatch):
+    """A call blocks its tool's loop past its timeout and the grace: it times out, counted as hung.
+    A call of the same tool awaiting beside it (a run of its own of 0.3 s), and its tries after,
+    which never start: the service's fault (infra_error), each try counted as hung. A healthy
+    tool's call is ok. Past MAX_HUNG the next call stops the collection; once the loop is back,
+    nothing is counted as hung."""
+    from cleaner.tools import calls as calls_module
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.01)
+    release = threading.Event()
+    box = Toolbox([Stuck(release), AwaitingSleeper(0.1, 0.5)])
+
+    async def main():
+        return await asyncio.gather(box.run("stuck", {"n": 0}), box.run("stuck", {"n": 1}), box.run("work", {"n": 2}))
+
+    try:
+        stuck, queued, healthy = asyncio.run(main())
+        assert (stuck.status, stuck.error_type) == ("timeout", "TimeoutError")
+        assert (queued.status, queued.error_type) == ("infra_error", "ToolUnavailable")
+        assert queued.text.startswith("the tool's service failed: LoopBlocked: tool 'stuck''s event loop was blocked")
+        assert (healthy.status, healthy.text) == ("ok", "done 2")
+        assert box.hung.count == 1 + toolbox_module.INFRA_TRIES and box.hung.by["tool 'stuck'"] == 4
+        monkeypatch.setattr(box.hung, "max_hung", 3)
+        with pytest.raises(HungCalls, match=r"^4 calls are still running past their timeouts \(tool 'stuck': 4; at most 3"):
+            asyncio.run(box.run("work", {"n": 3}))
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while box.hung.count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert box.hung.count == 0
+    box.close()
+
+
+def test_open_and_close_are_bounded(monkeypatch, caplog):
+    """A tool whose `open` blocks is one line; one whose `close` blocks a warning: neither hangs."""
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(toolbox_module, "OPEN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(toolbox_module, "CLOSE_TIMEOUT_S", 0.3)
+    release = threading.Event()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ToolError, match=r"^tool 'stuck': open\(\) did not return within 0.3 s$"):
+            Toolbox([Stuck(release, "open")])
+        box = Toolbox([Stuck(release, "close")])
+        with caplog.at_level("WARNING", logger="cleaner.tools.toolbox"):
+            box.close()
+    finally:
+        release.set()
+    assert time.monotonic() - started < 3
+    assert [record.getMessage() for record in caplog.records if record.name == "cleaner.tools.toolbox"] == [
+        "tool stuck: closing it failed: TimeoutError(\"tool 'stuck' did not return within 0.3 s\")"]
 
 
 class Flaky(Tool):

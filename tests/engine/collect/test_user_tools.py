@@ -167,7 +167,12 @@ def test_a_plain_coroutine_function_is_a_tool(tmp_path):
     assert (done.status, done.text) == ("ok", "ABC")
 
 
-def test_the_tools_own_timeout_error_is_a_failed_call_not_a_timeout():
+def test_the_tools_own_timeout_error_is_its_services_fault_not_a_timeout(monkeypatch):
+    """Its upstream timing out is not the call's timeout, nor the model's failure: infra_error."""
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.01)
+
     class Raises(Tool):
         name = "raises"
 
@@ -175,7 +180,67 @@ def test_the_tools_own_timeout_error_is_a_failed_call_not_a_timeout():
             raise TimeoutError("upstream service timed out")
 
     done = run_call(Toolbox([Raises()]), "raises", {})
-    assert (done.status, done.error_type, done.text) == ("error", "TimeoutError", "TimeoutError: upstream service timed out")
+    assert (done.status, done.error_type, done.text) == (
+        "infra_error", "ToolUnavailable", "the tool's service failed: TimeoutError: upstream service timed out")
+
+
+class Faulty(Tool):
+    """Raises `error` from `create` or from its call (`where`)."""
+
+    name = "faulty"
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self, where: str, error: Exception) -> None:
+        super().__init__()
+        self.where, self.error = where, error
+
+    def create(self, context):
+        if self.where == "create":
+            raise self.error
+
+    def call(self, arguments):
+        if self.where == "call":
+            raise self.error
+        return "fine"
+
+
+class AsyncFaulty(Faulty):
+    async def create(self, context):
+        Faulty.create(self, context)
+
+    async def call(self, arguments):
+        return Faulty.call(self, arguments)
+
+
+@pytest.mark.parametrize("kind", [Faulty, AsyncFaulty], ids=["thread", "coroutine"])
+def test_one_reading_of_a_fault_for_every_tool(kind, monkeypatch):
+    """As a verl tool's: an exception that is not an argument error is the service's (infra_error,
+    after its tries), from `create` or from the call; an argument error of the call is the model's
+    failed call; one of `create` (which never sees the model's arguments) is one line."""
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.01)
+
+    def outcome(where: str, error: Exception):
+        box = Toolbox([kind(where, error)])
+        try:
+            done = asyncio.run(box.run("faulty", {}, CallContext("it0-p-s0", {"faulty": {"create_kwargs": {"n": 1}}})))
+        finally:
+            box.close()
+        return done.status, done.error_type, done.text
+
+    service = ("infra_error", "ToolUnavailable", "the tool's service failed: RuntimeError: judge down")
+    assert outcome("create", RuntimeError("judge down")) == service
+    assert outcome("call", RuntimeError("judge down")) == service
+    assert outcome("call", ZeroDivisionError("division by zero")) == (
+        "error", "ZeroDivisionError", "ZeroDivisionError: division by zero")
+    assert outcome("call", KeyError("unit")) == ("error", "KeyError", "KeyError: 'unit'")
+    assert outcome("create", OSError("no judge")) == (
+        "infra_error", "ToolUnavailable", "the tool's service failed: OSError: no judge")
+    with pytest.raises(ToolError, match=r"^tool 'faulty': create raised KeyError: 'table' on rollout it0-p-s0; create "
+                                        r"never sees the model's arguments, so this is the row's or the tool's problem "
+                                        r"\(the row's extra_info.tools_kwargs.faulty.create_kwargs has \['n'\]\)$"):
+        outcome("create", KeyError("table"))
 
 
 def test_a_tool_returning_neither_text_nor_a_result_is_one_error():

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
 from cleaner.engine.grading.reward_file import RewardFunction
 from cleaner.engine.model.chat import ChatFormat, format_tool_call, tool_response_text
+from cleaner.errors import CollectionStopped
 from cleaner.plugins import PluginError
 from cleaner.tools import CallContext, Toolbox, ToolError, load_tools
 from cleaner.tools import toolbox as toolbox_module
@@ -198,6 +200,26 @@ def test_a_rollout_that_ends_on_a_fault_releases_its_tools(verl, tmp_path, monke
     box.abandon("it0-p-s0")  # what the agent loop does when the rollout raises (a backend fault, a stop)
     box.close()  # after the release it queued
     assert [entry[0] for entry in sys.modules["lookup_tool"].LOG] == ["create", "execute", "calc_reward", "release"]
+    assert box.live == {}
+
+
+def test_a_rollout_a_backend_fault_ends_releases_its_tools_through_the_agent_loop(verl, tmp_path, monkeypatch):
+    """The backend fails rollout p's turn after its call (InfraFault): p is not stored, and its verl
+    tool is given calc_reward and release all the same; q, beside it, is stored."""
+    monkeypatch.chdir(tmp_path)
+    box = Toolbox(load_tools(str(lookup_yaml(tmp_path)), None))
+    chat = ChatFormat(CharTokenizer(), box.schemas)
+    scripts = {("p", 0): ["Look." + format_tool_call("lookup", {"key": "x"}), answer("7")], ("q", 0): [answer("7")]}
+    kwargs = {"tools_kwargs": {"lookup": {"create_kwargs": {"table": {"x": 7}}}}}
+    tasks = [Task(p, ({"role": "user", "content": "x?"},), "7", "toy", extra_info=kwargs) for p in ("p", "q")]
+    parts = []
+    with pytest.raises(CollectionStopped, match=r"^1 of 2 rollouts were not collected: the backend failed their "):
+        collect(tasks, BASE, ScriptedBackend(scripts, BASE, raise_on={("p", 0, 1)}), FakeSandbox(), chat,
+                write=parts.append, reward_fn=fake_reward, progress=False, toolbox=box)
+    box.close()  # after the release the agent loop queued
+    assert [r.rollout_id for part in parts for r in part.rollouts] == ["it0-q-s0"]
+    log = sys.modules["lookup_tool"].LOG
+    assert [entry[0] for entry in log] == ["create", "execute", "calc_reward", "release"]
     assert box.live == {}
 
 

@@ -138,6 +138,30 @@ def test_anything_else_is_one_error_naming_the_function_and_rollout(returned, wh
                                  "must return a number or a dict with a 'score' number")
 
 
+@pytest.mark.parametrize(("acc", "what"), [
+    ("no", "str 'no'"),  # Python's truth would make it correct
+    ("False", "str 'False'"),
+    (None, "NoneType None"),
+    ([0], "list [0]"),
+    (float("nan"), "float nan"),
+])
+def test_an_acc_that_is_not_a_bool_or_a_number_is_one_error_naming_it(acc, what):
+    def judge(**_):
+        return {"score": 1.0, "acc": acc}
+
+    with pytest.raises(RewardFunctionError) as raised:
+        score(RewardFunction("my/reward.py:judge", judge))
+    assert str(raised.value) == (f"reward function judge (my/reward.py:judge) returned a dict whose 'acc' is {what}, "
+                                 "not a bool or a finite number, on rollout r0; a dict's 'acc' (the rollout's correct) "
+                                 "is a bool or a number")
+
+
+@pytest.mark.parametrize(("acc", "correct"), [(True, True), (np.bool_(True), True), (1.0, True), (0.0, False),
+                                              (-1, False), (np.int64(0), False)])
+def test_a_number_acc_is_correct_when_positive(acc, correct):
+    assert score(RewardFunction("f.py:f", lambda **_: {"score": 0.0, "acc": acc})).correct is correct
+
+
 def test_a_raising_function_is_one_error_naming_it_the_rollout_and_the_exception(reward_file):
     function = RewardFunction.load(f"{reward_file}:raises")
     with pytest.raises(RewardFunctionError) as raised:

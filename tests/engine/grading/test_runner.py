@@ -5,6 +5,10 @@ line naming the reward and the rollout."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -52,6 +56,62 @@ def test_a_coroutine_reward_function_past_its_timeout_and_one_that_kills_its_wor
     assert asyncio.run(Rewards().grade("r3", "\\boxed{2}", "2", "math")).correct
 
 
+@pytest.mark.parametrize("kind", ["thread", "coroutine", "score"])
+def test_each_reward_call_gets_its_own_copy_of_the_rows_values(kind):
+    """A reward function that changes the ground truth and extra_info it is handed (in this
+    process: on a thread, on its loop, or through `score`): the next call, and the row, see them
+    as they were."""
+    truth, extra = {"answers": ["7"]}, {"index": 3, "table": {"x": [1]}}
+    seen = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info):
+        seen.append(json.dumps([ground_truth, extra_info], sort_keys=True))
+        ground_truth["answers"].append("changed")
+        extra_info["table"]["x"].append(2)
+        return 1.0
+
+    async def coroutine_judge(**arguments):
+        return judge(**arguments)
+
+    function = RewardFunction("judge.py:judge", coroutine_judge if kind == "coroutine" else judge)
+    rewards = Rewards(reward_file=function)
+    for rollout_id in ("r0", "r1"):
+        if kind == "score":
+            asyncio.run(function.score(rollout_id, "toy", "x", truth, extra))
+        else:
+            asyncio.run(rewards.verl(rollout_id, "toy", "x", truth, extra))
+    rewards.close()
+    assert seen == [json.dumps([{"answers": ["7"]}, {"index": 3, "table": {"x": [1]}}], sort_keys=True)] * 2
+    assert (truth, extra) == ({"answers": ["7"]}, {"index": 3, "table": {"x": [1]}})
+
+
+def test_a_coroutine_reward_that_blocks_its_loop_is_a_timeout_for_every_call_it_holds_up(monkeypatch):
+    """A coroutine reward doing synchronous work for good: the call blocking its loop, and the one
+    its loop never gets to, each end in the reward's one timeout line."""
+    from cleaner.tools import calls as calls_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    release = threading.Event()
+
+    async def judge(data_source, solution_str, ground_truth, extra_info):
+        release.wait(30)
+        return 1.0
+
+    rewards = Rewards(reward_file=RewardFunction("judge.py:judge", judge), timeout_s=0.2)
+
+    async def both():
+        return await asyncio.gather(*[rewards.verl(f"r{i}", "toy", "x", "1", {}) for i in range(2)],
+                                    return_exceptions=True)
+
+    try:
+        outcomes = asyncio.run(both())
+    finally:
+        release.set()
+        rewards.close()
+    assert [type(outcome) for outcome in outcomes] == [RewardTimeout, RewardTimeout]
+    assert str(outcomes[1]).startswith("reward function judge (judge.py:judge) did not return within 0.2 s on rollout r1")
+
+
 def test_a_script_that_collects_at_its_top_level_needs_no_main_guard(tmp_path):
     """Reward workers are processes of cleaner's own: they never import the caller's script again
     (multiprocessing's spawn would, and run a top-level collection once per worker)."""
@@ -65,3 +125,94 @@ def test_a_script_that_collects_at_its_top_level_needs_no_main_guard(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["graded True"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A reward's processes and streams
+
+
+@pytest.fixture
+def fresh_workers(monkeypatch):
+    """A pool of one worker of this test's own, started under its streams and descriptors."""
+    pool = workers.RewardWorkers(1)
+    monkeypatch.setattr(workers, "_workers", pool)
+    yield pool
+    pool.close()
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_reward_past_its_timeout_takes_every_process_it_started_with_it(tmp_path, fresh_workers):
+    """A reward starts a long-lived child (a code judge, a shell) and hangs: at its timeout the
+    worker's whole process group is killed, so no process of it survives."""
+    started = tmp_path / "started.txt"
+    path = tmp_path / "judge.py"
+    path.write_text("import os, subprocess, time\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    child = subprocess.Popen(['sleep', '600'])\n"
+                    f"    open({str(started)!r}, 'w').write(f'{{os.getpgid(0)}} {{child.pid}}')\n"
+                    "    time.sleep(60)\n")
+    with pytest.raises(RewardTimeout, match=r"^reward function compute_score \(.*judge.py\) did not return within 2 s"):
+        asyncio.run(Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=2.0).verl("r1", "toy", "x", "1", {}))
+    group, child = map(int, started.read_text().split())
+    try:
+        deadline = time.monotonic() + 5
+        while (_alive(child) or _group(group)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child) and _group(group) == []
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)  # left by the bug this test guards against
+
+
+def test_a_reward_whose_subprocess_writes_to_stdout_returns_and_its_output_reaches_stderr(tmp_path, fresh_workers,
+                                                                                           capfd):
+    """A reward's subprocess writes to the stdout it inherits: no reply is corrupted (the reward is
+    its value at once, not a hang), and what it and the reward printed is on the collection's stderr."""
+    path = tmp_path / "judge.py"
+    path.write_text("import subprocess\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    subprocess.run(['echo', 'the judge says hi'])\n"
+                    "    print('the reward says hi')\n"
+                    "    return 0.5\n")
+    started = time.monotonic()
+    got = asyncio.run(Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=10.0).verl("r1", "toy", "x", "1", {}))
+    assert got.reward == 0.5 and time.monotonic() - started < 10
+    out, err = capfd.readouterr()
+    assert "the judge says hi\n" in err and "the reward says hi\n" in err and "says hi" not in out
+
+
+def test_a_worker_answers_on_descriptors_above_1024(fresh_workers):
+    """With more than 1,024 descriptors open (a collection's sockets and files), the workers' pipes
+    get descriptors select() cannot watch: a reward is computed all the same."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        timed = fresh_workers.call(workers.function_ref(compute_reward), ("\\boxed{2}", "2", "math"), 30.0)
+        assert fresh_workers._all[0].replies >= 1024
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert timed.error is None and timed.value == compute_reward("\\boxed{2}", "2", "math")

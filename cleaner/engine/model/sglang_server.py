@@ -95,6 +95,12 @@ class ServerUnavailable(EngineError):
     """A transient failure of one server (connection, timeout, 5xx, 429): tried again elsewhere."""
 
 
+def retry_backoff_s(attempt: int) -> float:
+    """The wait before try number `attempt` (1 = the first try again) of a request that found no
+    server to answer it: RETRY_BACKOFF_S, doubling (1 + 2 + 4 + 8 s over REQUEST_TRIES tries)."""
+    return RETRY_BACKOFF_S * 2 ** (attempt - 1)
+
+
 def request_timeout_s(body: dict[str, Any], fixed_s: float | None = None) -> float:
     """How long one `/generate` body may wait for its answer: `fixed_s`, or the default derived
     from its tokens (module notes: REQUEST_BASE_S)."""
@@ -328,7 +334,7 @@ class SGLangServerBackend(SGLangRequests):
         first (RETRY_BACKOFF_S, doubling) and every server out of the rotation probed; servers whose
         own back-off has passed are probed either way."""
         if attempt > 0 and not self.routes.rotation:
-            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+            await asyncio.sleep(retry_backoff_s(attempt))
         await self._probe_due(client, every=not self.routes.rotation)
         return self.routes.server_for(session)
 
@@ -365,16 +371,15 @@ class SGLangServerBackend(SGLangRequests):
 
     async def _post_retrying(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
         """`body`'s response from `url`, tried again after a back-off on a transient failure."""
-        delay = RETRY_BACKOFF_S
         for attempt in range(REQUEST_TRIES):
             try:
                 return await self._post(client, url, body)
             except ServerUnavailable as error:
                 if attempt == REQUEST_TRIES - 1:
                     raise EngineError(f"no answer after {REQUEST_TRIES} tries: {error}") from error
+                delay = retry_backoff_s(attempt + 1)
                 log.warning("%s (try %d of %d); trying again in %.0f s", error, attempt + 1, REQUEST_TRIES, delay)
                 await asyncio.sleep(delay)
-                delay *= 2
         raise AssertionError("unreachable")
 
     async def close_requests(self) -> None:

@@ -123,6 +123,34 @@ def test_a_slow_disk_changes_no_status():
     assert 6 * 0.6 <= seconds < 6 * 0.6 + 1.5  # the six writes one after the other, the rollouts beside them
 
 
+def test_the_loop_goes_on_while_a_part_is_written():
+    """Parts of one rollout, one rollout in flight: the first write waits (up to 5 s) until the
+    backend is asked for the NEXT rollout's turn. The loop asks while the part is being written
+    (a writer thread), so the wait ends at once; a write on the loop would hold the next rollout
+    back until it returned."""
+    config = dataclasses.replace(BASE, batch_rollouts=1, max_concurrent_rollouts=1)
+    backend = ScriptedBackend({(f"p{i}", 0): [answer("42")] for i in range(3)}, config)
+    asked, next_asked = [], threading.Event()
+    honest = backend.generate_async
+
+    async def generate_async(prompt, params, seed, session=None):
+        asked.append(session)
+        if len(set(asked)) >= 2:
+            next_asked.set()
+        return await honest(prompt, params, seed, session)
+
+    backend.generate_async = generate_async
+    waited = []
+
+    def write(part):
+        if not waited:
+            waited.append(next_asked.wait(5))
+
+    collect([task(f"p{i}") for i in range(3)], config, backend, FakeSandbox(), CHAT, write=write,
+            reward_fn=fake_reward, progress=False)
+    assert waited == [True]
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults of the user's tools
 

@@ -595,3 +595,53 @@ def test_a_routed_request_never_waits_on_a_probe_while_a_server_serves(model_dir
     assert workers[1].paths("/health")  # it was probed ...
     assert seconds < 2.0  # ... and nobody waited for the probe (PROBE_TIMEOUT_S is 5 s)
     assert len(workers[0].paths("/generate")) == 5
+
+
+# ---------------------------------------------------------------------------- the back-off with no server left
+
+
+class _RecordedSleeps:
+    """The asyncio module as sglang_server sees it, but its sleeps are recorded and return at once."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.asyncio, self.slept = asyncio, []
+
+    def __getattr__(self, name):
+        return getattr(self.asyncio, name)
+
+    async def sleep(self, delay):
+        self.slept.append(delay)
+
+
+def test_with_no_server_left_a_request_backs_off_1_2_4_8_seconds_then_fails(model_dir, monkeypatch):
+    """The documented back-off (docs/running.md: a dead last server stops a collection in about
+    30 s): four waits of 1, 2, 4 and 8 s between the five tries, on the routed and the batch path."""
+    import asyncio
+
+    from cleaner.engine.model import sglang_server
+
+    server = StandIn(str(model_dir))
+    try:
+        backend = SGLangServerBackend(server.url, model_dir)
+        server.drop_after = 0  # every request from now on: the connection drops
+        clock = _RecordedSleeps()
+        monkeypatch.setattr(sglang_server, "asyncio", clock)
+        params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+
+        async def routed():
+            try:
+                return await backend.generate_async([1], params, 0, session="r")
+            finally:
+                await backend.close_requests()
+
+        with pytest.raises(EngineError, match="no server answered after 5 tries"):
+            asyncio.run(routed())
+        assert clock.slept == [1.0, 2.0, 4.0, 8.0]
+        clock.slept.clear()
+        with pytest.raises(EngineError, match="no answer after 5 tries"):
+            backend.generate([[1]], params, seeds=[0])
+        assert clock.slept == [1.0, 2.0, 4.0, 8.0]
+    finally:
+        server.close()

@@ -243,6 +243,18 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(sglang_server, "MAX_PROBE_BACKOFF_S", 0.2)
 
 
+@pytest.fixture(scope="module")
+def healthy_collection(random_policy):
+    """What a healthy server collects (`_collect_over`'s defaults): what every fault must leave."""
+    healthy = StandIn(str(random_policy))
+    try:
+        expected, error = _collect_over(healthy.url, random_policy)
+    finally:
+        healthy.close()
+    assert error is None
+    return expected
+
+
 def _collect_over(url: str, model_dir, prompts: int = 12, skip=frozenset(), request_timeout_s: float | None = None,
                   batch_rollouts: int = 4):
     """A collection of `prompts` x 2 single-turn rollouts through the servers behind `url`: the parts
@@ -272,14 +284,11 @@ def _rows(parts):
     return comparable([r for p in parts for r in p.rollouts], [s for p in parts for s in p.segments])
 
 
-def test_a_server_that_dies_mid_collection_swallows_no_rollout(model_dir, quick_retries):
+def test_a_server_that_dies_mid_collection_swallows_no_rollout(model_dir, healthy_collection, quick_retries):
     """Two workers behind a router; one hangs up on every request after serving 5: its rollouts'
     requests go to the other, every rollout is stored, and the warehouse is the one a healthy
     server collects."""
-    healthy = StandIn(str(model_dir))
-    expected, error = _collect_over(healthy.url, model_dir)
-    healthy.close()
-    assert error is None
+    expected = healthy_collection
     workers = [StandIn(str(model_dir), delay_s=0.01), StandIn(str(model_dir), delay_s=0.01)]
     workers[1].drop_after = 5
     router = StandIn(str(model_dir), workers=[w.url for w in workers])
@@ -294,16 +303,14 @@ def test_a_server_that_dies_mid_collection_swallows_no_rollout(model_dir, quick_
     assert served[1] >= 5 and sum(served) == 24  # each rollout's request answered once
 
 
-def test_the_only_server_dead_stops_the_collection_in_one_line_and_it_resumes(model_dir, quick_retries):
+def test_the_only_server_dead_stops_the_collection_in_one_line_and_it_resumes(model_dir, healthy_collection, quick_retries):
     """One server, which hangs up after serving 6 requests: each later request is tried REQUEST_TRIES
     times, its rollout is not stored, and once failures are the rule the collection stops saying
     what is committed. A server on the same port again, the resumed collection completes the
     warehouse a healthy server collects."""
     from cleaner.errors import CollectionStopped
 
-    healthy = StandIn(str(model_dir))
-    expected, _ = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     server = StandIn(str(model_dir))
     server.drop_after = 6
     try:
@@ -325,15 +332,13 @@ def test_the_only_server_dead_stops_the_collection_in_one_line_and_it_resumes(mo
     assert _rows(got + rest) == _rows(expected)
 
 
-def test_a_stop_commits_every_rollout_that_finished_before_it(model_dir, quick_retries):
+def test_a_stop_commits_every_rollout_that_finished_before_it(model_dir, healthy_collection, quick_retries):
     """Parts of 24 (the whole collection): the server dies after answering 6 requests, and the
     collection stops before any part fills. The rollouts that finished are committed all the same
     (a last part), the line counts them, and --resume collects only the others."""
     from cleaner.errors import CollectionStopped
 
-    healthy = StandIn(str(model_dir))
-    expected, _ = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     server = StandIn(str(model_dir))
     server.drop_after = 6
     try:
@@ -463,13 +468,11 @@ HOW = ["id past the vocabulary", "NaN log-prob", "positive log-prob", "empty, no
 
 
 @pytest.mark.parametrize("how", HOW)
-def test_a_server_answering_what_no_policy_gives_is_routed_around(model_dir, quick_retries, how):
+def test_a_server_answering_what_no_policy_gives_is_routed_around(model_dir, healthy_collection, quick_retries, how):
     """Two workers behind a router, one answering every generation wrongly: each such answer is a
     fault of that server (benched, the request tried on the other), so the warehouse is the one a
     healthy server collects and holds nothing the bad server said."""
-    healthy = StandIn(str(model_dir))
-    expected, error = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     workers = [StandIn(str(model_dir)), _misanswering(StandIn(str(model_dir)), how)]
     router = StandIn(str(model_dir), workers=[w.url for w in workers])
     try:
@@ -483,13 +486,11 @@ def test_a_server_answering_what_no_policy_gives_is_routed_around(model_dir, qui
 
 
 @pytest.mark.parametrize("how", HOW)
-def test_the_only_server_answering_what_no_policy_gives_stops_the_collection_and_it_resumes(model_dir, quick_retries,
+def test_the_only_server_answering_what_no_policy_gives_stops_the_collection_and_it_resumes(model_dir, healthy_collection, quick_retries,
                                                                                           how):
     from cleaner.errors import CollectionStopped
 
-    healthy = StandIn(str(model_dir))
-    expected, _ = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     server = _misanswering(StandIn(str(model_dir)), how)
     try:
         got, error = _collect_over(server.url, model_dir)
@@ -519,15 +520,13 @@ def test_a_requests_default_timeout_follows_its_tokens_not_an_hour():
     assert request_timeout_s(score_body([1] * 2_000, 1), fixed_s=7.5) == 7.5
 
 
-def test_a_wedged_server_is_timed_out_and_routed_around(model_dir, quick_retries):
+def test_a_wedged_server_is_timed_out_and_routed_around(model_dir, healthy_collection, quick_retries):
     """Two workers, one of which takes every generation and never answers: each request to it ends
     at the request timeout, is tried on the other, and the wedged server leaves the rotation; the
     warehouse is the one a healthy server collects."""
     import time
 
-    healthy = StandIn(str(model_dir))
-    expected, _ = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     workers = [StandIn(str(model_dir)), StandIn(str(model_dir))]
     workers[1].wedged = {"/generate"}
     router = StandIn(str(model_dir), workers=[w.url for w in workers])
@@ -543,12 +542,10 @@ def test_a_wedged_server_is_timed_out_and_routed_around(model_dir, quick_retries
     assert time.monotonic() - started < 30
 
 
-def test_the_only_server_wedged_ends_the_collection_as_a_dead_one_and_it_resumes(model_dir, quick_retries):
+def test_the_only_server_wedged_ends_the_collection_as_a_dead_one_and_it_resumes(model_dir, healthy_collection, quick_retries):
     from cleaner.errors import CollectionStopped
 
-    healthy = StandIn(str(model_dir))
-    expected, _ = _collect_over(healthy.url, model_dir)
-    healthy.close()
+    expected = healthy_collection
     server = StandIn(str(model_dir))
     server.wedged = {"/generate"}
     try:

@@ -1,4 +1,4 @@
-"""What `cleaner export` reads (docs/architecture.md §13): the rollouts of some iterations that a
+"""What `cleaner export` reads (docs/architecture.md §15): the rollouts of some iterations that a
 `--where` selects, streamed in group order with their segments (and purified rows), and the counts
 its dataset card states.
 

@@ -1,4 +1,4 @@
-"""The exported folder's `README.md`, a Hugging Face dataset card (docs/architecture.md §13).
+"""The exported folder's `README.md`, a Hugging Face dataset card (docs/architecture.md §15).
 
 Design decisions:
 - The YAML front matter is what the Hub and `datasets.load_dataset` read: one `default` config

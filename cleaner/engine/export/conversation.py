@@ -1,5 +1,5 @@
 """A trajectory as chat messages, and the check that the policy's chat template gives its tokens back
-(docs/architecture.md §13).
+(docs/architecture.md §15).
 
 Design decisions:
 - A trajectory is a prompt, then turns: an assistant turn (a generation, or SAAR's merge of

@@ -1,4 +1,4 @@
-"""The exported dataset's files as the Hugging Face Hub lays them out (docs/architecture.md §13):
+"""The exported dataset's files as the Hugging Face Hub lays them out (docs/architecture.md §15):
 shards of a fixed number of rows under `data/` (the dataset card is card.py's).
 
 Design decisions:

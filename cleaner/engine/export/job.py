@@ -1,5 +1,5 @@
 """The export job: collected iterations as a Hugging Face dataset folder for other trainers
-(docs/architecture.md §13); `export_job(warehouse, ExportRequest)`.
+(docs/architecture.md §15); `export_job(warehouse, ExportRequest)`.
 
 Design decisions:
 - It reads and never writes the warehouse: the warehouse is opened read-only (the validation

@@ -1,5 +1,5 @@
 """The policy whose chat template an export renders with, and the tools its prompts showed
-(docs/architecture.md §13).
+(docs/architecture.md §15).
 
 Design decisions:
 - An iteration's rows are checked against the tokenizer of the policy that collected it (the

@@ -1,4 +1,4 @@
-"""The exported rows, one function per kind (docs/architecture.md §13): a rollout's conversation
+"""The exported rows, one function per kind (docs/architecture.md §15): a rollout's conversation
 (sft, messages), the pair of each failure-correction chain SAAR purifies, and outcome pairs within
 a group. Records in, plain rows out; the folder (folder.py) gives them their Arrow types.
 

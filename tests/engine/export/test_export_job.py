@@ -205,3 +205,65 @@ def test_the_cli_reads_what_the_job_wrote(small_run, tmp_path):
     ((counted,),) = _sql(small_run, FIXED_CHAINS_SQL.format(it=0))
     ((counted_1,),) = _sql(small_run, FIXED_CHAINS_SQL.format(it=1))
     assert rows == counted + counted_1 and f"SQL counts {rows:,} pairs" in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Chains SAAR does not purify are no pairs, by the walk and by the SQL alike
+
+
+def _hand_warehouse(root):
+    """Three rollouts of the tiny chat format: A fails step 0 for good, then fixes step 1 (SAAR
+    renders A raw from its unrecovered step on: no pair); B fixes steps 0 and 1 (two pairs); C fixes
+    a call that met an infrastructure fault (not the policy's failure: no pair)."""
+    from transformers import AutoTokenizer
+
+    from cleaner.engine.model.chat import format_call, tool_response_text
+    from cleaner.records import Segment, SegmentKind, ToolStatus
+    from tests.factories import make_rollout
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_POLICY)
+
+    def segment(rollout_id, seq, kind, step, attempt, text, status=None, code=None):
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        assistant = kind == SegmentKind.ASSISTANT
+        call_start = next((i for i in range(len(ids)) if "<tool_call>" in tokenizer.decode(ids[:i + 1])), None) \
+            if assistant else None
+        return Segment(rollout_id, 0, seq, kind, step, attempt, ids, (-0.1,) * len(ids) if assistant else None, text,
+                       call_start=call_start, tool_code=code, tool_status=status)
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 6 * 7?"}], tokenize=False,
+                                           add_generation_prompt=True)
+    plans = {"A": [[ToolStatus.ERROR, ToolStatus.ERROR], [ToolStatus.ERROR, ToolStatus.OK]],
+             "B": [[ToolStatus.ERROR, ToolStatus.OK], [ToolStatus.TIMEOUT, ToolStatus.OK]],
+             "C": [[ToolStatus.INFRA_ERROR, ToolStatus.OK]]}
+    rollouts, segments = [], []
+    for rollout_id, steps in plans.items():
+        own = [segment(rollout_id, 0, SegmentKind.PROMPT, None, None, prompt)]
+        for step, statuses in enumerate(steps):
+            for attempt, status in enumerate(statuses):
+                code = f"print(6 * {7 + attempt})"
+                own.append(segment(rollout_id, len(own), SegmentKind.ASSISTANT, step, attempt,
+                                   "Compute.\n" + format_call(code), code=code))
+                own.append(segment(rollout_id, len(own), SegmentKind.TOOL, step, attempt,
+                                   tool_response_text("Tool call failure" if status != ToolStatus.OK else "42"), status))
+        own.append(segment(rollout_id, len(own), SegmentKind.ASSISTANT, len(steps), 0, "\\boxed{42}<|im_end|>"))
+        segments += own
+        rollouts.append(make_rollout(rollout_id))
+    Warehouse(root).write_rollouts(0, rollouts, segments)
+
+
+def test_a_chain_after_an_unrecovered_step_or_an_infra_fault_is_no_pair(tmp_path):
+    _hand_warehouse(tmp_path / "wh")
+    request = ExportRequest(iterations=(0,), form="preference", out=tmp_path / "ds", policy=DEFAULT_POLICY)
+    outcome = export_job(Warehouse(tmp_path / "wh"), request, progress=False)
+    rows = pq.read_table(outcome.out / "data").to_pylist()
+    assert sorted((row["rollout_id"], row["step"], row["error_type"]) for row in rows) == [
+        ("B", 0, "error"), ("B", 1, "timeout")]
+    assert outcome.counted == 2
+    (counted,), = Warehouse(tmp_path / "wh").connect().sql(FIXED_CHAINS_SQL.format(it=0)).fetchall()
+    assert counted == 2
+    first = next(row for row in rows if row["step"] == 1)
+    assert [m["role"] for m in first["prompt"]] == ["user", "assistant", "tool"]  # step 0 as SAAR renders it
+    assert json.loads(first["chosen"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 8)"}
+    assert json.loads(first["rejected"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 7)"}
+    assert first["depth"] == "shallow"  # "print(6 * 7)" vs "print(6 * 8)": ratio 11/12 >= gamma 0.5

@@ -39,6 +39,7 @@ class Facts:
     policies: tuple[str, ...]
     selected: int  # rollouts selected
     rows: int
+    data_bytes: int  # the rows' size as `datasets` counts a split's bytes
     shards: int
     exact: int | None  # conversations rendered back exactly
     counted: int | None  # pairs by the documented SQL count
@@ -61,7 +62,7 @@ def _feature(name: str, type_: pa.DataType) -> dict:
 
 def card(facts: Facts) -> str:
     """README.md: the YAML front matter, then the text."""
-    info: dict = {"splits": [{"name": SPLIT, "num_examples": facts.rows}]}
+    info: dict = {"splits": [{"name": SPLIT, "num_bytes": facts.data_bytes, "num_examples": facts.rows}]}
     if facts.form != MESSAGES:
         info = {"features": features_yaml(schema_of(facts.form)), **info}
     front = {

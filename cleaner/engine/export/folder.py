@@ -110,6 +110,7 @@ class Shards:
         self.suffix = "jsonl" if form == MESSAGES else "parquet"
         self.paths: list[Path] = []
         self.rows = 0
+        self.bytes = 0  # of the rows as Arrow holds them (a JSON line's: as written), the card's num_bytes
         self._in_shard = 0
         self._writer: pq.ParquetWriter | None = None
         self._lines = None
@@ -138,10 +139,13 @@ class Shards:
         if not self._pending:
             return
         if self._lines is not None:
-            self._lines.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in self._pending)
+            lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in self._pending]
+            self._lines.writelines(lines)
+            self.bytes += sum(len(line.encode()) for line in lines)
         else:
             table = pa.Table.from_pylist(self._pending, schema=self.building).cast(self.schema)
             self._writer.write_table(table)
+            self.bytes += table.nbytes
         self._pending = []
 
     def _close_shard(self) -> None:

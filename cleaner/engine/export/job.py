@@ -140,7 +140,8 @@ def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool =
                 shards = Shards(directory, request.form, request.rows_per_shard)
                 tally = _write(connection, plan, request, shards, progress)
                 paths = shards.close()
-                (directory / "README.md").write_text(card(_facts(warehouse, request, plan, tally, len(paths))))
+                facts = _facts(warehouse, request, plan, tally, len(paths), shards.bytes)
+                (directory / "README.md").write_text(card(facts))
         finally:
             connection.close()
     if plan.counted is not None and plan.counted != tally.rows:
@@ -150,7 +151,8 @@ def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool =
                          time.monotonic() - started)
 
 
-def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Tally, shards: int) -> Facts:
+def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Tally, shards: int,
+           data_bytes: int) -> Facts:
     config = plan.config
     chains = request.form == Form.PREFERENCE and request.pairs == Pairs.CHAIN
     described = None if config is None else (
@@ -163,7 +165,7 @@ def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Ta
         view="purified (SAAR's rendering)" if chains else str(request.view), iterations=request.iterations,
         where=request.where, config=described,
         policies=tuple(dict.fromkeys(policy.path for policy in plan.policies.values())),
-        selected=plan.selected, rows=tally.rows, shards=shards,
+        selected=plan.selected, rows=tally.rows, data_bytes=data_bytes, shards=shards,
         exact=tally.exact if request.form != Form.PREFERENCE else None, counted=plan.counted,
         kinds=tally.kinds, errors=tally.errors)
 

@@ -49,7 +49,9 @@ def test_load_dataset_reads_each_format_as_its_card_says(folders, name):
     loaded = _load(outcome.out)
     assert loaded.num_rows == outcome.rows > 0
     front = yaml.safe_load((outcome.out / "README.md").read_text().split("---")[1])
-    assert front["dataset_info"]["splits"] == [{"name": "train", "num_examples": outcome.rows}]
+    (split,) = front["dataset_info"]["splits"]
+    assert (split["name"], split["num_examples"]) == ("train", outcome.rows) and split["num_bytes"] > 0
+    assert loaded.info.splits["train"].num_examples == outcome.rows  # the card's splits were read, not ignored
     if name != "messages":
         assert loaded.features == datasets.Features._from_yaml_list(front["dataset_info"]["features"])
     key = "messages" if name in ("sft", "messages") else "prompt"

@@ -98,6 +98,15 @@ class ExportRequest:
         if self.rows_per_shard < 1 or self.batch_rows < 1:
             raise ValueError("rows_per_shard and batch_rows must be >= 1")
 
+    @property
+    def chain_pairs(self) -> bool:
+        return self.form == Form.PREFERENCE and self.pairs == Pairs.CHAIN
+
+    @property
+    def purified_rows(self) -> bool:
+        """Conversations come from a purify config's stored rows (chain pairs render SAAR's walk)."""
+        return self.view == ExportView.PURIFIED and not self.chain_pairs
+
 
 @dataclass(frozen=True)
 class ExportOutcome:
@@ -154,7 +163,7 @@ def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool =
 def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Tally, shards: int,
            data_bytes: int) -> Facts:
     config = plan.config
-    chains = request.form == Form.PREFERENCE and request.pairs == Pairs.CHAIN
+    chains = request.chain_pairs
     described = None if config is None else (
         f"{config.config_id} (gamma {config.gamma}, similarity on {config.similarity_on}, edit {config.edit})")
     if chains and config is None:
@@ -203,18 +212,19 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
 
 
 def _config(connection, warehouse: Warehouse, request: ExportRequest) -> PurifyConfigRow | None:
-    """The purify config read: given, or the iterations' one; None where none is needed or found."""
-    purified = request.view == ExportView.PURIFIED and request.form != Form.PREFERENCE \
-        or request.view == ExportView.PURIFIED and request.pairs == Pairs.OUTCOME
+    """The purify config read: the one given, or the iterations' only one; None where the export
+    needs none, or (chain pairs) where the iterations have none."""
+    if not (request.purified_rows or request.chain_pairs):
+        return None
     configs = selection.purify_configs(connection, request.iterations)
     config_id = warehouse.resolve_config_id(request.config_id) if request.config_id else None
     if config_id is None:
-        found = {c for ids in configs.values() for c in ids}
-        if len(found) > 1 and purified:
+        found = sorted({c for ids in configs.values() for c in ids})
+        if len(found) > 1:
             raise JobError(f"iterations {_listed(request.iterations)} are purified under several configs "
-                           f"({', '.join(sorted(found))}); choose one with --config-id")
-        config_id = next(iter(found)) if len(found) == 1 else None
-    if purified:
+                           f"({', '.join(found)}); choose one with --config-id")
+        config_id = found[0] if found else None
+    if request.purified_rows:
         for iteration, ids in configs.items():
             if config_id not in ids:
                 under = f" under config {config_id}" if config_id else ""
@@ -223,13 +233,19 @@ def _config(connection, warehouse: Warehouse, request: ExportRequest) -> PurifyC
     config = selection.purify_config(connection, config_id) if config_id else None
     if config_id and config is None:
         raise JobError(f"{warehouse.root}: no purify config {config_id}")
-    if purified and config.edit == Edit.MASK:
-        raise JobError(f"config {config_id} edits by mask: its rows are the raw conversation with the failed "
-                       "calls untrained, which messages cannot say; export --view raw, or a replace config")
-    if purified and selection.unpurified(connection, config_id):
-        raise JobError(f"{warehouse.root}: {selection.unpurified(connection, config_id)} selected rollouts have no "
-                       f"row under config {config_id} (a purify still running?); run cleaner purify again")
+    if request.purified_rows:
+        _check_purified(connection, warehouse, config)
     return config
+
+
+def _check_purified(connection, warehouse: Warehouse, config: PurifyConfigRow) -> None:
+    if config.edit == Edit.MASK:
+        raise JobError(f"config {config.config_id} edits by mask: its rows are the raw conversation with the failed "
+                       "calls untrained, which messages cannot say; export --view raw, or a replace config")
+    missing = selection.unpurified(connection, config.config_id)
+    if missing:
+        raise JobError(f"{warehouse.root}: {missing} selected rollouts have no row under config {config.config_id} "
+                       "(a purify still running?); run cleaner purify again")
 
 
 def _listed(values) -> str:
@@ -242,12 +258,10 @@ def _listed(values) -> str:
 
 def _write(connection, plan: _Plan, request: ExportRequest, shards: Shards, progress: bool) -> _Tally:
     tally = _Tally()
-    purified = request.view == ExportView.PURIFIED and not (
-        request.form == Form.PREFERENCE and request.pairs == Pairs.CHAIN)
-    config_id = plan.config.config_id if purified else None
+    config_id = plan.config.config_id if request.purified_rows else None
     with tqdm(total=plan.selected, desc="export", unit="rollout", disable=not progress) as bar:
         for batch in selection.stream(connection, request.batch_rows, config_id):
-            if request.form == Form.PREFERENCE and request.pairs == Pairs.OUTCOME:
+            if request.form == Form.PREFERENCE and not request.chain_pairs:
                 for _, group in groupby(batch, key=lambda c: c.rollout.group_id):
                     _outcome_rows(list(group), plan, request, shards, tally)
             else:
@@ -274,7 +288,7 @@ def _rollout_rows(collected, plan: _Plan, request: ExportRequest, shards: Shards
             tally.kinds[pair.depth] += 1
             tally.errors[pair.error_type] += 1
         return
-    conversation = _conversation(collected, policy, request.view == ExportView.PURIFIED)
+    conversation = _conversation(collected, policy, request.purified_rows)
     rollout = collected.rollout
     row = {
         "messages": stored_messages(conversation.messages) if request.form == Form.SFT
@@ -283,7 +297,7 @@ def _rollout_rows(collected, plan: _Plan, request: ExportRequest, shards: Shards
         "rollout_id": rollout.rollout_id, "iteration": rollout.iteration, "group_id": rollout.group_id,
         "prompt_id": rollout.prompt_id, "sample_index": rollout.sample_index, "data_source": rollout.data_source,
         "policy_version": rollout.policy_version, "collect_config_id": rollout.collect_config_id,
-        "purify_config_id": plan.config.config_id if request.view == ExportView.PURIFIED else None,
+        "purify_config_id": plan.config.config_id if request.purified_rows else None,
         "view": str(request.view), "reward": rollout.reward, "correct": rollout.correct,
         "finish_reason": str(rollout.finish_reason), "n_failed_calls": rollout.n_failed_calls,
         "exact": conversation.exact,
@@ -304,7 +318,7 @@ def _dumps(value: object) -> str:
 
 
 def _outcome_rows(group: list, plan: _Plan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
-    purified = request.view == ExportView.PURIFIED
+    purified = request.purified_rows
     for chosen, rejected in rowing.outcome_pairs(group):
         policy = plan.policies[chosen.rollout.iteration]
         good, bad = _conversation(chosen, policy, purified), _conversation(rejected, policy, purified)

@@ -29,10 +29,13 @@ def offline(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def folders(small_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("exported")
+    # the run's own config, iteration 0's only one (iteration 1 was purified under two more)
+    ((config_id,),) = Warehouse(small_run / "warehouse").connect().sql(
+        "SELECT DISTINCT config_id FROM purified WHERE iteration = 0").fetchall()
     made = {}
     for name, changes in {"sft": {"form": "sft"}, "preference": {"form": "preference"},
                           "outcome": {"form": "preference", "pairs": "outcome"}, "messages": {"form": "messages"}}.items():
-        request = ExportRequest(iterations=(0, 1), out=root / name, **changes)
+        request = ExportRequest(iterations=(0, 1), out=root / name, config_id=config_id, **changes)
         made[name] = export_job(Warehouse(small_run / "warehouse"), request, progress=False)
     return made
 

@@ -198,8 +198,12 @@ def test_out_holding_anything_is_refused_unless_overwrite(small_run, tmp_path):
 
 def test_the_cli_reads_what_the_job_wrote(small_run, tmp_path):
     out = tmp_path / "ds"
-    result = runner.invoke(app, ["export", "-w", str(small_run / "warehouse"), "--out", str(out), "--iteration",
-                                 "0,1", "--format", "preference"])
+    args = ["export", "-w", str(small_run / "warehouse"), "--out", str(out), "--iteration", "0,1", "--format",
+            "preference"]
+    result = runner.invoke(app, args)  # iteration 1 is purified under three configs: which SAAR?
+    assert result.exit_code == 1 and "choose one with --config-id" in " ".join(result.output.split())
+    (config_id,), = _sql(small_run, "SELECT DISTINCT config_id FROM purified WHERE iteration = 0")
+    result = runner.invoke(app, [*args, "--config-id", config_id[:6]])
     assert result.exit_code == 0, result.output
     rows = duckdb.sql(f"SELECT count(*) FROM read_parquet('{out}/data/*.parquet')").fetchall()[0][0]
     ((counted,),) = _sql(small_run, FIXED_CHAINS_SQL.format(it=0))

@@ -169,6 +169,9 @@ def stream(connection: duckdb.DuckDBPyConnection, batch_rows: int,
                 pending = []
             own, following = _take(segments, rollout.rollout_id, following)
             row = next(purified) if purified is not None else None
+            if row is not None and row.rollout_id != rollout.rollout_id:  # one row per rollout: `unpurified` said so
+                raise WarehouseError(f"purified rows of config {config_id} out of step at rollout {rollout.rollout_id} "
+                                     f"(got {row.rollout_id}): two rows for one rollout?")
             pending.append(Collected(rollout, tuple(own), row))
     if pending:
         yield pending

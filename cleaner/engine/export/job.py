@@ -13,7 +13,8 @@ Design decisions:
 - Rows stream (warehouse/selection.py, folder.py): memory holds a batch of rollouts and a row
   group, whatever the warehouse's size; a progress bar counts the rollouts read.
 - Chain pairs use the SAAR settings (gamma, similarity) of the purify config given, or of the
-  iteration's only one, else the defaults of `cleaner purify`; the card names which. Their number
+  iterations' only one (several without `--config-id` are refused), else, where none was purified,
+  the defaults of `cleaner purify`; the card names which. Their number
   is checked against the documented SQL count (`selection.FIXED_CHAINS`), outcome pairs' against
   `selection.OUTCOME_PAIRS`, and the card states both.
 """

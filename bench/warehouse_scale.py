@@ -98,6 +98,7 @@ def _batch(rng: np.random.Generator, iteration: int, batch: int, shape: Shape) -
         "tool_code": np.where(seq > 0, "print(6 * 7)", None), "tool_status": status,
         "error_type": np.where(failed, "NameError", None),
         "exec_ms": pa.array(np.where(tool, 3.5, None), pa.float32()),
+        "tool_name": np.where(seq > 0, "code_interpreter", None),
     }, schema=schema.SEGMENTS.schema)
     correct = rng.random(n_rollouts) < 0.5
     rollouts = pa.Table.from_pydict({
@@ -111,6 +112,7 @@ def _batch(rng: np.random.Generator, iteration: int, batch: int, shape: Shape) -
         "n_tool_calls": np.full(n_rollouts, shape.turns, np.int32),
         "n_failed_calls": failed.reshape(n_rollouts, per_rollout).sum(axis=1).astype(np.int32),
         "created_at": pa.array([0] * n_rollouts, pa.timestamp("us")),
+        "reward_details": pa.array([None] * n_rollouts, pa.string()),
     }, schema=schema.ROLLOUTS.schema)
     return segments, rollouts
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from cleaner.engine.collect.job import CollectRequest, collect_job
     from cleaner.engine.eval.job import eval_job
+    from cleaner.engine.export.job import ExportRequest, export_job
     from cleaner.engine.model import load_backend
     from cleaner.engine.model.base import Backend
     from cleaner.engine.purify.job import PurifyRequest, purify_job
@@ -62,8 +63,8 @@ __all__ = [
     "Segment", "Rollout", "PurifiedRow", "PurifyConfigRow", "IterationRow", "TrainStepRow", "EvalRunRow",
     # the warehouse, the model, the jobs and the loop
     "Warehouse", "WarehouseError", "load_backend", "Backend",
-    "collect_job", "purify_job", "train_job", "eval_job", "report_job", "run_loop",
-    "CollectRequest", "PurifyRequest", "TrainRequest",
+    "collect_job", "purify_job", "train_job", "eval_job", "report_job", "export_job", "run_loop",
+    "CollectRequest", "PurifyRequest", "TrainRequest", "ExportRequest",
     "CleanerError", "JobError",
 ]
 _MODULES = {  # the module that defines each name of __all__ but __version__
@@ -78,6 +79,7 @@ _MODULES = {  # the module that defines each name of __all__ but __version__
     "cleaner.engine.purify.job": ("purify_job", "PurifyRequest"),
     "cleaner.engine.train.job": ("train_job", "TrainRequest"),
     "cleaner.engine.eval.job": ("eval_job",),
+    "cleaner.engine.export.job": ("export_job", "ExportRequest"),
     "cleaner.report.job": ("report_job",),
     "cleaner.loop.iterations": ("run_loop",),
     "cleaner.errors": ("CleanerError", "JobError"),

@@ -1,6 +1,7 @@
 """Output directories swapped into place atomically, and the marker that says cleaner wrote them.
 
-Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine) and reports are written this way.
+Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine), reports and exported datasets are
+written this way.
 
 Design decisions:
 - Atomic replace: everything is written into a temporary directory in the SAME parent (so the
@@ -44,8 +45,8 @@ from cleaner.errors import CleanerError, is_disk_full, write_error, writer_gone
 logger = logging.getLogger(__name__)
 
 MARKER = ".cleaner-output.json"  # in every directory cleaner swaps into place
-CHECKPOINT, REPORT = "checkpoint", "report"  # the kinds of output
-KINDS = (CHECKPOINT, REPORT)
+CHECKPOINT, REPORT, DATASET = "checkpoint", "report", "dataset"  # the kinds of output (a dataset: `cleaner export`)
+KINDS = (CHECKPOINT, REPORT, DATASET)
 REPORT_TITLE = "# cleaner report"  # the first line of every report.md
 
 # What a checkpoint written before the marker holds (top-level names; `optimizer` is a directory).

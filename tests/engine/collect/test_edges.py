@@ -151,6 +151,37 @@ def test_the_loop_goes_on_while_a_part_is_written():
     assert waited == [True]
 
 
+def test_a_stop_while_a_finished_part_waits_for_the_writer_commits_it():
+    """Parts of one rollout; the disk holds the first write for 2 s, so the writer's slots fill and
+    the third finished rollout's part waits for one. A Ctrl-C (raised in the fourth rollout's
+    request) stops the collection meanwhile: the waiting part is committed all the same, three
+    rollouts in three parts."""
+    from cleaner.errors import Interrupted
+
+    config = dataclasses.replace(BASE, batch_rollouts=1, max_concurrent_rollouts=2)
+    backend = ScriptedBackend({(f"p{i}", 0): [answer("42")] for i in range(4)}, config)
+    honest = backend.generate_async
+
+    async def generate_async(prompt, params, seed, session=None):
+        if session == "it0-p3-s0":
+            await asyncio.sleep(0.5)  # p2 has finished and its part waits for a slot meanwhile
+            raise KeyboardInterrupt
+        return await honest(prompt, params, seed, session)
+
+    backend.generate_async = generate_async
+    parts = []
+
+    def write(part):
+        if not parts:
+            time.sleep(2.0)
+        parts.append(part)
+
+    with pytest.raises(Interrupted, match=r"^interrupted: 3 of 4 rollouts are committed in 3 parts; --resume"):
+        collect([task(f"p{i}") for i in range(4)], config, backend, FakeSandbox(), CHAT, write=write,
+                reward_fn=fake_reward, progress=False)
+    assert sorted(r.rollout_id for p in parts for r in p.rollouts) == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults of the user's tools
 

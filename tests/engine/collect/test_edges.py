@@ -305,6 +305,48 @@ def test_a_coroutine_tool_that_blocks_its_loop_delays_only_its_own_calls(caplog)
     assert len(warnings) == 1 and warnings[0].startswith("tool 'blocks' blocks its event loop (it did not answer for 1.")
 
 
+class Mixed(Tool):
+    """A coroutine tool: call 0 awaits five 0.2 s sleeps; the others block their loop 0.5 s each."""
+
+    name = "mixed"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    timeout_s = 1.5
+
+    async def call(self, arguments):
+        if arguments["n"] == 0:
+            for _ in range(5):
+                await asyncio.sleep(0.2)
+        else:
+            time.sleep(0.5)
+        return f"done {arguments['n']}"
+
+
+def test_a_call_whose_loop_answers_between_its_neighbours_blocks_is_never_given_up(monkeypatch):
+    """Call 0 (1 s of its own) waits on its loop while five neighbours block it 0.5 s each, 0.6 s
+    apart: its wall time (about 2.3 s) passes its timeout and the grace (1.5 + 0.3 s), but its loop
+    ticks between the blocks, so nothing is given up, and every call is ok by its own clock."""
+    from cleaner.tools import calls as calls_module
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    monkeypatch.setattr(toolbox_module, "INFRA_TRIES", 1)  # a call given up would show as infra_error
+    box = Toolbox([Mixed()])
+
+    async def later(n: int):
+        await asyncio.sleep(0.6 * n)
+        return await box.run("mixed", {"n": n})
+
+    async def main():
+        return await asyncio.gather(*[later(n) for n in range(6)])
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        box.close()
+    assert [(outcome.status, outcome.text) for outcome in done] == [("ok", f"done {n}") for n in range(6)]
+    assert box.hung.count == 0
+
+
 class Stuck(Tool):
     """A coroutine tool whose calls, `open` or `close` block its loop until `release` is set."""
 

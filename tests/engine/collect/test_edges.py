@@ -432,6 +432,35 @@ def test_open_and_close_are_bounded(monkeypatch, caplog):
         "tool stuck: closing it failed: TimeoutError(\"tool 'stuck' did not return within 0.3 s\")"]
 
 
+class Opens(Tool):
+    """A coroutine tool whose `open` succeeds, or raises `error`."""
+
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self, name: str, error: Exception | None = None) -> None:
+        super().__init__()
+        self.name, self.error = name, error
+
+    async def call(self, arguments):
+        return "fine"
+
+    async def open(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_toolbox_that_fails_to_open_stops_the_loops_it_started():
+    """One tool opens on its loop, then the next one's `open` raises: the toolbox is not made, and
+    neither tool's loop thread is left running (each failed start would leave one per tool)."""
+    with pytest.raises(RuntimeError, match="^judge unreachable$"):
+        Toolbox([Opens("opens_first"), Opens("opens_second", RuntimeError("judge unreachable"))])
+    names = {"cleaner tool 'opens_first' loop", "cleaner tool 'opens_second' loop"}
+    deadline = time.monotonic() + 5
+    while {t.name for t in threading.enumerate()} & names and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not {t.name for t in threading.enumerate()} & names
+
+
 class Flaky(Tool):
     """Its service is down for the first `down` calls."""
 

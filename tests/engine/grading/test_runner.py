@@ -188,6 +188,33 @@ def test_a_reward_past_its_timeout_takes_every_process_it_started_with_it(tmp_pa
             os.kill(child, signal.SIGKILL)  # left by the bug this test guards against
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_shell_job_a_reward_started_holds_none_of_its_workers_pipes(tmp_path, fresh_workers):
+    """A reward starts a background job through a shell (`os.system` passes on every descriptor that
+    is inheritable), then kills its worker: the job holds neither of the worker's pipes, so the death
+    is read at once, not after the 20 s timeout, and the job goes with the worker's process group."""
+    job_file = tmp_path / "job.txt"
+    path = tmp_path / "judge.py"
+    path.write_text("import os\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    f"    os.system('sleep 60 & echo $! > {job_file}')\n"
+                    "    os._exit(3)\n")
+    started = time.monotonic()
+    with pytest.raises(RewardFunctionError, match=r"raised on rollout r1: WorkerLost: its worker process died \(exit "
+                                                  r"code 3\)"):
+        asyncio.run(Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=20.0).verl("r1", "toy", "x", "1", {}))
+    assert time.monotonic() - started < 10
+    job = int(job_file.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(job) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(job)
+    finally:
+        if _alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
 def test_a_reward_whose_subprocess_writes_to_stdout_returns_and_its_output_reaches_stderr(tmp_path, fresh_workers,
                                                                                            capfd):
     """A reward's subprocess writes to the stdout it inherits: no reply is corrupted (the reward is

@@ -5,6 +5,7 @@ line naming the reward and the rollout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -213,6 +214,41 @@ def test_a_shell_job_a_reward_started_holds_none_of_its_workers_pipes(tmp_path, 
     finally:
         if _alive(job):
             os.kill(job, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_worker_that_died_idle_is_replaced_with_its_pipes_closed_and_its_group_killed(tmp_path, fresh_workers):
+    """A reward leaves a child running and returns; then its worker dies between calls (the OOM
+    killer, a stray signal). The next call gets a new worker, and the dead one's pipes are closed
+    and the child it left is killed with its group, as at a timeout."""
+    child_file = tmp_path / "child.txt"
+    path = tmp_path / "judge.py"
+    path.write_text("import subprocess\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    child = subprocess.Popen(['sleep', '600'])\n"
+                    f"    open({str(child_file)!r}, 'w').write(str(child.pid))\n"
+                    "    return 0.25\n")
+    rewards = Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=20.0)
+    assert asyncio.run(rewards.verl("r1", "toy", "x", "1", {})).reward == 0.25
+    child = int(child_file.read_text())
+    worker = fresh_workers._all[0]
+    pipes = {fd: os.fstat(fd).st_ino for fd in (worker.requests, worker.replies)}
+    try:
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+        assert _alive(child)  # the worker alone died
+        assert asyncio.run(rewards.verl("r2", "toy", "x", "1", {})).reward == 0.25
+        for fd, inode in pipes.items():  # closed (or the number reused for another file)
+            with contextlib.suppress(OSError):
+                assert os.fstat(fd).st_ino != inode, f"the dead worker's pipe {fd} is still open"
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        for pid in (child, int(child_file.read_text())):  # the first call's child, and the second's
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_reward_whose_subprocess_writes_to_stdout_returns_and_its_output_reaches_stderr(tmp_path, fresh_workers,

@@ -124,6 +124,23 @@ def test_same_seed_same_results(tmp_path, toy_aime, backend):
     assert _config(toy_aime, seed=8).collect_config(str(DEFAULT_POLICY), str(toy_aime), True, 2).config_id != row_a.eval_id
 
 
+def test_every_setting_an_evaluation_shares_with_collect_reaches_its_collection(toy_aime):
+    """What `cleaner eval` is told about the servers, timeouts and sampling is what its collections
+    run with: each field EvalConfig shares with CollectConfig is carried over as it was given."""
+    from cleaner.config import CollectConfig
+
+    given = {"backend": "sglang", "sglang_url": "http://127.0.0.1:1", "sglang_request_timeout_s": 7.5,
+             "sglang_mem_fraction": 0.5, "reward_timeout_s": 12.0, "test_timeout_s": 3.0, "seed": 4,
+             "batch_rollouts": 8, "max_concurrent_rollouts": 16, "gamma": 0.7, "max_turns": 5, "temperature": 0.8,
+             "top_p": 0.9}
+    config = EvalConfig(models=(str(DEFAULT_POLICY),), datasets=(("toy", str(toy_aime)),), **given)
+    collect = config.collect_config(config.models[0], config.datasets[0][1], True, 2)
+    assert collect.sglang_request_timeout_s == 7.5
+    shared = {f.name for f in dataclasses.fields(EvalConfig)} & {f.name for f in dataclasses.fields(CollectConfig)}
+    assert set(given) <= shared
+    assert {name: getattr(collect, name) for name in shared} == {name: getattr(config, name) for name in shared}
+
+
 class _Killed(Exception):
     pass
 

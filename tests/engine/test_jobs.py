@@ -291,3 +291,30 @@ def test_a_train_job_whose_loss_is_never_finite_fails_and_saves_nothing(collecte
     assert "iteration 0: the loss is not finite at any of its 2 steps" in line
     assert not (tmp_path / "ckpt").exists()
     assert warehouse.connect().sql("SELECT count(*) FROM train_steps").fetchall() == [(0,)]
+
+
+def test_purify_stores_nothing_its_scorer_made_non_finite(collected, tmp_path):
+    """The collecting policy's scorer gives NaN (a forward that overflowed): the rows' old log-probs
+    would train as numbers, so purify refuses in one line naming the rollouts and stores no row."""
+    import torch
+
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig
+    from cleaner.engine.model.torch_backend import TorchBackend
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.errors import JobError
+
+    warehouse = _copy(collected, tmp_path)
+    backend = TorchBackend(DEFAULT_POLICY)
+    try:
+        with torch.no_grad():
+            backend.model.model.norm.weight.fill_(float("nan"))
+        with pytest.raises(JobError) as raised:
+            purify_job(warehouse, PurifyRequest(0, [PurifyConfig()]), backend=backend, progress=False)
+    finally:
+        backend.close()
+    message = str(raised.value)
+    assert "\n" not in message and f"iteration 0: the scorer of {DEFAULT_POLICY} gave 12 rollout(s) hold rows " \
+        "no policy produced: " in message and "old log-prob nan at position 0 " in message, message
+    assert message.count(" (old log-prob nan") == 5 and "and 7 more; score with a checkpoint" in message
+    assert warehouse.purified_rollout_ids(0, PurifyConfig().config_id) == frozenset()
+    assert not list(warehouse.root.glob("purified/**/*.parquet"))

@@ -18,7 +18,8 @@ Design decisions:
   start-up (its imports), are not the call's. Past its timeout the worker is killed with its whole
   process group (it leads a session of its own, so every process a reward started goes with it,
   none left orphaned), and a new one starts for the next call; a worker that dies under a call is
-  reported as that call's error.
+  reported as that call's error. One found dead between calls goes the same way (its group killed,
+  its pipes closed) before a new one starts.
 - Replies are awaited with `poll`, not `select`, which refuses a descriptor >= 1024 (FD_SETSIZE):
   a collection holding many sockets and files open gets such descriptors for its pipes.
 - What is called is named, not pickled: `module:qualname` of an importable function, or a reward
@@ -135,6 +136,7 @@ class _Worker:
 
     def call(self, ref: tuple[str, str], args: tuple, timeout_s: float) -> Timed:
         if self.process is None or self.process.poll() is not None:
+            self.kill()  # one that died idle: its pipes closed, what its rewards left running killed
             self._start()
         started = time.monotonic()
         try:

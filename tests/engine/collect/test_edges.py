@@ -151,6 +151,37 @@ def test_the_loop_goes_on_while_a_part_is_written():
     assert waited == [True]
 
 
+def test_a_stop_while_a_finished_part_waits_for_the_writer_commits_it():
+    """Parts of one rollout; the disk holds the first write for 2 s, so the writer's slots fill and
+    the third finished rollout's part waits for one. A Ctrl-C (raised in the fourth rollout's
+    request) stops the collection meanwhile: the waiting part is committed all the same, three
+    rollouts in three parts."""
+    from cleaner.errors import Interrupted
+
+    config = dataclasses.replace(BASE, batch_rollouts=1, max_concurrent_rollouts=2)
+    backend = ScriptedBackend({(f"p{i}", 0): [answer("42")] for i in range(4)}, config)
+    honest = backend.generate_async
+
+    async def generate_async(prompt, params, seed, session=None):
+        if session == "it0-p3-s0":
+            await asyncio.sleep(0.5)  # p2 has finished and its part waits for a slot meanwhile
+            raise KeyboardInterrupt
+        return await honest(prompt, params, seed, session)
+
+    backend.generate_async = generate_async
+    parts = []
+
+    def write(part):
+        if not parts:
+            time.sleep(2.0)
+        parts.append(part)
+
+    with pytest.raises(Interrupted, match=r"^interrupted: 3 of 4 rollouts are committed in 3 parts; --resume"):
+        collect([task(f"p{i}") for i in range(4)], config, backend, FakeSandbox(), CHAT, write=write,
+                reward_fn=fake_reward, progress=False)
+    assert sorted(r.rollout_id for p in parts for r in p.rollouts) == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults of the user's tools
 
@@ -274,6 +305,48 @@ def test_a_coroutine_tool_that_blocks_its_loop_delays_only_its_own_calls(caplog)
     assert len(warnings) == 1 and warnings[0].startswith("tool 'blocks' blocks its event loop (it did not answer for 1.")
 
 
+class Mixed(Tool):
+    """A coroutine tool: call 0 awaits five 0.2 s sleeps; the others block their loop 0.5 s each."""
+
+    name = "mixed"
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    timeout_s = 1.5
+
+    async def call(self, arguments):
+        if arguments["n"] == 0:
+            for _ in range(5):
+                await asyncio.sleep(0.2)
+        else:
+            time.sleep(0.5)
+        return f"done {arguments['n']}"
+
+
+def test_a_call_whose_loop_answers_between_its_neighbours_blocks_is_never_given_up(monkeypatch):
+    """Call 0 (1 s of its own) waits on its loop while five neighbours block it 0.5 s each, 0.6 s
+    apart: its wall time (about 2.3 s) passes its timeout and the grace (1.5 + 0.3 s), but its loop
+    ticks between the blocks, so nothing is given up, and every call is ok by its own clock."""
+    from cleaner.tools import calls as calls_module
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    monkeypatch.setattr(toolbox_module, "INFRA_TRIES", 1)  # a call given up would show as infra_error
+    box = Toolbox([Mixed()])
+
+    async def later(n: int):
+        await asyncio.sleep(0.6 * n)
+        return await box.run("mixed", {"n": n})
+
+    async def main():
+        return await asyncio.gather(*[later(n) for n in range(6)])
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        box.close()
+    assert [(outcome.status, outcome.text) for outcome in done] == [("ok", f"done {n}") for n in range(6)]
+    assert box.hung.count == 0
+
+
 class Stuck(Tool):
     """A coroutine tool whose calls, `open` or `close` block its loop until `release` is set."""
 
@@ -357,6 +430,35 @@ def test_open_and_close_are_bounded(monkeypatch, caplog):
     assert time.monotonic() - started < 3
     assert [record.getMessage() for record in caplog.records if record.name == "cleaner.tools.toolbox"] == [
         "tool stuck: closing it failed: TimeoutError(\"tool 'stuck' did not return within 0.3 s\")"]
+
+
+class Opens(Tool):
+    """A coroutine tool whose `open` succeeds, or raises `error`."""
+
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self, name: str, error: Exception | None = None) -> None:
+        super().__init__()
+        self.name, self.error = name, error
+
+    async def call(self, arguments):
+        return "fine"
+
+    async def open(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_toolbox_that_fails_to_open_stops_the_loops_it_started():
+    """One tool opens on its loop, then the next one's `open` raises: the toolbox is not made, and
+    neither tool's loop thread is left running (each failed start would leave one per tool)."""
+    with pytest.raises(RuntimeError, match="^judge unreachable$"):
+        Toolbox([Opens("opens_first"), Opens("opens_second", RuntimeError("judge unreachable"))])
+    names = {"cleaner tool 'opens_first' loop", "cleaner tool 'opens_second' loop"}
+    deadline = time.monotonic() + 5
+    while {t.name for t in threading.enumerate()} & names and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not {t.name for t in threading.enumerate()} & names
 
 
 class Flaky(Tool):

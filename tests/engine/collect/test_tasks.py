@@ -170,6 +170,23 @@ def test_rows_sharing_a_prompt_id_are_refused_at_load_naming_them(tmp_path):
         "give every row its own extra_info.index")
 
 
+def test_each_repeat_of_a_prompt_id_is_named_with_the_row_that_first_held_it(tmp_path):
+    """Rows 0, 2, 3 and 5 all hold index 4: each repeat is named beside row 0, the row that first
+    held the id; past three repeats the rest are counted."""
+    path = tmp_path / "train.parquet"
+    rows = [_row(f"{n}+{n}?", str(2 * n), index=4 if n in (0, 2, 3, 5) else 10 + n) for n in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DatasetError) as raised:
+        load_rl_parquet(path)
+    assert str(raised.value).startswith(
+        f"{path}: 3 row(s) repeat another row's prompt id (data_source and extra_info.index): rows 0 and 2 "
+        "('math_dapo-4'), rows 0 and 3 ('math_dapo-4'), rows 0 and 5 ('math_dapo-4'); ")
+    rows += [_row("6+6?", "12", index=11)]  # a repeat of row 1: counted, not shown
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DatasetError, match=r"^.*: 4 row\(s\) .*rows 0 and 5 \('math_dapo-4'\) and 1 more; "):
+        load_rl_parquet(path)
+
+
 def test_collect_on_colliding_rows_writes_nothing(tmp_path):
     from typer.testing import CliRunner
 

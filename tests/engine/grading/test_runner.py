@@ -5,6 +5,7 @@ line naming the reward and the rollout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -186,6 +187,68 @@ def test_a_reward_past_its_timeout_takes_every_process_it_started_with_it(tmp_pa
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)  # left by the bug this test guards against
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_shell_job_a_reward_started_holds_none_of_its_workers_pipes(tmp_path, fresh_workers):
+    """A reward starts a background job through a shell (`os.system` passes on every descriptor that
+    is inheritable), then kills its worker: the job holds neither of the worker's pipes, so the death
+    is read at once, not after the 20 s timeout, and the job goes with the worker's process group."""
+    job_file = tmp_path / "job.txt"
+    path = tmp_path / "judge.py"
+    path.write_text("import os\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    f"    os.system('sleep 60 & echo $! > {job_file}')\n"
+                    "    os._exit(3)\n")
+    started = time.monotonic()
+    with pytest.raises(RewardFunctionError, match=r"raised on rollout r1: WorkerLost: its worker process died \(exit "
+                                                  r"code 3\)"):
+        asyncio.run(Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=20.0).verl("r1", "toy", "x", "1", {}))
+    assert time.monotonic() - started < 10
+    job = int(job_file.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(job) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(job)
+    finally:
+        if _alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_worker_that_died_idle_is_replaced_with_its_pipes_closed_and_its_group_killed(tmp_path, fresh_workers):
+    """A reward leaves a child running and returns; then its worker dies between calls (the OOM
+    killer, a stray signal). The next call gets a new worker, and the dead one's pipes are closed
+    and the child it left is killed with its group, as at a timeout."""
+    child_file = tmp_path / "child.txt"
+    path = tmp_path / "judge.py"
+    path.write_text("import subprocess\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    child = subprocess.Popen(['sleep', '600'])\n"
+                    f"    open({str(child_file)!r}, 'w').write(str(child.pid))\n"
+                    "    return 0.25\n")
+    rewards = Rewards(reward_file=RewardFunction.load(str(path)), timeout_s=20.0)
+    assert asyncio.run(rewards.verl("r1", "toy", "x", "1", {})).reward == 0.25
+    child = int(child_file.read_text())
+    worker = fresh_workers._all[0]
+    pipes = {fd: os.fstat(fd).st_ino for fd in (worker.requests, worker.replies)}
+    try:
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+        assert _alive(child)  # the worker alone died
+        assert asyncio.run(rewards.verl("r2", "toy", "x", "1", {})).reward == 0.25
+        for fd, inode in pipes.items():  # closed (or the number reused for another file)
+            with contextlib.suppress(OSError):
+                assert os.fstat(fd).st_ino != inode, f"the dead worker's pipe {fd} is still open"
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        for pid in (child, int(child_file.read_text())):  # the first call's child, and the second's
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_reward_whose_subprocess_writes_to_stdout_returns_and_its_output_reaches_stderr(tmp_path, fresh_workers,

@@ -562,6 +562,53 @@ def test_the_only_server_wedged_ends_the_collection_as_a_dead_one_and_it_resumes
     assert error is None and _rows(rest) == _rows(expected)
 
 
+def test_a_probe_that_passes_does_not_shorten_a_wedged_servers_back_off(model_dir, monkeypatch):
+    """Worker b passes its health probe but never answers a generation (a wedged scheduler behind a
+    live HTTP front). The probe brings it back; only an answered request would start its back-off
+    short again, so each time it is found wedged it stays out twice as long: 0.4 s, then 0.8 s."""
+    import asyncio
+    import time
+
+    from cleaner.engine.model import sglang_server
+
+    monkeypatch.setattr(sglang_server, "RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(sglang_server, "PROBE_BACKOFF_S", 0.2)
+    monkeypatch.setattr(sglang_server, "MAX_PROBE_BACKOFF_S", 60.0)
+    workers = [StandIn(str(model_dir)), StandIn(str(model_dir))]
+    workers[1].wedged = {"/generate"}
+    router = StandIn(str(model_dir), workers=[w.url for w in workers])
+    wedged = workers[1].url
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+    backoffs = []
+    try:
+        backend = SGLangServerBackend(router.url, model_dir, request_timeout_s=0.3)
+
+        async def main():
+            try:
+                for round_ in range(2):  # two rollouts at once: the second goes to b (a is busy) and times out there
+                    await asyncio.gather(*[backend.generate_async([index], params, 0, session=f"r{round_}-{index}")
+                                           for index in range(2)])
+                    assert wedged not in backend.routes.rotation
+                    backoffs.append(backend.routes.backoff[wedged])
+                    if round_ == 0:
+                        time.sleep(0.25)  # its back-off has passed: the next request probes it, beside
+                        await backend.generate_async([5], params, 0, session="probe")
+                        for _ in range(200):
+                            if wedged in backend.routes.rotation:
+                                break
+                            await asyncio.sleep(0.01)
+                        assert wedged in backend.routes.rotation  # its health probe passed
+            finally:
+                await backend.close_requests()
+
+        asyncio.run(main())
+    finally:
+        for stand_in in (router, *workers):
+            stand_in.close()
+    assert len(workers[1].paths("/generate")) == 2 and workers[1].paths("/health")
+    assert backoffs == [0.4, 0.8]
+
+
 def test_a_routed_request_never_waits_on_a_probe_while_a_server_serves(model_dir, quick_retries):
     """Worker b is out of the rotation and its health probe hangs (a probe may load our checkpoint
     for minutes): requests of rollouts keep going to a, each as fast as a answers."""

@@ -128,6 +128,11 @@ def test_the_length_the_engine_reports_must_be_the_ids_it_sends():
     response["meta_info"]["completion_tokens"] = 3
     with pytest.raises(BadAnswer, match="reports 3 generated tokens but sent 2"):
         generation_from_response(response, 8, vocab_size=64)
+    response["meta_info"]["completion_tokens"] = 0  # a count of none is a count: it is not the 2 sent
+    with pytest.raises(BadAnswer, match="reports 0 generated tokens but sent 2"):
+        generation_from_response(response, 8, vocab_size=64)
+    response["meta_info"]["completion_tokens"] = 2
+    assert generation_from_response(response, 8, vocab_size=64).token_ids == (4, 5)
 
 
 def test_log_probs_at_zero_within_rounding_are_a_policys():

@@ -380,3 +380,42 @@ def test_a_request_submitted_as_the_thread_dies_is_answered(monkeypatch):
     message = "the torch backend's decoding thread died: RuntimeError: device lost"
     assert [str(result) for result in first + second] == [message, message]
     server.close()
+
+
+def test_a_request_put_in_the_inbox_as_the_thread_dies_is_answered():
+    """The same race, paused at the put itself: the inbox's put waits until the thread has had every
+    chance to die. The check-in holds the lock the dying thread takes to record its death, so the
+    thread dies only after the put and drains the request; a put outside the lock would land in an
+    inbox nobody reads any more."""
+    go = threading.Event()
+
+    def new_batch():
+        go.wait(5)
+        raise RuntimeError("device lost")
+
+    server = DecodeServer(new_batch)
+    first, second = [], []
+    server.submit(DecodeRequest(tuple(PROMPTS[0]), SamplingParams(4, ()), 1, first.append))
+    inbox = server._inbox
+
+    class SlowPut:  # the inbox, whose put pauses until the thread has had every chance to die
+        def get(self, block=True):
+            return inbox.get(block=block)
+
+        def put(self, item):
+            go.set()
+            thread = server._thread
+            if thread is not None:
+                thread.join(1)
+            inbox.put(item)
+
+    server._inbox = SlowPut()
+    answered = threading.Event()
+    submitter = threading.Thread(target=lambda: server.submit(DecodeRequest(
+        tuple(PROMPTS[1]), SamplingParams(4, ()), 2, lambda result: (second.append(result), answered.set()))))
+    submitter.start()
+    submitter.join(10)
+    assert answered.wait(10), "a request put in the inbox as the decoding thread died was never answered"
+    message = "the torch backend's decoding thread died: RuntimeError: device lost"
+    assert [str(result) for result in first + second] == [message, message]
+    server.close()

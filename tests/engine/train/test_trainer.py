@@ -105,6 +105,19 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
 # Row selection and batching (no model)
 
 
+def test_an_iteration_whose_every_step_is_skipped_fails_and_saves_nothing(policy_dir, tmp_path, monkeypatch):
+    """In float32 (no loss scale whose search may skip steps) a gradient norm that is never finite
+    skips both steps of the iteration: it trained nothing, so it fails in one line, no checkpoint."""
+    from cleaner.errors import JobError
+
+    rows = train_batch(load_policy(policy_dir))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda parameters, max_norm: torch.tensor(math.inf))
+    with pytest.raises(JobError, match=r"^iteration 3: every one of its 2 steps was skipped \(gradient norm inf\)"):
+        train_iteration(rows, policy_dir, tmp_path / "out", TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=2),
+                        iteration=3, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
     rows = [
         train_row("a0", "a", [1, 2, 3], 1, 1.0, 0.0),

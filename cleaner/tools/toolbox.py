@@ -188,7 +188,10 @@ class Toolbox:
         """What a call (or a `create`, for the rollout `creating`) came to; a verl tool's text as it
         wrote it (verl cuts it only by --max-tool-response-chars), marked so."""
         error = timed.error
-        if isinstance(error, Exception) and not isinstance(error, ToolError | ToolUnavailable):
+        if creating is not None and timed.timed_out:  # create never sees the model's arguments: its hang is the service's
+            timed = dataclasses.replace(timed, timed_out=False,
+                                        error=ToolUnavailable(f"create ran past its {timeout:g} s timeout"))
+        elif isinstance(error, Exception) and not isinstance(error, ToolError | ToolUnavailable):
             timed = dataclasses.replace(timed, error=self._fault(tool.name, error, creating))
         if not tool.verbatim:
             return self._read(tool.name, timeout, timed, self._cut)

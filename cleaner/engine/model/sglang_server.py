@@ -140,7 +140,7 @@ async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any
     try:
         status, payload = _parsed(await client.post(url, json=body, timeout=httpx.Timeout(timeout_s, pool=None)))
     except httpx.TimeoutException as error:  # connected, or not, and no answer in time: a wedged server
-        raise ServerUnavailable(f"sglang at {url} did not answer within {timeout_s:.0f} s ({type(error).__name__})") \
+        raise ServerUnavailable(f"sglang at {url} did not answer within {timeout_s:g} s ({type(error).__name__})") \
             from error
     except httpx.TransportError as error:  # refused, reset
         raise ServerUnavailable(f"cannot reach sglang at {url}: {error!r}") from error

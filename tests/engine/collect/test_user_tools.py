@@ -243,6 +243,42 @@ def test_one_reading_of_a_fault_for_every_tool(kind, monkeypatch):
         outcome("create", KeyError("table"))
 
 
+@pytest.mark.parametrize("coroutine", [False, True], ids=["thread", "coroutine"])
+def test_a_create_past_its_timeout_is_the_services_never_the_models(coroutine, monkeypatch):
+    """`create` never sees the model's arguments: one that hangs past the tool's timeout is its
+    service's fault (infra_error after its tries), not a `timeout` SAAR would read as a failed call."""
+    import time
+
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(toolbox_module, "INFRA_BACKOFF_S", 0.01)
+
+    class SlowStart(Tool):
+        name, timeout_s = "slow", 0.1
+        parameters = {"type": "object", "properties": {}}
+
+        def create(self, context):
+            time.sleep(0.3)
+
+        def call(self, arguments):
+            return "fine"
+
+    class AsyncSlowStart(SlowStart):
+        async def create(self, context):
+            await asyncio.sleep(0.3)
+
+        async def call(self, arguments):
+            return "fine"
+
+    box = Toolbox([(AsyncSlowStart if coroutine else SlowStart)()])
+    try:
+        done = asyncio.run(box.run("slow", {}, CallContext("it0-p-s0")))
+    finally:
+        box.close()
+    assert (done.status, done.error_type, done.text) == (
+        "infra_error", "ToolUnavailable", "the tool's service failed: create ran past its 0.1 s timeout")
+
+
 def test_a_tool_returning_neither_text_nor_a_result_is_one_error():
     class Broken(Tool):
         name = "broken"

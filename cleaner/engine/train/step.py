@@ -308,14 +308,14 @@ class StepMetrics:
 def timed(row: TrainStepRow, model: torch.nn.Module, mini_rows: Sequence[PurifiedRow], started: float,
           world_size: int = 1) -> TrainStepRow:
     """The step's row with its wall time and, on a GPU whose peak flops.py knows, its model FLOPs
-    utilisation: the model work of the mini batch's rows, shared by `world_size` GPUs."""
+    utilisation as verl counts it: the model work of the mini batch's rows, shared by `world_size`
+    GPUs."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the step's kernels, AdamW's included, have run
     seconds = time.perf_counter() - started
     mfu = None
     if device.type == "cuda":
-        parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: whole sizes
-        mfu = model_flops_utilisation(model.config, parameters, [len(row.token_ids) for row in mini_rows],
-                                      seconds * world_size, torch.cuda.get_device_name(device))
+        mfu = model_flops_utilisation(model.config, [len(row.token_ids) for row in mini_rows], seconds * world_size,
+                                      torch.cuda.get_device_name(device))
     return dataclasses.replace(row, seconds=seconds, mfu=mfu)

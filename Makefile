@@ -62,7 +62,8 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes,
-# then a co-located collect -> train -> collect where sglang is installed. It builds no venv: the
+# float16 (the paper's dtype) against float32 with a forced overflow and a resumed scale, then a
+# co-located collect -> train -> collect where sglang is installed. It builds no venv: the
 # device image's python has torch with CUDA, transformers and pyarrow, which is all the train probes
 # need (bench/gpu_check.py finds cleaner in this checkout itself). Results in $(OUT) (or
 # runs/gpu-check): gpu_check.md and .json, gpu_colocated.md and .json.

@@ -17,7 +17,7 @@ import torch
 from cleaner.config import TrainConfig
 from cleaner.config.layers import typed_layer
 from cleaner.engine.train.loss import policy_loss
-from cleaner.engine.train.rollout_correction import correct
+from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.engine.train.step import iter_mini_batches, prepare
 from cleaner.records import PurifiedRow
 from tests import verl_rollout_corr as verl
@@ -343,3 +343,66 @@ def test_heavy_rejection_keeps_verls_mini_batches():
     before = [[r.rollout_id for r in mini] for mini in iter_mini_batches(rows, config, 0)]
     after = [[r.rollout_id for r in mini] for mini in iter_mini_batches(done.rows, config, 0)]
     assert after == before and len(after) == math.ceil(len(rows) / 4)
+
+
+# ---------------------------------------------------------------------------
+# Edges verl's code decides (found by `make mutants`: docs/mutants.md)
+
+
+def _flat(log_ratios: list[float], rollout_id: str = "f") -> PurifiedRow:
+    """A row whose loss tokens have these exact log-ratios (behaviour 0, old = the log-ratio)."""
+    return row(rollout_id, log_ratios, [0.0] * len(log_ratios), 1.0)
+
+
+def test_bounds_are_strict_for_the_fractions_and_inclusive_for_keeping():
+    """Ratios exactly at a bound: verl's `>` and `<` count none of them high or low, its `>=` and
+    `<=` keep them all (threshold 1: upper = lower = 1, every log-ratio exactly 0)."""
+    rows = [_flat([0.0, 0.0]), _flat([0.0], "g")]
+    for level in ("token", "sequence", "geometric"):
+        done = correct(rows, TrainConfig(rollout_rs=level, rollout_rs_threshold=1.0))
+        m = done.metrics
+        assert [r.loss_mask for r in done.rows] == [r.loss_mask for r in rows], level
+        assert (m["rollout_rs_ratio_fraction_high"], m["rollout_rs_ratio_fraction_low"]) == (0.0, 0.0), level
+        assert (m["rollout_rs_seq_fraction_high"], m["rollout_rs_seq_fraction_low"]) == (0.0, 0.0), level
+        assert (m["rollout_rs_masked_fraction"], m["rollout_rs_seq_masked_fraction"]) == (0.0, 0.0), level
+    at_floor = correct([_flat([math.log(0.5)])], TrainConfig(rollout_token_veto_threshold=0.5))
+    assert at_floor.rows[0].loss_mask == (0, 1)  # log-ratio == log(threshold): not below it
+    assert at_floor.metrics["rollout_is_catastrophic_token_fraction"] == 0.0
+
+
+def test_ratios_are_clamped_at_e20_above_too():
+    far = correct([_flat([25.0, 0.0])], TrainConfig(rollout_is="token", rollout_is_threshold=3.0))
+    assert far.metrics["rollout_is_max"] == pytest.approx(math.exp(20))
+    assert far.metrics["chi2_token"] == pytest.approx((math.exp(40) + 1) / 2 - 1)
+    assert far.metrics["chi2_seq"] == pytest.approx(math.exp(40) - 1)  # the sum 25, clamped at 20
+
+
+def test_one_token_or_one_row_has_no_spread():
+    one = correct([_flat([0.3])], TrainConfig(rollout_is="token", rollout_is_threshold=3.0)).metrics
+    assert (one["rollout_is_std"], one["rollout_is_seq_std"]) == (0.0, 0.0)
+    two = correct([_flat([0.3, -0.3])], TrainConfig(rollout_is="token", rollout_is_threshold=3.0)).metrics
+    assert two["rollout_is_std"] == pytest.approx((math.exp(0.3) - math.exp(-0.3)) / 2)  # population, over tokens
+    assert two["rollout_is_seq_std"] == 0.0
+
+
+def test_the_effective_sample_size_carries_verls_epsilon():
+    m = correct([A, B], TrainConfig(rollout_is="token", rollout_is_threshold=3.0)).metrics
+    weights = [math.exp(x) for x in [0.5, -1.0, 0.2, 0.1, -0.1]]  # all within [1/3, 3]
+    mean = sum(weights) / 5
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(
+        1 / (sum((w / (mean + 1e-8)) ** 2 for w in weights) / 5), rel=1e-12)
+
+
+def test_sequence_normalisation_takes_one_weight_per_row_and_a_mean_at_the_floor_is_kept():
+    short = _flat([0.4], "s")  # one token: weight e^0.4; A's sum -0.5: e^-0.5 on two tokens
+    done = correct([A, short], TrainConfig(rollout_is="sequence", rollout_is_batch_normalize=True))
+    assert done.metrics["rollout_is_batch_norm_factor"] == pytest.approx((math.exp(-0.5) + math.exp(0.4)) / 2)
+    # every weight truncated to 1e-8: their mean is exactly verl's floor, so nothing is divided
+    floor = correct([A], TrainConfig(rollout_is="token", rollout_is_threshold=1e-8, rollout_is_batch_normalize=True))
+    assert floor.metrics["rollout_is_batch_norm_factor"] == 1.0
+    assert floor.rows[0].token_advantages[1:] == (2.0 * 1e-8, 2.0 * 1e-8)
+
+
+def test_a_batch_without_loss_tokens_is_returned_as_it_is():
+    empty = dataclasses.replace(_flat([0.1]), loss_mask=(0, 0))
+    assert correct([empty], TrainConfig(rollout_rs="token", rollout_rs_threshold=2.0)) == Corrected([empty], {})

@@ -15,7 +15,7 @@ SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_ROUTER_SPEC ?= sglang-router==0.3.2
 SGLANG_CPU := tools/sglang-cpu
 
-.PHONY: setup demo test test-slow test-gpu gpu-check test-sglang sglang-cpu test-ui lint bench clean
+.PHONY: setup demo test test-slow test-gpu gpu-check test-sglang sglang-cpu test-ui lint bench clean mutants
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,13 +62,28 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes,
-# then a co-located collect -> train -> collect where sglang is installed. It builds no venv: the
+# float16 (the paper's dtype) against float32 with a forced overflow and a resumed scale, then a
+# co-located collect -> train -> collect where sglang is installed. It builds no venv: the
 # device image's python has torch with CUDA, transformers and pyarrow, which is all the train probes
 # need (bench/gpu_check.py finds cleaner in this checkout itself). Results in $(OUT) (or
 # runs/gpu-check): gpu_check.md and .json, gpu_colocated.md and .json.
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py
+
+# Mutation testing (tools/mutants.py, mutmut from the dev extra) of the modules that decide what is
+# trained, each mutant against the tests of its area that run its function (not the suite), two at a
+# time on 2 cores, about 15 minutes; docs/mutants.md lists the survivors, each killed or equivalent.
+# Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py
+MUTANTS_MODULES ?= cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
+	cleaner/engine/train/loss.py
+MUTANTS_TESTS ?= tests/engine/train/test_rollout_correction.py tests/engine/train/test_trainer.py \
+	tests/engine/train/test_loss.py tests/engine/train/test_optim.py tests/engine/train/test_deepspeed_config.py \
+	tests/engine/train/test_train_step.py::test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_step_is_skipped
+MUTANTS_JOBS ?= 2
+mutants: setup
+	OMP_NUM_THREADS=1 $(PY) tools/mutants.py --jobs $(MUTANTS_JOBS) $(foreach m,$(MUTANTS_MODULES),--module $(m)) \
+		$(foreach t,$(MUTANTS_TESTS),--tests $(t))
 
 # The browser tests of `cleaner ui`: Debian's Chromium and its driver from apt (root, or sudo),
 # selenium from pip (pointed at /usr/bin/chromedriver: no browser is downloaded at test time).

@@ -15,6 +15,9 @@ Targets (on CUDA):
    peak above the weights, no slower, values within 1e-4.
 5. The torch backend's rollouts on the GPU are the CPU's, token for token (64 toy prompts, the
    tiny policy, temperature 1).
+6. float16, the paper's dtype (bench/gpu_float16.py: 0.6B, 4,096 tokens, the trainer's two steps):
+   loss within 2e-2 and gradient norm within 5% of float32's; a forced overflow skipped (weights
+   unchanged, grad norm non-finite, scale halved, schedule moved on); the scale saved and resumed.
 And the model FLOPs utilisation of the 4B step (no target: reported).
 
 Every probe runs in a fresh process (a failure, out of memory included, is a row of its table, and
@@ -48,6 +51,8 @@ MIN_TRANSFORMERS = (5, 0)  # the packed attention registers with AttentionInterf
 LOSS_ATOL = 1e-4  # float32 on a GPU, 28 layers: reductions run in another order than the full path's
 GRAD_NORM_RTOL = 1e-3
 SCORE_ATOL = 1e-4
+FP16_LOSS_ATOL = 2e-2  # float16's 11-bit mantissa against float32 (the CPU test's bound too)
+FP16_GRAD_NORM_RTOL = 5e-2
 
 
 def check_transformers() -> None:
@@ -76,14 +81,15 @@ class Sizes:
     scale: tuple[int, int]  # T of the float32 / bfloat16 probes (16k, 32k)
     fits: tuple[tuple[str, int, bool], ...]  # (shape, T, KL) of the estimate probes
     scorer: tuple[int, int, int, int]  # rows, tokens a row, prompt, tokens two rows share
-    shape: str  # of the equality, scale and scorer probes
+    shape: str  # of the equality, scale, scorer and float16 probes
+    float16: int = 192  # tokens of the float16 probe's four rows
 
     @classmethod
     def of(cls, cuda: bool, vocab: int | None) -> Sizes:
         if cuda:
             return cls(True, vocab or REAL_VOCAB, 512, (16_384, 32_768),
                        (("qwen3-1.7b", 16_384, True), ("qwen3-4b", 16_384, True), ("qwen3-4b", 32_768, True),
-                        ("qwen3-4b", 18_432, False)), (4, 8192, 512, 4096), "qwen3-0.6b")
+                        ("qwen3-4b", 18_432, False)), (4, 8192, 512, 4096), "qwen3-0.6b", 4096)
         return cls(False, vocab or 512, 48, (96, 192), (("proxy", 64, True), ("proxy", 72, False)),
                    (4, 256, 32, 128), "proxy")
 
@@ -208,6 +214,17 @@ def rollouts_probe(device: str, out: Path) -> dict:
     return {"probe": f"rollouts {device}", "seconds": seconds, "tokens": sum(len(g.token_ids) for g in generations)}
 
 
+def float16_probe(sizes: Sizes, device: str) -> dict:
+    """bench/gpu_float16.py's checks on the equality probes' shape."""
+    from gpu_float16 import probe
+
+    if device.startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 is float32
+    return probe(_model(sizes.shape, sizes.vocab, device), sizes.float16, sizes.vocab, device)
+
+
 def run_side_probe(name: str, args: argparse.Namespace) -> dict:
     """A scorer or rollout probe in a fresh process; a failure is a row with its error."""
     command = [sys.executable, __file__, "--probe", name, "--device", args.device, "--out", str(args.out)] + (
@@ -239,12 +256,32 @@ def _above_gib(probe: dict) -> float | None:
 
 def targets(sizes: Sizes, probes: dict[str, dict], side: dict[str, dict], out: Path) -> list[Target]:
     found = [equality_target(probes), *quadratic_targets(sizes, probes), *estimate_targets(sizes, probes),
-             scorer_target(sizes, side, out), rollouts_target(sizes, side, out)]
+             scorer_target(sizes, side, out), rollouts_target(sizes, side, out), *float16_targets(sizes, side)]
     fit = probes.get(f"fit qwen3-4b {sizes.fits[1][1]}") if sizes.cuda else None
     mfu = None if fit is None else fit.get("mfu")
     found.append(Target("MFU of the 4B step (20,480 tokens, AdamW): reported", "n/a (CPU)" if not sizes.cuda else
                         ("no figure (device not listed)" if mfu is None else f"{mfu:.1%}"), None))
     return found
+
+
+def float16_targets(sizes: Sizes, side: dict[str, dict]) -> list[Target]:
+    """The float16 probe's three checks (module notes, 6)."""
+    names = (f"float16 step equals float32's within its rounding ({sizes.shape}, {sizes.float16:,} tokens): loss "
+             f"within {FP16_LOSS_ATOL:g}, grad norm within {FP16_GRAD_NORM_RTOL:.0%}",
+             "a forced float16 overflow is skipped: grad norm non-finite, weights unchanged, scale halved, "
+             "the schedule moved on", "the float16 loss scale is saved with the checkpoint and resumed")
+    result = side["float16 step"]
+    if "error" in result:
+        return [Target(name, f"the probe failed: {result['error']}", False) for name in names]
+    losses = max(abs(a - b) for a, b in zip(result["fp16_losses"], result["fp32_losses"], strict=True))
+    norms = max(abs(a - b) / b for a, b in zip(result["fp16_grad_norms"], result["fp32_grad_norms"], strict=True))
+    return [Target(names[0], f"losses within {losses:.1e}, grad norms within {norms:.1%}",
+                   losses <= FP16_LOSS_ATOL and norms <= FP16_GRAD_NORM_RTOL),
+            Target(names[1], f"grad norm {result['overflow_grad_norm']}, skipped {result['overflow_skipped']}, "
+                             f"halved {result['scale_halved']}, schedule moved {result['schedule_moved']}",
+                   result["overflow_skipped"] and result["scale_halved"] and result["schedule_moved"]),
+            Target(names[2], f"resumed scale {result['resumed_scale']:g}, growth interval {result['growth_interval']}",
+                   result["scale_resumed"] and result["growth_interval"] == 400)]
 
 
 def equality_target(probes: dict[str, dict]) -> Target:
@@ -415,7 +452,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.probe:  # one scorer or rollout probe, in this (fresh) process
         what, _, which = args.probe.partition(" ")  # "scorer trie", "scorer naive", "rollouts cuda", ...
-        result = scorer_probe(which, sizes, args.device, out) if what == "scorer" else rollouts_probe(which, out)
+        if what == "float16":
+            result = float16_probe(sizes, args.device)
+        else:
+            result = scorer_probe(which, sizes, args.device, out) if what == "scorer" else rollouts_probe(which, out)
         print(json.dumps(result))
         return
     started = time.perf_counter()
@@ -427,7 +467,8 @@ def main() -> None:
         result = {**result, **{key: planned[key] for key in ("name", "shape", "tokens", "kl")}}
         print(json.dumps(result), flush=True)
         train.append(result)
-    side_names = ["scorer trie", "scorer naive"] + (["rollouts cuda", "rollouts cpu"] if sizes.cuda else [])
+    side_names = ["scorer trie", "scorer naive", "float16 step"] + (
+        ["rollouts cuda", "rollouts cpu"] if sizes.cuda else [])
     side = []
     for name in side_names:
         result = run_side_probe(name, args)

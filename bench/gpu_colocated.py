@@ -10,6 +10,8 @@ trainer process's own peak, and each collection's generated tokens per second.
 
 It needs the whole of cleaner (duckdb, polars) and sglang with CUDA; where either is missing it says
 so in one line and writes that as its report, so `make gpu-check` still answers the rest.
+Like the other probes it runs from a python that does not have cleaner installed (the device
+image's): it puts this checkout on its own path, and on PYTHONPATH for the processes it starts.
 
     python bench/gpu_colocated.py --out runs/gpu-check
 """
@@ -26,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # cleaner from this checkout, installed or not
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(1, CHECKOUT)  # cleaner from this checkout, installed or not
 
 QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/gpu-check"))
     args = parser.parse_args(argv)
+    # the processes the loop starts (the sandbox's workers, the grading workers) find the same cleaner
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (CHECKOUT, os.environ.get("PYTHONPATH"))))
     why = missing(args.device)
     report = {"skipped": why} if why else run(args)
     text = markdown(report)
@@ -184,5 +189,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cleaner from this checkout
     main()

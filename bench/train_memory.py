@@ -194,8 +194,7 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
         result["device_total_mb"] = torch.cuda.get_device_properties(device).total_memory / 2**20
         result["static_mb"] = static_mb
         result["step_above_static_mb"] = result["cuda_peak_mb"] - static_mb
-        result["mfu"] = model_flops_utilisation(model.config, result["parameters"], result["rows"], seconds,
-                                                torch.cuda.get_device_name(device))
+        result["mfu"] = model_flops_utilisation(model.config, result["rows"], seconds, torch.cuda.get_device_name(device))
     return result
 
 

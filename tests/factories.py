@@ -321,6 +321,33 @@ def train_batch(model) -> list[PurifiedRow]:
     return with_old_logprobs(model, rows)
 
 
+def warehouse_row(rollout_id: str, generator: torch.Generator, spread: float = 0.3, prompt_len: int = 6,
+                  spans: tuple[tuple[int, int], ...] = ((4, 3), (5, 0)), per_token: bool = True,
+                  group_id: str = "g") -> PurifiedRow:
+    """A purified row shaped as the warehouse stores one: a multi-token prompt, then (assistant
+    tokens, tool tokens) spans, the tool tokens in the middle of the response with loss_mask 0;
+    behaviour and old log-probs at the loss tokens (0 elsewhere, as stored) whose log-ratio is
+    N(0, spread); with `per_token`, SAAR's per-token advantages (a push on some tokens)."""
+    mask = [0] * prompt_len
+    for trained, tool_tokens in spans:
+        mask += [1] * trained + [0] * tool_tokens
+    n = len(mask)
+    behaviour = -torch.rand(n, generator=generator, dtype=torch.float64) * 2  # (T,)
+    old = behaviour + torch.randn(n, generator=generator, dtype=torch.float64) * spread
+    loss = torch.tensor(mask, dtype=torch.float64)
+    advantage = float(torch.randn(1, generator=generator))
+    tokens = None
+    if per_token:
+        pushes = torch.randn(n, generator=generator, dtype=torch.float64) * 0.5 * loss
+        tokens = tuple((advantage + pushes).tolist())
+    return PurifiedRow(
+        config_id="c", iteration=0, rollout_id=rollout_id, group_id=group_id,
+        token_ids=tuple(range(1, n + 1)), prompt_len=prompt_len, loss_mask=tuple(mask),
+        behavior_logprobs=tuple((behaviour * loss).tolist()), old_logprobs=tuple((old * loss).tolist()),
+        reward=0.0, advantage=advantage, rolled_back=False, n_shallow=0, n_deep=0, n_unrecovered=0,
+        tokens_removed=0, scorer_version="test", token_advantages=tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # Budgeted rollouts (bench tests): one rollout's tool calls at step 0, then its end
 

@@ -12,7 +12,9 @@ comes from TrainConfig alone, whichever engine runs it:
   "float16", with dynamic loss scaling: `loss_scale` 0): 16-bit weights and compute with float32
   master weights and optimiser state in DeepSpeed's optimiser wrapper, the counterpart of the
   torch engine's autocast (and its GradScaler, for float16). The fp16 section's other settings
-  (initial_scale_power, loss_scale_window, hysteresis, min_loss_scale) are the file's.
+  (initial_scale_power, loss_scale_window, hysteresis, min_loss_scale) are the file's; so is a
+  static `loss_scale`, kept with a warning line since it is not the dynamic scaling the docs and
+  the torch engine use.
 
 The file carries what is DeepSpeed's own: the ZeRO stage, offloading, bf16's other settings,
 communication and logging settings. A file that sets one of cleaner's keys is an error naming the
@@ -34,11 +36,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 from pathlib import Path
 
 from cleaner.config import TrainConfig
 from cleaner.errors import CleanerError
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 # Keys cleaner sets from TrainConfig, with the options that set them.
@@ -139,6 +144,10 @@ def deepspeed_config_for(config: TrainConfig, world_size: int, device_type: str 
     fp16 = {**ds_config.get("fp16", {}), "enabled": dtype == "float16"}
     if dtype == "float16":
         fp16.setdefault("loss_scale", 0)  # dynamic loss scaling, as the torch engine's GradScaler
+        if fp16["loss_scale"] != 0:
+            logger.warning("%s: fp16.loss_scale %s is a static loss scale: the run keeps it, not the dynamic "
+                           "scaling the torch engine uses (remove it, or set 0, for dynamic)",
+                           config.deepspeed_config, fp16["loss_scale"])
     ds_config["fp16"] = fp16
     zero = dict(ds_config.get("zero_optimization", {}))
     if int(zero.get("stage", 0)) == 3:

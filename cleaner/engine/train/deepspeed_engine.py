@@ -25,7 +25,9 @@ Design decisions:
   collective forwards) together.
 - Numbering and schedule: a step row carries the run-wide `optimizer_step` and the lr that step
   used, read from the schedule before stepping. A step DeepSpeed skips (fp16 overflow) still moves
-  the schedule on, as the torch engine's skipped step does. DeepSpeed skips non-finite steps only
+  the schedule on, as the torch engine's skipped step does, and its row's grad_norm is infinite, as
+  the torch engine logs a non-finite norm (DeepSpeed 0.19's fp16 and ZeRO optimisers return before
+  updating their norm on overflow, so `get_global_grad_norm()` still holds the previous step's). DeepSpeed skips non-finite steps only
   under fp16 (or bf16 with its `check_grad_overflow`); the torch engine skips any.
 - The optimiser state is partitioned under ZeRO, so it is saved with DeepSpeed's own
   `save_checkpoint` (each rank its partition) into `<checkpoint>/optimizer/deepspeed/`, beside a
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -219,13 +222,14 @@ def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogP
         engine.backward(part.loss * rank_loss_scale(weight, world_size), scale_wrt_gas=False)
         engine.step()
         metrics.add(part, weight)
+    grad_norm = engine.get_global_grad_norm()
+    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     if not engine.was_step_applied():
         logger.warning("iteration %d step %d: DeepSpeed skipped the step (overflow)", iteration, step)
         optimization.scheduler.step()  # the run-wide schedule moves on, as the torch engine's does
+        grad_norm = math.inf  # DeepSpeed keeps the last applied step's norm; the row says it overflowed
     sums = metrics.tensor(engine.device)
     comm.all_reduce(sums)  # each rank holds its share of the mini-batch values
-    grad_norm = engine.get_global_grad_norm()
-    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     row = StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, total_tokens)
     return timed(row, engine.module.policy, mini_rows, started, world_size)
 

@@ -26,6 +26,10 @@ Design decisions:
   Hyper-parameters (lr, weight decay, warmup) always come from the current TrainConfig; the
   schedule's position comes from the saved step. A skipped step (non-finite
   gradient norm) still advances the schedule, as verl's once-per-iteration scheduler does.
+- float16 compute: a GradScaler built as verl's actor builds its own (initial scale 2^16, halved
+  on a non-finite step, doubled after 400 finite ones); the gradients are unscaled before clipping,
+  so the clip and the logged norm see their true size. Its state (scale, growth tracker) is saved
+  with the optimiser and resumed.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ STATE_FORMAT = 1
 MASTER_WEIGHTS = "master_weights"  # in the state file of a checkpoint whose weights are not float32
 DEEPSPEED_STATE_DIR = "optimizer/deepspeed"  # DeepSpeed's save_checkpoint, one partition per rank
 DEEPSPEED_STATE_META = "optimizer/deepspeed.json"  # {format, optimizer_step, zero_stage, world_size}
+# verl's actor under float16: ShardedGradScaler(growth_interval=400) (verl/workers/actor/dp_actor.py,
+# v0.7.0), the scale doubling after 400 finite steps where torch's default waits 2,000
+SCALER_GROWTH_INTERVAL = 400
 
 
 class OptimizerStateError(CleanerError, ValueError):
@@ -131,9 +138,9 @@ def new_optimization(model: torch.nn.Module, config: TrainConfig, step: int = 0,
     device = params[0].device.type if params else "cpu"
     scaler = None
     if config.compute_dtype_on(device) == "float16":
-        scaler = torch.amp.GradScaler(device)
-        if scaler_state:
-            scaler.load_state_dict(scaler_state)
+        scaler = torch.amp.GradScaler(device, growth_interval=SCALER_GROWTH_INTERVAL)
+        if scaler_state:  # the scale and its growth tracker resume; the interval is verl's
+            scaler.load_state_dict({**scaler_state, "growth_interval": SCALER_GROWTH_INTERVAL})
     return Optimization(optimizer, scheduler, named_params, scaler)
 
 

@@ -5,22 +5,36 @@ measured, and optionally corrected by truncated importance weights and rejection
 (docs/architecture.md §7).
 
 Design decisions, verl's unless said:
-- Per loss token, log_ratio = log pi_old - log pi_behaviour. IS weights (`rollout_is`): token level
-  exp(clamp(log_ratio, +-20)); sequence level exp(clamp(sum of the row's log_ratio, +-20)) on every token of it.
-  Their metrics are taken before truncation; then each is truncated at `rollout_is_threshold`
-  (above only) and, with `rollout_is_batch_normalize`, divided by their mean (over tokens; over
-  rows at sequence level). The weights multiply each token's clipped surrogate. Here they multiply
-  the token's advantage instead, which is the same for any weight >= 0: the clipped surrogate,
-  dual clip included, is positively homogeneous in the advantage (max(w a, w b) = w max(a, b)).
-- Rejection sampling (`rollout_rs`): a ratio exp(clamp(.)) of log_ratio per token (`token`), of its sum
-  (`sequence`) or of its mean (`geometric`), kept within [lower, upper] (`rollout_rs_threshold`,
-  `rollout_rs_threshold_lower`, which defaults to 1 / upper): a rejected token (token level) or
-  row (sequence, geometric) leaves the loss mask. `rollout_token_veto_threshold` rejects a whole
-  row with any token whose unclamped ratio is below it. A row left with no loss token is not
-  trained.
-- Metrics (`rollout_corr/...` in verl's names) are computed on every iteration, correction on or
-  off, over the rows trained: perplexities of both policies and their differences, k1 and k3 KL
-  estimates, chi-squared, and the IS and RS statistics when those are on.
+- A row is what verl's batch holds of it: its loss tokens are verl's response_mask (the prompt and
+  the tool spans are not; position 0 never is). Per loss token, log_ratio = log pi_old - log
+  pi_behaviour; nothing else of the row is read.
+- IS weights (`rollout_is`): token level exp(clamp(log_ratio, +-20)); sequence level exp(clamp(sum
+  of the row's log_ratio, +-20)) on every token of it. Their metrics are taken before truncation;
+  then each is truncated at `rollout_is_threshold` (above only) and, with
+  `rollout_is_batch_normalize`, divided by their mean over every loss token of the batch (sequence
+  level: over the rows that have one), rejected ones included, as verl normalises before it
+  rejects; a mean <= 1e-8 leaves them as they are (factor 1). The weights multiply each token's
+  clipped surrogate. Here they multiply the token's advantage instead (SAAR's per-token advantages
+  included), which is the same for any weight >= 0: the clipped surrogate, dual clip included, is
+  positively homogeneous in the advantage (max(w a, w b) = w max(a, b)).
+- Rejection sampling (`rollout_rs`): a ratio exp(clamp(.)) of log_ratio per token (`token`), of its
+  sum (`sequence`) or of its mean over the loss tokens (`geometric`), kept within [lower, upper]
+  (`rollout_rs_threshold`, `rollout_rs_threshold_lower`, which defaults to 1 / upper): a rejected
+  token (token level) or row (sequence, geometric) leaves the loss mask.
+  `rollout_token_veto_threshold` rejects a whole row with any token whose unclamped log_ratio is
+  below log(threshold) (so a ratio below e^-20 is seen).
+- The batch is verl's whatever is rejected: every row stays, a rejected one with a zero loss mask,
+  so the mini batches, the optimiser steps and the token-mean denominators are verl's.
+- Metrics (`rollout_corr/...` in verl's names, without the prefix) are computed every iteration,
+  correction on or off, over every row given (a row without loss tokens counts as verl counts it:
+  0 as its mean log-prob and mean weight, 1 as its sequence ratio): perplexities of both policies
+  and their differences, k1 and k3 KL estimates, chi-squared, the veto's two fractions (0 with the
+  veto off), and the IS and RS statistics when those are on: token-weighted means, the bounds'
+  fractions over tokens (token level) or rows (sequence, geometric, in log space), at sequence
+  level the unclamped max and min (the max capped at e^20), the sample std of the rows' mean
+  weights. `rollout_rs_masked_fraction` and `rollout_rs_seq_masked_fraction` are rejection
+  sampling's alone (the veto has its own). A batch without any loss token has no metrics (verl
+  raises there).
 - The reference's note holds here too: CLEANER's purified rows splice tokens sampled under other
   contexts, so their ratio measures the rewrite as much as the engine's numerics; leave
   `rollout_is` off for CLEANER (as its scripts do), on for baselines if wanted.
@@ -38,37 +52,47 @@ from cleaner.config import TrainConfig
 from cleaner.records import PurifiedRow
 
 SAFETY_BOUND = 20.0  # verl's clamp of a log-ratio before exp
+NORMALIZE_FLOOR = 1e-8  # verl's: a batch-normalisation mean at or below it is not divided by
+ESS_EPS = 1e-8  # verl's guard in the effective sample size
 
 
 @dataclasses.dataclass(frozen=True)
 class Corrected:
-    """The rows to train (rejected tokens out of their masks, IS weights in their advantages) and
-    the iteration's rollout-correction metrics."""
+    """The rows to train (every row given: rejected tokens out of their masks, IS weights in their
+    advantages) and the iteration's rollout-correction metrics."""
 
     rows: list[PurifiedRow]
     metrics: dict[str, float]
 
 
-def _log_ratios(row: PurifiedRow) -> tuple[np.ndarray, np.ndarray]:
-    """(loss positions, log_ratio = old - behaviour at them) of a row."""
+def _log_ratios(row: PurifiedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(loss positions, log_ratio = old - behaviour at them, old at them) of a row; position 0 is
+    never a loss token (nothing predicts it)."""
     mask = np.fromiter(row.loss_mask, dtype=np.int8, count=len(row.loss_mask)) > 0
+    mask[:1] = False
     positions = np.flatnonzero(mask)
     old = np.asarray(row.old_logprobs, dtype=np.float64)[positions]
     behaviour = np.asarray(row.behavior_logprobs, dtype=np.float64)[positions]
-    return positions, old - behaviour
+    return positions, old - behaviour, old
+
+
+def _row_means(values: Sequence[np.ndarray]) -> np.ndarray:
+    """Each row's mean, 0 for a row without tokens (verl's masked mean over an empty mask). (B,)"""
+    return np.array([v.mean() if len(v) else 0.0 for v in values])
+
+
+def _exp_clamped(x):
+    return np.exp(np.clip(x, -SAFETY_BOUND, SAFETY_BOUND))
 
 
 def offpolicy_metrics(ratios: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> dict[str, float]:
-    """verl's `compute_offpolicy_metrics` over rows' log-ratios log_ratio (old - behaviour) and old log-probs."""
-    rows = [(log_ratio, o) for log_ratio, o in zip(ratios, old, strict=True) if len(log_ratio)]
-    if not rows:
-        return {}
-    every = np.concatenate([log_ratio for log_ratio, _ in rows])
-    behaviour_mean = np.array([(o - log_ratio).mean() for log_ratio, o in rows])  # masked mean of the rollout's log-probs
-    old_mean = np.array([o.mean() for _, o in rows])
+    """verl's `compute_offpolicy_metrics` over rows' log-ratios (old - behaviour) and old log-probs
+    at their loss tokens; a row without any counts with mean log-probs 0."""
+    every = np.concatenate(ratios)  # (N,)
+    behaviour_mean = _row_means([o - log_ratio for log_ratio, o in zip(ratios, old, strict=True)])  # (B,)
+    old_mean = _row_means(old)
     difference = behaviour_mean - old_mean
-    clamped = np.clip(every, -SAFETY_BOUND, SAFETY_BOUND)
-    sums = np.clip([log_ratio.sum() for log_ratio, _ in rows], -SAFETY_BOUND, SAFETY_BOUND)
+    sums = np.clip([log_ratio.sum() for log_ratio in ratios], -SAFETY_BOUND, SAFETY_BOUND)
     return {
         "training_ppl": float(np.exp(-old_mean).mean()), "training_log_ppl": float((-old_mean).mean()),
         "rollout_ppl": float(np.exp(-behaviour_mean).mean()), "rollout_log_ppl": float((-behaviour_mean).mean()),
@@ -76,28 +100,47 @@ def offpolicy_metrics(ratios: Sequence[np.ndarray], old: Sequence[np.ndarray]) -
         "log_ppl_diff": float(difference.mean()), "log_ppl_abs_diff": float(np.abs(difference).mean()),
         "log_ppl_diff_max": float(difference.max()), "log_ppl_diff_min": float(difference.min()),
         "ppl_ratio": float(np.exp(difference).mean()),
-        "chi2_token": float((np.exp(clamped) ** 2).mean() - 1), "chi2_seq": float(np.exp(2 * sums).mean() - 1),
+        "chi2_token": float((_exp_clamped(every) ** 2).mean() - 1), "chi2_seq": float(np.exp(2 * sums).mean() - 1),
     }
 
 
-def _weight_metrics(prefix: str, weights: Sequence[np.ndarray], level: str, upper: float,
-                    lower: float) -> dict[str, float]:
-    """verl's `compute_is_metrics` on the masked, untruncated weights of rows (the same statistics
-    name the rejection ratios, with prefix rollout_rs)."""
-    every = np.concatenate(weights)
-    if level == "sequence":  # one weight per row, in log space for the bounds
-        per_row = np.array([w[0] for w in weights])
-        low_fraction, high_fraction = float((per_row < lower).mean()), float((per_row > upper).mean())
+@dataclasses.dataclass(frozen=True)
+class _Ratios:
+    """Rows' ratios at one level: per loss token, and per row the unclamped log of its one ratio
+    (sequence: the sum, geometric: the mean; None at token level)."""
+
+    weights: list[np.ndarray]  # per row, (n_b,) exp(clamp(.)) at its loss tokens
+    row_logs: np.ndarray | None  # (B,)
+
+
+def _level_ratios(ratios: Sequence[np.ndarray], level: str) -> _Ratios:
+    if level == "token":
+        return _Ratios([_exp_clamped(log_ratio) for log_ratio in ratios], None)
+    row_logs = np.array([log_ratio.sum() for log_ratio in ratios]) if level == "sequence" else _row_means(ratios)
+    return _Ratios([np.full(len(r), _exp_clamped(s)) for r, s in zip(ratios, row_logs, strict=True)], row_logs)
+
+
+def _weight_metrics(prefix: str, level: _Ratios, upper: float, lower: float) -> dict[str, float]:
+    """verl's `compute_is_metrics` / `compute_rs_metrics` (the same statistics, prefixed) on untruncated
+    ratios, with the bounds `upper` and `lower`."""
+    every = np.concatenate(level.weights)  # (N,)
+    if level.row_logs is not None:  # one ratio per row: bounds in log space, over rows, unclamped
+        logs = level.row_logs
+        high, low = float((logs > math.log(upper)).mean()), float((logs < math.log(lower)).mean())
+        largest, smallest = math.exp(min(logs.max(), SAFETY_BOUND)), math.exp(logs.min())
     else:
-        low_fraction, high_fraction = float((every < lower).mean()), float((every > upper).mean())
+        high, low = float((every > upper).mean()), float((every < lower).mean())
+        largest, smallest = float(every.max()), float(every.min())
     clipped = np.clip(every, lower, upper)
-    row_means = np.array([w.mean() for w in weights])
+    variance = (clipped**2).mean() - clipped.mean() ** 2
+    row_means = _row_means(level.weights)  # (B,)
     return {
-        f"{prefix}_mean": float(every.mean()), f"{prefix}_max": float(every.max()), f"{prefix}_min": float(every.min()),
-        f"{prefix}_ratio_fraction_high": high_fraction, f"{prefix}_ratio_fraction_low": low_fraction,
-        f"{prefix}_std": float(math.sqrt(max((clipped**2).mean() - clipped.mean() ** 2, 0.0))),
-        f"{prefix}_eff_sample_size": float(1.0 / ((clipped / (clipped.mean() + 1e-8)) ** 2).mean()),
-        f"{prefix}_seq_mean": float(row_means.mean()), f"{prefix}_seq_std": float(row_means.std()),
+        f"{prefix}_mean": float(every.mean()), f"{prefix}_max": largest, f"{prefix}_min": smallest,
+        f"{prefix}_ratio_fraction_high": high, f"{prefix}_ratio_fraction_low": low,
+        f"{prefix}_std": float(math.sqrt(max(variance, 0.0))) if len(every) > 1 else 0.0,
+        f"{prefix}_eff_sample_size": float(1.0 / ((clipped / (clipped.mean() + ESS_EPS)) ** 2).mean()),
+        f"{prefix}_seq_mean": float(row_means.mean()),
+        f"{prefix}_seq_std": float(row_means.std(ddof=1)) if len(row_means) > 1 else 0.0,
         f"{prefix}_seq_max": float(row_means.max()), f"{prefix}_seq_min": float(row_means.min()),
         f"{prefix}_seq_max_deviation": float(np.abs(row_means - 1).max()),
         f"{prefix}_seq_fraction_high": float((row_means > upper).mean()),
@@ -105,63 +148,76 @@ def _weight_metrics(prefix: str, weights: Sequence[np.ndarray], level: str, uppe
     }
 
 
-def _ratio(log_ratio: np.ndarray, level: str) -> np.ndarray:
-    """exp of the clamped log-ratio at `level`: per token, or one for the row (sum, or mean:
-    geometric) on each of its tokens."""
-    if level == "token":
-        return np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
-    total = log_ratio.sum() if level == "sequence" else log_ratio.mean()
-    return np.full(len(log_ratio), math.exp(min(max(total, -SAFETY_BOUND), SAFETY_BOUND)))
+def _rejection(ratios: Sequence[np.ndarray], config: TrainConfig) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Which loss tokens rejection sampling keeps, per row, and its metrics."""
+    upper = config.rollout_rs_threshold
+    lower = config.rollout_rs_threshold_lower if config.rollout_rs_threshold_lower is not None else 1 / upper
+    level = _level_ratios(ratios, config.rollout_rs)
+    metrics = _weight_metrics("rollout_rs", level, upper, lower)
+    keep = [(w >= lower) & (w <= upper) for w in level.weights]
+    metrics["rollout_rs_masked_fraction"] = float(np.mean(~np.concatenate(keep)))
+    if level.row_logs is None:  # a row counts when any of its tokens is rejected
+        rejected = [bool((~k).any()) for k in keep]
+    else:  # a row's one ratio, 1 for a row without tokens
+        row_ratio = _exp_clamped(level.row_logs)
+        rejected = list(~((row_ratio >= lower) & (row_ratio <= upper)))
+    metrics["rollout_rs_seq_masked_fraction"] = float(np.mean(rejected))
+    return keep, metrics
+
+
+def _veto(ratios: Sequence[np.ndarray], threshold: float | None) -> tuple[list[bool], dict[str, float]]:
+    """The rows the veto rejects (any token's unclamped log_ratio below log(threshold)) and its
+    metrics, 0 with the veto off."""
+    if threshold is None:
+        return [False] * len(ratios), {"rollout_is_veto_fraction": 0.0, "rollout_is_catastrophic_token_fraction": 0.0}
+    floor = math.log(threshold)
+    vetoed = [bool((log_ratio < floor).any()) for log_ratio in ratios]
+    return vetoed, {"rollout_is_veto_fraction": float(np.mean(vetoed)),
+                    "rollout_is_catastrophic_token_fraction": float(np.mean(np.concatenate(ratios) < floor))}
+
+
+def _is_weights(ratios: Sequence[np.ndarray], config: TrainConfig) -> tuple[list[np.ndarray], dict[str, float]]:
+    """The truncated (and batch-normalised) IS weights at each row's loss tokens, and their metrics."""
+    threshold = config.rollout_is_threshold
+    level = _level_ratios(ratios, config.rollout_is)
+    metrics = _weight_metrics("rollout_is", level, threshold, 1 / threshold)
+    weights = [np.minimum(w, threshold) for w in level.weights]
+    if config.rollout_is_batch_normalize:
+        # over every loss token (sequence level: every row with one), rejected ones included
+        pieces = weights if config.rollout_is == "token" else [w[:1] for w in weights if len(w)]
+        mean = float(np.concatenate(pieces).mean())
+        factor = mean if mean > NORMALIZE_FLOOR else 1.0
+        weights = [w / factor for w in weights]
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
 
 
 def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
     """The iteration's rows after rollout correction, and its metrics (module notes)."""
     located = [_log_ratios(row) for row in rows]
-    ratios = [log_ratio for _, log_ratio in located]
-    old = [np.asarray(row.old_logprobs, dtype=np.float64)[positions] for row, (positions, _) in zip(rows, located,
-                                                                                                   strict=True)]
-    metrics = offpolicy_metrics(ratios, old)
+    ratios = [log_ratio for _, log_ratio, _ in located]
+    if not sum(len(log_ratio) for log_ratio in ratios):
+        return Corrected(list(rows), {})  # nothing is trained, nothing to measure
+    metrics: dict[str, float] = {}
+    weights: list[np.ndarray | None] = [None] * len(rows)
+    if config.rollout_is is not None:
+        weights, is_metrics = _is_weights(ratios, config)
+        metrics |= is_metrics
     keep = [np.ones(len(log_ratio), dtype=bool) for log_ratio in ratios]
     if config.rollout_rs is not None:
-        upper = config.rollout_rs_threshold
-        lower = config.rollout_rs_threshold_lower if config.rollout_rs_threshold_lower is not None else 1 / upper
-        rs = [_ratio(log_ratio, config.rollout_rs) for log_ratio in ratios]
-        metrics |= _weight_metrics("rollout_rs", [r for r in rs if len(r)], config.rollout_rs, upper, lower)
-        keep = [k & (r >= lower) & (r <= upper) for k, r in zip(keep, rs, strict=True)]
-    if config.rollout_token_veto_threshold is not None:
-        floor = math.log(config.rollout_token_veto_threshold)
-        vetoed = [bool((log_ratio < floor).any()) for log_ratio in ratios]
-        metrics["rollout_is_veto_fraction"] = float(np.mean(vetoed)) if vetoed else 0.0
-        metrics["rollout_is_catastrophic_token_fraction"] = float(np.mean(np.concatenate(ratios) < floor)) \
-            if ratios else 0.0
-        keep = [k & (not veto) for k, veto in zip(keep, vetoed, strict=True)]
-    if config.rollout_rs is not None or config.rollout_token_veto_threshold is not None:
-        masked = np.concatenate([~k for k in keep]) if keep else np.zeros(0)
-        metrics["rollout_rs_masked_fraction"] = float(masked.mean()) if len(masked) else 0.0
-        metrics["rollout_rs_seq_masked_fraction"] = float(np.mean([(~k).any() for k in keep])) if keep else 0.0
-    weights = None
-    if config.rollout_is is not None:
-        weights = [_ratio(log_ratio, config.rollout_is) for log_ratio in ratios]
-        threshold = config.rollout_is_threshold
-        metrics |= _weight_metrics("rollout_is", [w for w in weights if len(w)], config.rollout_is, threshold,
-                                   1 / threshold)
-        weights = [np.minimum(w, threshold) for w in weights]
-        if config.rollout_is_batch_normalize:
-            pieces = [w[:1] for w in weights if len(w)] if config.rollout_is == "sequence" else weights
-            mean = float(np.concatenate(pieces).mean()) if pieces else 0.0
-            if mean > 1e-8:
-                weights = [w / mean for w in weights]
-                metrics["rollout_is_batch_norm_factor"] = mean
-    corrected = []
-    for row, (positions, _), kept, index in zip(rows, located, keep, range(len(rows)), strict=True):
-        if not kept.any():
-            continue  # every loss token rejected: nothing of the row is trained
-        corrected.append(_applied(row, positions, kept, None if weights is None else weights[index]))
+        keep, rs_metrics = _rejection(ratios, config)
+        metrics |= rs_metrics
+    vetoed, veto_metrics = _veto(ratios, config.rollout_token_veto_threshold)
+    metrics |= veto_metrics
+    metrics |= offpolicy_metrics(ratios, [old for _, _, old in located])
+    corrected = [_applied(row, positions, kept & (not veto), weight)
+                 for row, (positions, _, _), kept, veto, weight in zip(rows, located, keep, vetoed, weights, strict=True)]
     return Corrected(corrected, metrics)
 
 
 def _applied(row: PurifiedRow, positions: np.ndarray, kept: np.ndarray, weights: np.ndarray | None) -> PurifiedRow:
-    """`row` with its rejected tokens out of the loss mask and its IS weights in its advantages."""
+    """`row` with its rejected tokens out of the loss mask (all of them: a row verl keeps with a zero
+    mask) and its IS weights in its advantages (per token, SAAR's kept)."""
     if kept.all() and weights is None:
         return row
     mask = list(row.loss_mask)

@@ -1,7 +1,6 @@
 """One training step, shared by both engines: rows -> mini batches -> micro batches -> loss -> a row.
 
-    prepare_rows (skip infra-fault rows and rows with no loss tokens, dynamic sampling, overlong
-    shaping)
+    prepare_rows (skip infra-fault rows, dynamic sampling, overlong shaping, rollout correction)
     -> iter_mini_batches (seeded shuffle; one mini batch = one optimiser step)
     -> packing.micro_batches (by rows or by a token budget) -> packing.pack_rows (padding-free)
     -> forward_micro_batch (TrainablePolicy: log-probs and entropy at the loss tokens only)
@@ -18,6 +17,10 @@ Design decisions:
   loss_mask[t] == 1 (position 0 never counts: nothing predicts it).
 - Each micro batch's loss is divided by the total loss tokens of its mini batch, so the summed
   micro-batch gradients equal one big batch's token-mean gradient (a tested property).
+- A row without loss tokens, from the warehouse or emptied by rollout correction's rejection,
+  stays in the batch with its zero mask, as verl keeps it: the mini batches, the number of optimiser
+  steps and the token-mean denominators are verl's whatever is rejected (a mini batch of such rows
+  is a step with a zero gradient, AdamW's decay and moments still moving).
 - Dynamic sampling filters on the rows' outcome rewards BEFORE overlong shaping (verl's DAPO
   filters on accuracy too); overlong shaping then adds the soft penalty to the reward and
   recomputes GRPO advantages within each group (eps = PurifyConfig's default 1e-6).
@@ -136,10 +139,9 @@ def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRo
     kept = [row for row in rows if not row.infra_fault]
     if len(kept) < len(rows):
         logger.info("skipped %d rows that an infrastructure fault ended", len(rows) - len(kept))
-    with_tokens = [row for row in kept if loss_token_count(row) > 0]
-    if len(with_tokens) < len(kept):
-        logger.info("skipped %d rows with no loss tokens", len(kept) - len(with_tokens))
-    kept = with_tokens
+    empty = sum(loss_token_count(row) == 0 for row in kept)
+    if empty:
+        logger.info("%d rows have no loss tokens: kept with a zero mask, as verl keeps them", empty)
     if config.dynamic_sampling and kept:
         groups = [row for row in kept if not row.is_negative]  # negatives have no say in a group
         keep = dynamic_sampling_mask(
@@ -306,14 +308,14 @@ class StepMetrics:
 def timed(row: TrainStepRow, model: torch.nn.Module, mini_rows: Sequence[PurifiedRow], started: float,
           world_size: int = 1) -> TrainStepRow:
     """The step's row with its wall time and, on a GPU whose peak flops.py knows, its model FLOPs
-    utilisation: the model work of the mini batch's rows, shared by `world_size` GPUs."""
+    utilisation as verl counts it: the model work of the mini batch's rows, shared by `world_size`
+    GPUs."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the step's kernels, AdamW's included, have run
     seconds = time.perf_counter() - started
     mfu = None
     if device.type == "cuda":
-        parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: whole sizes
-        mfu = model_flops_utilisation(model.config, parameters, [len(row.token_ids) for row in mini_rows],
-                                      seconds * world_size, torch.cuda.get_device_name(device))
+        mfu = model_flops_utilisation(model.config, [len(row.token_ids) for row in mini_rows], seconds * world_size,
+                                      torch.cuda.get_device_name(device))
     return dataclasses.replace(row, seconds=seconds, mfu=mfu)

@@ -89,6 +89,64 @@ def test_precision_follows_compute_dtype_and_a_file_setting_it_is_an_error(tmp_p
                                             {"enabled": False})
 
 
+def test_a_static_loss_scale_in_the_file_is_kept_and_said_in_one_line(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="cleaner.engine.train.deepspeed_config"):
+        dynamic = deepspeed_config_for(_config(tmp_path, {}, compute_dtype="float16"), world_size=1)
+    assert dynamic["fp16"]["loss_scale"] == 0 and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="cleaner.engine.train.deepspeed_config"):
+        static = deepspeed_config_for(_config(tmp_path, {"fp16": {"loss_scale": 128}}, compute_dtype="float16"),
+                                      world_size=1)
+    assert static["fp16"]["loss_scale"] == 128
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'ds.json'}: fp16.loss_scale 128 is a static loss scale: the run keeps it, not the dynamic "
+        "scaling the torch engine uses (remove it, or set 0, for dynamic)"]
+
+
+class _OverflowingEngine:
+    """DeepSpeed's engine as 0.19's fp16 optimiser leaves it after an overflow: the step not applied,
+    `get_global_grad_norm()` still the previous step's norm (runtime/fp16/fused_optimizer.py returns
+    before updating it). Forward and backward are the policy's."""
+
+    def __init__(self, policy):
+        self.policy, self.device, self.module = policy, "cpu", type("Module", (), {"policy": policy.policy})
+
+    def __call__(self, batch):
+        return self.policy(batch)
+
+    def set_gradient_accumulation_boundary(self, boundary):
+        pass
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        pass
+
+    def was_step_applied(self):
+        return False
+
+    def get_global_grad_norm(self):
+        return 0.37  # the last applied step's
+
+
+def test_a_step_deepspeed_skips_for_overflow_logs_a_non_finite_grad_norm(policy_dir, monkeypatch):
+    from cleaner.engine.train import deepspeed_engine
+    from cleaner.engine.train.optim import new_optimization
+
+    class World:  # one rank, nothing to reduce
+        get_world_size, get_rank = staticmethod(lambda: 1), staticmethod(lambda: 0)
+        all_reduce = staticmethod(lambda tensor: None)
+
+    monkeypatch.setattr(deepspeed_engine, "_comm", lambda: World)
+    model = load_policy(policy_dir)
+    config = TrainConfig(mini_batch_size=2, micro_batch_size=1)
+    optimization = new_optimization(model, config, step=5)
+    row = deepspeed_engine._deepspeed_step(_OverflowingEngine(TrainablePolicy(model, config)), optimization, None,
+                                           train_batch(model)[:2], config, 0, 0)
+    assert row.grad_norm == float("inf")  # as the torch engine logs a skipped step
+    assert row.optimizer_step == 5 and optimization.step == 6  # the schedule moved on
+
+
 def test_auto_values_are_cleaners_to_fill(tmp_path):
     config = _config(tmp_path, {"train_batch_size": "auto", "gradient_clipping": "auto"},
                      mini_batch_size=4, micro_batch_size=2, max_grad_norm=2.0)

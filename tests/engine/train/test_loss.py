@@ -209,3 +209,70 @@ def test_overlong_penalty():
     assert overlong_penalty(lengths, max_len=10, buffer=0).tolist() == [0.0] * 5
 
 
+
+
+# ---------------------------------------------------------------------------
+# Edges found by `make mutants` (docs/mutants.md)
+
+
+def test_entropy_is_over_the_vocabulary_of_each_position():
+    logits = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(0))  # (B, T, V)
+    expected = torch.distributions.Categorical(logits=logits[:, :-1]).entropy()  # (B, T-1)
+    torch.testing.assert_close(entropy_from_logits(logits)[:, 1:], expected)
+    assert entropy_from_logits(logits)[:, 0].tolist() == [0.0, 0.0]
+
+
+def test_kl_penalty_takes_the_mini_batch_denominator_and_ignores_masked_garbage():
+    log_probs = torch.tensor([[math.log(0.5), float("nan")]])  # a masked position holding nan
+    ref = torch.tensor([[math.log(0.25), 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    one = 0.5 - math.log(0.5) - 1.0
+    assert kl_penalty(log_probs, ref, mask).item() == pytest.approx(one)
+    assert kl_penalty(log_probs, ref, mask, num_loss_tokens=4).item() == pytest.approx(one / 4)
+
+
+def test_dynamic_sampling_keeps_a_group_just_above_its_tolerance():
+    # rewards 1e-9 apart: verl's check is strictly greater than the tolerance; 2e-9 apart: kept
+    keep = dynamic_sampling_mask(["a", "a", "b", "b"], torch.tensor([0.0, 1e-9, 0.0, 2e-9], dtype=torch.float64))
+    assert keep.tolist() == [False, False, True, True]
+
+
+def test_an_overlong_buffer_of_one_token_still_penalises():
+    # max 10, buffer 1: 9 tokens free, -1 at 10 and beyond
+    assert overlong_penalty(torch.tensor([9, 10, 11]), max_len=10, buffer=1).tolist() == pytest.approx(
+        [0.0, -1.0, -1.0])
+
+
+def test_the_ratio_is_clamped_at_e_plus_minus_20_and_masked_garbage_is_ignored():
+    # no dual clip: a negative advantage takes the unclipped ratio, a positive one the small ratio
+    up = policy_loss(torch.tensor([[25.0]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+                     EPS_LOW, EPS_HIGH)
+    assert up.loss.item() == pytest.approx(math.exp(20), rel=1e-6)
+    down = policy_loss(torch.tensor([[-25.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1),
+                       EPS_LOW, EPS_HIGH)
+    assert down.loss.item() == pytest.approx(-math.exp(-20), abs=1e-12)
+    garbage = policy_loss(torch.tensor([[0.0, float("nan")]]), torch.zeros(1, 2), torch.tensor([1.0]),
+                          torch.tensor([[1.0, 0.0]]), EPS_LOW, EPS_HIGH)
+    assert garbage.loss.item() == -1.0
+
+
+def test_the_clip_fraction_counts_only_clipped_gradients_of_loss_tokens():
+    """Ratios exactly at the bounds (eps 0: both bounds 1) are not clipped; a zero advantage has no
+    gradient to clip; a positive one below 1 - eps keeps its (unclipped) gradient; a masked token
+    counts nowhere."""
+    log_probs = _log([[1.0, 1.0, 2.0, 0.5, 0.5, 2.0]])
+    advantages = torch.tensor([[1.0, -1.0, 0.0, 0.0, 0.5, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    out = policy_loss(log_probs, torch.zeros(1, 6), advantages, mask, 0.0, 0.0)
+    assert out.clip_fraction.item() == 0.0
+    clipped = policy_loss(log_probs, torch.zeros(1, 6), advantages, mask, 0.0, 0.5)  # 2.0 > 1.5 with A 0: no
+    assert clipped.clip_fraction.item() == 0.0
+
+
+def test_one_loss_token_is_its_own_denominator_and_approx_kl_is_a_mean():
+    out = policy_loss(_log([[2.0]]), torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), EPS_LOW, EPS_HIGH,
+                      num_loss_tokens=1)
+    assert out.loss.item() == pytest.approx(-(1 + EPS_HIGH))
+    two = policy_loss(_log([[2.0, 1.0]]), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), EPS_LOW,
+                      EPS_HIGH)
+    assert two.approx_kl.item() == pytest.approx((0.5 - 1 + math.log(2.0)) / 2, abs=1e-6)

@@ -35,6 +35,20 @@ def test_static_memory_by_hand_and_as_zero_partitions_it():
         (2e6, 2e6, 12e6), (2e6, 2e6, 1.5e6), (2e6, 250e3, 1.5e6), (250e3, 250e3, 1.5e6)]
 
 
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_float16_is_planned_as_the_16_bit_compute_it_is(engine):
+    """float16 (the reference's dtype) costs what bfloat16 does: 2-byte activations, a 2-byte
+    reference, and under DeepSpeed 2-byte weights and gradients; not float32's."""
+    def plan(dtype):
+        return memory.plan(SHAPE, micro_tokens=1000, compute_dtype=dtype, checkpointing=True, kl=True,
+                           chunk_tokens=256, engine=engine, zero_stage=2, world_size=2)
+
+    fp16, bf16, fp32 = plan("float16"), plan("bfloat16"), plan("float32")
+    assert fp16 == bf16
+    assert fp16.reference == 2e6 and fp32.reference == 4e6
+    assert fp16.peak < fp32.peak
+
+
 @pytest.mark.parametrize(("device_type", "dtype", "input_bytes", "value_bytes", "copies", "margin", "overhead"), [
     ("cpu", "float32", 4.0, 4.0, 2, 1.3, GIB),  # the float32 proxy's calibration
     ("cuda", "bfloat16", 2.3, 1.0, 1, 1.1, GIB // 2),  # an H100's

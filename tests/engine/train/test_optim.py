@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import logging
+import pickle
 
 import pytest
 import torch
@@ -117,3 +120,112 @@ def test_a_fresh_optimizer_can_start_mid_run():
     optimization = new_optimization(model, TrainConfig(lr=1e-2, warmup_steps=4), step=3)
     assert optimization.step == 3 and optimization.lr == pytest.approx(1e-2 * 3 / 4)
 
+
+
+# ---------------------------------------------------------------------------
+# What a checkpoint's state holds and how a bad one is refused (found by `make mutants`)
+
+
+def test_the_state_holds_master_weights_only_when_asked_and_as_copies():
+    model = torch.nn.Linear(2, 1)
+    optimization = new_optimization(model, CONFIG)
+    assert set(optimization.state()) == {"format", "optimizer", "optimizer_step"}
+    master = optimization.state(master_weights=True)["master_weights"]
+    assert master["weight"].device.type == "cpu" and torch.equal(master["weight"], model.weight)
+    assert master["weight"].data_ptr() != model.weight.data_ptr()  # a copy: training on leaves it as saved
+
+
+@pytest.mark.gpu
+def test_master_weights_of_a_gpu_model_are_saved_from_the_host():
+    model = torch.nn.Linear(2, 1).cuda()
+    master = new_optimization(model, CONFIG).state(master_weights=True)["master_weights"]
+    assert master["weight"].device.type == "cpu"
+
+
+def _checkpoint(policy_dir, tmp_path, state) -> object:
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((policy_dir / name).read_bytes())
+    (tmp_path / STATE_PATH).parent.mkdir(exist_ok=True)
+    torch.save(state, tmp_path / STATE_PATH)
+    return load_policy(tmp_path)
+
+
+def test_resuming_and_starting_fresh_say_which_checkpoint_and_step(policy_dir, tmp_path, caplog):
+    model = load_policy(policy_dir)
+    state = new_optimization(model, CONFIG, step=7).state()
+    model = _checkpoint(policy_dir, tmp_path, state)
+    with caplog.at_level(logging.INFO, logger="cleaner.engine.train.optim"):
+        load_optimization(model, CONFIG, tmp_path)
+        load_optimization(model, CONFIG, policy_dir)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resuming the optimiser of {tmp_path} at step 7",
+        f"{policy_dir} holds no optimiser state ({STATE_PATH}): the optimiser starts fresh at step 0"]
+
+
+def test_an_unusable_state_is_refused_naming_the_file_and_what_was_expected(policy_dir, tmp_path):
+    model = load_policy(policy_dir)
+    state = new_optimization(model, CONFIG).state()
+    path = tmp_path / STATE_PATH
+    model = _checkpoint(policy_dir, tmp_path, {**state, "format": 99})
+    with pytest.raises(OptimizerStateError) as refused:
+        load_optimization(model, CONFIG, tmp_path)
+    assert str(refused.value) == f"{path}: optimiser state format 99, expected 1"
+    other = new_optimization(torch.nn.Linear(2, 1), CONFIG).state()
+    _checkpoint(policy_dir, tmp_path, other)
+    with pytest.raises(OptimizerStateError) as refused:
+        load_optimization(model, CONFIG, tmp_path)
+    trained = len([p for p in model.parameters() if p.requires_grad])
+    assert str(refused.value) == (f"{path}: optimiser state for 2 parameters, the model trains {trained}; it belongs "
+                                  "to another architecture")
+    _checkpoint(policy_dir, tmp_path, {**state, "master_weights": {"other.weight": torch.zeros(1)}})
+    with pytest.raises(OptimizerStateError) as refused:
+        load_optimization(model, CONFIG, tmp_path)
+    assert str(refused.value) == (f"{path}: master weights for other parameters than the model trains; it belongs "
+                                  "to another architecture")
+
+
+def test_a_state_file_holding_more_than_tensors_is_not_unpickled(policy_dir, tmp_path):
+    model = _checkpoint(policy_dir, tmp_path, {"format": 1, "payload": datetime.timedelta(1)})
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_optimization(model, CONFIG, tmp_path)
+
+
+def test_the_other_engines_state_is_named_with_its_checkpoint(policy_dir, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((policy_dir / name).read_bytes())
+    (tmp_path / DEEPSPEED_STATE_META).parent.mkdir()
+    (tmp_path / DEEPSPEED_STATE_META).write_text('{"format": 1, "optimizer_step": 3}')
+    with pytest.raises(OptimizerStateError) as refused:
+        load_optimization(load_policy(tmp_path), CONFIG, tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}: its optimiser state ({DEEPSPEED_STATE_META}) was written by the deepspeed engine; continue "
+        "with --engine deepspeed, or delete its optimizer/ directory to start a fresh optimiser")
+
+
+def test_adamw_is_fused_only_on_a_gpu_whatever_the_saved_state_says():
+    """A state saved on a GPU (fused, foreach) resumes on the CPU unfused: the implementation is
+    where it runs now."""
+    model = torch.nn.Linear(2, 1)
+    saved = new_optimization(model, CONFIG).state()["optimizer"]
+    for group in saved["param_groups"]:
+        group.update(fused=True, foreach=True)
+    optimization = new_optimization(model, CONFIG, optimizer_state=saved)
+    assert optimization.optimizer.defaults["fused"] is None
+    assert [(g["fused"], g["foreach"]) for g in optimization.optimizer.param_groups] == [(None, None)]
+
+
+@pytest.mark.gpu
+def test_adamw_is_fused_and_the_scaler_on_the_gpu_there():
+    model = torch.nn.Linear(2, 1).cuda()
+    optimization = new_optimization(model, dataclasses.replace(CONFIG, compute_dtype="float16"))
+    assert optimization.optimizer.defaults["fused"] is True
+    assert optimization.optimizer.param_groups[0]["fused"] is True
+    assert optimization.scaler is not None and optimization.scaler._device == "cuda"
+
+
+def test_a_resumed_scaler_takes_verls_growth_interval_over_the_saved_one():
+    config = dataclasses.replace(CONFIG, compute_dtype="float16")
+    model = torch.nn.Linear(2, 1)
+    older = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2000).state_dict()
+    scaler = new_optimization(model, config, scaler_state=older).scaler
+    assert (scaler.get_scale(), scaler.state_dict()["growth_interval"]) == (1024.0, 400)

@@ -20,7 +20,7 @@ from cleaner.config import TrainConfig
 from cleaner.engine.model.head import UnsupportedModelError
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.naive import full_logits_micro_batch_loss
-from cleaner.engine.train.optim import STATE_PATH
+from cleaner.engine.train.optim import STATE_PATH, load_optimization
 from cleaner.engine.train.packing import loss_token_count, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, training
 from cleaner.engine.train.step import ReferenceLogProbs, forward_micro_batch
@@ -359,8 +359,10 @@ def test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_
     """--compute-dtype float16 (the reference's) on a stored iteration's rows: float16 autocast with
     a GradScaler. The loss of every step within 2e-2 of float32's and the weights it writes within
     2e-3 of float32's (lr 1e-3, two steps: float16's 11-bit mantissa, against float32's rounding);
-    the scale is saved with the optimiser and resumed. A step whose scaled gradients overflow is
-    skipped (weights unchanged, grad norm non-finite in its row) and the scale halves."""
+    the logged gradient norms are the true ones (unscaled before clipping), within 5% of float32's;
+    the scaler is verl's (growth interval 400). A step whose scaled gradients overflow is skipped
+    (weights unchanged, grad norm non-finite in its row), the schedule still moves on, the scale
+    halves, and a checkpoint's scale is resumed through load_optimization."""
     model = load_policy(policy_dir)
     rows = train_batch(model)
     base = TrainConfig(lr=1e-3, mini_batch_size=2, micro_batch_size=2, save_dtype="float16")
@@ -371,6 +373,8 @@ def test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_
     assert [s.loss for s in fp16.steps] != [s.loss for s in fp32.steps]  # float16 did run
     assert [s.loss for s in fp16.steps] == pytest.approx([s.loss for s in fp32.steps], abs=2e-2)
     assert _weights_difference(fp16.model, fp32.model) < 2e-3
+    assert [s.grad_norm for s in fp16.steps] == pytest.approx([s.grad_norm for s in fp32.steps], rel=5e-2)
+    assert fp16.optimization.scaler.state_dict()["growth_interval"] == 400  # verl's ShardedGradScaler's
     assert all(p.dtype == torch.float32 for p in fp16.model.parameters())  # master weights stay float32
     saved = torch.load(fp16.out_path / STATE_PATH, weights_only=True)
     assert saved["scaler"]["scale"] == fp16.optimization.scaler.get_scale() > 0
@@ -380,11 +384,17 @@ def test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_
     optimization = fp16.optimization
     optimization.scaler.update(65504.0 * 2**10)
     before = {name: p.detach().clone() for name, p in fp16.model.named_parameters()}
+    step_before = optimization.step
     again = train_iteration(rows[:2], fp16.out_path, tmp_path / "overflow", dataclasses.replace(
         base, compute_dtype="float16"), 1, model=fp16.model, optimization=optimization, progress=False)
     assert not math.isfinite(again.steps[0].grad_norm)
     assert all(torch.equal(p, before[name]) for name, p in again.model.named_parameters())
     assert optimization.scaler.get_scale() == 65504.0 * 2**10 / 2
+    assert again.steps[0].optimizer_step == step_before and optimization.step == step_before + 1
+    resumed = load_optimization(load_policy(again.out_path), dataclasses.replace(base, compute_dtype="float16"),
+                                again.out_path)
+    assert resumed.scaler.state_dict() == optimization.scaler.state_dict()
+    assert resumed.step == optimization.step
 
 
 # ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -101,6 +102,25 @@ def test_zero_advantages_leave_the_policy_unchanged(policy_dir, tmp_path):
         assert torch.equal(p, q)
 
 
+def test_rejected_rows_keep_verls_optimiser_steps(policy_dir, tmp_path):
+    """Sequence-level rejection empties three of four rows: they stay in the batch with a zero mask
+    (verl's), so the iteration still takes its two optimiser steps over mini batches of two, each
+    step's token count the kept tokens of its rows; a step of rejected rows only has a zero
+    gradient."""
+    model = load_policy(policy_dir)
+    rows = train_batch(model)
+    shifted = [dataclasses.replace(row, behavior_logprobs=tuple(lp - 0.5 * m for lp, m in zip(
+        row.old_logprobs, row.loss_mask, strict=True))) if index else row for index, row in enumerate(rows)]
+    config = TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=2, rollout_rs="sequence",
+                         rollout_rs_threshold=1.5)  # ratios e^(0.5 n) > 1.5 for n >= 1 loss tokens
+    result = train_iteration(shifted, policy_dir, tmp_path / "out", config, 0, model=model, progress=False)
+    assert [s.optimizer_step for s in result.steps] == [0, 1]
+    assert sorted(s.tokens for s in result.steps) == [0, sum(rows[0].loss_mask[1:])]
+    empty = next(s for s in result.steps if s.tokens == 0)
+    assert (empty.loss, empty.grad_norm) == (0.0, 0.0)
+    assert json.loads(result.steps[0].rollout_corr)["rollout_rs_seq_masked_fraction"] == 0.75
+
+
 # ---------------------------------------------------------------------------
 # Row selection and batching (no model)
 
@@ -118,7 +138,9 @@ def test_an_iteration_whose_every_step_is_skipped_fails_and_saves_nothing(policy
     assert not (tmp_path / "out").exists()
 
 
-def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
+def test_prepare_rows_keeps_empty_masks_as_verl_and_applies_dynamic_sampling():
+    """A row without loss tokens stays in the batch (verl keeps it with its zero mask): the mini
+    batches are verl's."""
     rows = [
         train_row("a0", "a", [1, 2, 3], 1, 1.0, 0.0),
         train_row("a1", "a", [1, 2, 3], 1, 1.0, 0.0),
@@ -129,9 +151,10 @@ def test_prepare_rows_skips_empty_masks_and_applies_dynamic_sampling():
             "first-only", "b", [1, 2, 3], 0, 0.0, -1.0, loss_mask=[1, 0, 0]
         ),  # position 0 never trains
     ]
-    assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["a0", "a1", "b0", "b1"]
+    assert [r.rollout_id for r in prepare_rows(rows, TrainConfig())] == ["a0", "a1", "b0", "b1", "empty",
+                                                                          "first-only"]
     kept = prepare_rows(rows, TrainConfig(dynamic_sampling=True))
-    assert [r.rollout_id for r in kept] == ["b0", "b1"]
+    assert [r.rollout_id for r in kept] == ["b0", "b1", "empty", "first-only"]
 
 
 def test_prepare_rows_skips_infra_faults_before_dynamic_sampling_and_shaping():

@@ -12,7 +12,8 @@ never a success:
 - a weight is not finite after the last step.
 
 An iteration with no step (nothing left to train on) is not a failure: the policy is saved
-unchanged, so a loop can go on (trainer.py).
+unchanged, so a loop can go on (trainer.py). Nor is one whose steps hold no loss token (rollout
+correction rejected every row, which verl keeps in the batch with a zero mask): a warning says so.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def check_trained(steps: Sequence[TrainStepRow], parameters: Iterable[torch.nn.P
     if not steps:
         return
     where = f"iteration {iteration}"
+    if not any(step.tokens for step in steps):
+        logger.warning("%s: none of its %d steps had a loss token (rollout correction rejected every row?): "
+                       "nothing but AdamW's weight decay moved the policy", where, len(steps))
     if not any(math.isfinite(step.loss) for step in steps):
         raise JobError(f"{where}: the loss is not finite at any of its {len(steps)} steps (first: {steps[0].loss}); "
                        "nothing was trained and no checkpoint saved: check the rows' log-probs and advantages "

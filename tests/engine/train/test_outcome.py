@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -56,3 +57,16 @@ def test_weights_that_are_no_longer_finite_fail_by_name(value):
     weights = [("a.weight", torch.nn.Parameter(torch.ones(3))), ("b.bias", torch.nn.Parameter(torch.tensor([0.0, value])))]
     with pytest.raises(JobError, match="weight b.bias is not finite after training"):
         check_trained(_steps((0.3, 1.0)), weights, 2, loss_scaled=False)
+
+
+def test_steps_without_a_loss_token_save_with_a_warning(caplog):
+    """Rejection emptied every row (verl keeps them, zero-masked): nothing to train on, as an
+    iteration without rows, so it saves, and says so."""
+    steps = [dataclasses.replace(step, tokens=0) for step in _steps((0.0, 0.0), (0.0, 0.0))]
+    with caplog.at_level(logging.WARNING):
+        check_trained(steps, _weights(), 2, loss_scaled=False)
+    assert "none of its 2 steps had a loss token" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_trained(_steps((0.0, 0.0)), _weights(), 2, loss_scaled=False)
+    assert caplog.text == ""

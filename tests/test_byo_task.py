@@ -200,6 +200,17 @@ def test_a_reward_past_its_timeout_is_one_line_and_resume_finishes_the_iteration
     assert [r.reward for r in Warehouse(tmp_path / "wh").read_rollouts(0)] == [0.5] * 8
 
 
+def _signal_dispositions(pid: int) -> str:
+    """Each thread of process `pid`: its name and its blocked, ignored and caught signal masks."""
+    from pathlib import Path
+
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        lines.append(" ".join(f"{key}={status.get(key, '?').strip()}" for key in ("Name", "SigBlk", "SigIgn", "SigCgt")))
+    return "\n".join(lines)
+
+
 def test_one_ctrl_c_ends_a_collection_whose_reward_hangs_in_one_line(tmp_path, units):
     """SIGINT while a reward hangs: the process ends within seconds, says in one line what is
     committed, exits 130 without a traceback; --resume finishes once the reward is fixed."""
@@ -218,9 +229,16 @@ def test_one_ctrl_c_ends_a_collection_whose_reward_hangs_in_one_line(tmp_path, u
     rollouts = warehouse / "rollouts" / "iteration=0"
     wait_for(lambda: len(list(rollouts.glob("part-*.parquet"))) >= 4, 180, process)
     time.sleep(1.0)  # prompt 2's reward is hanging now
+    signals = _signal_dispositions(process.pid)  # said if it does not stop
     process.send_signal(signal.SIGINT)
     sent = time.monotonic()
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate()
+        pytest.fail(f"the collection did not end within 60 s of its Ctrl-C; its threads' signals when it was "
+                    f"sent:\n{signals}\nit wrote:\n{stderr[-3000:]}")
     assert time.monotonic() - sent < 10
     assert process.returncode == 130
     assert "Traceback" not in stderr and "was destroyed but it is pending" not in stderr

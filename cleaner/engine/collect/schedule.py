@@ -142,11 +142,15 @@ def collect(
     bar = tqdm(total=plan.total, desc="collect", unit="rollout", disable=not progress)
     stopped: BaseException | None = None
     main = loop.create_task(run.main(bar, writer))
+    ctrl_c = _CtrlC(loop, main)
     try:
-        loop.run_until_complete(main)
+        with ctrl_c:
+            loop.run_until_complete(main)
     except BaseException as error:  # noqa: BLE001 - a Ctrl-C or a stop: written parts are said, then raised
         stopped = error
     finally:
+        if ctrl_c.pressed and (stopped is None or isinstance(stopped, asyncio.CancelledError)):
+            stopped = KeyboardInterrupt()  # the collection's cancel was the Ctrl-C's
         bar.close()
         with _interrupts_deferred():  # a second Ctrl-C while stopping waits for the stop
             main.cancel()
@@ -179,6 +183,43 @@ def _stopped(error: BaseException, done: Collected, total: int, run: _Run) -> Ba
         return CollectionStopped(f"{error}; the collection stopped: {committed}, and --resume collects the rest "
                                  "once the backend is back")
     return error  # a tool or reward that broke its contract says so (parts committed stay), a bug is a bug
+
+
+class _CtrlC:
+    """While the collection runs, a Ctrl-C cancels its main task through the loop, which then stops
+    as any interrupted collection does.
+
+    The handler is the loop's (`add_signal_handler`), which sets the signal wakeup descriptor: the
+    loop wakes however the signal arrives (on the main thread or another, with the main thread asleep
+    in the selector), and the handler never runs inside a finalizer, where a KeyboardInterrupt is
+    printed and lost. Installed on the main thread only (the only one a SIGINT reaches), and the
+    handler that was there before comes back after."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, main: asyncio.Task) -> None:
+        self.loop, self.main = loop, main
+        self.pressed = False
+        self.previous = None
+        self.installed = False
+
+    def _on_sigint(self) -> None:
+        if self.pressed:
+            logger.warning("stopping: committing the parts already finished")
+            return
+        self.pressed = True
+        self.main.cancel()
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.getsignal(signal.SIGINT)
+            self.loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+            self.installed = True
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.installed:
+            self.loop.remove_signal_handler(signal.SIGINT)
+            signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.default_int_handler)
+            self.installed = False
 
 
 @contextlib.contextmanager

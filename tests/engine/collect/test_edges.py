@@ -182,6 +182,48 @@ def test_a_stop_while_a_finished_part_waits_for_the_writer_commits_it():
     assert sorted(r.rollout_id for p in parts for r in p.rollouts) == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]
 
 
+def test_a_ctrl_c_taken_by_another_thread_while_the_loop_sleeps_stops_the_collection_at_once():
+    """The kernel hands a process's SIGINT to any thread that does not block it. Here the main thread
+    blocks it and sleeps in the loop's selector (the fourth rollout's request waits 10 s) while a
+    thread of its own takes the Ctrl-C: the loop wakes on the signal's wakeup descriptor and stops
+    within a second, the three finished rollouts committed, instead of sleeping on until the
+    request returns. The handler that was there before comes back."""
+    import os
+    import signal
+
+    from cleaner.errors import Interrupted
+
+    config = dataclasses.replace(BASE, batch_rollouts=1, max_concurrent_rollouts=1)
+    backend = ScriptedBackend({(f"p{i}", 0): [answer("42")] for i in range(4)}, config)
+    honest = backend.generate_async
+
+    def ctrl_c_on_this_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    async def generate_async(prompt, params, seed, session=None):
+        if session == "it0-p3-s0":
+            threading.Thread(target=ctrl_c_on_this_thread, daemon=True).start()
+            await asyncio.sleep(10.0)
+        return await honest(prompt, params, seed, session)
+
+    backend.generate_async = generate_async
+    parts = []
+    before = signal.getsignal(signal.SIGINT)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    started = time.monotonic()
+    try:
+        with pytest.raises(Interrupted, match=r"^interrupted: 3 of 4 rollouts are committed in 3 parts; --resume"):
+            collect([task(f"p{i}") for i in range(4)], config, backend, FakeSandbox(), CHAT, write=parts.append,
+                    reward_fn=fake_reward, progress=False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGINT) is before
+    assert sorted(r.rollout_id for p in parts for r in p.rollouts) == ["it0-p0-s0", "it0-p1-s0", "it0-p2-s0"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults of the user's tools
 

@@ -70,6 +70,7 @@ from cleaner.engine.train.optim import (
     STATE_PATH,
     Optimization,
     OptimizerStateError,
+    advance_schedule,
     new_optimization,
     other_engine_error,
 )
@@ -226,7 +227,7 @@ def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogP
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     if not engine.was_step_applied():
         logger.warning("iteration %d step %d: DeepSpeed skipped the step (overflow)", iteration, step)
-        optimization.scheduler.step()  # the run-wide schedule moves on, as the torch engine's does
+        advance_schedule(optimization.scheduler)  # the run-wide schedule moves on, as the torch engine's does
         grad_norm = math.inf  # DeepSpeed keeps the last applied step's norm; the row says it overflowed
     sums = metrics.tensor(engine.device)
     comm.all_reduce(sums)  # each rank holds its share of the mini-batch values

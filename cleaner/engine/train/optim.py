@@ -35,6 +35,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ class Optimization:
         if self.scaler is not None:  # the scale halves after a non-finite step, grows after good ones
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        advance_schedule(self.scheduler)
 
     def state(self, master_weights: bool = False) -> dict:
         """What a checkpoint stores: the optimiser's state_dict and the run-wide step, and with
@@ -176,3 +177,12 @@ def _restore_master_weights(model: torch.nn.Module, master: dict[str, torch.Tens
     with torch.no_grad():
         for name, value in master.items():
             params[name].copy_(value)
+
+
+def advance_schedule(scheduler) -> None:
+    """The schedule moved on one step, applied or skipped (verl's behaviour for a skipped float16
+    step). torch warns when it moves before any optimiser step ran, which a first step skipped for
+    overflow is: that step is logged as skipped already, so the warning is not repeated."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()

@@ -129,7 +129,7 @@ class _OverflowingEngine:
         return 0.37  # the last applied step's
 
 
-def test_a_step_deepspeed_skips_for_overflow_logs_a_non_finite_grad_norm(policy_dir, monkeypatch):
+def test_a_step_deepspeed_skips_for_overflow_logs_a_non_finite_grad_norm(policy_dir, monkeypatch, recwarn):
     from cleaner.engine.train import deepspeed_engine
     from cleaner.engine.train.optim import new_optimization
 
@@ -145,6 +145,7 @@ def test_a_step_deepspeed_skips_for_overflow_logs_a_non_finite_grad_norm(policy_
                                            train_batch(model)[:2], config, 0, 0)
     assert row.grad_norm == float("inf")  # as the torch engine logs a skipped step
     assert row.optimizer_step == 5 and optimization.step == 6  # the schedule moved on
+    assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []  # said once, as skipped
 
 
 def test_auto_values_are_cleaners_to_fill(tmp_path):

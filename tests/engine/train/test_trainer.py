@@ -125,9 +125,11 @@ def test_rejected_rows_keep_verls_optimiser_steps(policy_dir, tmp_path):
 # Row selection and batching (no model)
 
 
-def test_an_iteration_whose_every_step_is_skipped_fails_and_saves_nothing(policy_dir, tmp_path, monkeypatch):
+def test_an_iteration_whose_every_step_is_skipped_fails_and_saves_nothing(policy_dir, tmp_path, monkeypatch, recwarn):
     """In float32 (no loss scale whose search may skip steps) a gradient norm that is never finite
-    skips both steps of the iteration: it trained nothing, so it fails in one line, no checkpoint."""
+    skips both steps of the iteration: it trained nothing, so it fails in one line, no checkpoint.
+    The schedule moving on before any optimiser step ran is not torch's warning too: the skip is
+    said once."""
     from cleaner.errors import JobError
 
     rows = train_batch(load_policy(policy_dir))
@@ -136,6 +138,7 @@ def test_an_iteration_whose_every_step_is_skipped_fails_and_saves_nothing(policy
         train_iteration(rows, policy_dir, tmp_path / "out", TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=2),
                         iteration=3, progress=False)
     assert not (tmp_path / "out").exists()
+    assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []
 
 
 def test_prepare_rows_keeps_empty_masks_as_verl_and_applies_dynamic_sampling():

@@ -10,11 +10,15 @@ Design decisions:
 - Two readers. `receive_message` blocks and returns None at end of stream: a worker or a child has
   nothing else to do until its peer speaks or goes away. `receive_message_before` is the pool's: it
   gives up at a deadline and raises `PeerLost`, so a hung or dead worker never hangs the caller.
+  It waits with `poll`, not `select`, which refuses a descriptor >= 1024 (FD_SETSIZE): the pool
+  lives in the collection's process, whose sockets (a thousand rollouts' requests) and files push
+  its pipes' descriptors past that.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import struct
@@ -56,10 +60,12 @@ def receive_message(fd: int) -> dict | None:
 
 
 def _read_exactly_before(fd: int, size: int, deadline: float) -> bytes:
+    poller = select.poll()  # not select.select: it refuses a descriptor >= 1024 (module notes)
+    poller.register(fd, select.POLLIN)
     buffer = bytearray()
     while len(buffer) < size:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        if remaining <= 0 or not poller.poll(math.ceil(remaining * 1000)):
             raise PeerLost("worker did not answer in time")
         chunk = os.read(fd, size - len(buffer))
         if not chunk:

@@ -205,6 +205,20 @@ def test_runs_unprivileged_and_cannot_read_a_root_only_file(sandbox, root_owned_
     assert "top secret" not in result.stdout
 
 
+def test_a_pool_answers_on_descriptors_above_1024():
+    """The pool lives in the collection's process, where a thousand rollouts' sockets and files push
+    its pipes' descriptors past 1,024, which select() cannot watch: a pool started then answers."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with make_sandbox(SandboxConfig(workers=1, timeout_s=5.0, preload_scientific=False)) as pool:
+            result = run_bounded(pool, "print(6 * 7)")
+            assert pool._workers[0].process.stdout.fileno() >= 1024
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert (result.status, result.stdout) == ("ok", "42\n")
+
+
 def test_run_many_keeps_order_and_uses_the_pool(sandbox):
     codes = [f"import time\ntime.sleep(0.3)\nprint({i})" for i in range(4)]
     started = time.monotonic()

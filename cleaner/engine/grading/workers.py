@@ -221,10 +221,13 @@ def _resolve(ref: tuple[str, str]) -> Callable:
 
 def _watch_parent(parent: int) -> None:
     """End this worker once its parent is gone (a SIGKILLed collection runs no exit handler), even
-    while a call hangs on the main thread."""
+    while a call hangs on the main thread, and with it every process its rewards started: the
+    worker leads its process group, which is killed whole, as at a timeout."""
     while os.getppid() == parent:
         time.sleep(1.0)
-    os._exit(1)
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os._exit(1)  # reached only where the group could not be signalled
 
 
 def _serve(requests: int, replies: int) -> None:

@@ -190,6 +190,49 @@ def test_a_reward_past_its_timeout_takes_every_process_it_started_with_it(tmp_pa
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_sigkilled_collection_takes_its_rewards_processes_with_it(tmp_path):
+    """The collection's process is SIGKILLed (no exit handler runs) while a reward hangs beside the
+    long-lived child it started: the worker notices its parent gone and kills its whole group, so
+    neither it nor the child is left behind."""
+    import subprocess
+    import sys
+
+    started = tmp_path / "started.txt"
+    judge = tmp_path / "judge.py"
+    judge.write_text("import os, subprocess, time\n"
+                     "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                     "    child = subprocess.Popen(['sleep', '600'])\n"
+                     f"    open({str(started)!r}, 'w').write(f'{{os.getpgid(0)}} {{child.pid}}')\n"
+                     "    time.sleep(600)\n")
+    script = tmp_path / "collection.py"
+    script.write_text("import asyncio\n"
+                      "from cleaner.engine.grading.reward_file import RewardFunction\n"
+                      "from cleaner.engine.grading.runner import Rewards\n"
+                      f"reward = RewardFunction.load({str(judge)!r})\n"
+                      "asyncio.run(Rewards(reward_file=reward, timeout_s=600.0).verl('r1', 'toy', 'x', '1', {}))\n")
+    collection = subprocess.Popen([sys.executable, str(script)])
+    group = child = None
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() or not started.read_text():
+            assert collection.poll() is None and time.monotonic() < deadline, "the reward never started"
+            time.sleep(0.05)
+        group, child = map(int, started.read_text().split())
+        collection.kill()
+        collection.wait()
+        deadline = time.monotonic() + 10  # the watchdog looks once a second
+        while (_alive(child) or _group(group)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child) and _group(group) == []
+    finally:
+        if collection.poll() is None:
+            collection.kill()
+        for pid in [] if group is None else [*_group(group), child]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # left by the bug this test guards against
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
 def test_a_shell_job_a_reward_started_holds_none_of_its_workers_pipes(tmp_path, fresh_workers):
     """A reward starts a background job through a shell (`os.system` passes on every descriptor that
     is inheritable), then kills its worker: the job holds neither of the worker's pipes, so the death

@@ -374,3 +374,26 @@ def test_every_help_is_readable_at_80_columns():
         if path == ("run",):
             assert [line for line in result.output.splitlines() if line.endswith(":") and not line.startswith(" ")] \
                 == ["Options:", "Collect:", "Purify:", "Train:", "Logging:"]
+
+
+@pytest.mark.parametrize("hard", [800, None])
+def test_the_open_files_soft_limit_is_raised_within_the_hard_one(hard):
+    """A cluster job starting at a soft 512 descriptors: every cleaner command raises it to 65,536,
+    or to the hard limit where that is lower, before it opens anything (a thousand rollouts in
+    flight hold a socket each)."""
+    import resource
+
+    _, ours = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = ours if hard is None else hard
+    expected = 65_536 if hard == resource.RLIM_INFINITY else min(65_536, hard)
+    code = ("import resource\n"
+            "from cleaner.cli import app\n"
+            "try:\n"
+            "    app(['sql', '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print('soft', resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"soft {expected}"

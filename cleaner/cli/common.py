@@ -86,6 +86,31 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 
+OPEN_FILES_TARGET = 65_536  # descriptors a collection may hold: a socket per rollout in flight, pipes, parts
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> int:
+    """Raise this process's soft limit on open descriptors towards `target`, within its hard limit;
+    the soft limit it has after. Many clusters start jobs at a soft 1,024, which a collection with a
+    thousand rollouts in flight (a connection each to the SGLang servers, the sandbox's and reward
+    workers' pipes) runs out of, as "Too many open files" in whatever opens next; the hard limit is
+    usually far higher, and raising the soft one up to it is every process's right (SGLang's servers
+    do the same). Where the platform has no such limit, nothing changes."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # a platform that refuses it: the limit stays as it was
+            logging.getLogger(__name__).debug("could not raise the open-files limit from %d", soft)
+    return soft
+
+
 def _print_version(asked: bool) -> None:
     if asked:
         from cleaner import __version__
@@ -107,6 +132,7 @@ def main(
     )
     if not verbose:  # httpx says INFO for every request it sends (a thousand a second to SGLang servers)
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    raise_open_files_limit()
     # before anything starts CUDA: the allocator grows its segments instead of fragmenting (the train
     # step's long rows), unless the user chose a setting (engine/train/memory.py)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

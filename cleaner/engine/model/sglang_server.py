@@ -69,6 +69,7 @@ from cleaner.engine.model.sglang_wire import (
     weights_in_cache_kept,
     worker_urls,
 )
+from cleaner.tools.calls import DaemonThreads
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ PROBE_BACKOFF_S = 1.0  # a failed server's first time out of the rotation; doubl
 MAX_PROBE_BACKOFF_S = 60.0  # ... up to this
 PROBE_TIMEOUT_S = 5.0  # a health probe's limit
 CONTROL_TIMEOUT_S = 60.0  # the control plane's questions: which workers, which checkpoint
+_PROBE_THREADS = DaemonThreads("cleaner-probe")  # a probe's checkpoint check and weight update
 UPDATE_TIMEOUT_S = 3600.0  # a weight update: a large checkpoint loads for minutes
 # A request's own limit, unless the user sets one (--sglang-request-timeout-s): a fixed part, plus
 # what its tokens take at rates well below a loaded server's (20 new tokens/s for one request's
@@ -357,7 +359,9 @@ class SGLangServerBackend(SGLangRequests):
         try:
             healthy = (await client.get(server + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
             if healthy:  # a server restarted meanwhile serves what it was started with: ours again first
-                healthy = await asyncio.to_thread(self._serves_ours, server)
+                # on a daemon thread: a stop that cancels the probe does not wait at exit for a weight
+                # update of up to UPDATE_TIMEOUT_S (asyncio.to_thread's pool threads are joined at exit)
+                healthy = await asyncio.get_running_loop().run_in_executor(_PROBE_THREADS, self._serves_ours, server)
         except (httpx.HTTPError, EngineError) as error:
             log.debug("probe of %s failed: %r", server, error)
             healthy = False

@@ -690,3 +690,61 @@ def test_with_no_server_left_a_request_backs_off_1_2_4_8_seconds_then_fails(mode
         assert clock.slept == [1.0, 2.0, 4.0, 8.0]
     finally:
         server.close()
+
+
+PROBE_STOPPED_MID_UPDATE = '''
+import asyncio, sys, time
+sys.path.insert(0, sys.argv[2])
+from cleaner.engine.model import sglang_server
+from cleaner.engine.model.base import SamplingParams
+from cleaner.engine.model.sglang_server import SGLangServerBackend
+from tests.helpers import StandIn
+
+sglang_server.RETRY_BACKOFF_S, sglang_server.PROBE_BACKOFF_S, sglang_server.MAX_PROBE_BACKOFF_S = 0.01, 0.2, 0.2
+model = sys.argv[1]
+workers = [StandIn(model), StandIn(model)]
+router = StandIn(model, workers=[w.url for w in workers])
+backend = SGLangServerBackend(router.url, model)
+params = SamplingParams(max_new_tokens=1, stop_token_ids=())
+
+async def main():
+    workers[1].drop_after = 0
+    await asyncio.gather(*[backend.generate_async([i], params, 0, session=f"early{i}") for i in range(4)])
+    workers[1].model_path = "/restarted/with/another/checkpoint"  # b comes back restarted: its probe loads ours ...
+    workers[1].wedged = {"/update_weights_from_disk"}  # ... which never ends
+    workers[1].drop_after = None
+    time.sleep(0.25)  # b's back-off has passed: the next request probes it, beside
+    await backend.generate_async([0], params, 0, session="probe")
+    for _ in range(500):
+        if workers[1].paths("/update_weights_from_disk"):
+            break
+        await asyncio.sleep(0.01)
+    assert workers[1].paths("/update_weights_from_disk"), "the probe never loaded our checkpoint"
+    await backend.close_requests()  # a stop: the probe is cancelled mid-update
+
+asyncio.run(main())
+print("stopped", flush=True)
+'''
+
+
+def test_a_stop_during_a_probes_weight_update_does_not_hold_the_exit(model_dir):
+    """A server restarted with another checkpoint is probed back: the probe loads ours onto it, and
+    that load never ends. The collection stops meanwhile (its probes cancelled): the process exits at
+    once, not after the update's hour-long limit (a pool thread of asyncio.to_thread is joined at
+    exit; the probe's is a daemon thread)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[3])
+    process = subprocess.Popen([sys.executable, "-c", PROBE_STOPPED_MID_UPDATE, str(model_dir), root],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"the process did not exit within 60 s of its stop; it wrote:\n{out}\n{err[-3000:]}")
+    assert process.returncode == 0, err
+    assert out.splitlines() == ["stopped"]

@@ -734,7 +734,6 @@ def test_a_stop_during_a_probes_weight_update_does_not_hold_the_exit(model_dir):
     exit; the probe's is a daemon thread)."""
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[3])

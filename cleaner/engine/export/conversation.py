@@ -16,7 +16,9 @@ Design decisions:
 - The prompt's messages (system, user) are not stored, only their rendering. They are recovered
   by inverting the template: it renders probe conversations of each shape (user; system + user;
   ...) with sentinels for the contents, the stored prompt text is matched against the literal
-  text between them, and a candidate is kept only if the template renders it back exactly. A
+  text between them, and a candidate is kept only if no content holds `<|im_start|>` (a shorter
+  shape would otherwise swallow a few-shot prompt whole: one user message holding the exchanges'
+  markup, which the template renders back to the same text) and the template renders it back. A
   prompt that no shape gives back (cut by `--truncate-prompts`, or a template that rewrites its
   messages) becomes one user message holding the rendered prompt, and the row is not exact.
 - Exact: the template's rendering of the messages (with the tools, no generation prompt),
@@ -38,6 +40,7 @@ from functools import lru_cache
 
 from cleaner.engine.model.chat import (
     IM_END,
+    IM_START,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     tool_response_text,
@@ -146,6 +149,8 @@ class Template:
             pattern = "".join(re.escape(piece) + "(.*?)" for piece in pieces[:-1]) + re.escape(pieces[-1])
             match = re.fullmatch(pattern, prompt_text, re.DOTALL)
             if match is None:
+                continue
+            if any(IM_START in content for content in match.groups()):  # a message opens inside a content
                 continue
             messages = tuple(zip(shape, match.groups(), strict=True))
             if self.render(as_dicts(messages), generation_prompt=True) == prompt_text:

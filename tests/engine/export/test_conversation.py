@@ -118,6 +118,12 @@ def test_the_tiny_policys_prompt_is_recovered_with_or_without_a_system_message(t
     assert tiny.prompt_messages(user_only) == ((("user", "What is 6 * 7?"),), True)
     own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tiny.prompt_messages(tiny.render(own, generation_prompt=True)) == ((("system", "Be brief."), ("user", "Hi")), True)
+    few_shot = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\\boxed{4}"},
+                {"role": "user", "content": "What is 6 * 7?"}]
+    assert tiny.prompt_messages(tiny.render(few_shot, generation_prompt=True)) == (
+        (("user", "What is 2 + 2?"), ("assistant", "\\boxed{4}"), ("user", "What is 6 * 7?")), True)
+    two_shots = tiny.render([*few_shot[:2], *few_shot], generation_prompt=True)  # no shape has five messages
+    assert tiny.prompt_messages(two_shots) == ((("user", two_shots),), False)
     cut = user_only[40:]  # a prompt cut by --truncate-prompts: kept whole, not exact
     assert tiny.prompt_messages(cut) == ((("user", cut),), False)
 
@@ -171,6 +177,19 @@ def test_qwen3_token_streams_render_back_token_for_token(qwen3):
     assert conversation.prompt_length == 2 and conversation.exact
     assert conversation.messages[1]["content"] == "求 793 * 358 + 571 除以 30 的余数。"
     assert conversation.messages[4]["content"] == "<think>\nThe name was wrong; fix it.\n</think>\n"  # one newline is the call's
+
+
+def test_a_qwen3_few_shot_prompt_is_recovered_message_by_message(qwen3):
+    """System (the tools Qwen3 writes into it, then its content), a user/assistant exchange, the
+    question: four messages (three without the system message), not one user message holding the
+    exchange's markup, which the template renders back to the same text."""
+    template, _ = qwen3
+    messages = (("system", "Be brief."), ("user", "2 + 2?"), ("assistant", "\\boxed{4}"), ("user", "6 * 7?"))
+    rendered = template.render([{"role": role, "content": content} for role, content in messages], generation_prompt=True)
+    assert template.prompt_messages(rendered) == (messages, True)
+    without_system = template.render([{"role": role, "content": content} for role, content in messages[1:]],
+                                     generation_prompt=True)
+    assert template.prompt_messages(without_system) == (messages[1:], True)
 
 
 def test_qwen3_streams_that_do_not_round_trip_through_their_text_say_so(qwen3):

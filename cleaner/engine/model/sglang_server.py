@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -145,6 +146,10 @@ async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any
         raise ServerUnavailable(f"sglang at {url} did not answer within {timeout_s:g} s ({type(error).__name__})") \
             from error
     except httpx.TransportError as error:  # refused, reset
+        if _out_of_descriptors(error):  # ours, not the server's: benching it or trying again helps nothing
+            raise EngineError(f"cannot open a connection to sglang at {url}: this process is out of file "
+                              f"descriptors ({_descriptor_limit()}); lower --max-concurrent-rollouts or raise "
+                              "`ulimit -n`") from error
         raise ServerUnavailable(f"cannot reach sglang at {url}: {error!r}") from error
     except httpx.HTTPError as error:
         raise EngineError(f"cannot reach sglang at {url}: {error!r}") from error
@@ -153,6 +158,28 @@ async def post_ok_async(client: httpx.AsyncClient, url: str, body: dict[str, Any
     if not 200 <= status < 300:
         raise EngineError(f"POST {url}: HTTP {status}: {error_message(payload)}")
     return payload
+
+
+def _out_of_descriptors(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether `error` comes from this process (or the machine) running out of file descriptors:
+    an EMFILE or ENFILE among its causes (httpx wraps httpcore's error, which wraps the OSError;
+    anyio's "all connection attempts failed" holds each attempt's in a group)."""
+    if error is None or depth > 16:
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return True
+    if isinstance(error, BaseExceptionGroup) and any(_out_of_descriptors(e, depth + 1) for e in error.exceptions):
+        return True
+    return _out_of_descriptors(error.__cause__ or error.__context__, depth + 1)
+
+
+def _descriptor_limit() -> str:
+    try:
+        import resource
+    except ImportError:
+        return "its limit unknown"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f"its limit: {soft}, at most {hard}"
 
 
 def discover_workers(url: str, timeout_s: float) -> list[str]:

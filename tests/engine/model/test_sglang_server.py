@@ -747,3 +747,42 @@ def test_a_stop_during_a_probes_weight_update_does_not_hold_the_exit(model_dir):
         pytest.fail(f"the process did not exit within 60 s of its stop; it wrote:\n{out}\n{err[-3000:]}")
     assert process.returncode == 0, err
     assert out.splitlines() == ["stopped"]
+
+
+@pytest.mark.parametrize("wrapped", ["chained", "grouped"])
+def test_a_process_out_of_descriptors_is_said_as_such_and_never_benches_the_server(wrapped):
+    """A connection that cannot open because this process ran out of descriptors (EMFILE) is not the
+    server's fault: no ServerUnavailable (which benches the server and tries again), but an error
+    saying what ran out and what to do. Refused connections stay the server's transient failure.
+    The OSError sits under httpx's and httpcore's errors, or in anyio's group of attempts."""
+    import asyncio
+    import errno
+    import os
+
+    import httpx
+
+    from cleaner.engine.model.sglang_server import ServerUnavailable, post_ok_async
+    from cleaner.engine.model.sglang_wire import EngineError
+
+    def failing(code: int):
+        def handler(request):
+            cause = OSError(code, os.strerror(code))
+            if wrapped == "grouped":
+                try:
+                    raise OSError("All connection attempts failed") from ExceptionGroup("attempts", [cause])
+                except OSError as error:
+                    cause = error
+            raise httpx.ConnectError("connect failed", request=request) from cause
+        return handler
+
+    async def post(code: int):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(failing(code))) as client:
+            return await post_ok_async(client, "http://server/generate", {}, 5.0)
+
+    with pytest.raises(EngineError, match=r"^cannot open a connection to sglang at http://server/generate: this "
+                                          r"process is out of file descriptors \(its limit: \d+, at most \d+\); lower "
+                                          r"--max-concurrent-rollouts or raise `ulimit -n`$") as raised:
+        asyncio.run(post(errno.EMFILE))
+    assert not isinstance(raised.value, ServerUnavailable)
+    with pytest.raises(ServerUnavailable, match="^cannot reach sglang at http://server/generate"):
+        asyncio.run(post(errno.ECONNREFUSED))

@@ -175,7 +175,7 @@ def _out_of_descriptors(error: BaseException | None, depth: int = 0) -> bool:
 
 def _descriptor_limit() -> str:
     try:
-        import resource
+        import resource  # POSIX only: elsewhere the limit is not said
     except ImportError:
         return "its limit unknown"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -3,7 +3,7 @@ that kills it (grading/runner.py; docs/architecture.md §5).
 
 Design decisions:
 - Workers are processes of our own, `python -m cleaner.engine.grading.workers`, talking over two
-  pipes of their own (a 4-byte length, then a pickle: both ends are this module), never their
+  pipes of their own (a pickle in sandbox/protocol.py's frames: both ends are this module), never their
   stdin and stdout: a reward's subprocess (a code judge, a shell) inherits those, and what it
   writes there must not land in a reply. A worker's stdout and stderr are the collection's stderr,
   where what a reward and its subprocesses print can be read (docs/byo-task.md); its stdin is
@@ -20,8 +20,9 @@ Design decisions:
   none left orphaned), and a new one starts for the next call; a worker that dies under a call is
   reported as that call's error. One found dead between calls goes the same way (its group killed,
   its pipes closed) before a new one starts.
-- Replies are awaited with `poll`, not `select`, which refuses a descriptor >= 1024 (FD_SETSIZE):
-  a collection holding many sockets and files open gets such descriptors for its pipes.
+- Replies are awaited with `poll` (protocol.py's `receive_frame`), not `select`, which refuses a
+  descriptor >= 1024 (FD_SETSIZE): a collection holding many sockets and files open gets such
+  descriptors for its pipes.
 - What is called is named, not pickled: `module:qualname` of an importable function, or a reward
   function's `PATH.py:NAME` spec, loaded in the worker by plugins.py (once per file content, so a
   file fixed since is read again).
@@ -32,13 +33,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-import math
 import os
 import pickle
 import queue
-import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -46,11 +44,11 @@ import time
 from collections.abc import Callable
 
 from cleaner.engine.grading.reward_file import RewardFunction
+from cleaner.sandbox.protocol import receive_frame, send_frame
 from cleaner.tools.calls import Timed
 
 WORKERS = min(8, os.cpu_count() or 1)  # reward worker processes at most
 START_TIMEOUT_S = 120.0  # a worker imports what rewards need (sympy, math-verify) before it is ready
-HEADER = struct.Struct("<I")
 
 
 class WorkerLost(RuntimeError):
@@ -62,31 +60,15 @@ class WorkerLost(RuntimeError):
 
 
 def _send(fd: int, message: object) -> None:
-    payload = pickle.dumps(message)
-    data = HEADER.pack(len(payload)) + payload
-    while data:
-        data = data[os.write(fd, data):]
+    send_frame(fd, pickle.dumps(message))
 
 
 def _receive(fd: int, deadline: float | None = None) -> object:
     """The next message; WorkerLost at end of stream, TimeoutError past `deadline`."""
-    poller = select.poll()  # not select.select: it refuses a descriptor >= 1024 (module notes)
-    poller.register(fd, select.POLLIN)
-
-    def read(size: int) -> bytes:
-        buffer = bytearray()
-        while len(buffer) < size:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not poller.poll(math.ceil(left * 1000)):
-                    raise TimeoutError
-            chunk = os.read(fd, size - len(buffer))
-            if not chunk:
-                raise WorkerLost("end of stream")
-            buffer += chunk
-        return bytes(buffer)
-
-    return pickle.loads(read(HEADER.unpack(read(HEADER.size))[0]))
+    try:
+        return pickle.loads(receive_frame(fd, deadline))
+    except EOFError:
+        raise WorkerLost("end of stream") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ class _CtrlC:
 
     def _on_sigint(self) -> None:
         if self.pressed:
-            logger.warning("stopping: committing the parts already finished")
+            _say_stopping()
             return
         self.pressed = True
         self.main.cancel()
@@ -222,6 +222,11 @@ class _CtrlC:
             self.installed = False
 
 
+def _say_stopping() -> None:
+    """What a Ctrl-C says once the collection is stopping already."""
+    logger.warning("stopping: committing the parts already finished")
+
+
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
     """While a collection stops, a further Ctrl-C says it is stopping instead of interrupting the stop."""
@@ -229,7 +234,7 @@ def _interrupts_deferred() -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, lambda *_: logger.warning("stopping: committing the parts already finished"))
+    signal.signal(signal.SIGINT, lambda *_: _say_stopping())
     try:
         yield
     finally:

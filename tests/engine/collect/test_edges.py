@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import subprocess
 import sys
 import threading
@@ -343,8 +344,11 @@ def test_a_coroutine_tool_that_blocks_its_loop_delays_only_its_own_calls(caplog)
     assert [(s.tool_name, s.tool_status) for s in blocked[1] if s.kind == "tool"] == [
         ("blocks" if i % 3 == 0 else "work", "ok") for i in range(9)]
     assert blocked == awaited
-    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
-    assert len(warnings) == 1 and warnings[0].startswith("tool 'blocks' blocks its event loop (it did not answer for 1.")
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    found = re.match(r"tool 'blocks' blocks its event loop \(it did not answer for (\d+\.\d) s\)", warning)
+    # 1 s when the heartbeat runs between the blocking calls; up to their 3 s when all three reached
+    # the loop in one iteration (asyncio runs a batch of ready callbacks before it looks at timers)
+    assert found and 1.0 <= float(found[1]) < 4.0, warning
 
 
 class Mixed(Tool):

@@ -307,13 +307,14 @@ def test_a_started_call_given_up_is_ended_as_soon_as_its_loop_is_back(monkeypatc
 
 
 def test_a_loop_that_ticks_on_time_is_never_reported(monkeypatch, caplog):
-    """With a 0.4 s heartbeat a tick is reported only 0.5 s past its time: a call awaiting 1 s
-    (two ticks on time) gives no warning."""
-    monkeypatch.setattr(calls_module, "TICK_S", 0.4)
-    monkeypatch.setattr(calls_module, "BLOCKED_S", 0.5)
+    """With a 1.2 s heartbeat a tick is reported only 1.0 s past its time: a call awaiting 2.5 s
+    (two ticks on time, each 1.2 s after the last: later than BLOCKED_S, not past it) gives no
+    warning. A loaded machine would have to stall the loop's thread a second to warn here."""
+    monkeypatch.setattr(calls_module, "TICK_S", 1.2)
+    monkeypatch.setattr(calls_module, "BLOCKED_S", 1.0)
 
     async def awaits():
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.5)
         return "done"
 
     calls = CoroutineCalls("tool 'x'")

@@ -90,8 +90,8 @@ def test_pages_are_served_at_once_while_a_runaway_query_runs(server):
         status, body = _get(server + page, timeout_s=10)
         seconds = time.monotonic() - started
         assert status == 200 and says in body, (page, status)
-        assert seconds < 2, f"{page} took {seconds:.1f} s while the runaway query ran"
+        assert seconds < 5, f"{page} took {seconds:.1f} s while the runaway query ran"  # it runs 30 s
     started = time.monotonic()
     assert _get(f"{server}/sql.csv?q=SELECT+2")[0] == 429  # not queued behind it
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5
     assert runaway.is_alive()  # it was running all along

@@ -31,6 +31,7 @@ def server(model_dir):
 
 
 def test_generate_sends_single_requests_concurrently_and_keeps_their_order(server, model_dir):
+    server.delay_s = 0.3  # each answer waits long enough for the four requests to meet on a loaded machine
     backend = load_backend("sglang", model_dir, sglang_url=server.url + "/")
     assert backend.tokenizer is not None  # the checkpoint's own, loaded here
     assert backend.workers == [server.url]  # no worker list: the URL is a server
@@ -582,7 +583,9 @@ def test_a_probe_that_passes_does_not_shorten_a_wedged_servers_back_off(model_di
     params = SamplingParams(max_new_tokens=1, stop_token_ids=())
     backoffs = []
     try:
-        backend = SGLangServerBackend(router.url, model_dir, request_timeout_s=0.3)
+        # a's answers must come within the timeout too (else a is benched and the counts change): 1.5 s
+        # leaves a loaded machine room, and b's wedged requests still time out
+        backend = SGLangServerBackend(router.url, model_dir, request_timeout_s=1.5)
 
         async def main():
             try:

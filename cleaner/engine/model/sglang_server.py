@@ -84,7 +84,6 @@ PROBE_BACKOFF_S = 1.0  # a failed server's first time out of the rotation; doubl
 MAX_PROBE_BACKOFF_S = 60.0  # ... up to this
 PROBE_TIMEOUT_S = 5.0  # a health probe's limit
 CONTROL_TIMEOUT_S = 60.0  # the control plane's questions: which workers, which checkpoint
-_PROBE_THREADS = DaemonThreads("cleaner-probe")  # a probe's checkpoint check and weight update
 UPDATE_TIMEOUT_S = 3600.0  # a weight update: a large checkpoint loads for minutes
 # A request's own limit, unless the user sets one (--sglang-request-timeout-s): a fixed part, plus
 # what its tokens take at rates well below a loaded server's (20 new tokens/s for one request's
@@ -92,6 +91,7 @@ UPDATE_TIMEOUT_S = 3600.0  # a weight update: a large checkpoint loads for minut
 REQUEST_BASE_S = 60.0
 REQUEST_S_PER_NEW_TOKEN = 0.05
 REQUEST_S_PER_INPUT_TOKEN = 0.005
+_PROBE_THREADS = DaemonThreads("cleaner-probe")  # a probe's checkpoint check and weight update
 
 
 class ServerUnavailable(EngineError):

@@ -155,6 +155,8 @@ class PurifiedRow:
     n_gated: int = 0  # merges the IS gate rejected (their chains render raw from there)
     negative_seq: int | None = None  # a negative sample: the raw seq of the failed attempt it pushes down
     token_advantages: tuple[float, ...] | None = None  # per token, when they differ from `advantage`
+    dropped: bool = False  # down-sampling (RoC, uniform) left it out of its group: advantage 0, not trained
+    void_turn: bool = False  # a void turn, masked by the void-turn filter: loss mask 0, in its group's statistics
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -516,3 +516,35 @@ def save_qwen3_tokenizer(directory) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = QWEN3_TEMPLATE
     tokenizer.save_pretrained(directory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Groups to down-sample and filter (purify selection tests): rollouts of one prompt whose calls end
+# with the given statuses and whose last turn answers or not
+
+
+def selection_rollout(index: int, reward: float, statuses: tuple[str, ...] = (), answer: bool = True,
+                      group_id: str = "g", data_source: str = "toy") -> tuple[Rollout, list[Segment]]:
+    """Rollout `<group_id>-s<index>`: a prompt, one call per status (`format_error`: a call that does
+    not parse), then a final turn with a `\\boxed{}` answer (or none)."""
+    rollout_id = f"{group_id}-s{index}"
+
+    def seg(seq, kind, step, attempt, ids, **kw):
+        logprobs = tuple(-0.1 for _ in ids) if kind == SegmentKind.ASSISTANT else None
+        return Segment(rollout_id, 0, seq, kind, step, attempt, tuple(ids), logprobs, **kw)
+
+    segments, step, attempt = [seg(0, SegmentKind.PROMPT, None, None, (1, 2), text="q")], 0, 0
+    for status in statuses:
+        seq = len(segments)
+        code = None if status == ToolStatus.FORMAT_ERROR else f"print({seq})"
+        segments.append(seg(seq, SegmentKind.ASSISTANT, step, attempt, (10 + seq, 11), text="try <tool_call>x",
+                            call_start=1, tool_code=code))
+        segments.append(seg(seq + 1, SegmentKind.TOOL, step, attempt, (20 + seq,), text="response", tool_code=code,
+                            tool_status=status))
+        step, attempt = (step, attempt + 1) if status != ToolStatus.OK else (step + 1, 0)
+    segments.append(seg(len(segments), SegmentKind.ASSISTANT, step, attempt, (30, 31),
+                        text="so \\boxed{4}" if answer else "so it is four"))
+    rollout = Rollout(rollout_id, 0, group_id, group_id, index, "policy", data_source, "4", "4" if answer else None,
+                      reward, reward > 0, "answer", 0.5, "raw", "collect", 1 + len(statuses), len(statuses),
+                      sum(status != ToolStatus.OK for status in statuses))
+    return rollout, segments

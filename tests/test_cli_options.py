@@ -143,7 +143,7 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
 
     purified = _requests(monkeypatch, "cleaner.engine.purify.job", "purify_job")
     runner.invoke(app, ["purify", *where, *_args(resolved["purify"])])
-    assert [config.to_dict() for config in purified[0].configs] == [resolved["purify"]]
+    assert [config.to_dict() for config in purified[0].configs] == [resolved["purify"] | {"down_sample_to": None}]
 
     trained = _requests(monkeypatch, "cleaner.engine.train.job", "train_job")
     runner.invoke(app, ["train", *where, "--config-id", "abc", "--policy", str(DEFAULT_POLICY), "--out",

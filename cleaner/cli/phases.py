@@ -29,6 +29,7 @@ from cleaner.cli.common import (
     fail,
     floats,
     parse_shard,
+    truths,
     words,
 )
 from cleaner.cli.options import Flags, config_flags
@@ -157,9 +158,13 @@ def _grid(flags: Flags) -> list:
 
     from cleaner.config import PurifyConfig
 
-    axes = {flag.name: (floats if flag.hint is float else words)(flags[flag.name], flag.option)
+    parse = {float: floats, bool: truths}
+    axes = {flag.name: parse.get(flag.hint, words)(flags[flag.name], flag.option)
             for flag in flags.flags if flag.name in COMMANDS["ablate"].grid}
-    return [flags.build(PurifyConfig, **dict(zip(axes, values, strict=True))) for values in product(*axes.values())]
+    points = [dict(zip(axes, values, strict=True)) for values in product(*axes.values())]
+    # --down-sample-to sizes the axis's roc and uniform points; its none point keeps every rollout
+    return [flags.build(PurifyConfig, **point, **({"down_sample_to": None} if point["down_sample"] == "none" else {}))
+            for point in points]
 
 
 def _print_purify(outcome) -> None:

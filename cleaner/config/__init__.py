@@ -17,6 +17,7 @@ from cleaner.config.settings import (
     RECOVER_POLICY,
     UNSHARDED,
     CollectConfig,
+    DownSample,
     DpoCap,
     Edit,
     EvalConfig,
@@ -32,6 +33,6 @@ from cleaner.config.settings import (
     TrainConfig,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "DpoCap",
+__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "DownSample", "DpoCap",
            "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
            "Schedule", "Shard", "SimilarityOn", "TrainConfig"]

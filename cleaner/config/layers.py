@@ -12,7 +12,8 @@ Design decisions:
   collect's (purifying at the collect config keeps the purified rows on-policy); with purify's
   edit `mask`, collection uses the raw view (a masked row is the raw sequence, on-policy only if
   the agent loop saw it); train's response budget, seed and device follow collect's; the mini
-  batch is a quarter of the iteration's rollouts (4 optimiser steps, the reference's 128 / 32)
+  batch is a quarter of the iteration's trained rows (4 optimiser steps, the reference's 128 / 32;
+  with down-sampling, of the rows it keeps)
   and the micro batch min(16, mini batch); the response budget is max(768, max_new_tokens).
 - A file's key that is not a field, or a value of the wrong type, is an error naming the file,
   the table and the key. Integers are accepted where a float is expected (TOML writes `lr = 1`).
@@ -188,7 +189,7 @@ def read_toml(path: Path) -> dict:
 DERIVED = {
     ("collect", "max_response_tokens"): "max(768, --max-new-tokens)",
     ("train", "max_response_tokens"): "max(768, --max-new-tokens)",
-    ("train", "mini_batch_size"): "a quarter of the iteration's rollouts",
+    ("train", "mini_batch_size"): "a quarter of the iteration's rollouts (those down-sampling keeps)",
     ("train", "micro_batch_size"): "min(16, mini batch)",
 }
 
@@ -201,7 +202,8 @@ def _derived(layer: Mapping) -> dict:
     group_size = collect.get("group_size", defaults.group_size)
     max_new_tokens = collect.get("max_new_tokens", defaults.max_new_tokens)
     response = collect.get("max_response_tokens", max(768, max_new_tokens))
-    quarter = max(1, n_prompts * group_size // 4)
+    trained = layer.get("purify", {}).get("down_sample_to") or group_size  # rows a group trains
+    quarter = max(1, n_prompts * trained // 4)
     mini = train.get("mini_batch_size", max(quarter, train.get("micro_batch_size", 1)))
     masking = layer.get("purify", {}).get("edit") == "mask"
     return {

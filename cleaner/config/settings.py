@@ -156,6 +156,14 @@ class IsMode(StrEnum):
     MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
 
 
+class DownSample(StrEnum):
+    """Which rollouts of a group a purify config trains (docs/architecture.md §7)."""
+
+    NONE = "none"  # every rollout
+    ROC = "roc"  # GRPO-RoC (rStar2-Agent): the positives with the fewest tool errors, the negatives in proportion
+    UNIFORM = "uniform"  # down_sample_to of the group, uniformly: RoC's control
+
+
 class Schedule(StrEnum):
     """How collect runs its rollouts (docs/architecture.md §5)."""
 
@@ -351,6 +359,26 @@ class PurifyConfig(_Config):
     dpo_cap: DpoCap = DpoCap.RELATIVE  # the cap: relative (x |advantage|) or absolute (the reference's code)
     advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
     edit: Edit = Edit.REPLACE  # replace (SAAR's sequence) | mask (the raw one, what replace drops untrained)
+    down_sample: DownSample = DownSample.NONE  # the rollouts of a group trained: all | roc (GRPO-RoC) | uniform (RoC's control); the advantages are the kept rows'
+    down_sample_to: int | None = None  # rows kept per group with --down-sample (rStar's down_sample_to_n): fewer than the iteration's group size
+    roc_min_negatives: int = 2  # RoC keeps at least this many negatives (reward <= 0) where the group has them (rStar's min_zero_reward_trace_num)
+    roc_min_positives: int = 2  # RoC keeps at least this many positives where the group has them (rStar's min_non_zero_reward_trace_num)
+    roc_error_ratio: bool = True  # RoC ranks positives by their failed tool calls over their tool calls (rStar's roc_error_ratio)
+    roc_answer_format: bool = True  # RoC ranks positives by missing or repeated final answers too (rStar's roc_answer_format, for \boxed{})
+    void_turn_filter: bool = False  # SimpleTIR: a trajectory with a void turn (neither a complete call nor a final answer) is not trained; its row stays, masked
+
+    # Fields added after configs were stored: part of the id only away from their default, so every
+    # config stored before them keeps its id.
+    ADDED = frozenset({"down_sample", "down_sample_to", "roc_min_negatives", "roc_min_positives", "roc_error_ratio",
+                       "roc_answer_format", "void_turn_filter"})
+
+    @functools.cached_property
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of every parameter, the ADDED ones only away from their default."""
+        fields = self.to_dict()
+        defaults = {name: getattr(PurifyConfig, name) for name in self.ADDED}
+        return _digest({key: value for key, value in fields.items()
+                        if not (key in self.ADDED and value == defaults[key])})
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -372,6 +400,17 @@ class PurifyConfig(_Config):
                f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")
         _enum_field(self, "dpo_cap", DpoCap)
         _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
+        _enum_field(self, "down_sample", DownSample)
+        _check((self.down_sample == DownSample.NONE) == (self.down_sample_to is None),
+               "down_sample_to is the group size down_sample (roc or uniform) keeps: give both or neither")
+        _check(self.down_sample_to is None or self.down_sample_to >= 1,
+               f"down_sample_to must be >= 1, got {self.down_sample_to}")
+        _check(self.roc_min_negatives >= 0 and self.roc_min_positives >= 0,
+               f"roc_min_negatives and roc_min_positives must be >= 0, got {self.roc_min_negatives} and "
+               f"{self.roc_min_positives}")
+        _check(self.down_sample != DownSample.ROC or self.roc_min_negatives + self.roc_min_positives
+               <= self.down_sample_to, f"roc_min_negatives + roc_min_positives must be <= down_sample_to "
+               f"({self.down_sample_to}), got {self.roc_min_negatives} + {self.roc_min_positives}")
 
 
 @dataclass(frozen=True)
@@ -522,6 +561,9 @@ class RunConfig(_Config):
     def __post_init__(self) -> None:
         _check_numbers(self)
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
+        _check(self.purify.down_sample_to is None or self.purify.down_sample_to < self.collect.group_size,
+               f"down_sample_to ({self.purify.down_sample_to}) must be smaller than group_size "
+               f"({self.collect.group_size}): nothing to choose; GRPO-RoC collects 2N to keep N")
 
 
 @dataclass(frozen=True)

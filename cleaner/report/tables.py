@@ -197,15 +197,23 @@ def stats_frame(results: Sequence) -> pl.DataFrame:
             "rolled": stats.n_rolled_back, "shallow": stats.n_shallow, "deep": stats.n_deep,
             "unrecov": stats.n_unrecovered, "infra": stats.n_infra_fault, "gated": stats.n_gated,
             "negatives": stats.n_negatives, "removed": stats.tokens_removed, "masked": stats.tokens_masked,
+            "down": _down_sample(config), "void": config.void_turn_filter, "dropped": stats.n_dropped,
+            "voided": stats.n_void,
             "trained": trained,
             "rewritten": rewritten,
         })
     return pl.DataFrame(records)
 
 
-PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg", "edit")
+def _down_sample(config) -> str:
+    """A config's down-sampling as the table shows it: none, roc->8, uniform->8."""
+    return "none" if config.down_sample_to is None else f"{config.down_sample}->{config.down_sample_to}"
+
+
+PARAMETERS = ("gamma", "p", "sim", "when", "tau", "neg", "edit", "down", "void")
 # Counters shown only when some config sets their parameter off its default (parameter, default).
-OPTIONAL = {"gated": ("tau", 0.0), "negatives": ("neg", False), "masked": ("edit", "replace")}
+OPTIONAL = {"gated": ("tau", 0.0), "negatives": ("neg", False), "masked": ("edit", "replace"),
+            "dropped": ("down", "none"), "voided": ("void", False)}
 
 
 def stats_table(results: Sequence, title: str = "purify") -> Table:

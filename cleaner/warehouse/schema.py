@@ -63,7 +63,8 @@ PURIFIED = Dataset("purified", records.PurifiedRow, pa.schema([
     ("n_shallow", pa.int32()), ("n_deep", pa.int32()), ("n_unrecovered", pa.int32()),
     ("tokens_removed", pa.int32()), ("scorer_version", pa.string()), ("infra_fault", pa.bool_()),
     ("n_gated", pa.int32()), ("negative_seq", pa.int32()), ("token_advantages", _FLOATS),
-]), ("iteration", "config"))
+    ("dropped", pa.bool_()), ("void_turn", pa.bool_()),
+]), ("iteration", "config"), added=(("dropped", False), ("void_turn", False)))
 
 # gamma and p are parameters a user typed: float64 reads them back exactly (float32 would turn 0.3
 # into 0.30000001192092896).

@@ -78,7 +78,9 @@ def copy_table(connection: duckdb.DuckDBPyConnection, name: str, table: object) 
 
 
 def _literal(value: object) -> str:
-    """A default of schema.py as SQL text (strings and numbers only)."""
+    """A default of schema.py as SQL text (strings, booleans and numbers only)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return "'" + value.replace("'", "''") + "'"
     if isinstance(value, int | float) and not isinstance(value, bool):

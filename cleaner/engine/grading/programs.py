@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleaner.engine.grading.answers import RewardResult, compute_reward, final_text
+from cleaner.engine.grading.answers import RewardResult, choice_letter, compute_reward, final_text
 from cleaner.errors import JobError
 from cleaner.sandbox import ExecStatus, SandboxConfig, make_sandbox
 
@@ -145,3 +145,15 @@ def grader_for(tasks: Sequence[Task], tool: SandboxConfig, test_timeout_s: float
         raise JobError(f"a code task's ground truth is not stdin/stdout tests: {error}") from error
     with make_sandbox(grading) as sandbox:
         yield Grader(sandbox)
+
+
+def final_answers(text: str, data_source: str) -> int:
+    """How many final answers a turn's text holds in its source's answer format: ```python blocks for
+    a code source, `\\boxed{}` answers (or an `Answer: X` line, multiple choice) otherwise. What the
+    graders read is the last one; void-turn filtering and RoC's format penalty count them."""
+    if is_code_source(data_source):
+        return len(CODE_BLOCK.findall(text))
+    boxed = text.count("\\boxed{")
+    if boxed == 0 and "gpqa" in data_source.lower():
+        return int(choice_letter(text) is not None)
+    return boxed

@@ -113,6 +113,7 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
     """The rest of `purify_job`, under the iteration's (or shard's) purify lock."""
     iteration, configs = request.iteration, request.configs
     check_collected(warehouse, iteration, request.shard)
+    check_down_sampling(warehouse, iteration, configs)
     rollouts, segments = _share(warehouse, iteration, request.shard)
     check_stored_values(warehouse, iteration, segments)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
@@ -167,6 +168,21 @@ def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
         raise JobError(f"{root}: {where} holds {stored} of the {len(planned)} rollouts its collection planned: it "
                        f"was interrupted; finish it with `cleaner collect --iteration {iteration} --resume` (and "
                        "its other options) before purifying, so the rows cover the whole iteration")
+
+
+def check_down_sampling(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig]) -> None:
+    """JobError unless every down-sampling config keeps fewer rows than the iteration's groups hold:
+    at the group's size or above there is nothing to choose (GRPO-RoC collects 2N to keep N)."""
+    saved = warehouse.collect_config(iteration)
+    wanted = [config for config in configs if config.down_sample_to is not None]
+    if saved is None or not wanted:
+        return
+    group_size = CollectConfig.from_json(saved).group_size
+    too_large = next((config for config in wanted if config.down_sample_to >= group_size), None)
+    if too_large is not None:
+        raise JobError(f"invalid option: --down-sample-to {too_large.down_sample_to} must be smaller than iteration "
+                       f"{iteration}'s group size ({group_size}): nothing to choose; collect larger groups "
+                       f"(--group-size {2 * too_large.down_sample_to}, as GRPO-RoC collects 2N to keep N)")
 
 
 def check_stored_values(warehouse: Warehouse, iteration: int, segments: Sequence[Segment]) -> None:

@@ -48,6 +48,7 @@ from cleaner.config import Edit, PurifyConfig, PurifyWhen
 from cleaner.engine.model.base import RowScorer
 from cleaner.engine.purify.advantages import grpo_advantages
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
+from cleaner.engine.purify.selection import select
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.premise import (
     PremiseStats,
@@ -88,6 +89,8 @@ class PurifyStats:
     n_negatives: int = 0  # negative-sample rows
     premise: PremiseStats | None = None  # clean / recovered / unrecovered rollouts (saar/premise.py)
     tokens_masked: int = 0  # edit mask: trained tokens of the raw view left untrained, summed over rollouts
+    n_dropped: int = 0  # rollouts down-sampling left out (their rows stored, never trained)
+    n_void: int = 0  # rollouts with a void turn, masked by the void-turn filter (selection.py)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,13 @@ class Draft:
     rolled_back: bool  # rendered with the purified view (SAAR applied)
     rendered: Rendered
     infra_fault: bool  # see `infra_fault`
+    dropped: bool = False  # down-sampling left it out: advantage 0, never trained
+    void_turn: bool = False  # it holds a void turn, and the config's void-turn filter masks it
+
+    @property
+    def trained(self) -> bool:
+        """Whether any of its tokens can train, hence need old log-probs."""
+        return not (self.dropped or self.void_turn)
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,7 @@ def stats_from_rows(config_id: str, rows: Sequence[PurifiedRow],
         tokens_removed=sum(r.tokens_removed for r in rows_), errors_by_type=errors_by_type,
         n_infra_fault=sum(r.infra_fault for r in rows_), n_gated=sum(r.n_gated for r in rows_),
         n_negatives=len(rows) - len(rows_), premise=premise, tokens_masked=tokens_masked,
+        n_dropped=sum(r.dropped for r in rows_), n_void=sum(r.void_turn for r in rows_),
     )
 
 
@@ -229,10 +240,12 @@ def _plan(
     failed_tokens: Sequence[int],  # the failed-call tokens of each rollout (the premise's credit)
 ) -> PurifyPlan:
     faults = [cls is None for cls in classes]
-    advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
-                                 config.advantage_eps, counted=[not fault for fault in faults])
+    selection = select(rollouts, grouped, config, faults)  # down-sampling and void turns (selection.py)
+    advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts], config.advantage_eps,
+                                 counted=[not fault and kept for fault, kept in zip(faults, selection.kept, strict=True)])
+    masked = [config.void_turn_filter and void for void in selection.void]
     drafts = []
-    for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
+    for index, (rollout, advantage, fault) in enumerate(zip(rollouts, advantages, faults, strict=True)):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode, config.edit)
@@ -244,7 +257,8 @@ def _plan(
             rendered = render(chain, view, decode, oracle=cache, negatives=key[2])
             if not rendered.provisional:
                 renders[key] = rendered
-        drafts.append(Draft(rollout, advantage, view.purified, rendered, fault))
+        drafts.append(Draft(rollout, advantage, view.purified, rendered, fault, not selection.kept[index],
+                            masked[index]))
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
         config_id=config.config_id, n_rollouts=len(drafts),
@@ -258,6 +272,7 @@ def _plan(
         n_negatives=sum(len(draft.rendered.negatives) for draft in drafts),
         tokens_masked=sum(c.tokens_masked for c in counts),
         premise=premise_stats(rollouts, classes, advantages, failed_tokens),
+        n_dropped=sum(draft.dropped for draft in drafts), n_void=sum(masked),
     )
     return PurifyPlan(config, tuple(drafts), stats)
 
@@ -270,17 +285,20 @@ def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | N
          scorer_version: str, token_advantages: tuple[float, ...] | None = None) -> PurifiedRow:
     """The stored row of a draft; old_logprobs None = zeros (not scored yet)."""
     rendered, rollout = draft.rendered, draft.rollout
+    zeros = (0,) * len(rendered.token_ids)
     return PurifiedRow(
         config_id=config.config_id, iteration=rollout.iteration,
         rollout_id=rollout.rollout_id, group_id=rollout.group_id,
         token_ids=rendered.token_ids, prompt_len=rendered.prompt_len,
-        loss_mask=rendered.loss_mask, behavior_logprobs=rendered.behavior_logprobs,
+        loss_mask=rendered.loss_mask if draft.trained else zeros,
+        behavior_logprobs=rendered.behavior_logprobs if draft.trained else (0.0,) * len(zeros),
         old_logprobs=(0.0,) * len(rendered.token_ids) if old_logprobs is None else old_logprobs,
         reward=rollout.reward, advantage=draft.advantage, rolled_back=draft.rolled_back,
         n_shallow=rendered.stats.n_shallow, n_deep=rendered.stats.n_deep,
         n_unrecovered=rendered.stats.n_unrecovered,
         tokens_removed=rendered.stats.tokens_removed, scorer_version=scorer_version,
         infra_fault=draft.infra_fault, n_gated=rendered.stats.n_gated, token_advantages=token_advantages,
+        dropped=draft.dropped, void_turn=draft.void_turn,
     )
 
 
@@ -306,7 +324,7 @@ def purify_iteration(
     while True:
         plans = [_plan(rollouts, grouped, config, decode, renders, errors, cache, classes, failed_tokens)
                  for config in configs]
-        for draft in (draft for plan in plans for draft in plan.drafts):
+        for draft in (draft for plan in plans for draft in plan.drafts if draft.trained):  # the others train nothing
             cache.get(draft.rendered.token_ids, _start(draft.rendered))  # wanted unless scored
             for negative in draft.rendered.negatives:
                 cache.get(negative.token_ids, negative.call_start)
@@ -317,6 +335,9 @@ def purify_iteration(
     for plan in plans:
         rows = []
         for draft in plan.drafts:
+            if not draft.trained:  # dropped or masked: zeros, no negative samples (nothing of it trains)
+                rows.append(_row(plan.config, draft, None, scorer_version))
+                continue
             rendered = draft.rendered
             scores = cache.get(rendered.token_ids, _start(rendered))
             old_logprobs = scattered.get((id(scores), rendered.loss_mask))

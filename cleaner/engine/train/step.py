@@ -25,6 +25,8 @@ Design decisions:
   filters on accuracy too); overlong shaping then adds the soft penalty to the reward and
   recomputes GRPO advantages within each group (eps = PurifyConfig's default 1e-6).
 - The KL reference (kl_coef > 0) is always the frozen policy at the iteration's input checkpoint.
+- Rows a purify config's down-sampling dropped (RoC, uniform) leave the batch, as rStar filters its
+  batch; rows the void-turn filter masked stay, with a zero mask, as SimpleTIR's do.
 - Advantages are per token: a row's `token_advantages` when purify set them (negative-sample
   pushes), else its advantage on every token. Negative samples never count in a group: dynamic
   sampling judges groups by their other rows (a dropped group takes its negatives along), and
@@ -139,6 +141,10 @@ def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRo
     kept = [row for row in rows if not row.infra_fault]
     if len(kept) < len(rows):
         logger.info("skipped %d rows that an infrastructure fault ended", len(rows) - len(kept))
+    sampled = [row for row in kept if not row.dropped]  # down-sampling's choice: out of the batch, as rStar's
+    if len(sampled) < len(kept):
+        logger.info("left out %d rows that down-sampling dropped", len(kept) - len(sampled))
+    kept = sampled
     empty = sum(loss_token_count(row) == 0 for row in kept)
     if empty:
         logger.info("%d rows have no loss tokens: kept with a zero mask, as verl keeps them", empty)

@@ -548,3 +548,23 @@ def selection_rollout(index: int, reward: float, statuses: tuple[str, ...] = (),
                       reward, reward > 0, "answer", 0.5, "raw", "collect", 1 + len(statuses), len(statuses),
                       sum(status != ToolStatus.OK for status in statuses))
     return rollout, segments
+
+
+# ----------------------------------------------------------------------------------------------
+# A toy dataset in verl's layout (prompt skipping, curation tests): the toy family's problems, so
+# the tiny policies solve them
+
+
+def write_toy_dataset(path, problems: int, seed: int = 11) -> list[str]:
+    """Write `problems` toy problems as a verl RL Parquet (data_source toy, extra_info.index i);
+    their prompt ids as cleaner's loader names them (`toy-<i>`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cleaner.engine.collect.tasks import toy_tasks
+
+    rows = [{"prompt": [{"role": "user", "content": task.messages[-1]["content"]}],
+             "reward_model": {"style": "rule", "ground_truth": task.ground_truth}, "data_source": "toy",
+             "extra_info": {"index": index}} for index, task in enumerate(toy_tasks(problems, seed))]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return [f"toy-{index}" for index in range(problems)]

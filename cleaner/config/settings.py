@@ -203,6 +203,7 @@ class CollectConfig(_Config):
     max_tool_response_chars: int | None = None  # a longer tool response keeps its first and last halves around "...(truncated)..." (verl's max_tool_response_length, 256 in its recipes); none: whole
     iteration: int = 0  # the iteration to collect (its number in the warehouse)
     n_prompts: int = 64  # prompts per iteration
+    skip_settled_prompts: int = 0  # a prompt of --data whose last group was all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), the dataset's next prompts taken instead; 0 = off
     group_size: int = 8  # samples per prompt (one GRPO group)
     max_turns: int = 8  # steps per rollout (tool calls and the answer; retries do not count)
     max_retries: int = 3  # K: retries per failed tool-call step
@@ -240,7 +241,7 @@ class CollectConfig(_Config):
     # Fields the saved configs of earlier versions lack: part of the identity only away from their
     # default, so such a config read back keeps its identity.
     ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype", "multi_turn",
-                       "max_tool_response_chars"})
+                       "max_tool_response_chars", "skip_settled_prompts"})
 
     @functools.cached_property
     def config_id(self) -> str:
@@ -299,6 +300,10 @@ class CollectConfig(_Config):
              tool=resolved_specs(self.tool))
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
         _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
+        _check(self.skip_settled_prompts >= -1,
+               f"skip_settled_prompts must be >= 0, or -1 for the rest of the run, got {self.skip_settled_prompts}")
+        _check(self.skip_settled_prompts == 0 or self.data is not None,
+               "skip_settled_prompts needs --data: the toy tasks are new prompts every iteration")
         _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
         _check(self.n_prompts * self.group_size <= MAX_ROLLOUTS_PER_ITERATION,
                f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts, "

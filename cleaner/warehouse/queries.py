@@ -1,4 +1,5 @@
-"""The read-only queries behind `cleaner report` (docs/architecture.md §13), over `Warehouse.connect()`.
+"""The read-only queries behind `cleaner report` (docs/architecture.md §13), and the one collection
+reads to skip settled prompts (§5), over `Warehouse.connect()`.
 
 Each query returns a polars frame with the columns the figures plot, so the SQL (and every column
 name of the datasets) stays in the warehouse layer and the figures never see a table.
@@ -114,3 +115,31 @@ def counts(connection: duckdb.DuckDBPyConnection) -> Counts:
     ((rollouts, collected),) = connection.sql(
         "SELECT count(*), count(DISTINCT iteration) FROM rollouts").fetchall()
     return Counts(rollouts, collected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collection's own reads (cleaner.engine.collect.job: prompts skipped during a run)
+
+
+@dataclass(frozen=True)
+class LastGroup:
+    """The latest group a prompt was collected in, before some iteration."""
+
+    iteration: int
+    settled: bool  # its rewards were all equal (all correct or all wrong): no advantage to learn from
+
+
+def last_groups(connection: duckdb.DuckDBPyConnection, before: int) -> dict[str, LastGroup]:
+    """Each prompt's latest group collected before iteration `before`, and whether it was settled.
+    A rollout an infrastructure fault decided has no say (it is out of its group's advantages too):
+    one whose generation failed, or that holds a call the sandbox or a tool's service failed."""
+    rows = connection.execute("""
+        WITH faulted AS (SELECT DISTINCT rollout_id FROM segments
+                         WHERE iteration < $before AND kind = 'tool' AND tool_status = 'infra_error'),
+        groups AS (SELECT prompt_id, iteration, min(reward) = max(reward) AS settled FROM rollouts
+                   WHERE iteration < $before AND finish_reason <> 'error'
+                     AND rollout_id NOT IN (SELECT rollout_id FROM faulted)
+                   GROUP BY prompt_id, iteration)
+        SELECT prompt_id, arg_max(iteration, iteration), arg_max(settled, iteration) FROM groups GROUP BY prompt_id
+    """, {"before": before}).fetchall()
+    return {prompt_id: LastGroup(iteration, settled) for prompt_id, iteration, settled in rows}

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ from cleaner.errors import JobError
 from cleaner.sandbox import make_sandbox
 from cleaner.tools import Toolbox, load_tools
 from cleaner.warehouse import Warehouse
+from cleaner.warehouse.queries import last_groups
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,86 @@ def load_tasks(config: CollectConfig) -> list[Task]:
     """The iteration's prompts: toy tasks seeded by (seed, iteration), or a slice of the dataset."""
     if config.data is None:
         return toy_tasks(config.n_prompts, seed=iteration_seed(config))
+    tasks = _dataset_tasks(config)
+    start = (config.iteration * config.n_prompts) % len(tasks)
+    return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
+
+
+def _dataset_tasks(config: CollectConfig) -> list[Task]:
     tasks = load_dataset(config.data, config.prompt_style, tools=config.multi_turn).tasks  # DatasetError names file and row
     if not tasks:
         raise JobError(f"{config.data}: the dataset has no rows")
-    start = (config.iteration * config.n_prompts) % len(tasks)
-    return [tasks[(start + i) % len(tasks)] for i in range(min(config.n_prompts, len(tasks)))]
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts chosen from the warehouse (skip_settled_prompts)
+
+
+def prompts_record(iteration: int) -> str:
+    """The name of the record of the prompts an iteration collects, under <warehouse>/configs/."""
+    return f"prompts-iteration={iteration}"
+
+
+def iteration_tasks(warehouse: Warehouse, config: CollectConfig, record: bool = False) -> list[Task]:
+    """The iteration's prompts. With skip_settled_prompts, the dataset is walked on from where the
+    previous iteration stopped, passing over the prompts whose last group (before this iteration)
+    was settled within the last skip_settled_prompts iterations (-1: any); the choice is recorded
+    (`record`: collect writes it before its first rollout) and, once recorded, read back, so a resume
+    and every shard take the same prompts. Without it: `load_tasks`."""
+    if config.skip_settled_prompts == 0:
+        return load_tasks(config)
+    tasks = _dataset_tasks(config)
+    saved = warehouse.load_config(prompts_record(config.iteration))
+    if saved is not None:
+        by_id = {task.prompt_id: task for task in tasks}
+        chosen = json.loads(saved)["prompt_ids"]
+        missing = [prompt_id for prompt_id in chosen if prompt_id not in by_id]
+        if missing:
+            raise JobError(f"{config.data}: iteration {config.iteration} recorded prompts the dataset no longer "
+                           f"holds ({', '.join(missing[:5])}); collect it with the dataset it started with")
+        return [by_id[prompt_id] for prompt_id in chosen]
+    plan = _plan_prompts(warehouse, config, tasks)
+    if record:
+        warehouse.save_config(prompts_record(config.iteration), json.dumps(plan, indent=1))
+    by_id = {task.prompt_id: task for task in tasks}
+    return [by_id[prompt_id] for prompt_id in plan["prompt_ids"]]
+
+
+def _last_groups(warehouse: Warehouse, iteration: int) -> dict:
+    """`queries.last_groups` of the iterations before this one; none in a warehouse not yet written."""
+    if not warehouse.root.is_dir():
+        return {}
+    connection = warehouse.connect()
+    try:
+        return last_groups(connection, iteration)
+    finally:
+        connection.close()
+
+
+def _plan_prompts(warehouse: Warehouse, config: CollectConfig, tasks: list[Task]) -> dict:
+    """The prompts an iteration takes, and where the next one starts (module notes: iteration_tasks)."""
+    iteration, window = config.iteration, config.skip_settled_prompts
+    previous = warehouse.load_config(prompts_record(iteration - 1)) if iteration > 0 else None
+    start = json.loads(previous)["next_row"] if previous else (iteration * config.n_prompts) % len(tasks)
+    last = _last_groups(warehouse, iteration)
+    chosen, skipped, position = [], [], start
+    while len(chosen) < min(config.n_prompts, len(tasks)) and position < start + len(tasks):
+        task = tasks[position % len(tasks)]
+        position += 1
+        group = last.get(task.prompt_id)
+        if group is not None and group.settled and (window == -1 or iteration - group.iteration <= window):
+            skipped.append({"prompt_id": task.prompt_id, "settled_at": group.iteration})
+        else:
+            chosen.append(task.prompt_id)
+    if not chosen:
+        raise JobError(f"{config.data}: every prompt's last group was settled (all correct or all wrong) within "
+                       f"--skip-settled-prompts {window}: nothing is left to collect at iteration {iteration}")
+    if len(chosen) < config.n_prompts:
+        logger.warning("iteration %d: %d of the dataset's prompts are settled; collecting the %d others",
+                       iteration, len(skipped), len(chosen))
+    return {"prompt_ids": chosen, "next_row": position % len(tasks), "skipped": skipped,
+            "skip_settled_prompts": window}
 
 
 @dataclass(frozen=True)
@@ -125,8 +204,8 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
         check_model_path(config.model, tokenizer=True)
     user = UserCode.load(config)
     try:
-        tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
         with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
+            tasks = [task for task in iteration_tasks(warehouse, config, record=True) if shard.owns(task.prompt_id)]
             return _collect(warehouse, request, tasks, backend, progress, started, user)
     finally:
         user.toolbox.close()

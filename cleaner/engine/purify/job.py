@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cleaner.config import UNSHARDED, CollectConfig, Edit, PurifyConfig, Shard
 from cleaner.engine.collect.agent import rollout_key
-from cleaner.engine.collect.job import collected_policy, load_tasks, shard_of
+from cleaner.engine.collect.job import collected_policy, iteration_tasks, shard_of
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.answers import refusal, row_value_faults, stored_value_faults
@@ -157,7 +157,7 @@ def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
         return
     try:
         config = CollectConfig.from_json(saved)
-        planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in load_tasks(config)
+        planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in iteration_tasks(warehouse, config)
                    if shard.owns(task.prompt_id) for sample in range(config.group_size)}
     except (CleanerError, ValueError, TypeError) as error:  # the dataset moved: completeness cannot be known
         raise JobError(f"{root}: cannot tell whether {where} is complete: the prompts its collection planned "

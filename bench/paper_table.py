@@ -8,6 +8,9 @@ iterations from the same policy with the same seeds as the baseline. The six arm
   is-gated        --rollback-is-threshold 0.5 --rollback-is-mode mean   the authors' follow-up, per-token IS
   mask            --edit mask                                 SAAR's decisions, failed calls masked, not replaced
   mask-positive   --edit mask --purify-when positive          masked only in above-mean rollouts
+(and the field's error-aware selections, each on raw trajectories: roc, GRPO-RoC collecting
+groups of 2 x --group-size and training --group-size of each, `--down-sample roc`; uniform, the same
+sizes chosen uniformly, its control; void-turn, SimpleTIR's `--void-turn-filter`)
 (`--arms` also takes mask-deep and mask-deep-positive, the mask arms with every merge deep
 (`--gamma 1.5`: the failed turn's reasoning is masked too, not only its call), and the earlier
 table's cleaner-code, cleaner-deep, positive, is-gated-sum and negatives.) The toys: mixed
@@ -86,6 +89,11 @@ ARMS = {
     "negatives": {"negative_samples": True},
     "mask-deep": {"edit": "mask", "gamma": 1.5},
     "mask-deep-positive": {"edit": "mask", "purify_when": "positive", "gamma": 1.5},
+    # the field's error-aware selections on raw trajectories; the two down-sampling arms collect
+    # groups twice the table's --group-size and train that many rows of each (arm_flags)
+    "roc": {"rollback_prob": 0.0, "collect_view": "raw", "down_sample": "roc"},
+    "uniform": {"rollback_prob": 0.0, "collect_view": "raw", "down_sample": "uniform"},
+    "void-turn": {"rollback_prob": 0.0, "collect_view": "raw", "void_turn_filter": True},
 }
 PAPER_ARMS = ("baseline", "cleaner", "cleaner-p0.7", "is-gated", "mask", "mask-positive")
 
@@ -102,9 +110,11 @@ def run_dir(args: argparse.Namespace, toy: str, arm: str, seed: int) -> Path:
 
 
 def arm_flags(args: argparse.Namespace, toy: str, arm: str, seed: int) -> dict:
+    """The arm's `cleaner run` flags; a down-sampling arm collects 2N and trains N (GRPO-RoC's 32 -> 16)."""
+    sampled = {"group_size": 2 * args.group_size, "down_sample_to": args.group_size} if "down_sample" in ARMS[arm] else {}
     return {"run_dir": str(run_dir(args, toy, arm, seed)), "iterations": args.iterations,
             "model": str(args.models[toy]), "prompts": args.prompts, "group_size": args.group_size,
-            "lr": args.lr, "seed": seed, **args.budget, **ARMS[arm]}
+            "lr": args.lr, "seed": seed, **args.budget, **ARMS[arm], **sampled}
 
 
 def arm_config(args: argparse.Namespace, toy: str, arm: str, seed: int) -> RunConfig:

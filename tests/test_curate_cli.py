@@ -117,6 +117,7 @@ def test_an_existing_out_and_one_inside_the_warehouse(tmp_path, files):
     (["--iteration", "0", "--stats-out", "x.jsonl", "--retain-code"], "give --out too"),
     (["--iteration", "zero", "--stats-out", "x.jsonl"], "--iteration takes comma-separated iteration numbers"),
     (["--iteration", "0,0", "--stats-out", "x.jsonl"], "--iteration must be distinct"),
+    (["--iteration", "0", "--stats-out", "x.jsonl", "--seed", "-1"], "invalid option: --seed must be in [0, 4294966294]"),
 ])
 def test_options_that_do_not_go_together(tmp_path, args, message):
     _fails_cleanly(tmp_path, ["-w", str(tmp_path / "wh"), *args], message)

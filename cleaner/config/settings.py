@@ -603,6 +603,9 @@ class EvalConfig(_Config):
         )
 
 
+MAX_CURATE_SEED = 2**32 - 1 - 1001  # a draw's seed is seed (+ 1) + int(1000 rate), below 2**32
+
+
 @dataclass(frozen=True)
 class CurateConfig(_Config):
     """`cleaner curate`: pass statistics from a warehouse or a file, and a dataset filtered by them as
@@ -639,4 +642,5 @@ class CurateConfig(_Config):
         _check(len(set(self.iterations)) == len(self.iterations) and all(i >= 0 for i in self.iterations),
                f"iterations must be distinct and >= 0, got {list(self.iterations)}")
         _check(len(set(self.evals)) == len(self.evals), f"evals must be distinct, got {list(self.evals)}")
-        _check(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _check(0 <= self.seed <= MAX_CURATE_SEED, f"seed must be in [0, {MAX_CURATE_SEED}] (numpy's seeds are below "
+               f"2**32, and a rate adds up to 1,001), got {self.seed}")

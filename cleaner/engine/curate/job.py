@@ -47,7 +47,6 @@ from cleaner.engine.curate.filtering import Selection, match_rows, select
 from cleaner.engine.curate.ratios import RatioSpec, parse_ratios
 from cleaner.engine.curate.stats import PromptStats, StatsError
 from cleaner.engine.curate.summary import TITLE, WRITTEN_BY, Facts, page, record, stats_page
-from cleaner.engine.purify.job import check_collected
 from cleaner.errors import JobError
 from cleaner.outputs import OutputError, atomic_files
 from cleaner.warehouse import Warehouse
@@ -208,6 +207,8 @@ def check_complete(warehouse: Warehouse, iteration: int) -> None:
     """JobError unless `iteration` is collected, not being collected, and holds every rollout its
     collection planned: purify's own check (its job's `check_collected`), the one place to point at
     a shared gate."""
+    from cleaner.engine.purify.job import check_collected  # start-up time: purify's job loads torch
+
     if iteration not in warehouse.iterations_collected():
         have = ", ".join(map(str, warehouse.iterations_collected())) or "none"
         raise JobError(f"{warehouse.root}: iteration {iteration} is not collected (collected: {have})")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from cleaner.config import (
         DEFAULT_POLICY,
         CollectConfig,
+        CurateConfig,
         EvalConfig,
         PurifyConfig,
         RunConfig,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         TrainConfig,
     )
     from cleaner.engine.collect.job import CollectRequest, collect_job
+    from cleaner.engine.curate.job import curate_job
     from cleaner.engine.eval.job import eval_job
     from cleaner.engine.export.job import ExportRequest, export_job
     from cleaner.engine.model import load_backend
@@ -58,18 +60,18 @@ __all__ = [
     "__version__",
     # configs (cleaner.config)
     "CollectConfig", "PurifyConfig", "TrainConfig", "EvalConfig", "RunConfig", "Shard", "SandboxConfig",
-    "DEFAULT_POLICY",
+    "CurateConfig", "DEFAULT_POLICY",
     # records (cleaner.records)
     "Segment", "Rollout", "PurifiedRow", "PurifyConfigRow", "IterationRow", "TrainStepRow", "EvalRunRow",
     # the warehouse, the model, the jobs and the loop
     "Warehouse", "WarehouseError", "load_backend", "Backend",
-    "collect_job", "purify_job", "train_job", "eval_job", "report_job", "export_job", "run_loop",
+    "collect_job", "purify_job", "train_job", "eval_job", "report_job", "export_job", "curate_job", "run_loop",
     "CollectRequest", "PurifyRequest", "TrainRequest", "ExportRequest",
     "CleanerError", "JobError",
 ]
 _MODULES = {  # the module that defines each name of __all__ but __version__
     "cleaner.config": ("CollectConfig", "PurifyConfig", "TrainConfig", "EvalConfig", "RunConfig", "Shard",
-                       "SandboxConfig", "DEFAULT_POLICY"),
+                       "SandboxConfig", "CurateConfig", "DEFAULT_POLICY"),
     "cleaner.records": ("Segment", "Rollout", "PurifiedRow", "PurifyConfigRow", "IterationRow", "TrainStepRow",
                         "EvalRunRow"),
     "cleaner.warehouse": ("Warehouse", "WarehouseError"),
@@ -80,6 +82,7 @@ _MODULES = {  # the module that defines each name of __all__ but __version__
     "cleaner.engine.train.job": ("train_job", "TrainRequest"),
     "cleaner.engine.eval.job": ("eval_job",),
     "cleaner.engine.export.job": ("export_job", "ExportRequest"),
+    "cleaner.engine.curate.job": ("curate_job",),
     "cleaner.report.job": ("report_job",),
     "cleaner.loop.iterations": ("run_loop",),
     "cleaner.errors": ("CleanerError", "JobError"),

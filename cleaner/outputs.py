@@ -1,7 +1,8 @@
 """Output directories swapped into place atomically, and the marker that says cleaner wrote them.
 
 Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine), reports and exported datasets are
-written this way.
+written this way; single files (`cleaner curate`'s dataset, its summaries and statistics) by
+`atomic_files`, each renamed over its path.
 
 Design decisions:
 - Atomic replace: everything is written into a temporary directory in the SAME parent (so the
@@ -18,6 +19,10 @@ Design decisions:
   user's notes.txt, even added to a checkpoint later), an output of another kind. Commands check
   their outputs before any work (`check_replaceable`), and the swap checks again.
 - An empty directory holds nothing to lose: it is taken.
+- Files (`atomic_files`): each is written under a hidden name in its final directory, fsynced, then
+  all are renamed into place in the order given and the directories fsynced; a failure before the
+  renames replaces nothing. Which existing file may be replaced is the writer's to check (curate
+  records its dataset's sha256 in the summary beside it).
 - Outputs written before the marker existed are recognised by their files: a checkpoint has
   config.json, a weight file, the config cleaner saved beside it (train_config.json or
   bootstrap*_config.json) and nothing but what a Hugging Face checkpoint holds; a report has
@@ -27,6 +32,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -245,3 +251,45 @@ def remove_stale_temporaries(out_path: Path) -> list[Path]:
         logger.info("removed %s, left by pid %s, which is gone", entry, pid)
         removed.append(entry)
     return removed
+
+
+# ---------------------------------------------------------------------------
+# Atomic files
+
+
+@contextmanager
+def atomic_files(paths: list[Path]) -> Iterator[list[Path]]:
+    """Yield a temporary path beside each of `paths`; on clean exit each is fsynced and renamed onto
+    its path, in order, and the directories fsynced. On any failure the temporaries are removed and
+    no path is replaced; a failed write is a WriteError naming the path."""
+    paths = [Path(path).resolve() for path in paths]
+    temporaries: list[Path] = []
+    try:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-{_me()}", dir=path.parent)
+            os.close(descriptor)
+            temporaries.append(Path(name))
+    except OSError as error:
+        _remove(temporaries)
+        raise write_error(paths[len(temporaries)], error) from error
+    try:
+        yield list(temporaries)  # a copy: the caller may consume it
+        for temporary in temporaries:
+            _fsync_path(temporary)
+        for temporary, path in zip(temporaries, paths, strict=True):
+            os.replace(temporary, path)
+        for parent in dict.fromkeys(path.parent for path in paths):
+            _fsync_path(parent)
+    except BaseException as error:
+        _remove(temporaries)
+        if isinstance(error, OSError) or (isinstance(error, Exception) and not isinstance(error, CleanerError)
+                                          and is_disk_full(error, paths[0])):
+            raise write_error(paths[0], error) from error
+        raise
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

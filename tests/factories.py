@@ -7,6 +7,7 @@ says which tests use it; the values are hand-picked so a test can compute its ex
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import torch
@@ -568,3 +569,35 @@ def write_toy_dataset(path, problems: int, seed: int = 11) -> list[str]:
              "extra_info": {"index": index}} for index, task in enumerate(toy_tasks(problems, seed))]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return [f"toy-{index}" for index in range(problems)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass statistics (curate tests): rollouts of named prompts, verl rows, statistics lines
+
+
+def prompt_rollout(prompt_id: str, iteration: int, sample: int, correct: bool, data_source: str = "math",
+                   finish_reason: str = "answer", reward: float | None = None, eval_id: str | None = None) -> Rollout:
+    """Rollout `sample` of `prompt_id` in `iteration` (or of evaluation `eval_id`); reward 1/0 unless given."""
+    rollout_id = (f"eval-{eval_id}-it0-{prompt_id}-s{sample}" if eval_id else f"it{iteration}-{prompt_id}-s{sample}")
+    return dataclasses.replace(make_rollout(rollout_id, iteration, 1.0 if correct else 0.0), prompt_id=prompt_id,
+                               group_id=f"it{iteration}-{prompt_id}", sample_index=sample, data_source=data_source,
+                               correct=correct, finish_reason=finish_reason,
+                               reward=(1.0 if correct else 0.0) if reward is None else reward,
+                               collect_config_id=eval_id or "cfg")
+
+
+def verl_row(question: str, answer: str, data_source: str = "math", index: int | None = None, **columns) -> dict:
+    """A row of verl's RL layout; `index` goes to extra_info.index (none: no extra_info)."""
+    row = {"prompt": [{"role": "user", "content": question}], "data_source": data_source,
+           "reward_model": {"ground_truth": answer, "style": "rule"}}
+    if index is not None:
+        row["extra_info"] = {"index": index, "split": "train"}
+    return {**row, **columns}
+
+
+def stats_line(uid: str, successes: int, attempts: int, data_source: str = "math", /, **changes) -> str:
+    """One line of the paper's statistics format; `changes` replace or add fields."""
+    rate = successes / attempts if attempts else 0.0
+    fields = {"uid": uid, "data_source": data_source, "successes": successes, "attempts": attempts,
+              "success_rate": rate, "avg_score": rate, "keep": rate < 1.0, **changes}
+    return json.dumps(fields)

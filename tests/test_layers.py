@@ -67,10 +67,12 @@ def _breaking(importers: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]
 BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config", "cleaner.plugins")
 # used by every stage (the user's tools by those that generate: collect and eval)
 SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading", "cleaner.tools")
-STAGES = ("collect", "purify", "train", "eval", "export")
-# export reads what collect and purify stored through the warehouse, and imports no stage's code
+STAGES = ("collect", "purify", "train", "eval", "export", "curate")
+# export reads what collect and purify stored through the warehouse, and imports no stage's code;
+# curate reads collect's datasets, and purify's completeness check (check_collected) until one gate
+# for every reader of an iteration takes its place
 UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"), "eval": ("collect",),
-            "export": ()}
+            "export": (), "curate": ("collect", "purify")}
 
 
 def test_the_base_imports_only_the_base():
@@ -123,8 +125,8 @@ def test_tools_live_below_the_engine():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_imports_only_upstream_stages(stage):
-    """collect -> purify -> train, eval after collect, export after purify: a stage imports the
-    base, the shared pieces, the sandbox and the stages upstream of it."""
+    """collect -> purify -> train, eval after collect, export after purify, curate after collect: a
+    stage imports the base, the shared pieces, the sandbox and the stages upstream of it."""
     upstream = tuple(f"cleaner.engine.{name}" for name in UPSTREAM[stage])
     allowed = BASE + SHARED + ("cleaner.sandbox", "cleaner.warehouse", f"cleaner.engine.{stage}") + upstream
     assert _breaking((f"cleaner.engine.{stage}",), allowed) == []

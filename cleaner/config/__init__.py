@@ -1,6 +1,6 @@
 """Every option of the phase commands and `cleaner run`, declared once (docs/architecture.md §9).
 
-- settings.py: the frozen config dataclasses. A field is an option: its type, its default, its
+- settings.py: the frozen config dataclasses (curate's too). A field is an option: its type, its default, its
   invariant (`__post_init__`) and its one-line comment, which is the flag's help.
 - flags.py: which flags each command takes (one per field), and what a command does otherwise.
 - layers.py: a config from layers of dicts (for `run`: defaults < saved run < TOML file < flags).
@@ -17,6 +17,7 @@ from cleaner.config.settings import (
     RECOVER_POLICY,
     UNSHARDED,
     CollectConfig,
+    CurateConfig,
     DownSample,
     DpoCap,
     Edit,
@@ -33,6 +34,6 @@ from cleaner.config.settings import (
     TrainConfig,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "DownSample", "DpoCap",
-           "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
+__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "CurateConfig",
+           "DownSample", "DpoCap", "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
            "Schedule", "Shard", "SimilarityOn", "TrainConfig"]

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
-from cleaner.config.settings import CollectConfig, EvalConfig, PurifyConfig, RunConfig, TrainConfig
+from cleaner.config.settings import (
+    CollectConfig,
+    CurateConfig,
+    EvalConfig,
+    PurifyConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 RENAMED = {"n_prompts": "prompts"}  # field -> its flag's name, on every command
 SECTIONS = ("collect", "purify", "train")  # RunConfig's tables: `run` takes their flags unprefixed
@@ -77,6 +84,8 @@ COMMANDS = {
     # eval repeats --model and --dataset, and --saar / --no-saar choose the settings
     "eval": CommandFlags(EvalConfig, fixed=("models", "datasets", "saar"), files=("tools",),
                          derived={"max_new_tokens": "--max-response-tokens"}),
+    # curate takes --iteration N[,M] and --eval ID[,ID] as comma-separated lists
+    "curate": CommandFlags(CurateConfig, fixed=("iterations", "evals")),
     # a run collects iteration after iteration
     "run": CommandFlags(RunConfig, fixed=("collect.iteration",),
                         derived={".".join(path): text for path, text in DERIVED.items()}),

@@ -648,3 +648,46 @@ class EvalConfig(_Config):
             device=self.device, sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
             reward_timeout_s=self.reward_timeout_s,
         )
+
+
+MAX_CURATE_SEED = 2**32 - 1 - 1001  # a draw's seed is seed (+ 1) + int(1000 rate), below 2**32
+
+
+@dataclass(frozen=True)
+class CurateConfig(_Config):
+    """`cleaner curate`: pass statistics from a warehouse or a file, and a dataset filtered by them as
+    the paper filters its own (docs/architecture.md §16). Each output needs its inputs: `stats_out`
+    a warehouse's iterations or evaluations; `out` a dataset and statistics (a file or the warehouse)."""
+
+    stats: str | None = None  # a statistics file, JSON Lines as the paper ships it (uid, data_source, successes, attempts, success_rate, avg_score, keep); none: the warehouse's --iteration / --eval
+    iterations: tuple[int, ...] = ()  # collected iterations whose rollouts are pooled per prompt
+    evals: tuple[str, ...] = ()  # evaluations (eval_runs.eval_id) whose rollouts are pooled too
+    stats_out: str | None = None  # write the warehouse's statistics to this file, in the paper's format
+    data: str | None = None  # the dataset to filter: a verl RL Parquet (prompt, data_source, reward_model, extra_info, ...)
+    success_rate_ratios: str | None = None  # share kept per success rate: "0.0:0.0,0.125:0.8,..." or nine ratios for 0/8 .. 8/8; a rate not named keeps all; none: every rate whole
+    retain_code: bool = False  # code prompts (by data source, the paper's table) are filtered at success rate 0 only
+    seed: int = 42  # the draws' seed: code prompts at rate r draw with seed + int(1000 r), the rest seed + 1 + int(1000 r) (42: the paper's)
+    out: str | None = None  # the filtered dataset (Parquet, the input's columns and row order), its summary beside it (.curate.md, .curate.json)
+    overwrite: bool = False  # replace an --out (or --stats-out) that curate wrote
+
+    def __post_init__(self) -> None:
+        _check_numbers(self)
+        _set(self, iterations=tuple(self.iterations), evals=tuple(self.evals), stats=resolved_path(self.stats),
+             stats_out=resolved_path(self.stats_out), data=resolved_path(self.data), out=resolved_path(self.out))
+        warehouse = bool(self.iterations or self.evals)
+        _check(not (warehouse and self.stats), "give statistics from a file (stats) or from the warehouse "
+               "(iterations, evals), not both")
+        _check(self.stats_out is None or warehouse, "stats_out writes a warehouse's statistics: give iterations "
+               "or evals")
+        _check(self.stats_out is not None or self.out is not None, "nothing to write: give out (a filtered "
+               "dataset, with data) or stats_out (the warehouse's statistics)")
+        _check(self.out is None or self.data is not None, "out needs data: the dataset to filter")
+        _check(self.out is None or warehouse or self.stats, "out needs statistics: a stats file, or iterations "
+               "or evals of the warehouse")
+        _check(self.out is not None or (self.data is None and self.success_rate_ratios is None and not self.retain_code),
+               "data, success_rate_ratios and retain_code filter a dataset: give out too")
+        _check(len(set(self.iterations)) == len(self.iterations) and all(i >= 0 for i in self.iterations),
+               f"iterations must be distinct and >= 0, got {list(self.iterations)}")
+        _check(len(set(self.evals)) == len(self.evals), f"evals must be distinct, got {list(self.evals)}")
+        _check(0 <= self.seed <= MAX_CURATE_SEED, f"seed must be in [0, {MAX_CURATE_SEED}] (numpy's seeds are below "
+               f"2**32, and a rate adds up to 1,001), got {self.seed}")

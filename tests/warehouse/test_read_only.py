@@ -63,6 +63,9 @@ def test_every_reader_works_and_writes_nothing(read_only, tmp_path):
     assert (tmp_path / "report" / "report.md").exists()
     assert "16 rows from 16 rollouts" in _ok(["export", "-w", str(mount), "--iteration", "0", "--format", "sft",
                                               "--out", str(tmp_path / "sft")])
+    assert "statistics of " in _ok(["curate", "-w", str(mount), "--iteration", "0", "--stats-out",
+                                    str(tmp_path / "stats.jsonl")])
+    assert len((tmp_path / "stats.jsonl").read_text().splitlines()) == 4  # the small run's four prompts
     # the browser and the notebooks' API: the same Warehouse, opened as they open it
     from starlette.testclient import TestClient
 

@@ -251,15 +251,20 @@ def _check_unique_ids(path: Path, tasks: list[Task]) -> None:
                            "unique: give every row its own extra_info.index")
 
 
+def check_verl_columns(path: Path, table: pa.Table) -> None:
+    """DatasetError naming the file unless the table has the verl RL layout's columns."""
+    missing = [name for name in REQUIRED_COLUMNS if name not in table.column_names]
+    if missing:
+        raise DatasetError(f"{path}: missing column(s) {missing}; expected {list(REQUIRED_COLUMNS)} "
+                           f"(verl RL layout), found {table.column_names}")
+
+
 def load_rl_parquet(path: str | Path, limit: int | None = None,
                     prompt_style: PromptStyle = PromptStyle.REFERENCE) -> list[Task]:
     """Read a verl-style RL Parquet file into tasks (the first `limit` rows if given)."""
     path = Path(path)
     table = read_parquet_table(path)
-    missing = [name for name in REQUIRED_COLUMNS if name not in table.column_names]
-    if missing:
-        raise DatasetError(f"{path}: missing column(s) {missing}; expected {list(REQUIRED_COLUMNS)} "
-                           f"(verl RL layout), found {table.column_names}")
+    check_verl_columns(path, table)
     if limit is not None:
         table = table.slice(0, limit)
     return verl_tasks(path, table, PromptStyle(prompt_style))

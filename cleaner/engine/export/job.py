@@ -47,7 +47,7 @@ from cleaner.engine.export.folder import (
 from cleaner.engine.export.policy import Policy, policy_for
 from cleaner.engine.saar.walk import View
 from cleaner.errors import JobError
-from cleaner.outputs import DATASET, OutputError, atomic_directory, check_replaceable
+from cleaner.outputs import DATASET, OutputError, atomic_directory, check_outside, check_replaceable
 from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse, selection
 
@@ -140,7 +140,7 @@ class _Plan:
 def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool = True) -> ExportOutcome:
     """Write the dataset folder `request.out` from `warehouse` (module docstring)."""
     started = time.monotonic()
-    _check_out(request)
+    _check_out(request, warehouse)
     readonly = Warehouse(warehouse.root, read_only=True)
     with tempfile.TemporaryDirectory(prefix="cleaner-export-") as spill:
         connection = readonly.connect(settings={"temp_directory": spill, "memory_limit": DUCKDB_MEMORY})
@@ -180,8 +180,9 @@ def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Ta
         kinds=tally.kinds, errors=tally.errors)
 
 
-def _check_out(request: ExportRequest) -> None:
+def _check_out(request: ExportRequest, warehouse: Warehouse) -> None:
     out = Path(request.out)
+    check_outside(out, warehouse.root, "--out")
     if out.is_dir() and any(out.iterdir()) and not request.overwrite:
         raise OutputError(f"--out {out} is not empty; pass --overwrite to replace a dataset cleaner "
                           "exported there, or choose another folder")

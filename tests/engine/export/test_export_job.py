@@ -271,3 +271,54 @@ def test_a_chain_after_an_unrecovered_step_or_an_infra_fault_is_no_pair(tmp_path
     assert json.loads(first["chosen"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 8)"}
     assert json.loads(first["rejected"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 7)"}
     assert first["depth"] == "shallow"  # "print(6 * 7)" vs "print(6 * 8)": ratio 11/12 >= gamma 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the folder goes, who may read it, who wins
+
+
+def test_out_inside_the_warehouse_is_refused_and_nothing_is_written(small_run, tmp_path):
+    """A folder in a partition (or anywhere under the warehouse) would be read as part of it."""
+    warehouse = small_run / "warehouse"
+    before = tree_digest(warehouse)
+    for out in (warehouse / "rollouts" / "iteration=0" / "ds", warehouse / "ds", warehouse):
+        result = runner.invoke(app, ["export", "-w", str(warehouse), "--out", str(out), "--iteration", "0",
+                                     "--format", "sft", "--overwrite"])
+        output = " ".join(result.output.split())
+        assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+        assert f"--out {out} is inside the warehouse {warehouse}" in output
+    assert tree_digest(warehouse) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], indirect=True)
+def test_a_dataset_is_made_as_mkdir_and_open_make_them(small_run, tmp_path, umask):
+    from tests.helpers import wrong_modes
+
+    outcome, _ = _export(small_run, tmp_path)
+    assert list((outcome.out / "data").iterdir()) and wrong_modes(outcome.out, umask) == []
+
+
+def test_of_two_exports_racing_to_one_new_out_exactly_one_wins(small_run, tmp_path, monkeypatch):
+    """The second export to finish finds the first's folder there: it says so in one line and
+    leaves the first's dataset as it was."""
+    import cleaner.engine.export.job as job
+
+    out = tmp_path / "ds"
+    written = job.card
+    racing = []
+
+    def card_after_another_export(facts):
+        if not racing:  # the first export to write its card lets another one finish first
+            racing.append(True)
+            racing.append(export_job(Warehouse(small_run / "warehouse"),
+                                     ExportRequest(iterations=(1,), form="sft", out=out), progress=False))
+        return written(facts)
+
+    monkeypatch.setattr(job, "card", card_after_another_export)
+    result = runner.invoke(app, ["export", "-w", str(small_run / "warehouse"), "--out", str(out), "--iteration", "0",
+                                 "--format", "sft"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert f"{out}: another writer put a dataset there while this one was writing; that one is kept" in output
+    assert racing[1].out == out and {row["iteration"] for row in pq.read_table(out / "data").to_pylist()} == {1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]

@@ -1,7 +1,7 @@
 """Output directories swapped into place atomically, and the marker that says cleaner wrote them.
 
 Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine), reports and exported datasets are
-written this way.
+written this way; a single file (`cleaner sql -o`) by `write_file_atomically`, the same way.
 
 Design decisions:
 - Atomic replace: everything is written into a temporary directory in the SAME parent (so the
@@ -282,6 +282,30 @@ def atomic_directory(out_path: str | Path, kind: str) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------
+# Atomic file
+
+
+def write_file_atomically(path: str | Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before: written to a temporary file beside it
+    (made as `open` makes one), fsynced, renamed over it, the directory fsynced; a failure (a full
+    disk, a Ctrl-C) removes the temporary file and raises."""
+    path = Path(path)
+    remove_stale_temporaries(path)
+    temporary = path.parent / f"{_temporary_prefix(path.name)}{_me()}{secrets.token_hex(4)}"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_path(path.parent)
+
+
+# ---------------------------------------------------------------------------
 # Temporary directories of writers that died
 
 
@@ -305,7 +329,10 @@ def remove_stale_temporaries(out_path: Path) -> list[Path]:
         writer_host = rest.rpartition("@")[0]
         if not (at and writer_gone(writer_host, pid)):
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:  # a file's (write_file_atomically)
+            entry.unlink(missing_ok=True)
         logger.info("removed %s, left by pid %s, which is gone", entry, pid)
         removed.append(entry)
     return removed

@@ -1,5 +1,5 @@
-"""Read-only SQL over the warehouse views, for a query box anyone with the page can type into
-(`cleaner ui`, docs/architecture.md §14).
+"""Read-only SQL over the warehouse views: for a query box anyone with the page can type into
+(`cleaner ui`, docs/architecture.md §14), and for `cleaner sql`.
 
 Design decisions:
 - Two locks, each enough on its own for the worst cases. The statement: DuckDB's own parser splits
@@ -12,6 +12,13 @@ Design decisions:
   configuration so no statement can undo it.
 - The database is DuckDB's in-memory one: a query cannot write the warehouse's files, and the
   views read the parts through `read_parquet`, which opens them read-only.
+- `cleaner sql` is held to the same two locks (`sql_connection`, `check_reads`: every statement
+  of a SELECT type; EXPLAIN is not one, since EXPLAIN ANALYZE runs a COPY), unless `--allow-write
+  DIR`: then any statement runs, on a connection whose file access is DIR alone (and its private
+  temporary directory), with the views read through pyarrow (views.py, `through_arrow`), so no
+  statement can open a file of the warehouse, not even to overwrite a part it reads. DIR must not
+  be, hold or lie inside the warehouse. Writes through a symbolic link under DIR that points into
+  the warehouse are DuckDB's to follow: DIR is checked, not every link in it.
 - A result is cut at `max_rows` (said so), and a query running past `timeout_s` is interrupted.
 - The SQL box has a database of its own (`SqlBox`), apart from the one the pages read: its own
   memory and thread limits (`SqlLimits`), so a runaway query can neither take the pages' memory
@@ -31,7 +38,8 @@ from pathlib import Path
 import duckdb
 
 from cleaner.errors import CleanerError
-from cleaner.warehouse.views import copy_table
+from cleaner.warehouse.store import Warehouse
+from cleaner.warehouse.views import copy_table, open_views, visible_of
 
 
 class QueryRefused(CleanerError):
@@ -46,14 +54,24 @@ def lock_down(connection: duckdb.DuckDBPyConnection, root: Path) -> None:
     connection.execute("SET lock_configuration = true")
 
 
-def check_select(query: str) -> str:
-    """The one SELECT statement of `query`, or QueryRefused saying what it is instead."""
+def _statements(query: str) -> list:
+    """The statements of `query` as DuckDB's parser splits them, each with a type cleaner can name."""
     try:
         statements = duckdb.extract_statements(query)
+        for statement in statements:
+            statement.type  # noqa: B018 - raises for a type the Python client has no name for
     except duckdb.Error as error:
         raise QueryRefused(f"the query does not parse: {error}") from error
+    except ValueError as error:  # UPDATE EXTENSIONS: "29 is not a valid StatementType"
+        raise QueryRefused(f"the query holds a statement of a kind cleaner does not know ({error})") from error
     if not statements:
         raise QueryRefused("the query is empty: write one SELECT (or WITH ... SELECT) statement")
+    return statements
+
+
+def check_select(query: str) -> str:
+    """The one SELECT statement of `query`, or QueryRefused saying what it is instead."""
+    statements = _statements(query)
     if len(statements) > 1:
         raise QueryRefused(f"{len(statements)} statements: only one SELECT statement is run at a time")
     (statement,) = statements
@@ -63,6 +81,51 @@ def check_select(query: str) -> str:
         raise QueryRefused(f"{article} {kind} statement: the warehouse is read-only here, only SELECT "
                            "(or WITH ... SELECT) statements are run")
     return query
+
+
+def check_reads(query: str) -> int:
+    """How many statements `query` holds, each of a SELECT type (they read); QueryRefused naming
+    the first that is not (it may write, attach or change a setting)."""
+    statements = _statements(query)
+    for number, statement in enumerate(statements, 1):
+        if statement.type != duckdb.StatementType.SELECT:
+            kind = _kind(statement)
+            article = "an" if kind[0] in "AEIOU" else "a"
+            which = f"statement {number} of {len(statements)} is" if len(statements) > 1 else "it is"
+            raise QueryRefused(f"{which} {article} {kind} statement, which may write, attach or change a setting: "
+                               "cleaner sql runs SELECT statements (WITH, FROM, DESCRIBE, SHOW, SUMMARIZE ...); "
+                               "--allow-write DIR runs any statement, with files under DIR only")
+    return len(statements)
+
+
+def sql_connection(warehouse: Warehouse, temp_dir: Path, write_dir: Path | None = None,
+                   verify_content: bool = False) -> duckdb.DuckDBPyConnection:
+    """`cleaner sql`'s connection: the views, spilling into `temp_dir`, locked to the warehouse
+    (reads), or with `write_dir` to that directory alone, the views read through pyarrow (module
+    docstring)."""
+    settings = {"temp_directory": str(temp_dir)}
+    connection = warehouse.connect(verify_content=verify_content, settings=settings)
+    if write_dir is None:
+        lock_down(connection, warehouse.root)
+        return connection
+    visible = visible_of(connection)
+    connection.close()
+    connection = open_views(visible, settings, through_arrow=True)
+    lock_down(connection, write_dir)
+    return connection
+
+
+def check_write_dir(write_dir: Path, root: Path) -> None:
+    """QueryRefused unless `write_dir` is a directory apart from the warehouse: not it, not in it,
+    not holding it (symbolic links followed)."""
+    if not write_dir.is_dir():
+        raise QueryRefused(f"--allow-write {write_dir}: no such directory; give an existing directory outside "
+                           "the warehouse")
+    resolved, warehouse = write_dir.resolve(), root.resolve()
+    if resolved == warehouse or warehouse in resolved.parents or resolved in warehouse.parents:
+        relation = "is" if resolved == warehouse else "is inside" if warehouse in resolved.parents else "holds"
+        raise QueryRefused(f"--allow-write {write_dir} {relation} the warehouse {root}: statements may write "
+                           "only outside it; give a directory apart from the warehouse")
 
 
 def _kind(statement) -> str:

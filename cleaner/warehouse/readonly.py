@@ -19,7 +19,11 @@ Design decisions:
   statement can open a file of the warehouse, not even to overwrite a part it reads. DIR must not
   be, hold or lie inside the warehouse. Writes through a symbolic link under DIR that points into
   the warehouse are DuckDB's to follow: DIR is checked, not every link in it.
-- A result is cut at `max_rows` (said so), and a query running past `timeout_s` is interrupted.
+- A result is cut at `max_rows` rows and at `max_chars` characters of its cells (said so, in
+  `QueryResult.cut`), read from DuckDB a few rows at a time, so what a page renders is bounded and
+  not only DuckDB's memory (one query once returned a 1 GB page). For a page each cell is also cut
+  in DuckDB to `cell_chars` characters of its text (`CAST ... AS VARCHAR`), so a 100 MB string
+  never reaches Python. A query running past `timeout_s` is interrupted.
 - The SQL box has a database of its own (`SqlBox`), apart from the one the pages read: its own
   memory and thread limits (`SqlLimits`), so a runaway query can neither take the pages' memory
   nor their lock; one query at a time, and a second one is refused at once rather than queued
@@ -140,28 +144,72 @@ def _kind(statement) -> str:
 @dataclass(frozen=True)
 class QueryResult:
     columns: tuple[str, ...]
-    rows: tuple[tuple, ...]  # at most max_rows
-    truncated: bool  # the query returned more than max_rows rows
+    rows: tuple[tuple, ...]  # at most max_rows, and at most max_chars characters of cells
+    cut: str | None = None  # why rows are missing, e.g. "the first 1,000 rows"; None: every row
+
+    @property
+    def truncated(self) -> bool:
+        return self.cut is not None
 
 
-def run_select(connection: duckdb.DuckDBPyConnection, query: str, max_rows: int,
-               timeout_s: float = 30.0) -> QueryResult:
-    """Check and run one SELECT; its first `max_rows` rows. QueryRefused for anything else, for a
-    query DuckDB rejects (unknown column, file outside the warehouse) and for one past `timeout_s`."""
+BATCH_ROWS = 16  # rows read from DuckDB at a time, so a cut by size holds at most one batch more
+CUT_MARK = " …"  # ends a cell cut to `cell_chars`
+
+
+def run_select(connection: duckdb.DuckDBPyConnection, query: str, max_rows: int, timeout_s: float = 30.0,
+               max_chars: int | None = None, cell_chars: int | None = None) -> QueryResult:
+    """Check and run one SELECT; its first `max_rows` rows, and no more than `max_chars`
+    characters of cells; with `cell_chars` every cell is its text, cut to that many characters
+    (module docstring). QueryRefused for anything else, for a query DuckDB rejects (unknown
+    column, file outside the warehouse) and for one past `timeout_s`."""
     check_select(query)
     timer = threading.Timer(timeout_s, connection.interrupt)
     timer.start()
     try:
         relation = connection.sql(query)
         columns = tuple(relation.columns)
-        rows = relation.limit(max_rows + 1).fetchall()  # the cut happens in DuckDB
+        if cell_chars is not None:  # one more character says the cell was cut
+            relation = relation.project(f"left(CAST(COLUMNS(*) AS VARCHAR), {int(cell_chars) + 1})")
+        reader = relation.limit(max_rows + 1).to_arrow_reader(BATCH_ROWS)  # the row cut happens in DuckDB
+        rows, cut = _read_capped(reader, max_rows, max_chars)
     except duckdb.InterruptException as error:
         raise QueryRefused(f"the query ran past {timeout_s:g} s and was interrupted") from error
+    except duckdb.IOException as error:
+        raise QueryRefused(f"the query failed: {error} (a part that is gone: the warehouse changed since the "
+                           "browser's snapshot, e.g. by cleaner compact; refresh and run it again)") from error
     except duckdb.Error as error:
         raise QueryRefused(f"the query failed: {error}") from error
     finally:
         timer.cancel()
-    return QueryResult(columns, tuple(rows[:max_rows]), len(rows) > max_rows)
+    if cell_chars is not None:
+        rows = [tuple(_cut(cell, cell_chars) for cell in row) for row in rows]
+    return QueryResult(columns, tuple(rows), cut)
+
+
+def _read_capped(reader, max_rows: int, max_chars: int | None) -> tuple[list[tuple], str | None]:
+    """The rows of `reader` up to `max_rows` rows and `max_chars` characters; why it stopped."""
+    rows, chars = [], 0
+    for batch in reader:
+        for row in zip(*(column.to_pylist() for column in batch.columns), strict=True):
+            if len(rows) == max_rows:
+                return rows, f"the first {max_rows:,} rows"
+            chars += sum(_chars(cell) for cell in row)
+            if max_chars is not None and chars > max_chars:
+                return rows, f"the first {len(rows):,} rows: the next would pass {max_chars:,} characters"
+            rows.append(row)
+    return rows, None
+
+
+def _chars(cell: object) -> int:
+    if cell is None:
+        return 0
+    return len(cell) if isinstance(cell, str) else len(str(cell))
+
+
+def _cut(cell: str | None, cell_chars: int) -> str | None:
+    if cell is None or len(cell) <= cell_chars:
+        return cell
+    return cell[:cell_chars] + CUT_MARK
 
 
 class QueryBusy(QueryRefused):
@@ -205,7 +253,8 @@ class SqlBox:
         """Whether a query is running."""
         return self._running.locked()
 
-    def run(self, query: str, max_rows: int) -> QueryResult:
+    def run(self, query: str, max_rows: int, max_chars: int | None = None,
+            cell_chars: int | None = None) -> QueryResult:
         """Check and run one SELECT (`run_select`); QueryBusy at once while another runs."""
         check_select(query)
         if not self._running.acquire(blocking=False):
@@ -216,7 +265,7 @@ class SqlBox:
             if self._closed:
                 raise QueryRefused("the browser took a new snapshot; run the query again")
             self._since = time.monotonic()
-            return run_select(self.connection, query, max_rows, self.limits.timeout_s)
+            return run_select(self.connection, query, max_rows, self.limits.timeout_s, max_chars, cell_chars)
         except QueryRefused:
             if self._closed:
                 raise QueryRefused("the browser took a new snapshot while the query ran; run it again") from None

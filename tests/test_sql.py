@@ -224,3 +224,22 @@ def test_one_ctrl_c_stops_a_running_query_in_one_line(warehouse, tmp_path):
     assert process.returncode == 130 and "Traceback" not in text, text
     assert errors == ["error: interrupted: the query was stopped; nothing was written"], text
     assert not output.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_checking_a_query_leaves_no_duckdb_database_running():
+    """The statements are split on a parser database closed after: DuckDB's module-level default
+    one would keep its worker threads until the interpreter exits (fresh interpreter: nothing
+    else started them)."""
+    import subprocess
+    import sys
+
+    code = ("import os\n"
+            "from cleaner.warehouse.readonly import check_reads, check_select\n"
+            "before = len(os.listdir('/proc/self/task'))\n"
+            "check_reads('SELECT 1; FROM rollouts')\n"
+            "check_select('SELECT 1')\n"
+            "print(before, len(os.listdir('/proc/self/task')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    before, after = done.stdout.split()
+    assert done.returncode == 0 and before == after, done.stdout + done.stderr

@@ -156,10 +156,10 @@ def _check_sql(query: str, store, output: Path | None, allow_write: Path | None)
     import duckdb
 
     from cleaner.outputs import check_outside
-    from cleaner.warehouse.readonly import check_reads, check_write_dir
+    from cleaner.warehouse.readonly import check_reads, check_write_dir, statements_of
 
     try:
-        empty = not duckdb.extract_statements(query)  # empty, blank or comments only
+        empty = not statements_of(query)  # empty, blank or comments only
     except (duckdb.Error, ValueError):
         empty = False  # check_reads says what is wrong with it
     if empty:

@@ -58,10 +58,18 @@ def lock_down(connection: duckdb.DuckDBPyConnection, root: Path) -> None:
     connection.execute("SET lock_configuration = true")
 
 
+def statements_of(query: str) -> list:
+    """`query` split into statements by DuckDB's parser, on a database of its own that is closed
+    after: the module-level `duckdb.extract_statements` starts DuckDB's default database, whose
+    worker threads then live until the interpreter exits (and may still run while it tears down)."""
+    with duckdb.connect(":memory:", config={"threads": 1}) as parser:
+        return parser.extract_statements(query)
+
+
 def _statements(query: str) -> list:
     """The statements of `query` as DuckDB's parser splits them, each with a type cleaner can name."""
     try:
-        statements = duckdb.extract_statements(query)
+        statements = statements_of(query)
         for statement in statements:
             statement.type  # noqa: B018 - raises for a type the Python client has no name for
     except duckdb.Error as error:

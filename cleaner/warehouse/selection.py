@@ -103,7 +103,7 @@ def _check_condition(connection: duckdb.DuckDBPyConnection, where: str, query: s
     docstring)."""
     probe = f"SELECT 1 WHERE\n{where}\n"
     try:
-        statements = duckdb.extract_statements(probe)
+        statements = connection.extract_statements(probe)  # not the module's: its default database lives on
     except duckdb.Error as error:
         raise WarehouseError(f"--where {where!r} is not valid SQL: {_first_line(error)}") from error
     if len(statements) != 1 or _shape(connection, probe) != _shape(connection, "SELECT 1 WHERE\nTRUE\n"):

@@ -30,10 +30,16 @@ class CollectionStopped(JobError):
     message says why, what is committed, and that `--resume` finishes it."""
 
 
-class Interrupted(CollectionStopped):
-    """A Ctrl-C stopped a collection; the parts finished before it are committed."""
+class Stopped(CleanerError):
+    """A Ctrl-C stopped the command (cleaner/interrupts.py); the message says what is kept."""
 
     exit_code = 130  # as a shell reports a command that SIGINT ended
+
+
+class Interrupted(CollectionStopped, Stopped):
+    """A Ctrl-C stopped a collection; the parts finished before it are committed."""
+
+    exit_code = 130
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Output directories swapped into place atomically, and the marker that says cleaner wrote them.
 
 Checkpoints (`train`, `run`, `bootstrap`, the DeepSpeed engine), reports and exported datasets are
-written this way; single files (`cleaner curate`'s dataset, its summaries and statistics) by
-`atomic_files`, each renamed over its path.
+written this way; single files (`cleaner curate`'s dataset, its summaries and statistics, `cleaner
+sql -o`) by `atomic_files`, each renamed over its path.
 
 Design decisions:
 - Atomic replace: everything is written into a temporary directory in the SAME parent (so the
@@ -12,6 +12,17 @@ Design decisions:
   half-written output: it is the old complete one, absent (a crash between the two renames; the
   old one is still in `.<name>.old-*` beside it), or the new complete one. On any failure while
   writing, the temporary directory is removed and the exception re-raised.
+- Made as `mkdir` and `open` make them: the temporary directory is created with mode 0o777 less
+  the umask (not `tempfile.mkdtemp`'s 0700), and before the swap every folder in it gets that mode
+  and every file 0o666 less the umask (a writer such as safetensors makes its files 0600), so under
+  umask 022 a checkpoint is 755 folders of 644 files that an SGLang server or a colleague under
+  another account can read, and under 077 it stays private.
+- One writer wins: the swap replaces only what `out_path` was when the writer began (absent, or
+  the same directory by device and inode). An output that appeared or was replaced meanwhile (two
+  exports racing to one new `--out`) is left as it is and the later writer fails with one line. The
+  rename goes onto nothing (what was there is moved aside first and checked to be what was found),
+  so one that appears in the instant after the check fails it with ENOTEMPTY: every output holds
+  its marker.
 - Replacing deletes what was there, so cleaner replaces only a directory it wrote itself, of the
   same kind: every directory it swaps in holds `MARKER`, a JSON file naming the kind (checkpoint,
   report) and the top-level entries written. Anything else is refused with an `OutputError` and
@@ -19,9 +30,9 @@ Design decisions:
   user's notes.txt, even added to a checkpoint later), an output of another kind. Commands check
   their outputs before any work (`check_replaceable`), and the swap checks again.
 - An empty directory holds nothing to lose: it is taken.
-- Files (`atomic_files`): each is written under a hidden name in its final directory, fsynced, then
-  all are renamed into place in the order given and the directories fsynced; a failure before the
-  renames replaces nothing. Which existing file may be replaced is the writer's to check (curate
+- Files (`atomic_files`): each is written under a hidden name in its final directory (made as
+  `open` makes a file), fsynced, then all are renamed into place in the order given and the
+  directories fsynced; a failure before the renames replaces nothing. Which existing file may be replaced is the writer's to check (curate
   records its dataset's sha256 in the summary beside it).
 - Outputs written before the marker existed are recognised by their files: a checkpoint has
   config.json, a weight file, the config cleaner saved beside it (train_config.json or
@@ -33,13 +44,14 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +108,16 @@ def check_replaceable(out_path: str | Path, kind: str) -> None:
     foreign = [name for name in entries if name != MARKER and name not in marker.get("entries", ())]
     if foreign:
         _refuse(path, kind, f"it holds what cleaner did not write there: {_some(foreign)}")
+
+
+def check_outside(out_path: str | Path, warehouse: str | Path, option: str) -> None:
+    """OutputError unless `out_path` lies outside the warehouse directory: every reader takes
+    what is under it for part of the warehouse (a CSV in a partition stops them all). Symbolic
+    links are followed, so a link into the warehouse is inside it."""
+    out, root = Path(out_path).resolve(), Path(warehouse).resolve()
+    if out == root or root in out.parents:
+        raise OutputError(f"{option} {out_path} is inside the warehouse {warehouse}: its readers would take it for "
+                          "part of the warehouse; write it outside the warehouse directory")
 
 
 def _refuse(path: Path, kind: str, why: str) -> None:
@@ -165,29 +187,70 @@ def _fsync_path(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, giving each the mode `open` or `mkdir` gives
+    under the umask: some writers make their files 0600 whatever it is (safetensors writes a
+    temporary file and renames it). `root` was made by `mkdir(0o777)`, so its mode is the umask's
+    complement, and nothing global is read or changed."""
+    allowed = os.stat(root).st_mode & 0o777
     for directory, _, files in os.walk(root):
         for name in files:
-            _fsync_path(Path(directory) / name)
+            path = Path(directory) / name
+            executable = os.stat(path).st_mode & 0o111
+            os.chmod(path, (0o666 | executable) & allowed)
+            _fsync_path(path)
+        os.chmod(directory, allowed)
         _fsync_path(Path(directory))
 
 
-def _swap_into_place(new_dir: Path, out_path: Path, kind: str) -> None:
-    """Rename new_dir onto out_path; an existing out_path (checked again: cleaner's own) is moved
-    aside first, then deleted."""
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what `path` names now, None if nothing."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _appeared(out_path: Path, kind: str) -> OutputError:
+    return OutputError(f"{out_path}: another writer put a {kind} there while this one was writing; that one "
+                       f"is kept and this {kind} is not written. Run again to replace it, or choose another path")
+
+
+def _swap_into_place(new_dir: Path, out_path: Path, kind: str, found: tuple[int, int] | None) -> None:
+    """Rename new_dir onto out_path. What is there must still be what was `found` when the writer
+    began (and cleaner's own, checked again): it is moved aside first, then deleted."""
     check_replaceable(out_path, kind)
     aside = None
-    if out_path.exists():
+    if found is not None:
         aside = out_path.parent / f".{out_path.name}.old-{uuid.uuid4().hex[:8]}"
         os.rename(out_path, aside)
+        if _identity(aside) != found:  # replaced in the instant since the check
+            os.rename(aside, out_path)
+            raise _appeared(out_path, kind)
     try:
-        os.rename(new_dir, out_path)
-    except OSError:
+        os.rename(new_dir, out_path)  # onto nothing, so it fails if anything appeared since
+    except OSError as error:
         if aside is not None:
             os.rename(aside, out_path)  # put the previous output back
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):  # appeared since the check above
+            raise _appeared(out_path, kind) from error
         raise
     _fsync_path(out_path.parent)
     if aside is not None:
         shutil.rmtree(aside)
+
+
+def _make_temporary(out_path: Path) -> Path:
+    """A new directory beside `out_path`, named for its writer, made as `mkdir` makes one (0o777
+    less the umask; module docstring)."""
+    prefix = _temporary_prefix(out_path.name) + _me()
+    while True:
+        candidate = out_path.parent / (prefix + secrets.token_hex(4))
+        try:
+            candidate.mkdir(mode=0o777)
+        except FileExistsError:
+            continue
+        return candidate
 
 
 @contextmanager
@@ -200,17 +263,18 @@ def atomic_directory(out_path: str | Path, kind: str) -> Iterator[Path]:
     """
     out_path = Path(out_path).resolve()
     check_replaceable(out_path, kind)
+    found = _identity(out_path)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out_path)
-        temp_dir = Path(tempfile.mkdtemp(prefix=_temporary_prefix(out_path.name) + _me(), dir=out_path.parent))
+        temp_dir = _make_temporary(out_path)
     except OSError as error:
         raise write_error(out_path, error) from error
     try:
         yield temp_dir
         write_marker(temp_dir, kind)
         _fsync_tree(temp_dir)
-        _swap_into_place(temp_dir, out_path, kind)
+        _swap_into_place(temp_dir, out_path, kind, found)
     except Exception as error:
         # an OSError, or any error of a writer on a full disk (measured before the cleanup)
         failed = not isinstance(error, CleanerError) and (isinstance(error, OSError) or is_disk_full(error, temp_dir))
@@ -224,6 +288,16 @@ def atomic_directory(out_path: str | Path, kind: str) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------
+# Atomic file
+
+
+def write_file_atomically(path: str | Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before (`atomic_files` for one file)."""
+    with atomic_files([Path(path)]) as (temporary,):
+        temporary.write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------
 # Temporary directories of writers that died
 
 
@@ -232,7 +306,7 @@ def _temporary_prefix(name: str) -> str:
 
 
 def _me() -> str:
-    """The writer part of a temporary directory's name: `<pid>@<host>@` (mkdtemp adds a random tail)."""
+    """The writer part of a temporary directory's name: `<pid>@<host>@` (a random tail follows)."""
     return f"{os.getpid()}@{socket.gethostname()}@"
 
 
@@ -247,7 +321,10 @@ def remove_stale_temporaries(out_path: Path) -> list[Path]:
         writer_host = rest.rpartition("@")[0]
         if not (at and writer_gone(writer_host, pid)):
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:  # a file's (write_file_atomically)
+            entry.unlink(missing_ok=True)
         logger.info("removed %s, left by pid %s, which is gone", entry, pid)
         removed.append(entry)
     return removed
@@ -267,9 +344,10 @@ def atomic_files(paths: list[Path]) -> Iterator[list[Path]]:
     try:
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-{_me()}", dir=path.parent)
-            os.close(descriptor)
-            temporaries.append(Path(name))
+            remove_stale_temporaries(path)
+            temporary = path.parent / f"{_temporary_prefix(path.name)}{_me()}{secrets.token_hex(4)}"
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # as open makes it: the umask's
+            temporaries.append(temporary)
     except OSError as error:
         _remove(temporaries)
         raise write_error(paths[len(temporaries)], error) from error

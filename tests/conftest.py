@@ -4,6 +4,7 @@ runtime on CPU (an engine, servers, a router) is for the `sglang` tests, in .ven
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -132,3 +133,11 @@ def sglang_engine(tiny_qwen3_dir):
     backend = SGLangBackend(tiny_qwen3_dir, device="cpu", seed=0)
     yield backend
     backend.close()
+
+
+@pytest.fixture
+def umask(request):
+    """The process's umask set to the test's parameter (`indirect=True`) for the test, restored after."""
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)

@@ -121,6 +121,20 @@ def tree_digest(root) -> str:
 # Assertions
 
 
+def wrong_modes(root, umask: int) -> list[str]:
+    """Every entry under `root` (itself included) whose permission bits are not what `mkdir` (0o777)
+    or `open` (0o666) gives under `umask`, as "path: 0o700, expected 0o755"."""
+    wrong = []
+    for directory, _, files in os.walk(root):
+        entries = [(directory, 0o777)] + [(os.path.join(directory, name), 0o666) for name in files]
+        for path, default in entries:
+            mode, expected = os.stat(path).st_mode & 0o777, default & ~umask
+            if mode != expected:
+                wrong.append(f"{os.path.relpath(path, root)}: {oct(mode)}, expected {oct(expected)}")
+    return wrong
+
+
+
 def assert_rendered(rendered, *pieces: tuple[tuple[int, ...], bool]) -> None:
     """A rendering of tests/factories.py's chains is the spans `pieces`, each (token ids, trained),
     in order: its tokens, its loss mask, and the behaviour log-prob -id / 1000 of each trained token."""

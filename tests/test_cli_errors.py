@@ -322,3 +322,12 @@ def test_sql_without_a_statement_is_an_error(tmp_path, query):
     warehouse = Warehouse(tmp_path / "wh")
     warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
     _fails_cleanly(["sql", query, "-w", str(warehouse.root)], "holds no SQL statement")
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """TOML is UTF-8; a file saved as Latin-1 (an accent in a comment) is named, not a traceback."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[train]\nlr = 1e-4  # café\n".encode("latin-1"))
+    _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--config", str(path)],
+                   f"{path}: not valid TOML: byte 24 is not UTF-8 (counting from 0")
+    assert not (tmp_path / "r").exists()

@@ -64,7 +64,8 @@ def _breaking(importers: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]
                   for imported in _cleaner_imports(module) if not _within(imported, allowed))
 
 
-BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config", "cleaner.plugins")
+BASE = ("cleaner.errors", "cleaner.records", "cleaner.outputs", "cleaner.config", "cleaner.plugins",
+        "cleaner.interrupts")
 # used by every stage (the user's tools by those that generate: collect and eval)
 SHARED = ("cleaner.engine.model", "cleaner.engine.saar", "cleaner.engine.grading", "cleaner.tools")
 STAGES = ("collect", "purify", "train", "eval", "export", "curate")
@@ -76,13 +77,15 @@ UPSTREAM = {"collect": (), "purify": ("collect",), "train": ("collect", "purify"
 
 
 def test_the_base_imports_only_the_base():
-    """errors, records, outputs, config and plugins (the loader of the user's files): config nests the
-    sandbox's own config, nothing else."""
+    """errors, records, outputs, config, plugins (the loader of the user's files) and interrupts
+    (Ctrl-C): config nests the sandbox's own config, nothing else."""
     assert _breaking(BASE, BASE + ("cleaner.sandbox.config",)) == []
 
 
 def test_the_warehouse_imports_only_records_errors_and_itself():
-    assert _breaking(("cleaner.warehouse",), ("cleaner.warehouse", "cleaner.records", "cleaner.errors")) == []
+    """(and the Ctrl-C that interrupts its queries)"""
+    allowed = ("cleaner.warehouse", "cleaner.records", "cleaner.errors", "cleaner.interrupts")
+    assert _breaking(("cleaner.warehouse",), allowed) == []
 
 
 def test_the_sandbox_is_a_leaf_without_an_import_circle():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -22,6 +23,8 @@ from cleaner.cli.common import (
     sandbox_app,
 )
 from cleaner.report.inspection import Panels
+
+logger = logging.getLogger(__name__)
 
 
 @app.command()
@@ -104,35 +107,93 @@ def sql(
     query: Annotated[str, typer.Argument(help="DuckDB SQL over the views: rollouts, segments, attempts, ...")],
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file (outside the warehouse), whole or not at all.")] = None,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Re-read every part and compare its CRC-32 with the manifest's: sees bytes changed "
                          "beneath the file system, at the cost of reading the whole warehouse.")] = False,
+    allow_write: Annotated[Path | None, typer.Option(
+        "--allow-write", metavar="DIR", show_default=False,
+        help="Run any statement (COPY ... TO, ATTACH, CREATE, ...), reading and writing files under DIR only, "
+             "which must lie outside the warehouse; without it only SELECT statements run.")] = None,
 ) -> None:
-    """Run DuckDB SQL over the warehouse views.
+    """Run DuckDB SQL over the warehouse views, read-only: SELECT statements (WITH, FROM, DESCRIBE,
+    SHOW, SUMMARIZE), on a connection that reads files under the warehouse only. Ctrl-C stops a
+    query.
 
     Views: rollouts, segments, purified, purify_configs, iterations, train_steps, eval_rollouts,
     eval_segments, eval_runs, and the convenience views attempts (assistant segments with the outcome
     of their call) and failures.
     """
-    import duckdb
-    import polars as pl
+    import tempfile
 
-    from cleaner.report.tables import json_cells, result_table
+    import duckdb
+
+    from cleaner.errors import CleanerError
+    from cleaner.interrupts import QueryStop
     from cleaner.warehouse import Warehouse, WarehouseError
 
+    store = Warehouse(warehouse)
     try:
-        connection = Warehouse(warehouse).connect(verify_content=verify)
-        if not connection.extract_statements(query):  # empty, blank or comments only
-            raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
-        relation = connection.sql(query)  # None for statements that return nothing
-        table = relation.to_arrow_table() if relation is not None else None
-    except WarehouseError as exc:
-        raise fail(str(exc)) from exc
+        _check_sql(query, store, output, allow_write)
+        with tempfile.TemporaryDirectory(prefix="cleaner-sql-") as spill:
+            stop = QueryStop("interrupting the query", "the query was stopped; nothing was written")
+            with stop:
+                table = _run_sql(store, query, Path(spill), allow_write, verify)
+            if table is not None:
+                _print_sql(table, output_format, output)
+    except (WarehouseError, CleanerError) as exc:
+        raise fail(str(exc), exc.exit_code) from exc
+    except duckdb.PermissionException as exc:
+        reach = (f"with --allow-write, files under {allow_write} only" if allow_write is not None
+                 else "without --allow-write, files under the warehouse only")
+        raise fail(f"query failed: {exc} (cleaner sql reaches {reach})") from exc
     except duckdb.Error as exc:
         raise fail(f"query failed: {exc}") from exc
-    if table is None:
-        return
+
+
+def _check_sql(query: str, store, output: Path | None, allow_write: Path | None) -> None:
+    """Everything `cleaner sql` refuses before it opens the warehouse."""
+    import duckdb
+
+    from cleaner.outputs import check_outside
+    from cleaner.warehouse.readonly import check_reads, check_write_dir, statements_of
+
+    try:
+        empty = not statements_of(query)  # empty, blank or comments only
+    except (duckdb.Error, ValueError):
+        empty = False  # check_reads says what is wrong with it
+    if empty:
+        raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
+    if output is not None:
+        check_outside(output, store.root, "--output")
+    if allow_write is None:
+        check_reads(query)
+    else:
+        check_write_dir(allow_write, store.root)
+
+
+def _run_sql(store, query: str, spill: Path, allow_write: Path | None, verify: bool):
+    """The last statement's result as an Arrow table (None for a statement that returns nothing)."""
+    from cleaner.interrupts import watched
+    from cleaner.warehouse.readonly import sql_connection
+
+    logger.debug("opening %s for a query", store.root)
+    connection = sql_connection(store, spill, allow_write, verify_content=verify)
+    try:
+        with watched(connection):
+            logger.debug("running the query")
+            relation = connection.sql(query)  # None for statements that return nothing
+            return relation.to_arrow_table() if relation is not None else None
+    finally:
+        connection.close()
+
+
+def _print_sql(table, output_format: OutputFormat, output: Path | None) -> None:
+    import polars as pl
+
+    from cleaner.outputs import write_file_atomically
+    from cleaner.report.tables import json_cells, result_table
+
     if output_format is OutputFormat.table:
         if output is None:
             console.print(result_table(table))
@@ -146,7 +207,7 @@ def sql(
         typer.echo(text, nl=False)
         return
     try:
-        output.write_text(text)
+        write_file_atomically(output, text)
     except OSError as exc:
         raise fail(f"--output {output}: cannot write the result ({exc.strerror})") from exc
 

@@ -181,6 +181,9 @@ def read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read the config file ({error.strerror})") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML ({error})") from error
+    except UnicodeDecodeError as error:  # TOML is UTF-8 text; tomllib raises this before parsing
+        raise ConfigError(f"{path}: not valid TOML: byte {error.start} is not UTF-8 (counting from 0; TOML files are UTF-8 "
+                          "text; save it as UTF-8)") from error
 
 
 # The defaults `_derived` fills in where no layer sets them, as the run's flags' help states them

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import duckdb
 
-from cleaner.outputs import REPORT, atomic_directory, check_replaceable
+from cleaner.outputs import REPORT, atomic_directory, check_outside, check_replaceable
 from cleaner.report.page import Report, ReportData, write_report
 from cleaner.warehouse import Warehouse, queries
 
@@ -28,8 +28,9 @@ def report_job(warehouse: Warehouse, out: Path) -> Report:
 
     The report is written aside and swapped in whole (cleaner.outputs): `out` ends holding
     this report's files only, and is refused, untouched, unless it is absent, empty or a report
-    cleaner wrote."""
-    check_replaceable(out, REPORT)  # before reading anything
+    cleaner wrote, and outside the warehouse."""
+    check_outside(out, warehouse.root, "--out")  # before reading anything
+    check_replaceable(out, REPORT)
     connection = warehouse.connect()
     try:
         data = report_data(connection)

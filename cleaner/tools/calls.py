@@ -34,6 +34,10 @@ wait beside it or how late the loop looks. So:
   blocks the loop, else `LoopBlocked` (the service's fault, never the call's). Either counts as
   hung until its loop gets back to it, so a loop blocked for good stops the collection as hung
   threads do.
+- What else is sent to a loop (a tool's `open`, `close`) waits at most its own bound, except on a
+  loop known blocked now (a call of its given up and not yet back, or silent past `BLOCKED_S`):
+  that one is given `BLOCKED_WAIT_S` to come back, since what it is sent only starts once it does,
+  so a tool found blocking its loop does not hold up the exit for its whole close timeout.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ logger = logging.getLogger(__name__)
 LOOP_GRACE_S = 5.0
 TICK_S = 0.1  # a coroutine loop's heartbeat
 BLOCKED_S = 0.5  # a heartbeat this late means a coroutine ran that long without awaiting: reported
+BLOCKED_WAIT_S = 1.0  # what `submit` waits for a loop blocked now to come back, whatever its bound
 
 
 class HungCalls(JobError):
@@ -372,14 +377,33 @@ class CoroutineCalls:
                 if call.abandoned:
                     self.hung.remove(self.what)
 
+    def silent_s(self) -> float:
+        """How long the calls' loop has been silent past its heartbeat (0 while it ticks, or before
+        it starts)."""
+        with self._lock:
+            running = self._loop is not None and not self._loop.is_closed()
+        return max(0.0, time.monotonic() - self.last_tick - TICK_S) if running else 0.0
+
+    def blocked_now(self) -> bool:
+        """Whether the loop is known blocked: a call of its given up has not come back, or it has
+        been silent past BLOCKED_S."""
+        with self.hung.lock:
+            given_up = self.hung.by[self.what] > 0
+        return given_up or self.silent_s() > BLOCKED_S
+
     def submit(self, coroutine: Awaitable, timeout_s: float) -> object:
         """Run `coroutine` on the calls' loop and wait for it here, at most `timeout_s` (set-up and
-        tear-down); TimeoutError past it, the coroutine cancelled."""
+        tear-down), or BLOCKED_WAIT_S if the loop is blocked now (module notes); TimeoutError past
+        it, the coroutine cancelled."""
+        silent, blocked = self.silent_s(), self.blocked_now()
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop())
         try:
-            return future.result(timeout_s)
+            return future.result(min(timeout_s, BLOCKED_WAIT_S) if blocked else timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
+            if blocked:
+                raise TimeoutError(f"{self.what}'s event loop is blocked (silent for {silent:.1f} s) and did not come "
+                                   f"back within {BLOCKED_WAIT_S:g} s") from None
             raise TimeoutError(f"{self.what} did not return within {timeout_s:g} s") from None
 
     def close(self) -> None:

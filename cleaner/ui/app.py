@@ -11,8 +11,19 @@ Design decisions (docs/architecture.md §14):
   database of its own (`Browser.sql`), one query at a time, so no page ever waits for it, and a
   second query while one runs is refused at once (429) instead of queueing.
 - Errors a reader can cause are pages, never tracebacks: an unknown rollout or config is a 404,
-  a refused query is said above the query box, anything unexpected is a 500 page naming the
-  error type (its traceback goes to the log only).
+  a refused query is said above the query box, a snapshot whose parts a compaction removed is a
+  409 saying to refresh (the warehouse moved or deleted: 410), a refresh that cannot take a new
+  snapshot says why and keeps the old one (never a 500), anything unexpected is a 500 page naming
+  the error type (its traceback goes to the log only).
+- The SQL box's page holds at most SQL_MAX_ROWS rows, SQL_MAX_CHARS characters of cells and
+  SQL_CELL_CHARS of one cell (said so); the CSV at most CSV_MAX_ROWS rows and CSV_MAX_CHARS
+  (its X-Cleaner-Cut header says where it was cut).
+- Every response carries a Content-Security-Policy (nothing but the app's own stylesheet and
+  images; an SVG figure may style itself), X-Frame-Options DENY, Referrer-Policy no-referrer and
+  X-Content-Type-Options nosniff (`Guard`, around everything, the 500 page included). A POST whose
+  Origin is another site, or that the browser marks cross-site (Sec-Fetch-Site), is refused (403),
+  so a page elsewhere cannot make the app refresh; a client that sends neither (curl) is served.
+  The refresh form says where to return (`next`, a path of this app): no referrer is sent.
 - With a token (required off loopback, `server.check_host`), every request must carry it: as
   `?token=` (which also sets a cookie, so links need not repeat it), the cookie, or an
   `X-Cleaner-Token` / `Authorization: Bearer` header; otherwise 401. On loopback without a token,
@@ -28,16 +39,17 @@ import io
 import logging
 import threading
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, urlencode
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -46,7 +58,7 @@ from cleaner.report.inspection import Decoder, load_decoder, load_inspection
 from cleaner.report.tables import csv_cell
 from cleaner.ui.overview import Overview
 from cleaner.ui.rollout_view import purified_pane, raw_segments
-from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter
+from cleaner.warehouse.browse import CLASSES, Browser, RolloutFilter, SnapshotStale, WarehouseGone
 from cleaner.warehouse.readonly import QueryBusy, QueryRefused
 
 logger = logging.getLogger(__name__)
@@ -55,7 +67,10 @@ HERE = Path(__file__).parent
 TOKEN_COOKIE = "cleaner_ui_token"
 PAGE_SIZE = 50
 SQL_MAX_ROWS = 1000  # rows shown under the query box
+SQL_MAX_CHARS = 2_000_000  # characters of cells shown under the query box
+SQL_CELL_CHARS = 2_000  # characters of one cell shown there
 CSV_MAX_ROWS = 1_000_000  # rows of a CSV download
+CSV_MAX_CHARS = 100_000_000  # characters of cells of a CSV download
 MAX_OFFSET = 2**62  # the rollout list's largest offset (DuckDB's OFFSET is a 64-bit integer)
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
@@ -192,12 +207,12 @@ def sql_page(request: Request) -> Response:
     result, error, status = None, None, 200
     if query.strip():
         try:
-            result = state.browser.sql.run(query, SQL_MAX_ROWS)
+            result = state.browser.sql.run(query, SQL_MAX_ROWS, SQL_MAX_CHARS, SQL_CELL_CHARS)
         except QueryRefused as refused:
             error, status = str(refused), _status(refused)
     csv_link = "/sql.csv?" + urlencode({"q": query}) if result is not None else None
     return page(request, "sql.html", query=query, result=result, error=error, csv_link=csv_link,
-                status_code=status)
+                status_code=status, csv_rows=CSV_MAX_ROWS, csv_chars=CSV_MAX_CHARS)
 
 
 def _status(refused: QueryRefused) -> int:
@@ -207,20 +222,31 @@ def _status(refused: QueryRefused) -> int:
 def sql_csv(request: Request) -> Response:
     state: State = request.app.state.ui
     try:
-        result = state.browser.sql.run(request.query_params.get("q", ""), CSV_MAX_ROWS)
+        result = state.browser.sql.run(request.query_params.get("q", ""), CSV_MAX_ROWS, CSV_MAX_CHARS)
     except QueryRefused as refused:
         return Response(f"error: {refused}\n", status_code=_status(refused), media_type="text/plain")
     sink = io.StringIO()
     writer = csv.writer(sink)
     writer.writerow(result.columns)
     writer.writerows([csv_cell(value) for value in row] for row in result.rows)
-    return Response(sink.getvalue(), media_type="text/csv",
-                    headers={"Content-Disposition": 'attachment; filename="query.csv"'})
+    headers = {"Content-Disposition": 'attachment; filename="query.csv"'}
+    if result.cut is not None:
+        headers["X-Cleaner-Cut"] = result.cut
+    return Response(sink.getvalue(), media_type="text/csv", headers=headers)
 
 
-def refresh(request: Request) -> Response:
-    request.app.state.ui.refresh()
-    return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
+async def refresh(request: Request) -> Response:
+    """A new snapshot, then back to the page the form was on (its `next`: a path of this app)."""
+    try:
+        request.app.state.ui.refresh()
+    except CleanerError as error:
+        status = _expected_status(error)
+        return page(request, "error.html", status_code=status, status=status,
+                    message=f"{error} (the pages read the previous snapshot until a refresh succeeds)")
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    back = form.get("next", ["/"])[0]
+    local = back.startswith("/") and not back.startswith(("//", "/\\"))  # never another site
+    return RedirectResponse(back if local else "/", status_code=303)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,8 +258,16 @@ async def http_error(request: Request, error: HTTPException) -> Response:
                 message=error.detail)
 
 
+def _expected_status(error: CleanerError) -> int:
+    """410: the warehouse is gone; 409: it changed beneath the snapshot; else 500."""
+    if isinstance(error, WarehouseGone):
+        return 410
+    return 409 if isinstance(error, SnapshotStale) else 500
+
+
 async def expected_error(request: Request, error: CleanerError) -> Response:
-    return page(request, "error.html", status_code=500, status=500, message=str(error))
+    status = _expected_status(error)
+    return page(request, "error.html", status_code=status, status=status, message=str(error))
 
 
 async def unexpected_error(request: Request, error: Exception) -> Response:
@@ -265,6 +299,60 @@ class TokenGate(BaseHTTPMiddleware):
         return response
 
 
+# ----------------------------------------------------------------------------------------------
+# Security headers and the Origin check
+
+
+PAGE_POLICY = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+               "frame-ancestors 'none'; base-uri 'none'")
+SVG_POLICY = "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"  # matplotlib's inline styles
+SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+SAME_SITE = ("same-origin", "none")  # Sec-Fetch-Site values of a request this app's own page (or the user) made
+
+
+def cross_site(headers: Headers, scheme: str) -> bool:
+    """Whether the browser says another site sent the request (module docstring)."""
+    fetched_from = headers.get("sec-fetch-site")
+    if fetched_from is not None and fetched_from not in SAME_SITE:
+        return True
+    origin = headers.get("origin")
+    return origin is not None and origin != f"{scheme}://{headers.get('host', '')}"
+
+
+class Guard:
+    """ASGI: the security headers on every response, a cross-site POST refused (403)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                svg = headers.get("content-type", "").startswith("image/svg+xml")
+                headers["Content-Security-Policy"] = SVG_POLICY if svg else PAGE_POLICY
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        if scope["method"] == "POST" and cross_site(Headers(scope=scope), scope.get("scheme", "http")):
+            refused = PlainTextResponse("403: a cross-site request; use the page's own button\n", status_code=403)
+            await refused(scope, receive, with_headers)
+            return
+        await self.app(scope, receive, with_headers)
+
+
+class _App(Starlette):
+    """Starlette with `Guard` outside everything, its 500 page included."""
+
+    def build_middleware_stack(self):
+        return Guard(super().build_middleware_stack())
+
+
 def create_app(browser: Browser, token: str | None = None, loopback: bool = True) -> Starlette:
     """The app over one browser snapshot; `token` is required on every request when given."""
     middleware = []
@@ -282,7 +370,7 @@ def create_app(browser: Browser, token: str | None = None, loopback: bool = True
         Route("/refresh", refresh, methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+    app = _App(routes=routes, middleware=middleware, exception_handlers={
         HTTPException: http_error, CleanerError: expected_error, Exception: unexpected_error})
     app.state.ui = State(browser)
     return app

@@ -5,6 +5,10 @@ Design decisions:
 - One `Browser` is a snapshot: one `connect()` of a read-only `Warehouse` (the manifest stays in
   memory, nothing is written), then an index, then the connection is locked down
   (`readonly.lock_down`). `refresh()` takes a new snapshot; until then new parts are not seen.
+- A snapshot outlives what it read: after a `cleaner compact` its parts are gone, and the
+  warehouse may be moved or deleted. A read that meets a missing file says which in one line
+  (`SnapshotStale`: refresh; `WarehouseGone`: the directory itself), never a DuckDB error, and a
+  refresh that cannot take a new snapshot says why and keeps the old one.
 - The index (`rollout_index`, an in-memory DuckDB table, also visible to the SQL box) holds one
   small row per collected rollout: the list's columns, its premise class and error types (from its
   segments, computed once), and the path of its rollouts part. Filtering on an error type or a
@@ -63,6 +67,24 @@ SELECT r.rollout_id, r.iteration, r.group_id, r.sample_index, r.reward, r.correc
        coalesce(p.error_types, []::VARCHAR[]) AS error_types, r.part
 FROM ({rollouts}) r LEFT JOIN per_rollout p USING (rollout_id)
 """
+
+
+class SnapshotStale(WarehouseError):
+    """A file the snapshot reads is gone: the warehouse changed since (a compaction); refresh."""
+
+
+class WarehouseGone(SnapshotStale):
+    """The warehouse directory itself is gone (moved or deleted) since the snapshot."""
+
+
+def _stale(root: Path, error: Exception, doing: str = "a part the browser's snapshot reads is gone") -> SnapshotStale:
+    """What a read that met a missing file (`error`) says: the warehouse is gone, or it changed."""
+    if not root.is_dir():
+        return WarehouseGone(f"{root}: the warehouse is gone (moved or deleted) since the browser read it; "
+                             "start cleaner ui -w where it is now")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return SnapshotStale(f"{doing} ({first}): the warehouse changed since the browser's snapshot (cleaner compact "
+                         "merges parts); refresh to read it as it is now")
 
 
 @dataclass(frozen=True)
@@ -181,7 +203,10 @@ class Browser:
             pages = self._pages
             pages.reserve()
         with pages.cursor() as cursor:
-            yield cursor
+            try:
+                yield cursor
+            except duckdb.IOException as error:  # a part removed since the snapshot
+                raise _stale(self.root, error) from error
 
     def close(self) -> None:
         with self._swap:
@@ -190,8 +215,17 @@ class Browser:
 
     def refresh(self) -> None:
         """A new snapshot: parts written since the last one become visible. Reads in flight finish
-        on the old one; a query running in the old SQL box is interrupted."""
-        pages, box = self._open()
+        on the old one; a query running in the old SQL box is interrupted. One that cannot be taken
+        (the warehouse gone, a compaction removing parts as they are listed) raises a
+        WarehouseError, and the old snapshot stays."""
+        try:
+            pages, box = self._open()
+        except WarehouseError as error:
+            if not self.root.is_dir():
+                raise _stale(self.root, error) from error
+            raise
+        except (OSError, duckdb.Error) as error:
+            raise _stale(self.root, error, "no new snapshot could be taken") from error
         with self._swap:
             old_pages, old_box = self._pages, self.sql
             self._pages, self.sql = pages, box
@@ -253,8 +287,8 @@ class Browser:
                 return self.warehouse.read_rollout(rollout_id, connection)
             part = Path(found[0][0])
             twin = self.root / schema.SEGMENTS.name / part.relative_to(self.root / schema.ROLLOUTS.name)
-            rollouts = _read(connection, schema.ROLLOUTS, part, rollout_id, "")
-            segments = _read(connection, schema.SEGMENTS, twin, rollout_id, "ORDER BY seq")
+            rollouts = _read(connection, schema.ROLLOUTS, part, rollout_id, "", self.root)
+            segments = _read(connection, schema.SEGMENTS, twin, rollout_id, "ORDER BY seq", self.root)
         return (rollouts[0] if rollouts else None), segments
 
     def read_purified_of(self, rollout_id: str, iteration: int,
@@ -270,14 +304,14 @@ class Browser:
 
 
 def _read(connection: duckdb.DuckDBPyConnection, dataset: schema.Dataset, part: Path, rollout_id: str,
-          order: str) -> list:
+          order: str, root: Path) -> list:
     """One rollout's rows of one part file."""
     try:
         table = connection.sql(
             f"SELECT {', '.join(dataset.columns)} FROM read_parquet(?, hive_partitioning = false) "
             f"WHERE rollout_id = ? {order}", params=[str(part), rollout_id]).to_arrow_table()
     except duckdb.Error as error:  # removed since the snapshot, e.g. by a compaction
-        raise WarehouseError(f"{part}: cannot be read ({error}); refresh the browser") from error
+        raise _stale(root, error, f"{part} cannot be read") from error
     return schema.from_table(dataset, table)
 
 

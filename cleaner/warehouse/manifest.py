@@ -188,15 +188,18 @@ def _check_duckdb_reads(paths: Sequence[Path], dataset: Dataset) -> None:
         return
     # every value of every column each part has (matched by name, so parts of other vintages mix)
     query = "SELECT bit_xor(hash(COLUMNS(*))) FROM read_parquet(?, hive_partitioning = false, union_by_name = true)"
-    connection = duckdb.connect(":memory:")
-    try:
-        connection.execute(query, [[str(path) for path in paths]]).fetchall()
-        return
-    except duckdb.Error as error:
-        together = error
-    for path in paths:
+    # closed however this ends: a refusal's traceback would otherwise keep the database and its
+    # worker threads alive until the interpreter exits, which may abort ("terminate called
+    # without an active exception") while they still run
+    with duckdb.connect(":memory:") as connection:
         try:
-            connection.execute(query, [[str(path)]]).fetchall()
+            connection.execute(query, [[str(path) for path in paths]]).fetchall()
+            return
         except duckdb.Error as error:
-            raise WarehouseError(f"{path}: DuckDB cannot read its pages ({error})") from error
+            together = str(error)
+        for path in paths:
+            try:
+                connection.execute(query, [[str(path)]]).fetchall()
+            except duckdb.Error as error:
+                raise WarehouseError(f"{path}: DuckDB cannot read its pages ({error})") from error
     logger.warning("DuckDB reads each of %d %s parts but not all together: %s", len(paths), dataset.name, together)

@@ -5,9 +5,12 @@ its dataset card states.
 Design decisions:
 - The selection is a table of the connection's in-memory database (every cursor sees it) of (rollout_id, iteration, group_id, sample_index),
   made once from `rollouts` over `Warehouse.connect()`'s views; `--where` is one SQL condition over
-  that view's columns (a subquery may read any view). It is checked to be a single expression (a
-  `;` or a second statement is refused) and DuckDB binds it before anything is written, so an
-  unknown column or bad syntax is one error line.
+  that view's columns (a subquery may read any view). DuckDB's parser decides that it is one:
+  `SELECT 1 WHERE <condition>` must parse as one statement whose tree, its WHERE clause aside, is
+  `SELECT 1 WHERE TRUE`'s, so a closing parenthesis that escapes (`true) OR (true`), a second
+  statement, a set operation, ORDER BY, LIMIT or GROUP BY is refused, and a comment is fine (the
+  condition is spliced between newlines, in parentheses). DuckDB then binds it before anything is
+  written, so an unknown column or bad syntax is one error line.
 - Streaming: one query per dataset, each ordered by (iteration, group_id, sample_index,
   rollout_id[, seq]), read in record batches from a cursor of its own, so a group's rollouts come
   together (outcome pairs need whole groups) and the output's order is the plan's. DuckDB sorts
@@ -23,12 +26,14 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import duckdb
 import pyarrow as pa
 
+from cleaner.interrupts import watched
 from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import schema
 from cleaner.warehouse.parts import WarehouseError
@@ -81,7 +86,8 @@ def collected_iterations(connection: duckdb.DuckDBPyConnection) -> list[int]:
 def select(connection: duckdb.DuckDBPyConnection, iterations: Sequence[int], where: str | None) -> int:
     """Make the selection: the rollouts of `iterations` for which `where` holds; how many."""
     condition = "TRUE" if where is None else where
-    query = f"SELECT rollout_id, iteration, group_id, sample_index FROM rollouts WHERE iteration IN ({_ints(iterations)}) AND ({condition})"
+    query = (f"SELECT rollout_id, iteration, group_id, sample_index FROM rollouts WHERE iteration IN "
+             f"({_ints(iterations)}) AND (\n{condition}\n)")  # newlines: a trailing -- comment ends there
     if where is not None:
         _check_condition(connection, where, query)
     try:
@@ -93,18 +99,41 @@ def select(connection: duckdb.DuckDBPyConnection, iterations: Sequence[int], whe
 
 
 def _check_condition(connection: duckdb.DuckDBPyConnection, where: str, query: str) -> None:
-    """One expression over the rollouts view, or WarehouseError saying what is wrong."""
+    """One expression over the rollouts view, or WarehouseError saying what is wrong (module
+    docstring)."""
+    probe = f"SELECT 1 WHERE\n{where}\n"
     try:
-        statements = duckdb.extract_statements(query)
+        statements = connection.extract_statements(probe)  # not the module's: its default database lives on
     except duckdb.Error as error:
         raise WarehouseError(f"--where {where!r} is not valid SQL: {_first_line(error)}") from error
-    if len(statements) != 1 or ";" in where:
-        raise WarehouseError(f"--where {where!r}: expected one condition over the rollouts view's columns, "
-                             "e.g. \"correct and n_failed_calls = 0\"")
+    if len(statements) != 1 or _shape(connection, probe) != _shape(connection, "SELECT 1 WHERE\nTRUE\n"):
+        raise WarehouseError(f"--where {where!r}: expected one condition over the rollouts view's columns (no "
+                             "second statement, set operation, ORDER BY, LIMIT or GROUP BY, and no parenthesis "
+                             "closing what it did not open), e.g. \"correct and n_failed_calls = 0\"")
     try:
         connection.execute(f"EXPLAIN {query}")  # binds every name without running it
     except duckdb.Error as error:
         raise WarehouseError(f"--where {where!r}: {_first_line(error)}") from error
+
+
+def _shape(connection: duckdb.DuckDBPyConnection, query: str) -> object:
+    """DuckDB's parse tree of the one SELECT `query`, without its WHERE clause and the places in
+    the text (None where it cannot be serialised: not a SELECT)."""
+    ((serialized,),) = connection.execute("SELECT json_serialize_sql(?)", [query]).fetchall()
+    tree = json.loads(serialized)
+    if tree.get("error") or len(tree["statements"]) != 1:
+        return None
+    node = dict(tree["statements"][0]["node"])
+    node.pop("where_clause", None)
+    return _without_locations(node)
+
+
+def _without_locations(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: _without_locations(item) for key, item in value.items() if not key.startswith("query_location")}
+    if isinstance(value, list):
+        return [_without_locations(item) for item in value]
+    return value
 
 
 def _first_line(error: Exception) -> str:
@@ -192,9 +221,10 @@ def _batches(connection: duckdb.DuckDBPyConnection, query: str, batch_rows: int,
              params: list | None = None) -> Iterator[pa.Table]:
     cursor = cursor_of(connection)  # a result of its own: the streams are read side by side
     try:
-        reader = cursor.sql(query, params=params or None).to_arrow_reader(batch_rows)
-        for batch in reader:
-            yield pa.Table.from_batches([batch])
+        with watched(cursor):  # a Ctrl-C interrupts its sort (a connection of its own)
+            reader = cursor.sql(query, params=params or None).to_arrow_reader(batch_rows)
+            for batch in reader:
+                yield pa.Table.from_batches([batch])
     finally:
         cursor.close()
 

@@ -5,6 +5,12 @@ convenience views (docs/architecture.md §3, "SQL").
 builds the views over exactly those files. A view reads an explicit file list bound as a DuckDB
 variable, never spelled as SQL text, and a dataset without parts gets an empty view with its
 columns. Parts written before a column was added lack it: matched by name, then defaulted.
+
+`through_arrow` reads the parts through pyarrow datasets registered on the connection instead:
+DuckDB then opens no file of the warehouse, so a connection whose file access is limited to
+another directory (`cleaner sql --allow-write DIR`) has no path into the warehouse at all, not
+even to a part it reads (DuckDB's `allowed_paths` would let a COPY overwrite that part). Such
+views belong to that one connection (`cursor_of` does not carry them).
 """
 
 from __future__ import annotations
@@ -12,17 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
+import pyarrow.dataset
 
 from cleaner.warehouse.schema import DATASETS, Dataset
 
 
-def open_views(visible: dict[str, list[Path]], settings: dict[str, object] | None = None
-               ) -> duckdb.DuckDBPyConnection:
+def open_views(visible: dict[str, list[Path]], settings: dict[str, object] | None = None,
+               through_arrow: bool = False) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per dataset over its `visible` parts, plus the
-    convenience views; `settings` are DuckDB's, given when the database is opened."""
+    convenience views; `settings` are DuckDB's, given when the database is opened;
+    `through_arrow`: the parts are read by pyarrow, never opened by DuckDB (module docstring)."""
     connection = duckdb.connect(":memory:", config=settings or {})
     for dataset in DATASETS.values():
-        _create_view(connection, dataset, visible[dataset.name])
+        _create_view(connection, dataset, visible[dataset.name], through_arrow)
     for name, query in CONVENIENCE_VIEWS.items():
         connection.execute(f"CREATE VIEW {name} AS {query}")
     return connection
@@ -44,16 +52,31 @@ def parts_variable(dataset: Dataset) -> str:
     return f"_cleaner_parts_{dataset.name}"
 
 
-def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path]) -> None:
+def visible_of(connection: duckdb.DuckDBPyConnection) -> dict[str, list[Path]]:
+    """The parts each view of `connection` (made by `open_views` from files) reads."""
+    visible = {}
+    for name, dataset in DATASETS.items():
+        ((parts,),) = connection.execute("SELECT getvariable(?)", [parts_variable(dataset)]).fetchall()
+        visible[name] = [Path(part) for part in parts or ()]  # unset (NULL) for a dataset without parts
+    return visible
+
+
+def _create_view(connection: duckdb.DuckDBPyConnection, dataset: Dataset, parts: list[Path],
+                 through_arrow: bool = False) -> None:
     if not parts:
         _create_empty(connection, dataset)
         connection.execute(f"CREATE VIEW {dataset.name} AS SELECT * FROM _empty_{dataset.name}")
         return
-    # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
-    # paths costs DuckDB more than the rest of connect() together.
-    connection.execute(f"SET VARIABLE {parts_variable(dataset)} = ?", [[str(p) for p in parts]])
-    by_name = ", union_by_name = true" if dataset.added else ""
-    source = f"read_parquet(getvariable('{parts_variable(dataset)}'), hive_partitioning = false{by_name})"
+    if through_arrow:  # pyarrow reads the parts, and a part without an added column reads it as null
+        source = f"_arrow_{dataset.name}"
+        connection.register(source, pyarrow.dataset.dataset([str(p) for p in parts], schema=dataset.schema,
+                                                            format="parquet"))
+    else:
+        # The file list goes in as a bound parameter, not as SQL text: parsing thousands of quoted
+        # paths costs DuckDB more than the rest of connect() together.
+        connection.execute(f"SET VARIABLE {parts_variable(dataset)} = ?", [[str(p) for p in parts]])
+        by_name = ", union_by_name = true" if dataset.added else ""
+        source = f"read_parquet(getvariable('{parts_variable(dataset)}'), hive_partitioning = false{by_name})"
     columns = ", ".join(dataset.columns)
     if dataset.added:  # a part written before a column was added lacks it: matched by name, defaulted
         _create_empty(connection, dataset)

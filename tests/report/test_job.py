@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 from typer.testing import CliRunner
 
 from cleaner.cli import app
@@ -141,10 +142,34 @@ def test_report_out_at_a_warehouse_or_a_users_directory_is_refused_untouched(tmp
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("my notes")
-    for out in (warehouse.root, mine):
+    refusals = {warehouse.root: f"--out {warehouse.root} is inside the warehouse {warehouse.root}",
+                mine: f"{mine}: will not replace it with a report: cleaner did not write it"}
+    for out, says in refusals.items():
         before = tree_digest(out)
         result = runner.invoke(app, ["report", "-w", str(warehouse.root), "--out", str(out)])
         output = " ".join(result.output.split())
         assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
-        assert f"{out}: will not replace it with a report: cleaner did not write it" in output
+        assert says in output
         assert tree_digest(out) == before
+
+
+def test_report_out_inside_the_warehouse_is_refused_and_nothing_is_written(tmp_path):
+    """A report in a partition would be a foreign file every reader trips on; a link into the
+    warehouse is inside it too."""
+    warehouse = _collected(tmp_path / "wh")
+    (tmp_path / "link").symlink_to(warehouse.root / "rollouts")
+    before = tree_digest(warehouse.root)
+    for out in (warehouse.root / "rollouts" / "iteration=0" / "report", tmp_path / "link" / "report"):
+        result = runner.invoke(app, ["report", "-w", str(warehouse.root), "--out", str(out)])
+        output = " ".join(result.output.split())
+        assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+        assert f"--out {out} is inside the warehouse {warehouse.root}" in output
+    assert tree_digest(warehouse.root) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], indirect=True)
+def test_a_report_is_made_as_mkdir_and_open_make_them(tmp_path, umask):
+    from tests.helpers import wrong_modes
+
+    report_job(_collected(tmp_path / "wh"), tmp_path / "out")
+    assert (tmp_path / "out" / "report.md").is_file() and wrong_modes(tmp_path / "out", umask) == []

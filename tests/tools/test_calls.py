@@ -349,3 +349,27 @@ def test_a_call_that_has_ended_is_never_given_up():
         assert calls._give_up(call, 5.0) is None and calls.hung.count == 0
     finally:
         calls.close()
+
+
+def test_what_is_sent_to_a_loop_blocked_now_waits_a_second_not_its_bound():
+    """A loop silent past BLOCKED_S (a coroutine works synchronously there) would start a `close`
+    only once it is back: `submit` gives it BLOCKED_WAIT_S, not the 10 s it was given."""
+    calls = CoroutineCalls("tool 'slow'")
+    blocking, release = threading.Event(), threading.Event()
+
+    async def blocks():
+        blocking.set()
+        release.wait(BOUND_S)
+
+    asyncio.run_coroutine_threadsafe(blocks(), calls.loop())
+    try:
+        assert blocking.wait(BOUND_S)
+        time.sleep(0.8)  # silent past BLOCKED_S, no call given up
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"^tool 'slow''s event loop is blocked \(silent for \d\.\d s\) and did "
+                                               r"not come back within 1 s$"):
+            calls.submit(asyncio.sleep(0), 10.0)
+        assert 0.9 <= time.monotonic() - started < 3
+    finally:
+        release.set()
+        calls.close()

@@ -249,6 +249,8 @@ def test_a_select_returns_its_rows_and_a_csv(client):
     ("SELECT * FROM read_csv('/etc/passwd')", "Permission Error"),
     ("SELECT * FROM glob('/etc/*')", "Permission Error"),
     ("SELECT nope FROM rollouts", "the query failed"),
+    ("EXPLAIN ANALYZE COPY rollouts TO '/tmp/out.csv'", "an EXPLAIN statement"),  # it would run the COPY
+    ("UPDATE EXTENSIONS", "a statement of a kind cleaner does not know"),
 ])
 def test_anything_but_one_select_is_refused(client, query, says):
     response = client.get("/sql", params={"q": query})

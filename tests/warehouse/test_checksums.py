@@ -321,3 +321,23 @@ def test_a_flip_in_the_pages_of_a_part_never_read_is_named_or_harmless(warehouse
     root, expected = warehouses["fresh"]
     outcomes = _flip_and_read(root, expected[dataset], dataset, data.draw, anywhere=False)
     assert set(outcomes) <= {"named", "harmless"}
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_refusal_leaves_no_duckdb_database_running(tmp_path):
+    """The part DuckDB cannot read is named with the checking database closed, its worker threads
+    ended, even while the refusal (its traceback) is still held: threads left running at exit
+    could abort the interpreter ("terminate called without an active exception", rc 134)."""
+    healthy = _collected(tmp_path / "healthy")
+    healthy.connect().close()  # pyarrow's and DuckDB's pools of this process, started once
+    wh = _collected(tmp_path / "flipped")
+    part = list_parts(wh.root, schema.ROLLOUTS)[0]
+    flip_in_place(part, _flip_only_duckdb_rejects(part), 0x01)
+    before = _threads()
+    with pytest.raises(WarehouseError, match="DuckDB cannot read its pages") as refused:
+        wh.connect()
+    assert refused.value.__traceback__ is not None and _threads() == before

@@ -69,6 +69,7 @@ from cleaner.engine.grading.runner import Rewards
 from cleaner.engine.model.base import Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat
 from cleaner.errors import CollectionStopped, Interrupted
+from cleaner.interrupts import deferred, say_stopping
 from cleaner.records import Rollout, ToolStatus
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ MAX_PENDING_PARTS = 2  # finished parts waiting for the writer before the schedu
 FAULT_WINDOW = 64  # the last requests the fault share is measured over
 MAX_FAULT_SHARE = 0.5  # a share of failed requests in the window that stops the collection ...
 MIN_FAULTS = 8  # ... once at least this many of them failed
+STOPPING = "committing the parts already finished"  # what a further Ctrl-C says while a collection stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,7 @@ def collect(
         if ctrl_c.pressed and (stopped is None or isinstance(stopped, asyncio.CancelledError)):
             stopped = KeyboardInterrupt()  # the collection's cancel was the Ctrl-C's
         bar.close()
-        with _interrupts_deferred():  # a second Ctrl-C while stopping waits for the stop
+        with deferred(STOPPING):  # a second Ctrl-C while stopping waits for the stop
             main.cancel()
             loop.run_until_complete(asyncio.gather(main, return_exceptions=True))
             loop.run_until_complete(run.stop())
@@ -224,21 +226,7 @@ class _CtrlC:
 
 def _say_stopping() -> None:
     """What a Ctrl-C says once the collection is stopping already."""
-    logger.warning("stopping: committing the parts already finished")
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """While a collection stops, a further Ctrl-C says it is stopping instead of interrupting the stop."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, lambda *_: _say_stopping())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    say_stopping(STOPPING)
 
 
 # ---------------------------------------------------------------------------------------------

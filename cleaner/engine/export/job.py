@@ -6,7 +6,8 @@ Design decisions:
   manifest stays in memory), DuckDB spills into a private temporary directory, so a warehouse on
   a read-only file system exports.
 - Everything that can be refused is refused before the output folder exists: the iterations (not
-  collected; not purified, for `--view purified`), `--where`, the purify config, each policy's
+  collected; not purified, for `--view purified`), `--where` (and a selection of nothing: a
+  folder of no rows is refused, never written), the purify config, each policy's
   tokenizer and chat template, an `--out` holding anything unless `--overwrite` (and then only a
   dataset cleaner exported: `outputs.py`). The folder is written beside `--out` and swapped in
   whole (`outputs.atomic_directory`), so an export that fails leaves nothing half-written.
@@ -47,7 +48,8 @@ from cleaner.engine.export.folder import (
 from cleaner.engine.export.policy import Policy, policy_for
 from cleaner.engine.saar.walk import View
 from cleaner.errors import JobError
-from cleaner.outputs import DATASET, OutputError, atomic_directory, check_replaceable
+from cleaner.interrupts import QueryStop, watched
+from cleaner.outputs import DATASET, OutputError, atomic_directory, check_outside, check_replaceable
 from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse, selection
 
@@ -140,15 +142,20 @@ class _Plan:
 def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool = True) -> ExportOutcome:
     """Write the dataset folder `request.out` from `warehouse` (module docstring)."""
     started = time.monotonic()
-    _check_out(request)
+    _check_out(request, warehouse)
     readonly = Warehouse(warehouse.root, read_only=True)
+    # a Ctrl-C interrupts the query running (a long --where), and the stop comes before the swap
+    stop = QueryStop("interrupting the export", f"nothing was written ({request.out} is as it was)")
     with tempfile.TemporaryDirectory(prefix="cleaner-export-") as spill:
-        connection = readonly.connect(settings={"temp_directory": spill, "memory_limit": DUCKDB_MEMORY})
+        with stop:
+            connection = readonly.connect(settings={"temp_directory": spill, "memory_limit": DUCKDB_MEMORY})
         try:
-            plan = _plan(connection, readonly, request)
-            with atomic_directory(request.out, DATASET) as directory:
+            with stop, watched(connection):
+                plan = _plan(connection, readonly, request)
+            with atomic_directory(request.out, DATASET) as directory, stop, watched(connection):
                 shards = Shards(directory, request.form, request.rows_per_shard)
-                tally = _write(connection, plan, request, shards, progress)
+                tally = _write(connection, plan, request, shards, progress, stop)
+                _check_written(tally, request)
                 paths = shards.close()
                 facts = _facts(warehouse, request, plan, tally, len(paths), shards.bytes)
                 (directory / "README.md").write_text(card(facts))
@@ -180,8 +187,9 @@ def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Ta
         kinds=tally.kinds, errors=tally.errors)
 
 
-def _check_out(request: ExportRequest) -> None:
+def _check_out(request: ExportRequest, warehouse: Warehouse) -> None:
     out = Path(request.out)
+    check_outside(out, warehouse.root, "--out")
     if out.is_dir() and any(out.iterdir()) and not request.overwrite:
         raise OutputError(f"--out {out} is not empty; pass --overwrite to replace a dataset cleaner "
                           "exported there, or choose another folder")
@@ -198,7 +206,11 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
     if missing:
         have = ", ".join(map(str, collected)) or "none"
         raise JobError(f"{warehouse.root}: iteration {missing[0]} is not collected (collected: {have})")
+    logger.debug("selecting the rollouts of iteration(s) %s", _listed(request.iterations))
     selected = selection.select(connection, request.iterations, request.where)
+    if not selected:
+        which = "no rollout" if request.where is None else f"no rollout for which --where {request.where!r} holds"
+        raise JobError(f"iteration(s) {_listed(request.iterations)} hold {which}: nothing to export")
     config = _config(connection, warehouse, request)
     defaults = PurifyConfig()
     saar = View(purified=True, gamma=config.gamma if config else defaults.gamma,
@@ -209,7 +221,20 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
     if request.form == Form.PREFERENCE:
         query = selection.FIXED_CHAINS if request.pairs == Pairs.CHAIN else selection.OUTCOME_PAIRS
         counted = selection.count(connection, query)
+        if not counted:
+            raise JobError(f"the {selected} selected rollouts hold no {request.pairs} pair (the documented SQL "
+                           f"count is 0: {_NO_PAIRS[request.pairs]}): nothing to export")
     return _Plan(selected, config, saar, policies, counted)
+
+
+_NO_PAIRS = {Pairs.CHAIN: "no failed call that a later call of its step fixed",
+             Pairs.OUTCOME: "no group with both a correct and an incorrect rollout"}
+
+
+def _check_written(tally: _Tally, request: ExportRequest) -> None:
+    """A folder without rows is never swapped in (what `_plan` counted said there would be some)."""
+    if not tally.rows:
+        raise JobError(f"no {request.form} row came of the selection: nothing to export")
 
 
 def _config(connection, warehouse: Warehouse, request: ExportRequest) -> PurifyConfigRow | None:
@@ -257,11 +282,13 @@ def _listed(values) -> str:
 # Rows
 
 
-def _write(connection, plan: _Plan, request: ExportRequest, shards: Shards, progress: bool) -> _Tally:
+def _write(connection, plan: _Plan, request: ExportRequest, shards: Shards, progress: bool,
+           stop: QueryStop) -> _Tally:
     tally = _Tally()
     config_id = plan.config.config_id if request.purified_rows else None
     with tqdm(total=plan.selected, desc="export", unit="rollout", disable=not progress) as bar:
         for batch in selection.stream(connection, request.batch_rows, config_id):
+            stop.check()  # a Ctrl-C between the streams' reads
             if request.form == Form.PREFERENCE and not request.chain_pairs:
                 for _, group in groupby(batch, key=lambda c: c.rollout.group_id):
                     _outcome_rows(list(group), plan, request, shards, tally)

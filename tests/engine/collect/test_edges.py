@@ -482,6 +482,30 @@ def test_open_and_close_are_bounded(monkeypatch, caplog):
         "tool stuck: closing it failed: TimeoutError(\"tool 'stuck' did not return within 0.3 s\")"]
 
 
+def test_a_tool_whose_loop_is_blocked_does_not_hold_up_the_close(monkeypatch, caplog):
+    """A call blocks its tool's loop for good: the close waits a second for the loop, not the
+    tool's whole close timeout (10 s here), and says so in one warning."""
+    from cleaner.tools import calls as calls_module
+    from cleaner.tools import toolbox as toolbox_module
+
+    monkeypatch.setattr(calls_module, "LOOP_GRACE_S", 0.3)
+    monkeypatch.setattr(toolbox_module, "CLOSE_TIMEOUT_S", 10.0)
+    release = threading.Event()
+    box = Toolbox([Stuck(release)])
+    try:
+        assert asyncio.run(box.run("stuck", {"n": 0})).status == "timeout"  # its loop is blocked now
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="cleaner.tools.toolbox"):
+            box.close()
+        closing_s = time.monotonic() - started
+    finally:
+        release.set()
+    assert 0.9 <= closing_s < 3, closing_s
+    (warning,) = [record.getMessage() for record in caplog.records if "closing" in record.getMessage()]
+    assert re.fullmatch(r"tool stuck: closing it failed: TimeoutError\(\"tool 'stuck''s event loop is blocked \(silent "
+                        r"for \d+\.\d s\) and did not come back within 1 s\"\)", warning), warning
+
+
 class Opens(Tool):
     """A coroutine tool whose `open` succeeds, or raises `error`."""
 

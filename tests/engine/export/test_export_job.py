@@ -150,7 +150,16 @@ def _refused(small_run, tmp_path, args: list[str], *expected: str) -> None:
     (["--iteration", "0", "--format", "parquet"], ["--format", "sft, preference, messages", "'parquet'"]),
     (["--iteration", "0", "--format", "sft", "--where", "correct and"], ["--where 'correct and'"]),
     (["--iteration", "0", "--format", "sft", "--where", "nonsense_column > 1"], ["nonsense_column"]),
-    (["--iteration", "0", "--format", "sft", "--where", "true; DROP TABLE rollouts"], ["is not valid SQL"]),
+    (["--iteration", "0", "--format", "sft", "--where", "true; DROP TABLE rollouts"], ["expected one condition"]),
+    (["--iteration", "0", "--format", "sft", "--where", "true) OR (true"], ["is not valid SQL", "near \")\""]),
+    (["--iteration", "0", "--format", "sft", "--where", "(correct)) OR ((true"], ["is not valid SQL"]),
+    (["--iteration", "0", "--format", "sft", "--where", "true UNION SELECT * FROM rollouts"], ["expected one condition"]),
+    (["--iteration", "0", "--format", "sft", "--where", "correct ORDER BY reward LIMIT 1"], ["expected one condition"]),
+    (["--iteration", "0", "--format", "sft", "--where", "true GROUP BY 1"], ["expected one condition"]),
+    (["--iteration", "0", "--format", "sft", "--where", "false"],
+     ["iteration(s) 0 hold no rollout for which --where 'false' holds: nothing to export"]),
+    (["--iteration", "0", "--format", "preference", "--where", "n_failed_calls = 0"],
+     ["hold no chain pair (the documented SQL count is 0", "nothing to export"]),
     (["--iteration", "x", "--format", "sft"], ["--iteration takes comma-separated iteration numbers"]),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(small_run, tmp_path, args, expected):
@@ -271,3 +280,120 @@ def test_a_chain_after_an_unrecovered_step_or_an_infra_fault_is_no_pair(tmp_path
     assert json.loads(first["chosen"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 8)"}
     assert json.loads(first["rejected"][0]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(6 * 7)"}
     assert first["depth"] == "shallow"  # "print(6 * 7)" vs "print(6 * 8)": ratio 11/12 >= gamma 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the folder goes, who may read it, who wins
+
+
+def test_out_inside_the_warehouse_is_refused_and_nothing_is_written(small_run, tmp_path):
+    """A folder in a partition (or anywhere under the warehouse) would be read as part of it."""
+    warehouse = small_run / "warehouse"
+    before = tree_digest(warehouse)
+    for out in (warehouse / "rollouts" / "iteration=0" / "ds", warehouse / "ds", warehouse):
+        result = runner.invoke(app, ["export", "-w", str(warehouse), "--out", str(out), "--iteration", "0",
+                                     "--format", "sft", "--overwrite"])
+        output = " ".join(result.output.split())
+        assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+        assert f"--out {out} is inside the warehouse {warehouse}" in output
+    assert tree_digest(warehouse) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], indirect=True)
+def test_a_dataset_is_made_as_mkdir_and_open_make_them(small_run, tmp_path, umask):
+    from tests.helpers import wrong_modes
+
+    outcome, _ = _export(small_run, tmp_path)
+    assert list((outcome.out / "data").iterdir()) and wrong_modes(outcome.out, umask) == []
+
+
+def test_of_two_exports_racing_to_one_new_out_exactly_one_wins(small_run, tmp_path, monkeypatch):
+    """The second export to finish finds the first's folder there: it says so in one line and
+    leaves the first's dataset as it was."""
+    import cleaner.engine.export.job as job
+
+    out = tmp_path / "ds"
+    written = job.card
+    racing = []
+
+    def card_after_another_export(facts):
+        if not racing:  # the first export to write its card lets another one finish first
+            racing.append(True)
+            racing.append(export_job(Warehouse(small_run / "warehouse"),
+                                     ExportRequest(iterations=(1,), form="sft", out=out), progress=False))
+        return written(facts)
+
+    monkeypatch.setattr(job, "card", card_after_another_export)
+    result = runner.invoke(app, ["export", "-w", str(small_run / "warehouse"), "--out", str(out), "--iteration", "0",
+                                 "--format", "sft"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 1 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert f"{out}: another writer put a dataset there while this one was writing; that one is kept" in output
+    assert racing[1].out == out and {row["iteration"] for row in pq.read_table(out / "data").to_pylist()} == {1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+# ---------------------------------------------------------------------------------------------
+# --where is one condition
+
+
+def test_a_where_is_one_condition_a_comment_included(small_run, tmp_path):
+    """A trailing comment ends at its line; a ';' inside a string literal is no second statement."""
+    ((correct,),) = _sql(small_run, "SELECT count(*) FROM rollouts WHERE iteration = 0 AND correct")
+    outcome, rows = _export(small_run, tmp_path, where="correct -- the ones that got it right")
+    assert outcome.rollouts == len(rows) == correct > 0 and all(row["correct"] for row in rows)
+    outcome, _ = _export(small_run, tmp_path / "literal", where="rollout_id <> 'a;b' AND correct")
+    assert outcome.rollouts == correct
+
+
+def test_a_parenthesis_that_escapes_never_selects_another_iteration(small_run, tmp_path):
+    """`true) OR (true` would have read `iteration IN (0) AND (true) OR (true)`: iteration 1 too."""
+    _refused(small_run, tmp_path, ["--iteration", "0", "--format", "sft", "--where", "true) OR (true"],
+             "--where 'true) OR (true' is not valid SQL")
+    _refused(small_run, tmp_path, ["--iteration", "0", "--format", "sft", "--where", "true)) OR ((true"],
+             "--where 'true)) OR ((true' is not valid SQL")
+
+
+def test_a_ctrl_c_during_a_long_where_stops_the_export_in_one_line(small_run, tmp_path):
+    """A real SIGINT while DuckDB runs the selection's query: exit 130 within seconds, one line, no
+    folder and no temporary beside it."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import cli, wait_for
+
+    out, log = tmp_path / "ds", tmp_path / "stderr.txt"
+    long_where = "(SELECT sum(hash(a)) FROM range(1000000000000) t(a)) IS NOT NULL"  # hours on any machine
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(cli("-v", "export", "-w", str(small_run / "warehouse"), "--iteration", "0",
+                                       "--format", "sft", "--out", str(out), "--where", long_where),
+                                   stdout=subprocess.DEVNULL, stderr=stderr)
+        wait_for(lambda: "selecting the rollouts" in log.read_text(), 120, process)
+        time.sleep(1.0)  # inside DuckDB's query now
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail("the export went on after its Ctrl-C")
+    assert time.monotonic() - sent < 10
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert process.returncode == 130 and "Traceback" not in text, text
+    assert errors == [f"error: interrupted: nothing was written ({out} is as it was)"], text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.txt"]
+
+
+def test_a_folder_without_rows_is_never_swapped_in(small_run, tmp_path, monkeypatch):
+    """Should the documented count say there are pairs where the walk finds none, the export
+    refuses at the end and leaves nothing: a folder of no rows is no dataset."""
+    import cleaner.engine.export.job as job
+    from cleaner.errors import JobError
+
+    monkeypatch.setattr(job.selection, "count", lambda connection, query: 1)
+    with pytest.raises(JobError, match="no preference row came of the selection: nothing to export"):
+        _export(small_run, tmp_path, form="preference", where="n_failed_calls = 0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

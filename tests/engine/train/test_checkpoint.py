@@ -245,3 +245,66 @@ def test_the_room_a_checkpoint_needs_is_what_it_takes(tmp_path):
     assert space.checkpoint_bytes(1000, "bfloat16") == 1000 * (2 + 8 + 4)  # + the float32 master weights
     assert space.checkpoint_bytes(1000, "float32", "deepspeed") == 1000 * (4 + 12)
     assert space.stored_parameters(tmp_path / "absent") is None
+
+
+# ---------------------------------------------------------------------------
+# Permissions and racing writers
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], indirect=True)
+def test_a_checkpoint_is_made_as_mkdir_and_open_make_them(tmp_path, umask):
+    """Under umask 022 a server or a colleague under another account reads it (folders 755, files
+    644); under 077 it stays private (700, 600)."""
+    from tests.helpers import wrong_modes
+
+    out_path = save_checkpoint_atomic(_tiny_model(0), None, tmp_path / "policy",
+                                      state_files={"optimizer/state.pt": {"step": 1}})
+    assert (out_path / "optimizer" / "state.pt").is_file()
+    assert wrong_modes(out_path, umask) == []
+
+
+def test_an_output_that_appeared_while_writing_is_kept_and_the_later_writer_fails(tmp_path):
+    """Two writers of one new path: the first to finish wins; the other leaves it as it is and says
+    so in one line, and leaves nothing of its own behind."""
+    out_path = tmp_path / "policy"
+    with pytest.raises(OutputError, match="another writer put a checkpoint there while this one was writing"):
+        with atomic_directory(out_path, "checkpoint") as late:
+            (late / "config.json").write_text("late")
+            save_checkpoint_atomic(_tiny_model(0), None, out_path, extra_files={"note.txt": "first"})
+    assert (out_path / "note.txt").read_text() == "first"
+    assert _siblings(out_path) == ["policy"]
+
+
+def test_an_output_replaced_while_writing_is_kept(tmp_path):
+    """--overwrite of an existing output: one that another writer replaced meanwhile is not
+    replaced again."""
+    out_path = tmp_path / "policy"
+    save_checkpoint_atomic(_tiny_model(0), None, out_path, extra_files={"note.txt": "old"})
+    with pytest.raises(OutputError, match="another writer put a checkpoint there"):
+        with atomic_directory(out_path, "checkpoint") as late:
+            (late / "config.json").write_text("late")
+            save_checkpoint_atomic(_tiny_model(1), None, out_path, extra_files={"note.txt": "replaced"})
+    assert (out_path / "note.txt").read_text() == "replaced"
+    assert _siblings(out_path) == ["policy"]
+
+
+def test_a_directory_that_appears_between_the_check_and_the_rename_is_kept(tmp_path, monkeypatch):
+    """The rename itself refuses a non-empty directory (every output holds its marker): the second
+    guard, for a writer that finished in the instant after the identity check."""
+    import cleaner.outputs as outputs
+
+    out_path = tmp_path / "policy"
+    checked, others = outputs.check_replaceable, []
+
+    def finish_another_first(path, kind):
+        checked(path, kind)
+        if not others:  # the late writer's check in its swap: another one finishes now
+            others.append(True)
+            save_checkpoint_atomic(_tiny_model(0), None, out_path, extra_files={"note.txt": "first"})
+
+    with pytest.raises(OutputError, match="another writer put a checkpoint there"):
+        with atomic_directory(out_path, "checkpoint") as late:
+            (late / "config.json").write_text("late")
+            monkeypatch.setattr(outputs, "check_replaceable", finish_another_first)
+    assert (out_path / "note.txt").read_text() == "first"
+    assert _siblings(out_path) == ["policy"]

@@ -175,7 +175,7 @@ def test_a_failed_output_write_keeps_the_file_it_would_replace(warehouse, tmp_pa
 
     monkeypatch.setattr(os, "fsync", disk_full)
     _fails(["sql", "FROM rollouts", "-w", str(warehouse.root), "-f", "csv", "-o", str(output)],
-           f"--output {output}: cannot write the result (No space left on device)")
+           f"--output {output}: cannot write it, no space left on the device")
     assert output.read_text() == "the previous result\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.csv", "wh"]
 

@@ -191,6 +191,7 @@ def _run_sql(store, query: str, spill: Path, allow_write: Path | None, verify: b
 def _print_sql(table, output_format: OutputFormat, output: Path | None) -> None:
     import polars as pl
 
+    from cleaner.errors import WriteError
     from cleaner.outputs import write_file_atomically
     from cleaner.report.tables import json_cells, result_table
 
@@ -208,8 +209,8 @@ def _print_sql(table, output_format: OutputFormat, output: Path | None) -> None:
         return
     try:
         write_file_atomically(output, text)
-    except OSError as exc:
-        raise fail(f"--output {output}: cannot write the result ({exc.strerror})") from exc
+    except WriteError as exc:  # the file, why, and for a full disk what to free
+        raise fail(f"--output {exc}") from exc
 
 
 def _rendered(renderable) -> str:

@@ -36,6 +36,7 @@ runner = CliRunner()
 # This round's new options, each at its default (a flag main had keeps its name and default).
 NEW_OPTIONS = {
     "collect": {"--skip-settled-prompts": 0},
+    "sql": {"--allow-write": None},
     "run": {"--skip-settled-prompts": 0, "--down-sample": "none", "--down-sample-to": None,
             "--roc-min-negatives": 2, "--roc-min-positives": 2, "--roc-error-ratio/--no-roc-error-ratio": True,
             "--roc-answer-format/--no-roc-answer-format": True, "--void-turn-filter/--no-void-turn-filter": False},

@@ -298,3 +298,37 @@ def test_the_sglang_engine_serves_a_merged_lora_checkpoint_as_the_torch_backend_
     assert_rows_close(served, [naive_logprobs(adapted, s)[p - 1:] for s, p in zip(sequences, starts, strict=True)])
     base = [naive_logprobs(load_policy(tiny_qwen3_dir), s)[p - 1:] for s, p in zip(sequences, starts, strict=True)]
     assert max(abs(a - b) for got, want in zip(served, base, strict=True) for a, b in zip(got, want, strict=True)) > 1e-3
+
+
+def test_the_room_a_lora_checkpoint_needs_is_what_it_takes(policy_dir, tmp_path):
+    """space.py's estimate with LoRA: the merged weights, the adapter (float32) and its AdamW state
+    alone; a LoRA checkpoint the trainer writes fits the room asked for, below a full checkpoint's."""
+    from cleaner.engine.train import space
+
+    assert space.checkpoint_bytes(1000, "float32", "torch", adapters=100) == 1000 * 4 + 100 * (4 + 8)
+    assert space.checkpoint_bytes(1000, "bfloat16", "deepspeed", adapters=100) == 1000 * 2 + 100 * (4 + 12)
+    result, config = _trained(policy_dir, tmp_path)
+    written = sum(f.stat().st_size for f in result.out_path.rglob("*") if f.is_file())
+    n = space.stored_parameters(policy_dir)
+    estimate = space.checkpoint_bytes(n, "float32", "torch", space.other_bytes(policy_dir),
+                                      adapter_parameters(result.model, config))
+    full = space.checkpoint_bytes(n, "float32", "torch", space.other_bytes(policy_dir))
+    # the tiny model's files are mostly headers, configs and peft's model card: the margin covers them
+    assert estimate < written <= space.needed_bytes(estimate) and written < full
+
+
+def test_the_train_job_asks_a_lora_checkpoint_its_own_room(policy_dir, tmp_path, monkeypatch):
+    """Free space between a LoRA checkpoint's need and a full one's: the LoRA job goes on, the other
+    is refused before training."""
+    from cleaner.engine.train import space
+    from cleaner.engine.train.job import TrainRequest, _check_room
+    from cleaner.errors import JobError
+
+    n, other = space.stored_parameters(policy_dir), space.other_bytes(policy_dir)
+    lora = TrainConfig(**LORA)
+    adapters = adapter_parameters(meta_model(policy_dir), lora)
+    monkeypatch.setattr(space, "free_bytes", lambda path: space.needed_bytes(
+        space.checkpoint_bytes(n, "float32", "torch", other, adapters)))
+    _check_room(TrainRequest(0, "c", policy_dir, tmp_path / "out", lora), None)
+    with pytest.raises(JobError, match="the checkpoint needs about"):
+        _check_room(TrainRequest(0, "c", policy_dir, tmp_path / "out", TrainConfig()), None)

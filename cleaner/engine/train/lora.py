@@ -86,7 +86,7 @@ def targeted(model: torch.nn.Module, targets: str) -> dict[str, torch.nn.Linear]
     if targets == LORA_ALL_LINEAR:
         return linear
     names = targets.split(",")
-    missing = [target for target in names if not any(_matches(name, target) for name in model_names(model))]
+    missing = [target for target in names if not any(_matches(name, target) for name in _model_names(model))]
     faults = ([f"has no module {' or '.join(missing)}"] if missing else []) + [
         fault for fault in (_target_fault(model, linear, head, target) for target in names if target not in missing)
         if fault]
@@ -108,7 +108,7 @@ def _target_fault(model: torch.nn.Module, linear: dict, head: torch.nn.Module, t
     return None
 
 
-def model_names(model: torch.nn.Module) -> list[str]:
+def _model_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name]
 
 
@@ -164,26 +164,28 @@ def check_setup(policy: str | Path, config: TrainConfig, model: torch.nn.Module 
     """LoraError before any work when the LoRA settings cannot train `policy` (module notes): peft
     missing, targets the model lacks, a LoRA checkpoint trained without a rank or with other
     adapters, or one whose base is gone. `model`: the policy in memory, if it is."""
-    saved = saved_adapter(policy) if model is None or not is_peft(model) else None
-    if config.lora_rank == 0:
-        if saved is not None:
-            raise LoraError(f"{policy}: a LoRA checkpoint (rank {saved.rank} adapters on {saved.base}): continue it "
-                            f"with {_flags(saved.rank, saved.alpha, config.lora_target_modules)}, or train its merged "
-                            "weights from a copy without its adapter/ and optimizer/ directories")
-        return
-    require_peft()
+    if config.lora_rank > 0:
+        require_peft()
     if model is not None and is_peft(model):
         return  # adapted already, under these settings
-    structure = model if model is not None else meta_model(policy)
-    layers = set(targeted(structure, config.lora_target_modules))
-    if saved is None:
+    saved = saved_adapter(policy)
+    if config.lora_rank == 0 and saved is None:
         return
-    saved_layers = set(targeted(structure, ",".join(saved.targets))) if saved.targets != (LORA_ALL_LINEAR,) else None
-    if (saved.rank, saved.alpha) != (config.lora_rank, config.lora_alpha) or (saved_layers or layers) != layers:
-        raise LoraError(f"{policy}: its adapters (rank {saved.rank}, alpha {saved.alpha}, on "
-                        f"{len(saved_layers or layers)} layers) are not the ones these settings train (rank "
-                        f"{config.lora_rank}, alpha {config.lora_alpha}, on {len(layers)}: "
-                        f"{config.lora_target_modules}); continue them with the settings they were trained with")
+    structure = model if model is not None else meta_model(policy)
+    if saved is None:
+        targeted(structure, config.lora_target_modules)
+        return
+    trained = set(targeted(structure, ",".join(saved.targets)))
+    flags = f"--lora-rank {saved.rank} --lora-alpha {saved.alpha} --lora-target-modules {_spelled(trained, structure)}"
+    if config.lora_rank == 0:
+        raise LoraError(f"{policy}: a LoRA checkpoint (rank {saved.rank} adapters on {saved.base}): continue it with "
+                        f"{flags}, or train its merged weights from a copy without its adapter/ and optimizer/ "
+                        "directories")
+    layers = set(targeted(structure, config.lora_target_modules))
+    if (saved.rank, saved.alpha) != (config.lora_rank, config.lora_alpha) or trained != layers:
+        raise LoraError(f"{policy}: its adapters (rank {saved.rank}, alpha {saved.alpha}, on {len(trained)} layers) "
+                        f"are not the ones these settings train (rank {config.lora_rank}, alpha {config.lora_alpha}, "
+                        f"on {len(layers)}); continue them with {flags}")
     try:
         check_model_path(saved.base)
     except CleanerError as error:
@@ -191,8 +193,12 @@ def check_setup(policy: str | Path, config: TrainConfig, model: torch.nn.Module 
                         f"'s base_model_name_or_path), which cannot be loaded: {error}") from error
 
 
-def _flags(rank: int, alpha: int, targets: str) -> str:
-    return f"--lora-rank {rank} --lora-alpha {alpha} --lora-target-modules {targets}"
+def _spelled(layers: set[str], model: torch.nn.Module) -> str:
+    """`--lora-target-modules` for these layers: all-linear, their last names, or their full names."""
+    if layers == set(targeted(model, LORA_ALL_LINEAR)):
+        return LORA_ALL_LINEAR
+    short = ",".join(sorted({name.rsplit(".", 1)[-1] for name in layers}))
+    return short if set(targeted(model, short)) == layers else ",".join(sorted(layers))
 
 
 # ---------------------------------------------------------------------------

@@ -252,8 +252,16 @@ def test_a_lora_checkpoint_continues_only_with_its_own_adapters_on_its_base(poli
                                         "--lora-alpha 8 --lora-target-modules all-linear"):
         check_setup(checkpoint, TrainConfig())
     for other in (dict(lora_rank=8), dict(lora_alpha=16), dict(lora_target_modules="q_proj")):
-        with pytest.raises(LoraError, match="are not the ones these settings train"):
+        with pytest.raises(LoraError, match="are not the ones these settings train.* continue them with --lora-rank 4 "
+                                            "--lora-alpha 8 --lora-target-modules all-linear"):
             check_setup(checkpoint, dataclasses.replace(config, **other))
+    narrow = _trained(policy_dir, tmp_path, "narrow", lora_target_modules="layers.1.self_attn.q_proj,v_proj")[0]
+    with pytest.raises(LoraError, match="continue it with --lora-rank 4 --lora-alpha 8 --lora-target-modules "
+                                        "model.layers.0.self_attn.v_proj,model.layers.1.self_attn.q_proj,"
+                                        "model.layers.1.self_attn.v_proj,"):
+        check_setup(narrow.out_path, TrainConfig())
+    check_setup(narrow.out_path, dataclasses.replace(config, lora_target_modules=(
+        "model.layers.0.self_attn.v_proj,model.layers.1.self_attn.q_proj,model.layers.1.self_attn.v_proj")))
     settings = json.loads((checkpoint / ADAPTER_DIR / "adapter_config.json").read_text())
     settings["base_model_name_or_path"] = str(tmp_path / "gone")
     (checkpoint / ADAPTER_DIR / "adapter_config.json").write_text(json.dumps(settings))

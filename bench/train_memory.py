@@ -169,13 +169,8 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
     reference = (True if lora else reference_for(path, proxy(1, vocab_size, shape, device).eval()
                                                  .requires_grad_(False), batch_rows, device)) if kl else None
     model = proxy(0, vocab_size, shape, device)
-    base = None
-    if lora:
-        from cleaner.config import TrainConfig
-        from cleaner.engine.train.lora import with_adapters
-
-        model = with_adapters(model, TrainConfig(**LORA), "proxy")
-        base = frozen_digest(model)
+    model = with_lora(model) if lora else model
+    base = frozen_digest(model) if lora else None
     optimization = None
     if optimizer:
         from cleaner.config import TrainConfig
@@ -218,6 +213,14 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
         result["step_above_static_mb"] = result["cuda_peak_mb"] - static_mb
         result["mfu"] = model_flops_utilisation(model.config, result["rows"], seconds, torch.cuda.get_device_name(device))
     return result
+
+
+def with_lora(model):
+    """The proxy with `LORA`'s adapters on every linear layer (a PeftModel)."""
+    from cleaner.config import TrainConfig
+    from cleaner.engine.train.lora import with_adapters
+
+    return with_adapters(model, TrainConfig(**LORA), "proxy")
 
 
 def frozen_digest(model) -> str:

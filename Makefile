@@ -63,7 +63,8 @@ test-gpu: setup
 
 # The train step at 16k and 32k tokens on a Qwen3-0.6B-shaped model, on a lent GPU, under 8 minutes,
 # float16 (the paper's dtype) against float32 with a forced overflow and a resumed scale, then a
-# co-located collect -> train -> collect where sglang is installed. It builds no venv: the
+# co-located collect -> train -> collect where sglang is installed, and a LoRA step beside the full one
+# where peft is (skipped, saying so, where it is not). It builds no venv: the
 # device image's python has torch with CUDA, transformers and pyarrow, which is all the train probes
 # need (bench/gpu_check.py finds cleaner in this checkout itself). Results in $(OUT) (or
 # runs/gpu-check): gpu_check.md and .json, gpu_colocated.md and .json.

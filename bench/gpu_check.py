@@ -18,6 +18,11 @@ Targets (on CUDA):
 6. float16, the paper's dtype (bench/gpu_float16.py: 0.6B, 4,096 tokens, the trainer's two steps):
    loss within 2e-2 and gradient norm within 5% of float32's; a forced overflow skipped (weights
    unchanged, grad norm non-finite, scale halved, schedule moved on); the scale saved and resumed.
+7. LoRA (rank 8 on every linear layer, the KL reference the base with the adapters disabled, AdamW
+   on the adapters; bfloat16, checkpointing, T = 16,384 on 0.6B): its step's peak at most 0.6x the
+   full step's (target 2's bfloat16 probe), the base unchanged bit for bit, and the memory estimate
+   within 15% of the allocated peak. It needs peft, which the device image lacks: there its row and
+   targets say "skipped: peft is not installed here" (pip install peft to measure them).
 And the model FLOPs utilisation of the 4B step (no target: reported).
 
 Every probe runs in a fresh process (a failure, out of memory included, is a row of its table, and
@@ -94,6 +99,15 @@ class Sizes:
                    (4, 256, 32, 128), "proxy")
 
 
+def has_peft() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
+LORA_SKIPPED = "skipped: peft is not installed here (pip install peft)"
+
+
 def train_plan(sizes: Sizes) -> list[dict]:
     """Every train probe, in order: name, path, shape, T, KL, timed steps, AdamW."""
     small, (mid, large) = sizes.small, sizes.scale
@@ -113,6 +127,8 @@ def train_plan(sizes: Sizes) -> list[dict]:
     for fit_shape, tokens, kl in sizes.fits:
         probes.append(dict(name=f"fit {fit_shape} {tokens}{'' if kl else ' KL off'}", path="chunked+gc+bf16",
                            shape=fit_shape, tokens=tokens, kl=kl, repeat=2, optimizer=True))
+    probes.append(dict(name=f"lora bf16 {mid}", path="chunked+gc+bf16+lora", shape=shape, tokens=mid, kl=True,
+                       repeat=2, optimizer=True))
     return probes
 
 
@@ -256,7 +272,8 @@ def _above_gib(probe: dict) -> float | None:
 
 def targets(sizes: Sizes, probes: dict[str, dict], side: dict[str, dict], out: Path) -> list[Target]:
     found = [equality_target(probes), *quadratic_targets(sizes, probes), *estimate_targets(sizes, probes),
-             scorer_target(sizes, side, out), rollouts_target(sizes, side, out), *float16_targets(sizes, side)]
+             scorer_target(sizes, side, out), rollouts_target(sizes, side, out), *float16_targets(sizes, side),
+             *lora_targets(sizes, probes)]
     fit = probes.get(f"fit qwen3-4b {sizes.fits[1][1]}") if sizes.cuda else None
     mfu = None if fit is None else fit.get("mfu")
     found.append(Target("MFU of the 4B step (20,480 tokens, AdamW): reported", "n/a (CPU)" if not sizes.cuda else
@@ -282,6 +299,29 @@ def float16_targets(sizes: Sizes, side: dict[str, dict]) -> list[Target]:
                    result["overflow_skipped"] and result["scale_halved"] and result["schedule_moved"]),
             Target(names[2], f"resumed scale {result['resumed_scale']:g}, growth interval {result['growth_interval']}",
                    result["scale_resumed"] and result["growth_interval"] == 400)]
+
+
+def lora_targets(sizes: Sizes, probes: dict[str, dict]) -> list[Target]:
+    """The LoRA probe's three checks (module notes, 7) against the full bfloat16 probe at its T."""
+    mid = sizes.scale[0]
+    lora, full = probes[f"lora bf16 {mid}"], probes[f"bf16 {mid}"]
+    names = (f"LoRA step (rank 8, all-linear, KL on, T={mid:,}): peak at most 0.6x the full step's",
+             "LoRA step leaves the base weights bit for bit",
+             f"estimate of the LoRA step ({sizes.shape}, {micro_tokens(mid):,} tokens): within 15% of allocated")
+    if lora.get("skipped"):
+        return [Target(name, lora["skipped"], None) for name in names]
+    if "error" in lora:
+        return [Target(name, f"the probe failed: {lora['error']}", False) for name in names]
+    unchanged = Target(names[1], f"base unchanged: {lora['base_unchanged']}", lora["base_unchanged"])
+    if not sizes.cuda:
+        return [Target(names[0], "n/a (CPU)", None), unchanged, Target(names[2], "n/a (CPU)", None)]
+    allocated = lora["cuda_peak_mb"] * 2**20
+    ratio = allocated / (full["cuda_peak_mb"] * 2**20) if "cuda_peak_mb" in full else None
+    estimate = estimate_of(sizes.shape, sizes.vocab, micro_tokens(mid), True, None, lora["trainable"])
+    return [Target(names[0], "the full probe failed" if ratio is None else f"{ratio:.2f}x ({allocated / 1e9:.2f} GB)",
+                   ratio is not None and ratio <= 0.6), unchanged,
+            Target(names[2], f"estimate {estimate.peak / 1e9:.2f} GB; allocated {allocated / 1e9:.2f} GB",
+                   abs(estimate.peak - allocated) <= 0.15 * allocated)]
 
 
 def equality_target(probes: dict[str, dict]) -> Target:
@@ -341,15 +381,16 @@ def estimate_targets(sizes: Sizes, probes: dict[str, dict]) -> list[Target]:
     return found
 
 
-def estimate_of(shape: str, vocab: int, tokens: int, kl: bool, device_mb: float | None):
+def estimate_of(shape: str, vocab: int, tokens: int, kl: bool, device_mb: float | None, trainable: int | None = None):
     from transformers import Qwen3Config
 
     from cleaner.engine.train import memory
 
     config = Qwen3Config(vocab_size=vocab, **SHAPES[shape])
-    return memory.plan(memory.ModelShape.of(config, memory.parameter_count(config)), micro_tokens=tokens,
+    parameters = memory.parameter_count(config)
+    return memory.plan(memory.ModelShape.of(config, parameters), micro_tokens=tokens,
                        compute_dtype="bfloat16", checkpointing=True, kl=kl, chunk_tokens=512, device_type="cuda",
-                       device_bytes=None if device_mb is None else int(device_mb * 2**20))
+                       device_bytes=None if device_mb is None else int(device_mb * 2**20), trainable=trainable)
 
 
 def scorer_target(sizes: Sizes, side: dict[str, dict], out: Path) -> Target:
@@ -400,6 +441,10 @@ def markdown(device: str, train: list[dict], side: list[dict], found: list[Targe
               "step above static GB | tokens/s | seconds | MFU | loss |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for probe in train:
+        if "skipped" in probe:
+            lines.append(f"| {probe['name']} | {probe['shape']} | {probe['tokens']:,} | {'on' if probe['kl'] else 'off'}"
+                         f" | {probe['skipped']} | - | - | - | - | - | - | - |")
+            continue
         if "error" in probe:
             lines.append(f"| {probe['name']} | {probe['shape']} | {probe['tokens']:,} | {'on' if probe['kl'] else 'off'}"
                          f" | {probe['error']} | - | - | - | - | - | - | - |")
@@ -461,9 +506,12 @@ def main() -> None:
     started = time.perf_counter()
     train = []
     for planned in train_plan(sizes):
-        result = run_probe(planned["path"], planned["tokens"], sizes.vocab, planned["shape"], args.device,
-                           planned["repeat"], timeout_s=args.timeout_s, optimizer=planned["optimizer"],
-                           kl=planned["kl"])
+        if planned["path"].endswith("+lora") and not has_peft():
+            result = {"skipped": LORA_SKIPPED}
+        else:
+            result = run_probe(planned["path"], planned["tokens"], sizes.vocab, planned["shape"], args.device,
+                               planned["repeat"], timeout_s=args.timeout_s, optimizer=planned["optimizer"],
+                               kl=planned["kl"])
         result = {**result, **{key: planned[key] for key in ("name", "shape", "tokens", "kl")}}
         print(json.dumps(result), flush=True)
         train.append(result)

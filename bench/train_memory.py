@@ -11,6 +11,9 @@ seconds, tokens per second, loss and gradient norm, so the paths are compared si
   chunked+bf16  the same with --compute-dtype bfloat16 (this CPU has no bfloat16 matmul: autocast
                 is emulated there and takes many minutes per probe)
   chunked+gc+bf16  both (what bench/gpu_check.py runs on a GPU)
+  <chunked path>+lora  the same step training rank-8 LoRA adapters on every linear layer (peft), the
+                KL reference the base with them disabled (no second model); bench/lora_memory.py
+                sets it beside the full step
 Shapes: `proxy` (hidden 256, intermediate 768, 2 layers, 4 heads, 2 KV heads, head_dim 64, untied
 embeddings) and `qwen3-0.6b` (Qwen3-0.6B's config: hidden 1024, 28 layers, tied embeddings), both
 with the real 151,936-token vocabulary unless --vocab says otherwise. The full path grows with
@@ -53,6 +56,8 @@ PATHS = {"full": FP32, "full+bf16": {"compute_dtype": "bfloat16"}, "chunked": FP
          "chunked+gc": {"gradient_checkpointing": True, **FP32},
          "chunked+bf16": {"compute_dtype": "bfloat16"},
          "chunked+gc+bf16": {"gradient_checkpointing": True, "compute_dtype": "bfloat16"}}
+LORA = {"lora_rank": 8, "lora_alpha": 16}  # `+lora`: rank-8 adapters on every linear layer (all-linear)
+PATHS |= {f"{path}+lora": {**settings, **LORA} for path, settings in PATHS.items() if path.startswith("chunked")}
 # the issue's anchor on the proxy, these machines: verl's FusedLinearForPPO (chunk 512), rows unpadded
 VERL_ANCHOR = {4096: (3.47, 34.0), 16384: (3.98, 144.0)}  # T: (max RSS GB, seconds)
 SETUP = ("One micro batch of two rows (T and T/4 tokens) through forward and backward with the KL term on,"
@@ -100,7 +105,8 @@ def rows(tokens: int, vocab_size: int):
 
 def micro_batch_step(path: str, model, reference, batch_rows, device: str, kl: bool = True):
     """Forward and backward of one micro batch on `path`; its MicroLoss. `reference`: the reference
-    model (full path), or its log-probs computed before (cleaner's step: step.ReferenceLogProbs);
+    model (full path), or its log-probs computed before (cleaner's step: step.ReferenceLogProbs), or
+    with LoRA `True`: the model's base, its adapters disabled, in the micro batch (lora.AdapterReference);
     None without the KL term."""
     from cleaner.config import TrainConfig
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
@@ -119,6 +125,10 @@ def micro_batch_step(path: str, model, reference, batch_rows, device: str, kl: b
         part.loss.backward()
         return part
     policy = TrainablePolicy(model, config)
+    if reference is True:
+        from cleaner.engine.train.lora import AdapterReference
+
+        reference = AdapterReference(policy, policy)
     with training(policy, config):
         part = forward_micro_batch(policy, reference, batch_rows, pack_rows(batch_rows, device), config, total)
         part.loss.backward()
@@ -152,11 +162,15 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
     if cuda:  # float32 means float32 (the equality checks); bfloat16 autocast is unaffected
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     batch_rows = rows(tokens, vocab_size)
+    lora = path.endswith("+lora")
     # cleaner's step computes the reference's log-probs before the policy exists and frees the
-    # reference (the full paths keep the reference model, as the plain step does)
-    reference = reference_for(path, proxy(1, vocab_size, shape, device).eval().requires_grad_(False),
-                              batch_rows, device) if kl else None
+    # reference (the full paths keep the reference model, as the plain step does); LoRA's is the
+    # policy's own base, so no second model is made
+    reference = (True if lora else reference_for(path, proxy(1, vocab_size, shape, device).eval()
+                                                 .requires_grad_(False), batch_rows, device)) if kl else None
     model = proxy(0, vocab_size, shape, device)
+    model = with_lora(model) if lora else model
+    base = frozen_digest(model) if lora else None
     optimization = None
     if optimizer:
         from cleaner.config import TrainConfig
@@ -185,7 +199,10 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
               "tokens_per_s": sum(len(r.token_ids) for r in batch_rows) / seconds, "loss": part.loss.item(),
               "entropy": float(part.entropy), "grad_norm": grad_norm, "kl": kl,
-              "parameters": sum(p.numel() for p in model.parameters())}
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if base is not None:  # measured after the peak: the digest reads each frozen weight once
+        result["base_unchanged"] = frozen_digest(model) == base
     if cuda:
         from cleaner.engine.train.flops import model_flops_utilisation
 
@@ -196,6 +213,28 @@ def probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device:
         result["step_above_static_mb"] = result["cuda_peak_mb"] - static_mb
         result["mfu"] = model_flops_utilisation(model.config, result["rows"], seconds, torch.cuda.get_device_name(device))
     return result
+
+
+def with_lora(model):
+    """The proxy with `LORA`'s adapters on every linear layer (a PeftModel)."""
+    from cleaner.config import TrainConfig
+    from cleaner.engine.train.lora import with_adapters
+
+    return with_adapters(model, TrainConfig(**LORA), "proxy")
+
+
+def frozen_digest(model) -> str:
+    """sha256 of every frozen weight's bytes, one tensor at a time (no copy of the model)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            digest.update(name.encode())
+            digest.update(memoryview(parameter.detach().cpu().contiguous().view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 def run_probe(path: str, tokens: int, vocab_size: int, shape: str = "proxy", device: str = "cpu",

@@ -331,3 +331,51 @@ def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
     _fails_cleanly(["run", "--run-dir", str(tmp_path / "r"), "--config", str(path)],
                    f"{path}: not valid TOML: byte 24 is not UTF-8 (counting from 0")
     assert not (tmp_path / "r").exists()
+
+
+def _lora_commands(tmp_path) -> list[list[str]]:
+    """train and run with the tiny policy, each writing under tmp_path (nothing, if refused)."""
+    return [["train", "-w", str(tmp_path / "w"), "--iteration", "0", "--config-id", "abc", "--policy",
+             str(DEFAULT_POLICY), "--out", str(tmp_path / "out")],
+            ["run", "--run-dir", str(tmp_path / "run"), "--iterations", "1", *SMALL]]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--lora-rank", "-1"], "invalid option: --lora-rank must be >= 0 (0 = off), got -1"),
+    (["--lora-rank", "8", "--lora-alpha", "0"], "invalid option: --lora-alpha must be > 0 with --lora-rank 8, got 0"),
+    # (a flag not given keeps its field's name: train says --lora-rank, run lora_rank)
+    (["--lora-alpha", "32"], ("--lora-alpha shape LoRA adapters, which", "rank 0 turns off: set",
+                              "rank > 0 too, or drop them")),
+    (["--lora-target-modules", "q_proj"], "--lora-target-modules shape LoRA adapters, which"),
+    (["--lora-rank", "8", "--lora-target-modules", "q_proj,qkv"],
+     "--lora-target-modules q_proj,qkv: model type 'qwen3' has no module qkv; its linear layers are down_proj, "
+     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or all-linear: every one)"),
+    (["--lora-rank", "8", "--lora-target-modules", "lm_head"], "has lm_head as its lm_head, whose weight the "
+                                                               "chunked head reads itself"),
+], ids=["negative-rank", "alpha-0", "alpha-without-rank", "targets-without-rank", "missing-target", "the-head"])
+def test_lora_settings_that_cannot_train_are_refused_before_any_work(tmp_path, flags, expected):
+    for command in _lora_commands(tmp_path):
+        _fails_cleanly([*command, *flags], *([expected] if isinstance(expected, str) else expected))
+    assert not (tmp_path / "w").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "run" / "warehouse").exists()
+
+
+def test_a_lora_checkpoint_trained_without_its_adapters_is_refused_before_any_work(tmp_path):
+    """`train --policy CKPT` on a LoRA checkpoint: without --lora-rank (it would train the merged
+    weights, the adapters' optimiser state beside them) or with other adapters, one line saying how
+    to continue it; nothing written."""
+    from cleaner.config import TrainConfig
+    from cleaner.engine.model.loading import load_policy
+    from cleaner.engine.train.trainer import train_iteration
+    from tests.factories import train_batch
+
+    config = TrainConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=4, lora_rank=4)
+    checkpoint = train_iteration(train_batch(load_policy(DEFAULT_POLICY)), DEFAULT_POLICY, tmp_path / "lora", config,
+                                 0, progress=False).out_path
+    command = ["train", "-w", str(tmp_path / "w"), "--iteration", "0", "--config-id", "abc", "--policy",
+               str(checkpoint), "--out", str(tmp_path / "out")]
+    _fails_cleanly(command, f"{checkpoint}: a LoRA checkpoint (rank 4 adapters on {DEFAULT_POLICY}): continue it "
+                            "with --lora-rank 4 --lora-alpha 16 --lora-target-modules all-linear")
+    _fails_cleanly([*command, "--lora-rank", "8"], "its adapters (rank 4, alpha 16, on 14 layers) are not the ones "
+                                                   "these settings train (rank 8")
+    assert not (tmp_path / "w").exists() and not (tmp_path / "out").exists()

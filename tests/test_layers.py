@@ -145,7 +145,8 @@ def test_only_a_stages_job_imports_the_warehouse():
 
 # What a run holds across iterations, besides the stages' jobs (docs/architecture.md §2)
 LOOP_ENGINE = ("cleaner.engine.model", "cleaner.engine.saar.premise", "cleaner.engine.train.deepspeed_config",
-               "cleaner.engine.train.deepspeed_engine", "cleaner.engine.train.optim", "cleaner.engine.train.trainer")
+               "cleaner.engine.train.deepspeed_engine", "cleaner.engine.train.lora", "cleaner.engine.train.optim",
+               "cleaner.engine.train.trainer")
 
 
 def test_the_loop_imports_the_jobs_and_what_a_run_holds_and_nothing_but_the_cli_imports_it():

@@ -33,6 +33,8 @@ ENV_POLICY = ASSETS_DIR / "tiny-policy-env"
 RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 
+LORA_ALL_LINEAR = "all-linear"  # peft's and verl's name for every linear layer but the output head
+
 REWARD_NAME = "compute_score"  # verl's custom_reward_function.name default: a file alone means it
 
 # The most rollouts one iteration plans (the paper's iterations hold 2,048): what a collection keeps
@@ -451,6 +453,9 @@ class TrainConfig(_Config):
     deepspeed_config: str | None = None  # DeepSpeed JSON (ZeRO stage, offload, precision) for --engine deepspeed
     device: str = "cpu"  # torch device
     seed: int = 0  # shuffling and dropout seed
+    lora_rank: int = 0  # LoRA: train rank-r adapters (peft) instead of the weights, the KL reference the base with them disabled (verl's lora_rank); 0 = off
+    lora_alpha: int = 16  # LoRA's scale is lora_alpha / lora_rank (verl's lora_alpha)
+    lora_target_modules: str = LORA_ALL_LINEAR  # the linear layers that get adapters: comma-separated module names (q_proj,v_proj) or all-linear, every one but the lm_head (verl's target_modules)
 
     @staticmethod
     def upgraded(saved: dict) -> dict:
@@ -513,6 +518,26 @@ class TrainConfig(_Config):
         _check_choice("engine", self.engine, ("torch", "deepspeed"))
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
                "engine deepspeed needs deepspeed_config")
+        _check_lora(self)
+
+
+def _check_lora(config: TrainConfig) -> None:
+    """LoRA's fields: a rank >= 0, and with a rank (0 is off, as verl's) a scale and the layers;
+    without one, neither (they would shape adapters that are not trained)."""
+    targets = ",".join(name.strip() for name in config.lora_target_modules.split(","))
+    _set(config, lora_target_modules=targets)
+    _check(config.lora_rank >= 0, f"lora_rank must be >= 0 (0 = off), got {config.lora_rank}")
+    _check(config.lora_rank == 0 or config.lora_alpha > 0,
+           f"lora_alpha must be > 0 with lora_rank {config.lora_rank}, got {config.lora_alpha}")
+    _check(all(targets.split(",")), f"lora_target_modules takes comma-separated module names or "
+           f"{LORA_ALL_LINEAR}, got {config.lora_target_modules!r}")
+    _check(targets == LORA_ALL_LINEAR or LORA_ALL_LINEAR not in targets.split(","),
+           f"lora_target_modules: {LORA_ALL_LINEAR} already names every linear layer, got {targets!r}")
+    changed = [name for name in ("lora_alpha", "lora_target_modules")
+               if getattr(config, name) != getattr(TrainConfig, name)]
+    _check(config.lora_rank > 0 or not changed,
+           f"{' and '.join(changed)} shape LoRA adapters, which lora_rank 0 turns off: set lora_rank > 0 too, "
+           "or drop them")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cleaner.config import CollectConfig, RunConfig
+from cleaner.config import CollectConfig, RunConfig, TrainConfig
 from cleaner.engine.collect.job import CollectOutcome, CollectRequest, collect_job
 from cleaner.engine.model import load_backend, require_backend
 from cleaner.engine.model.loading import check_device, check_model_path
@@ -66,6 +66,8 @@ from cleaner.engine.train.deepspeed_config import (
 )
 from cleaner.engine.train.deepspeed_engine import saved_optimizer_step
 from cleaner.engine.train.job import TrainRequest, train_job
+from cleaner.engine.train.lora import check_setup as check_lora
+from cleaner.engine.train.lora import saved_adapter
 from cleaner.errors import JobError
 from cleaner.loop.ranks import Ranks, agree, barrier, from_main, gather, join, same_everywhere
 from cleaner.outputs import CHECKPOINT, check_replaceable
@@ -103,15 +105,25 @@ def _load_backend(config: RunConfig, policy: str, ranks: Ranks) -> Backend:
                         request_timeout_s=collect.sglang_request_timeout_s)
 
 
-def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, engine: str) -> torch.nn.Module | None:
+def _policy_to_train(backend: Backend, kept: torch.nn.Module | None, config: TrainConfig) -> torch.nn.Module | None:
     """The in-memory model training updates: the torch backend's own (trained in place, so the
     next collection needs no reload), else the model trained last iteration (None: the trainer
-    loads the checkpoint). DeepSpeed always loads it: ZeRO-3 would partition a model it is handed."""
-    if engine == "deepspeed":
+    loads the checkpoint). DeepSpeed always loads it: ZeRO-3 would partition a model it is handed.
+    With LoRA the backend's model is trained in place only as the base of the adapters trained last
+    (or to be put on it first); a LoRA checkpoint the backend loaded holds merged weights, so the
+    trainer then loads the base and the adapter (and the backend reloads what it saves)."""
+    if config.engine == "deepspeed":
         return None
-    if isinstance(backend, TorchBackend):
+    if not isinstance(backend, TorchBackend):
+        return kept
+    if config.lora_rank == 0:
         return backend.train_in_place()
-    return kept
+    if kept is not None and kept.get_base_model() is not backend.model:
+        return kept
+    if kept is None and saved_adapter(backend.model_path) is not None:
+        return None
+    served = backend.train_in_place()
+    return kept if kept is not None else served
 
 
 @contextlib.contextmanager
@@ -228,6 +240,7 @@ def _check_inputs(config: RunConfig, ranks: Ranks) -> None:
     require_backend(config.collect.backend, config.collect.sglang_url)
     check_device(ranks.device(config.collect.device))
     check_model_path(config.collect.model, tokenizer=True)
+    check_lora(config.collect.model, config.train)  # before the first collection
     Warehouse(Path(config.run_dir) / "warehouse").check_writable()  # a file at --run-dir is one error line
 
 
@@ -391,7 +404,7 @@ def _one_iteration(config: RunConfig, warehouse: Warehouse, iteration: int, poli
     if needs_training:
         request = TrainRequest(iteration, config.purify.config_id, policy, out, config.train)
         with _engine_aside(backend, ranks.device(config.train.device), kept, optimization) as trained_here:
-            outcome = train_job(warehouse, request, model=_policy_to_train(backend, kept, config.train.engine),
+            outcome = train_job(warehouse, request, model=_policy_to_train(backend, kept, config.train),
                                 rows=whole.result.rows, optimization=optimization, progress=progress)
             trained_here.append(outcome.result)
         trained, train_s = outcome.result, outcome.seconds

@@ -1,6 +1,7 @@
 """bench/gpu_check.py (`make gpu-check`) runs where the device image runs: torch, transformers and
-pyarrow, without polars, duckdb, deepspeed or sglang. Here it runs on CPU at a small shape from a
-python without cleaner installed, those four packages absent from its path."""
+pyarrow, without polars, duckdb, deepspeed, sglang or peft. Here it runs on CPU at a small shape from a
+python without cleaner installed, those five packages absent from its path (the LoRA probe says it
+was skipped; tests/bench/test_lora_memory.py runs it where peft is)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HIDDEN = ("polars", "duckdb", "deepspeed", "sglang")
+HIDDEN = ("polars", "duckdb", "deepspeed", "sglang", "peft")
 
 
 def bare_python(tmp_path: Path, hidden: tuple[str, ...] = ()) -> Path:
@@ -54,8 +55,9 @@ def test_gpu_check_runs_from_a_bare_checkout_on_the_cpu_proxy(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert [p["name"] for p in report["probes"]] == [
         "equality full", "equality chunked", "bf16 96", "fp32 96", "bf16 192", "fp32 192",
-        "bf16 no checkpointing 96", "full-logits bf16 96", "fit proxy 64", "fit proxy 72 KL off"]
+        "bf16 no checkpointing 96", "full-logits bf16 96", "fit proxy 64", "fit proxy 72 KL off", "lora bf16 96"]
     assert all("error" not in p for p in report["probes"]), report["probes"]
+    assert report["probes"][-1]["skipped"] == "skipped: peft is not installed here (pip install peft)"
     assert [p["probe"] for p in report["side"]] == ["scorer trie", "scorer naive", "float16 step"]
     assert all("error" not in p for p in report["side"]), report["side"]
     verdicts = {t["name"]: t["holds"] for t in report["targets"]}
@@ -64,7 +66,7 @@ def test_gpu_check_runs_from_a_bare_checkout_on_the_cpu_proxy(tmp_path):
     assert verdicts[next(name for name in verdicts if name.startswith("trie scorer"))] is True  # values, on a CPU
     float16 = [name for name in verdicts if "float16" in name.replace("bfloat16", "")]  # the paper's dtype holds on the CPU proxy too
     assert len(float16) == 3 and all(verdicts[name] is True for name in float16), float16
-    assert sum(holds is None for holds in verdicts.values()) == 7  # GPU memory, speed, rollouts, MFU: n/a here
+    assert sum(holds is None for holds in verdicts.values()) == 10  # GPU memory, speed, rollouts, MFU, LoRA: n/a here
     text = (out / "gpu_check.md").read_text()
     assert "| target | measured | holds |" in text and "| n/a |" in text and "does not hold" not in text
     assert "Co-located collect -> train -> collect: skipped: duckdb, polars not installed here" in text

@@ -339,3 +339,75 @@ def test_clear_run_deletes_only_what_a_run_wrote_and_keeps_its_lock(tmp_path):
         with pytest.raises(JobError, match=f"not a run directory cleaner wrote \\({why}\\)"):
             clear_run(path)
         assert tree_digest(path) == before
+
+
+def _adapter(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+
+
+def test_a_lora_run_continues_its_adapters_on_the_base_in_memory_and_after_a_resume(tmp_path, random_policy):
+    """--lora-rank with the torch backend: the backend's own model is the adapters' base (trained in
+    place, served with its adapters); every checkpoint's adapter names the run's model as its base;
+    a run stopped after two iterations and resumed for a third (the trainer then loads the base and
+    the adapter, the backend the merged weights) ends where three iterations in one go end."""
+    import json
+
+    def lora_config(run_dir: Path, iterations: int) -> RunConfig:
+        config = _config(run_dir, random_policy, iterations)
+        # the random policy's rewards are all 0 (no advantage): the entropy term moves the adapters
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, lora_rank=4, kl_coef=0.1,
+                                                                     entropy_coef=0.05))
+
+    whole = run_loop(lora_config(tmp_path / "whole", 3), progress=False)
+    run_loop(lora_config(tmp_path / "resumed", 2), progress=False)
+    resumed = run_loop(lora_config(tmp_path / "resumed", 3), resume=True, progress=False)
+    assert [r.iteration for r in whole] == [r.iteration for r in resumed] == [0, 1, 2]
+    for run in ("whole", "resumed"):
+        warehouse = Warehouse(tmp_path / run / "warehouse")
+        for iteration in range(3):
+            checkpoint = checkpoint_dir(tmp_path / run, iteration)
+            saved = json.loads((checkpoint / "adapter" / "adapter_config.json").read_text())
+            assert saved["base_model_name_or_path"] == str(random_policy.resolve())
+            assert {r.policy_version for r in warehouse.read_rollouts(iteration + 1)} == \
+                ({policy_version_of(checkpoint)} if iteration < 2 else set())
+        steps = [s for (s,) in warehouse.connect().sql(
+            "SELECT optimizer_step FROM train_steps ORDER BY iteration, step").fetchall()]
+        assert steps == list(range(3))  # one optimiser for the run, resumed with the adapters
+    first, last = _adapter(checkpoint_dir(tmp_path / "whole", 0)), _adapter(checkpoint_dir(tmp_path / "whole", 2))
+    assert any(not torch.equal(first[name], last[name]) for name in first)  # the adapters went on training
+    for name, value in last.items():
+        torch.testing.assert_close(_adapter(checkpoint_dir(tmp_path / "resumed", 2))[name], value, atol=1e-5, rtol=0)
+
+
+def test_a_lora_run_trains_the_torch_backends_model_in_place_only_as_the_adapters_base(tmp_path, random_policy):
+    """What `_policy_to_train` hands the trainer with LoRA and the torch backend: the backend's own
+    model (in place: its next adopt takes no reload) when no adapters exist yet or they sit on it; the
+    adapters trained last when they sit on another model (the backend then reloads); nothing when
+    the backend serves a LoRA checkpoint's merged weights (the trainer loads the base and adapter)."""
+    from cleaner.engine.model.torch_backend import TorchBackend
+    from cleaner.engine.train.lora import with_adapters
+    from cleaner.engine.train.trainer import train_iteration
+    from cleaner.loop.iterations import _policy_to_train
+    from tests.factories import train_batch
+
+    config = TrainConfig(lora_rank=4, mini_batch_size=4, micro_batch_size=4)
+    backend = TorchBackend(random_policy)
+    try:
+        assert _policy_to_train(backend, None, config) is backend.model and backend._trained_in_place
+        backend.adopt(random_policy)
+        adapted = with_adapters(backend.model, config, str(random_policy))
+        assert _policy_to_train(backend, adapted, config) is adapted and backend._trained_in_place
+        backend.adopt(random_policy)
+        other = TorchBackend(random_policy)
+        other.close()
+        elsewhere = with_adapters(other.model, config, str(random_policy))
+        assert _policy_to_train(backend, elsewhere, config) is elsewhere and not backend._trained_in_place
+        checkpoint = train_iteration(train_batch(adapted), random_policy, tmp_path / "lora", config, 0,
+                                     progress=False).out_path
+        backend.adopt(checkpoint)  # loaded from disk: the merged weights
+        assert _policy_to_train(backend, None, config) is None and not backend._trained_in_place
+        assert _policy_to_train(backend, None, TrainConfig()) is backend.model  # no LoRA: always in place
+    finally:
+        backend.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,12 +70,14 @@ def save_checkpoint_atomic(
     extra_files: dict[str, str] | None = None,
     state_files: dict[str, object] | None = None,
     save_dtype: str = "float32",
+    save_weights: Callable[[torch.nn.Module, Path, str], None] = save_pretrained_as,
 ) -> Path:
     """save_pretrained the model in `save_dtype` (+ tokenizer, + extra text files, + `torch.save`d
-    objects such as the optimiser state, at relative paths) atomically at out_path."""
+    objects such as the optimiser state, at relative paths) atomically at out_path. `save_weights`
+    writes the weights (a LoRA model's: lora.save_with_adapters)."""
     out_path = Path(out_path).resolve()
     with atomic_directory(out_path, CHECKPOINT) as temp_dir:
-        save_pretrained_as(model, temp_dir, save_dtype)
+        save_weights(model, temp_dir, save_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(temp_dir)
         for name, text in (extra_files or {}).items():

@@ -39,6 +39,10 @@ Design decisions:
   it, rank 0 adds the Hugging Face weights (`save_pretrained`; ZeRO-3 gathers them first), config,
   tokenizer and metadata, and swaps it in. `TrainResult.main_process` tells the callers which
   process prints and writes warehouse rows.
+- LoRA (lora.py): the module is the PeftModel, its adapters DeepSpeed's only trainable parameters;
+  the KL reference is each micro batch's forward with them disabled, through the engine (every rank
+  runs the same forwards, as ZeRO-3's gathers need); DeepSpeed's state leaves the frozen base out,
+  and rank 0 writes the merged weights (from ZeRO-3's gathered state under stage 3) and the adapter.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from cleaner.engine.train.deepspeed_config import (
     deepspeed_config_for,
     zero_stage,
 )
+from cleaner.engine.train.lora import AdapterReference, new_adapters, save_with_adapters
 from cleaner.engine.train.optim import (
     DEEPSPEED_STATE_DIR,
     DEEPSPEED_STATE_META,
@@ -78,6 +83,7 @@ from cleaner.engine.train.outcome import check_trained
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
 from cleaner.engine.train.policy import load_trainable, training
 from cleaner.engine.train.step import (
+    Reference,
     ReferenceLogProbs,
     StepMetrics,
     TrainResult,
@@ -166,9 +172,11 @@ def _initialize(model: torch.nn.Module, config: TrainConfig, ds_config: dict, st
 
 
 def _resume(engine, optimization: Optimization, policy_path: str | Path, config: TrainConfig) -> None:
-    """Load the saved partitions; hyper-parameters stay the config's, as in `optim.py`."""
+    """Load the saved partitions; hyper-parameters stay the config's, as in `optim.py`. A LoRA
+    state holds no frozen base weight (`_write_partitions`): the module has them already."""
     loaded, _ = engine.load_checkpoint(str(Path(policy_path) / DEEPSPEED_STATE_DIR), tag=STATE_TAG,
-                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+                                       load_optimizer_states=True, load_lr_scheduler_states=False,
+                                       load_module_strict=config.lora_rank == 0)
     if loaded is None:
         raise OptimizerStateError(f"{policy_path}: {DEEPSPEED_STATE_DIR} holds no DeepSpeed checkpoint")
     lrs = optimization.scheduler.get_last_lr()
@@ -205,7 +213,7 @@ def rank_loss_scale(weight: float, world_size: int) -> float:
     return weight * world_size
 
 
-def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogProbs | None,
+def _deepspeed_step(engine, optimization: Optimization, reference: Reference | None,
                     mini_rows: Sequence[PurifiedRow], config: TrainConfig, iteration: int,
                     step: int) -> TrainStepRow:
     """One optimiser step across the ranks: this rank's micro batches, DeepSpeed's step at the
@@ -239,10 +247,11 @@ def _deepspeed_step(engine, optimization: Optimization, reference: ReferenceLogP
 # Save and the iteration
 
 
-def _write_partitions(engine, temp_dir: Path, ds_config: dict) -> dict | None:
+def _write_partitions(engine, temp_dir: Path, ds_config: dict, lora: bool) -> dict | None:
     """Every rank: its optimiser partition, and under ZeRO-3 its share of the weight gathering.
-    Returns the gathered weights on rank 0 under ZeRO-3, else None (the module holds them)."""
-    engine.save_checkpoint(str(temp_dir / DEEPSPEED_STATE_DIR), tag=STATE_TAG)
+    Returns the gathered weights on rank 0 under ZeRO-3, else None (the module holds them). With
+    LoRA the frozen base stays out of DeepSpeed's state: the checkpoint's weights hold it."""
+    engine.save_checkpoint(str(temp_dir / DEEPSPEED_STATE_DIR), tag=STATE_TAG, exclude_frozen_parameters=lora)
     if zero_stage(ds_config) != 3:
         return None
     gathered = temp_dir / GATHERED_WEIGHTS
@@ -264,18 +273,19 @@ def _write_checkpoint(engine, optimization: Optimization, ds_config: dict, polic
     if comm.get_rank() != 0:
         shared = [None]
         comm.broadcast_object_list(shared, src=0)
-        _write_partitions(engine, Path(shared[0]), ds_config)
+        _write_partitions(engine, Path(shared[0]), ds_config, config.lora_rank > 0)
         comm.barrier()  # rank 0 completes the directory
         comm.barrier()  # and swaps it in
         return out_path
     tokenizer = load_tokenizer_if_present(policy_path)
     with atomic_directory(out_path, CHECKPOINT) as temp_dir:
         comm.broadcast_object_list([str(temp_dir)], src=0)
-        state_dict = _write_partitions(engine, temp_dir, ds_config)
+        state_dict = _write_partitions(engine, temp_dir, ds_config, config.lora_rank > 0)
         comm.barrier()
         if state_dict is not None:  # gathered from the TrainablePolicy: its keys start with "policy."
             state_dict = {name.removeprefix(POLICY_PREFIX): value for name, value in state_dict.items()}
-        save_pretrained_as(engine.module.policy, temp_dir, config.save_dtype, state_dict)
+        save_weights = save_with_adapters if config.lora_rank > 0 else save_pretrained_as
+        save_weights(engine.module.policy, temp_dir, config.save_dtype, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(temp_dir)
         (temp_dir / "train_config.json").write_text(config.to_json())
@@ -286,6 +296,25 @@ def _write_checkpoint(engine, optimization: Optimization, ds_config: dict, polic
     comm.barrier()
     logger.info("saved checkpoint to %s", out_path)
     return out_path
+
+
+def _reentrant(config: TrainConfig, ds_config: dict) -> bool:
+    """Reentrant checkpointing under ZeRO-3 with LoRA: a non-reentrant recomputation keeps the
+    frozen weights it saved, which ZeRO-3's forward hooks (DeepSpeed 0.19.0) partition in place
+    before it checks them (deepspeedai/DeepSpeed#8148)."""
+    return config.lora_rank > 0 and zero_stage(ds_config) == 3
+
+
+def _reference_log_probs(policy_path: str | Path, train_rows: Sequence[PurifiedRow], config: TrainConfig,
+                         iteration: int) -> ReferenceLogProbs | None:
+    """The reference's log-probs of the rows this rank trains on, before the policy's engine exists;
+    None without the KL term, or with LoRA (its reference is the engine's own base)."""
+    if config.lora_rank > 0:
+        return None
+    comm = _comm()
+    mine = [row for mini in iter_mini_batches(train_rows, config, iteration)
+            for micro, _ in rank_micro_batches(mini, comm.get_rank(), comm.get_world_size(), config) for row in micro]
+    return ReferenceLogProbs.of_checkpoint(policy_path, mine, config, _rank_device())
 
 
 def train_iteration_deepspeed(
@@ -307,24 +336,24 @@ def train_iteration_deepspeed(
     _init_distributed()
     comm = _comm()
     ds_config = deepspeed_config_for(config, comm.get_world_size(), _rank_device().type)
-    step = saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
+    fresh = new_adapters(policy_path, config)  # new adapters start their optimiser with them
+    step = None if fresh else saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
     prepared = prepare(rows, config)
     train_rows = prepared.rows
-    # the reference's log-probs of the rows this rank trains on, before the policy's engine exists
-    mine = [row for mini in iter_mini_batches(train_rows, config, iteration)
-            for micro, _ in rank_micro_batches(mini, comm.get_rank(), comm.get_world_size(), config) for row in micro]
-    reference = ReferenceLogProbs.of_checkpoint(policy_path, mine, config, _rank_device())
+    reference = _reference_log_probs(policy_path, train_rows, config, iteration)
     # on the CPU until DeepSpeed places (and under ZeRO-3 partitions) the policy
     policy = load_trainable(policy_path, config, "cpu", model)
     check_attention(policy.policy, longest_row(train_rows))  # a sliding window every row fits in
     engine, optimization = _initialize(policy, config, ds_config, step or 0)
     if step is not None:
         _resume(engine, optimization, policy_path, config)
+    if config.lora_rank > 0 and config.kl_coef > 0:
+        reference = AdapterReference(engine, engine.module)
     main = comm.get_rank() == 0
     steps: list[TrainStepRow] = []
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not (progress and main))
-    with training(engine.module, config):
+    with training(engine.module, config, reentrant=_reentrant(config, ds_config)):
         for index, mini_rows in enumerate(bar):
             steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
     # every rank holds the same (all-reduced) step rows, so all refuse alike; ZeRO-3's partitioned

@@ -28,7 +28,7 @@ import torch
 from cleaner.config import TrainConfig
 from cleaner.engine.model.answers import refusal, row_value_faults
 from cleaner.engine.model.loading import check_device, check_model_path, vocab_size_of
-from cleaner.engine.train import memory, space
+from cleaner.engine.train import lora, memory, space
 from cleaner.engine.train.deepspeed_config import check_deepspeed_setup
 from cleaner.engine.train.deepspeed_config import zero_stage as zero_stage_of
 from cleaner.engine.train.optim import Optimization
@@ -80,6 +80,7 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
         check_deepspeed_setup(config)
     if model is None:
         check_model_path(request.policy)
+    lora.check_setup(request.policy, config, model)  # LoRA's settings against the model, before any work
     writes = _writes_here(config)
     with warehouse.writer("train", iteration) if writes else contextlib.nullcontext():
         if writes:
@@ -151,6 +152,9 @@ def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> 
 
         model_config = AutoConfig.from_pretrained(str(request.policy))
         parameters = space.stored_parameters(request.policy) or memory.parameter_count(model_config)
+    trainable = _adapters(request, model)
+    if trainable is not None and model is not None and lora.is_peft(model):
+        parameters -= trainable  # a PeftModel's parameters count its adapters: the base's alone here
     zero_stage, world_size = 0, 1
     if config.engine == "deepspeed":
         zero_stage = zero_stage_of(json.loads(Path(config.deepspeed_config).read_text()))
@@ -160,12 +164,20 @@ def _check_memory(request: TrainRequest, model, rows: Sequence[PurifiedRow]) -> 
     plan = memory.plan(memory.ModelShape.of(model_config, parameters), micro_tokens=micro_tokens,
                        compute_dtype=compute_dtype, checkpointing=config.gradient_checkpointing,
                        kl=config.kl_coef > 0, chunk_tokens=config.logits_chunk_tokens, engine=config.engine,
-                       zero_stage=zero_stage, world_size=world_size, device_bytes=memory.available_bytes(device))
+                       zero_stage=zero_stage, world_size=world_size, device_bytes=memory.available_bytes(device),
+                       trainable=trainable)
     refusal = memory.refusal(plan, what=f"{device} ({torch.cuda.get_device_name(device)})",
                              checkpointing=config.gradient_checkpointing, compute_dtype=compute_dtype,
                              engine=config.engine, zero_stage=zero_stage, micro_tokens=micro_tokens)
     if refusal is not None:
         raise JobError(refusal)
+
+
+def _adapters(request: TrainRequest, model) -> int | None:
+    """The parameters LoRA trains (the adapters'); None without LoRA (every parameter trains)."""
+    if request.config.lora_rank == 0:
+        return None
+    return lora.adapter_parameters(model if model is not None else lora.meta_model(request.policy), request.config)
 
 
 def _train_device(config: TrainConfig) -> torch.device:
@@ -190,7 +202,7 @@ def _check_room(request: TrainRequest, model) -> None:
         return
     save_dtype = request.config.save_dtype
     needed = space.needed_bytes(space.checkpoint_bytes(n_parameters, save_dtype, request.config.engine,
-                                                       space.other_bytes(request.policy)))
+                                                       space.other_bytes(request.policy), _adapters(request, model)))
     refusal = space.room_error(Path(request.out), needed, n_parameters, save_dtype)
     if refusal is not None:
         raise JobError(refusal)

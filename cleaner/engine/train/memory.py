@@ -9,6 +9,9 @@
   the fused one on a GPU, with no step-sized temporaries (optim.py);
 - the KL reference, in the compute dtype: it runs alone, before the policy is built
   (step.ReferenceLogProbs), so it counts against the peak only through that pass;
+- with LoRA (`trainable`: the adapters' parameters), gradients and moments of the adapters alone,
+  the base frozen beside them, and no reference model: the reference is the base, its adapters
+  disabled, a no-grad forward of each micro batch before the policy's (lora.py);
 - activations of the longest micro batch: per token and layer, `ACTIVATION_ELEMENTS` values saved
   for backward (all layers without checkpointing; with it, each layer's input plus one layer's
   full set, recomputed), and the chunked head's two chunk x vocabulary float32 copies plus the
@@ -110,17 +113,20 @@ class MemoryPlan:
 
 def plan(shape: ModelShape, *, micro_tokens: int, compute_dtype: str, checkpointing: bool, kl: bool,
          chunk_tokens: int, engine: str = "torch", zero_stage: int = 0, world_size: int = 1,
-         device_bytes: int | None = None, device_type: str = "cuda") -> MemoryPlan:
+         device_bytes: int | None = None, device_type: str = "cuda", trainable: int | None = None) -> MemoryPlan:
     """The estimate of one device's memory (module notes). `micro_tokens`: the longest micro batch;
-    `device_type`: whose coefficients ("cuda", or "cpu": the proxy's)."""
+    `device_type`: whose coefficients ("cuda", or "cpu": the proxy's); `trainable`: LoRA's adapter
+    parameters, beside the frozen `shape.parameters` (None: every parameter trains)."""
     p, bf16 = shape.parameters, compute_dtype in ("bfloat16", "float16")  # 16-bit compute: one cost
+    t = p if trainable is None else trainable  # what has gradients and AdamW's moments
+    frozen = 0 if trainable is None else p
     table = CUDA if device_type == "cuda" else CPU
     coefficients = table["bfloat16" if bf16 else "float32"]
     n = max(world_size, 1)
     if engine == "deepspeed" and bf16:  # DeepSpeed's bf16/fp16: 16-bit weights and gradients, fp32 master
-        weights, gradients, optimizer, autocast = 2 * p, 2 * p, 12 * p, 0
+        weights, gradients, optimizer, autocast = 2 * (t + frozen), 2 * t, 12 * t, 0
     else:  # float32 weights, gradients and two moments; autocast casts per use (no cached copy)
-        weights, gradients, optimizer, autocast = 4 * p, 4 * p, 8 * p, 0
+        weights, gradients, optimizer, autocast = 4 * (t + frozen), 4 * t, 8 * t, 0
     if engine == "deepspeed":
         optimizer //= n if zero_stage >= 1 else 1
         gradients //= n if zero_stage >= 2 else 1
@@ -133,7 +139,7 @@ def plan(shape: ModelShape, *, micro_tokens: int, compute_dtype: str, checkpoint
         per_token = shape.layers * layer
     activations = int(micro_tokens * per_token)
     head = coefficients.head_copies * min(chunk_tokens, micro_tokens) * shape.vocab * 4 + 2 * micro_tokens * shape.hidden * 4
-    reference = p * (2 if bf16 else 4) if kl else 0
+    reference = p * (2 if bf16 else 4) if kl and trainable is None else 0  # LoRA's is the base, disabled adapters
     return MemoryPlan(weights, gradients, optimizer, autocast, reference, activations, head, device_bytes,
                       coefficients.margin, coefficients.overhead)
 

@@ -6,7 +6,8 @@ packed rows, and `logprobs.chunked_token_outputs` applies the lm_head only at th
 predict a loss token, a chunk at a time. Both engines train this module (DeepSpeed initialises
 with it, so under ZeRO-3 the head's weight is gathered as a parameter of the module whose forward
 reads it), and the KL reference is the same wrapper under no_grad, loaded in the compute dtype
-(`load_reference`) for the one pass that computes its log-probs (step.ReferenceLogProbs).
+(`load_reference`) for the one pass that computes its log-probs (step.ReferenceLogProbs); with
+LoRA it is this very module with its adapters disabled (lora.py).
 
 Design decisions:
 - Padding-free, one decoder call per micro batch: the rows run as one sequence whose position ids
@@ -27,7 +28,9 @@ Design decisions:
 - bfloat16 compute is autocast over float32 weights (the optimiser's master weights and moments
   stay float32); under DeepSpeed's bf16 mode the weights are already bfloat16 and autocast changes
   nothing. The log-softmax is float32 either way.
-- Gradient checkpointing is non-reentrant, enabled for the training and switched off after it.
+- Gradient checkpointing is non-reentrant, enabled for the training and switched off after it
+  (reentrant under ZeRO-3 with LoRA, where DeepSpeed 0.19.0 partitions the frozen weights a
+  non-reentrant recomputation still holds: deepspeed_engine.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from cleaner.config import TrainConfig
 from cleaner.engine.model.head import UnsupportedModelError, check_attention, check_plain_head
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.logprobs import TokenOutputs, chunked_token_outputs
+from cleaner.engine.train.lora import load_with_adapters
 from cleaner.engine.train.packing import PackedBatch
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,8 +206,12 @@ class TrainablePolicy(torch.nn.Module):
 def load_trainable(policy_path: str | Path, config: TrainConfig, device: str | torch.device,
                    model: torch.nn.Module | None = None) -> TrainablePolicy:
     """The policy to train (`model` if given, else loaded from `policy_path`), in float32 (its
-    master weights) on `device`; the one loader of both engines."""
-    model = load_policy(policy_path, device) if model is None else model.to(device)
+    master weights) on `device`; the one loader of both engines. With a LoRA rank, a PeftModel
+    whose adapters alone train (lora.py: a LoRA checkpoint's base and adapter, or new adapters)."""
+    if config.lora_rank > 0:
+        model = load_with_adapters(policy_path, config, device, model)
+    else:
+        model = load_policy(policy_path, device) if model is None else model.to(device)
     return TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0)
 
 
@@ -217,13 +225,14 @@ def load_reference(policy_path: str | Path, config: TrainConfig, device: str | t
 
 
 @contextlib.contextmanager
-def training(policy: TrainablePolicy, config: TrainConfig) -> Iterator[None]:
+def training(policy: TrainablePolicy, config: TrainConfig, reentrant: bool = False) -> Iterator[None]:
     """Train mode, packed attention (which checkpointing's recomputation in backward needs too) and
-    gradient checkpointing if configured, for the block; the model as it was after it."""
+    gradient checkpointing if configured, for the block; the model as it was after it. `reentrant`:
+    torch's reentrant checkpointing, for ZeRO-3 with frozen weights (deepspeed_engine.py)."""
     model = policy.policy
     policy.train()
     if config.gradient_checkpointing:
-        _checkpointing(model, enable=True)
+        _checkpointing(model, enable=True, reentrant=reentrant)
     try:
         with packed_attention(model, policy.compute_dtype):
             yield
@@ -233,15 +242,19 @@ def training(policy: TrainablePolicy, config: TrainConfig) -> Iterator[None]:
         policy.eval()
 
 
-def _checkpointing(model: torch.nn.Module, enable: bool) -> None:
-    """Non-reentrant gradient checkpointing on or off (transformers' activation_checkpointing_*, the
-    older gradient_checkpointing_* where that is all there is)."""
+def _checkpointing(model: torch.nn.Module, enable: bool, reentrant: bool = False) -> None:
+    """Gradient checkpointing on or off, non-reentrant unless asked (transformers'
+    activation_checkpointing_*, the older gradient_checkpointing_* where that is all there is).
+    Reentrant checkpointing trains a layer only if its input requires grad, which frozen embeddings'
+    output does not: the input embeddings' output is made to."""
     if enable:
-        kwargs = {"use_reentrant": False}
+        kwargs = {"use_reentrant": reentrant}
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if reentrant:
+            model.enable_input_require_grads()
         return
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     model.disable_input_require_grads()  # the hook enabling adds breaks inference-mode generation

@@ -7,6 +7,7 @@ refuses before it trains instead. A checkpoint holds (`checkpoint.py`, `optim.py
   plus the float32 master weights when the weights are saved rounded (4 more); DeepSpeed's
   partitions always hold the master weights and both moments (12);
 - what else the policy directory holds (tokenizer, configs), copied as it is.
+With LoRA the optimiser state is the adapters' alone, and the adapter itself (float32) is saved too.
 Every parameter counts once, as the files hold it (a tied embedding is one tensor). The room asked
 for (`needed_bytes`) adds a margin for what the content does not count: the serialisers' headers and
 alignment and the file system's rounding to blocks (measured: 0.5-1% over the content on the tiny
@@ -26,9 +27,12 @@ from cleaner.errors import free_bytes, human_bytes, mount_point
 
 
 def checkpoint_bytes(n_parameters: int, save_dtype: str = "float32", engine: str = "torch",
-                     other_bytes: int = 0) -> int:
-    """About what a checkpoint of `n_parameters` takes on disk (module docstring)."""
+                     other_bytes: int = 0, adapters: int | None = None) -> int:
+    """About what a checkpoint of `n_parameters` takes on disk (module docstring); with LoRA's
+    `adapters` (their parameters), the optimiser's state is theirs and they are saved apart."""
     weights = n_parameters * SAVE_DTYPES[save_dtype].itemsize
+    if adapters is not None:  # float32 in adapter/, AdamW's two moments (and DeepSpeed's master copy)
+        return weights + adapters * (4 + (12 if engine == "deepspeed" else 8)) + other_bytes
     if engine == "deepspeed":
         optimizer = n_parameters * 12
     else:

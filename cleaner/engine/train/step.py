@@ -24,7 +24,8 @@ Design decisions:
 - Dynamic sampling filters on the rows' outcome rewards BEFORE overlong shaping (verl's DAPO
   filters on accuracy too); overlong shaping then adds the soft penalty to the reward and
   recomputes GRPO advantages within each group (eps = PurifyConfig's default 1e-6).
-- The KL reference (kl_coef > 0) is always the frozen policy at the iteration's input checkpoint.
+- The KL reference (kl_coef > 0) is the frozen policy at the iteration's input checkpoint; with LoRA,
+  the base with the adapters disabled (lora.py).
 - Rows a purify config's down-sampling dropped (RoC, uniform) leave the batch, as rStar filters its
   batch; rows the void-turn filter masked stay, with a zero mask, as SimpleTIR's do.
 - Advantages are per token: a row's `token_advantages` when purify set them (negative-sample
@@ -222,20 +223,28 @@ def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | 
                      entropy=entropy.detach())
 
 
-def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: ReferenceLogProbs | None,
+def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: Reference | None,
                         rows: Sequence[PurifiedRow], batch: PackedBatch, config: TrainConfig,
                         num_loss_tokens: int) -> MicroLoss:
     """Forward one packed micro batch (`rows`, packed) through the policy (a TrainablePolicy, or the
-    DeepSpeed engine over one), and its loss against the reference's log-probs computed before."""
-    outputs = policy(batch)  # (M,) each
+    DeepSpeed engine over one), and its loss against the reference's log-probs (computed before the
+    iteration; with LoRA the base's, in the micro batch: lora.AdapterReference)."""
     reference_log_probs = None
-    if reference is not None and config.kl_coef > 0:
-        reference_log_probs = reference.of(rows, batch.target_ids.device)  # (M,)
+    if reference is not None and config.kl_coef > 0:  # first: its forward's memory is free before the policy's
+        reference_log_probs = reference.log_probs(rows, batch)  # (M,)
+    outputs = policy(batch)  # (M,) each
     return micro_batch_loss(outputs, reference_log_probs, batch, config, num_loss_tokens)
 
 
 # ---------------------------------------------------------------------------
 # The KL reference: its log-probs once per iteration
+
+
+class Reference(Protocol):
+    """The KL reference's log-probs at a packed micro batch's loss tokens: `ReferenceLogProbs`, or
+    with LoRA the policy's base (lora.AdapterReference)."""
+
+    def log_probs(self, rows: Sequence[PurifiedRow], batch: PackedBatch) -> torch.Tensor: ...
 
 
 class ReferenceLogProbs:
@@ -250,6 +259,10 @@ class ReferenceLogProbs:
     def of(self, rows: Sequence[PurifiedRow], device: str | torch.device) -> torch.Tensor:
         """The log-probs of `rows`' loss tokens, in pack_rows' order. (M,)"""
         return torch.cat([self.values[id(row)] for row in rows]).to(device)
+
+    def log_probs(self, rows: Sequence[PurifiedRow], batch: PackedBatch) -> torch.Tensor:
+        """`of(rows)` on the batch's device. (M,)"""
+        return self.of(rows, batch.target_ids.device)
 
     @classmethod
     @torch.no_grad()

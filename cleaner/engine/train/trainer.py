@@ -14,6 +14,8 @@ Design decisions:
 - A step whose gradient norm is not finite is skipped (grads dropped) and logged, not applied;
   an iteration that trained nothing, or broke its weights, saves nothing (outcome.py).
 - `model` may be passed in so `cleaner run` needs no reload.
+- With a LoRA rank (lora.py) the adapters alone train, the KL reference is the base with them
+  disabled, and the checkpoint holds the merged weights and the adapter.
 - One optimiser for the run (`optim.py`): `cleaner run` passes the same `Optimization` to every
   iteration; otherwise the one saved with `policy_path` is resumed. Each step's row records the
   run-wide `optimizer_step` and the lr it used.
@@ -34,13 +36,15 @@ from tqdm.auto import tqdm
 from cleaner.config import TrainConfig
 from cleaner.engine.model.head import check_attention
 from cleaner.engine.model.loading import load_tokenizer_if_present
-from cleaner.engine.train.checkpoint import save_checkpoint_atomic
+from cleaner.engine.train.checkpoint import save_checkpoint_atomic, save_pretrained_as
 from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
-from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization
+from cleaner.engine.train.lora import AdapterReference, new_adapters, save_with_adapters
+from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization, new_optimization
 from cleaner.engine.train.outcome import check_trained
 from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, load_trainable, training
 from cleaner.engine.train.step import (
+    Reference,
     ReferenceLogProbs,
     StepMetrics,
     TrainResult,
@@ -58,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 def _optimizer_step(
     policy: TrainablePolicy,
-    reference: ReferenceLogProbs | None,
+    reference: Reference | None,
     optimization: Optimization,
     mini_rows: Sequence[PurifiedRow],
     config: TrainConfig,
@@ -87,6 +91,25 @@ def _optimizer_step(
     return timed(row, policy.policy, mini_rows, started)
 
 
+def _policy_and_reference(rows: Sequence[PurifiedRow], policy_path: str | Path, config: TrainConfig,
+                          model: torch.nn.Module | None, optimization: Optimization | None
+                          ) -> tuple[TrainablePolicy, Reference | None, Optimization]:
+    """The policy to train, its KL reference and its optimiser: the reference's log-probs before the
+    policy loads (or with LoRA its own base, adapters disabled), the optimiser given, else the one
+    saved with `policy_path` (new adapters start a fresh one)."""
+    lora = config.lora_rank > 0
+    reference = None if lora else ReferenceLogProbs.of_checkpoint(policy_path, rows, config, config.device)
+    fresh = new_adapters(policy_path, config)
+    policy = load_trainable(policy_path, config, config.device, model)
+    if lora and config.kl_coef > 0:
+        reference = AdapterReference(policy, policy)
+    check_attention(policy.policy, longest_row(rows))  # a sliding window every row fits in, or one line
+    if optimization is None:
+        optimization = (new_optimization(policy.policy, config) if fresh
+                        else load_optimization(policy.policy, config, policy_path))
+    return policy, reference, optimization
+
+
 def train_iteration(
     rows: Sequence[PurifiedRow],
     policy_path: str | Path,
@@ -111,12 +134,8 @@ def train_iteration(
     train_rows = prepared.rows
     if not train_rows:
         logger.warning("iteration %d: no rows to train on; saving the policy unchanged", iteration)
-    reference = ReferenceLogProbs.of_checkpoint(policy_path, train_rows, config, config.device)
-    policy = load_trainable(policy_path, config, config.device, model)
+    policy, reference, optimization = _policy_and_reference(train_rows, policy_path, config, model, optimization)
     model = policy.policy
-    check_attention(model, longest_row(train_rows))  # a sliding window every row fits in, or one line
-    if optimization is None:
-        optimization = load_optimization(model, config, policy_path)
     mini_batches = list(iter_mini_batches(train_rows, config, iteration))
     steps: list[TrainStepRow] = []
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not progress)
@@ -132,7 +151,8 @@ def train_iteration(
         load_tokenizer_if_present(policy_path),
         out_path,
         extra_files={"train_config.json": config.to_json()},
-        state_files={STATE_PATH: optimization.state(master_weights=config.save_dtype != "float32")},
+        state_files={STATE_PATH: optimization.state(master_weights=config.save_dtype != "float32" and not config.lora_rank)},
         save_dtype=config.save_dtype,
+        save_weights=save_with_adapters if config.lora_rank > 0 else save_pretrained_as,
     )
     return TrainResult(out_path=saved, steps=with_rollout_corr(steps, prepared.metrics), model=model, optimization=optimization)

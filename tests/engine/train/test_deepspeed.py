@@ -169,3 +169,46 @@ def test_deepspeed_bfloat16_trains_what_the_torch_engine_trains_and_saves_bfloat
         update = (want - start).norm()
         off = (got.float() - want).norm() / update
         assert off < 0.1, f"{name}: |bf16 DeepSpeed - float32 torch| / |update| = {off:.3f}"
+
+
+def _adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, extra", [(2, ()), (3, REAL_SHAPE_FLAGS)],
+                         ids=["zero2", "zero3-token-budget-checkpointing"])
+def test_deepspeed_lora_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows, tmp_path, stage, extra):
+    """--lora-rank 4 with the KL term on (its reference the engine's own base, adapters disabled, in
+    every micro batch on both ranks) over two iterations, the second resuming the adapters and
+    DeepSpeed's partitioned state of them: the adapters, the merged weights and every step's loss
+    and gradient norm equal the torch engine's in one process within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    policy, rows = policy_and_rows
+    warehouse = _warehouse(tmp_path / "wh", rows)
+    lora = ("--lora-rank", "4", "--lora-alpha", "8", "--kl-coef", "0.5", "--lr", "1e-2")
+    config = TrainConfig(lr=1e-2, warmup_steps=WARMUP_STEPS, mini_batch_size=MINI, micro_batch_size=1, lora_rank=4,
+                         lora_alpha=8, kl_coef=0.5)
+    plain = [train_iteration(rows[0], policy, tmp_path / "torch-1", config, 0, progress=False)]
+    plain.append(train_iteration(rows[1], plain[0].out_path, tmp_path / "torch-2", config, 1, progress=False))
+    previous = policy
+    for iteration in (0, 1):
+        out = tmp_path / f"ds-{iteration + 1}"
+        _torchrun_train(warehouse, iteration, previous, out, EXAMPLES / f"zero{stage}.json", (*lora, *extra))
+        ours, theirs = _adapter(out), _adapter(plain[iteration].out_path)
+        assert ours.keys() == theirs.keys() and len(ours) == 2 * 14  # A and B of every linear layer
+        assert max((ours[name] - theirs[name]).abs().max().item() for name in ours) < TOLERANCE
+        merged = _max_difference(AutoModelForCausalLM.from_pretrained(out), load_policy(plain[iteration].out_path))
+        assert merged < TOLERANCE
+        previous = out
+    assert max((a - b).abs().max().item() for a, b in zip(_adapter(previous).values(),
+                                                          _adapter(plain[0].out_path).values(), strict=True)) > 1e-4
+    steps = warehouse.connect().sql(
+        "SELECT loss, grad_norm, approx_kl FROM train_steps ORDER BY iteration, step").fetchall()
+    torch_steps = [s for result in plain for s in result.steps]
+    assert [loss for loss, *_ in steps] == pytest.approx([s.loss for s in torch_steps], abs=1e-5)
+    assert [norm for _, norm, _ in steps] == pytest.approx([s.grad_norm for s in torch_steps], rel=1e-5)
+    assert steps[-1][2] > 0  # the policy has moved from its old log-probs

@@ -35,6 +35,24 @@ def test_static_memory_by_hand_and_as_zero_partitions_it():
         (2e6, 2e6, 12e6), (2e6, 2e6, 1.5e6), (2e6, 250e3, 1.5e6), (250e3, 250e3, 1.5e6)]
 
 
+def test_lora_plans_gradients_and_moments_for_the_adapters_alone_and_no_reference_model():
+    """10,000 adapter parameters beside the 1,000,000 frozen: float32 weights for both, gradients
+    and AdamW's two moments for the adapters only; the KL reference is the base itself (no pass of
+    its own); under DeepSpeed's bf16, 16-bit weights, the adapters' fp32 master and moments partitioned."""
+    def plan(**kwargs):
+        return memory.plan(SHAPE, micro_tokens=10, checkpointing=False, kl=True, chunk_tokens=512, trainable=10_000,
+                           **kwargs)
+
+    lora = plan(compute_dtype="float32")
+    assert (lora.weights, lora.gradients, lora.optimizer, lora.reference) == (4 * 1_010_000, 40_000, 80_000, 0)
+    full = memory.plan(SHAPE, micro_tokens=10, compute_dtype="float32", checkpointing=False, kl=True,
+                       chunk_tokens=512)
+    assert full.reference == 4e6 and lora.peak < full.peak
+    zero = {stage: plan(compute_dtype="bfloat16", engine="deepspeed", zero_stage=stage, world_size=8) for stage in (2, 3)}
+    assert [(z.weights, z.gradients, z.optimizer) for z in zero.values()] == [
+        (2 * 1_010_000, 20_000 // 8, 120_000 // 8), (2 * 1_010_000 // 8, 20_000 // 8, 120_000 // 8)]
+
+
 @pytest.mark.parametrize("engine", ["torch", "deepspeed"])
 def test_float16_is_planned_as_the_16_bit_compute_it_is(engine):
     """float16 (the reference's dtype) costs what bfloat16 does: 2-byte activations, a 2-byte
@@ -130,6 +148,23 @@ def test_the_train_job_refuses_before_training_when_the_gpu_is_too_small(fake_gp
     _check_memory(request, model, rows)
     on_cpu = dataclasses.replace(request, config=TrainConfig(device="cpu"))
     _check_memory(on_cpu, model, rows)  # the host's memory is not checked
+
+
+def test_the_train_job_plans_a_lora_run_with_its_adapters(fake_gpu, tmp_path):
+    """Between what LoRA needs and what training every weight needs: the LoRA request fits, the
+    other is refused (the adapters counted on the model in memory, or on the policy's config)."""
+    model = tiny_qwen3(seed=0)
+    model.save_pretrained(tmp_path / "policy")
+    rows = [train_row(f"r{i}", "g", list(range(1, 60)), 4, 1.0, 0.5) for i in range(8)]
+    lora = TrainConfig(device="cuda", lora_rank=4, kl_coef=0.1)
+    full = memory.plan(memory.ModelShape.of(model.config, sum(p.numel() for p in model.parameters())),
+                       micro_tokens=8 * 59, compute_dtype="bfloat16", checkpointing=False, kl=True, chunk_tokens=512)
+    fake_gpu.free = full.peak - 1
+    with pytest.raises(JobError, match="training needs about"):
+        _check_memory(TrainRequest(0, "c", tmp_path / "policy", tmp_path / "out", dataclasses.replace(lora, lora_rank=0)),
+                      model, rows)
+    for given in (model, None):
+        _check_memory(TrainRequest(0, "c", tmp_path / "policy", tmp_path / "out", lora), given, rows)
 
 
 def test_an_out_of_memory_error_while_training_is_one_line_with_what_to_try(monkeypatch, small_run, tmp_path):

@@ -156,10 +156,10 @@ def test_a_full_disk_between_a_parts_two_writes_leaves_no_uncommitted_part(disk,
     warehouse = _collected(disk.root / "wh")
     original = store.write_part
 
-    def fill_before_the_commit(directory, table, name=None):
+    def fill_before_the_commit(directory, table, name=None, stamp=None):
         if directory.parent.name == "rollouts":
             disk.fill()
-        return original(directory, table, name)
+        return original(directory, table, name, stamp)
 
     monkeypatch.setattr(store, "write_part", fill_before_the_commit)
     with pytest.raises(WriteError, match="no space left on the device"):

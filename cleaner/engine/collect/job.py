@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,10 @@ from cleaner.errors import JobError
 from cleaner.sandbox import make_sandbox
 from cleaner.tools import Toolbox, load_tools
 from cleaner.warehouse import Warehouse
+from cleaner.warehouse.configs import CollectPlan
+from cleaner.warehouse.gate import drop_lost, inspect_iteration
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,9 +130,11 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
         check_model_path(config.model, tokenizer=True)
     user = UserCode.load(config)
     try:
-        tasks = [task for task in load_tasks(config) if shard.owns(task.prompt_id)]
+        every = load_tasks(config)
+        plan = CollectPlan(tuple(task.prompt_id for task in every), config.group_size)
+        tasks = [task for task in every if shard.owns(task.prompt_id)]
         with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
-            return _collect(warehouse, request, tasks, backend, progress, started, user)
+            return _collect(warehouse, request, tasks, plan, backend, progress, started, user)
     finally:
         user.toolbox.close()
 
@@ -137,8 +144,8 @@ def shard_of(shard: Shard) -> tuple[int, int] | None:
     return (shard.index, shard.count) if shard.sharded else None
 
 
-def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], backend: Backend | None,
-             progress: bool, started: float, user: UserCode) -> CollectOutcome:
+def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], plan: CollectPlan,
+             backend: Backend | None, progress: bool, started: float, user: UserCode) -> CollectOutcome:
     """The rest of `collect_job`, under the iteration's (or shard's) collect lock."""
     config, shard, resume = request.config, request.shard, request.resume
     iteration = config.iteration
@@ -146,6 +153,8 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                         for task in tasks for sample in range(config.group_size))
     # a part a killed collection of this share left uncommitted goes (we hold this share's lock)
     warehouse.remove_uncommitted(iteration, owned=planned.__contains__)
+    if resume:
+        _repair(warehouse, iteration, shard, planned)
     stored_anywhere = warehouse.rollout_ids(iteration)
     stored = stored_anywhere & planned  # this share's; other shards' rollouts are theirs to resume
     where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
@@ -168,6 +177,7 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
             warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
+            warehouse.save_plan(iteration, plan)
             chat = user.chat(serving.tokenizer)
             with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
                 def write(batch) -> None:  # on the collection's writer thread
@@ -179,6 +189,26 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
     rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]
     summary = summarize(rollouts, warehouse.read_segments(iteration, planned))
     return CollectOutcome(iteration, len(planned), n_written, summary, time.monotonic() - started)
+
+
+def _repair(warehouse: Warehouse, iteration: int, shard: Shard, planned: frozenset[str]) -> None:
+    """Before a resume: refuse what the gate finds in the iteration (warehouse/gate.py), except
+    rollouts whose segments part is gone, whose rollouts part goes so that they are collected
+    again (their seeds make them the same rollouts); JobError where that would drop rollouts that
+    kept their segments, or another shard's."""
+    state = inspect_iteration(warehouse, iteration, share=shard_of(shard), owns=shard.owns, collecting=True)
+    refused = [f.line for f in state.findings if f.lost is None or not f.lost.whole]
+    if refused:
+        raise JobError(refused[0])
+    lost = [finding.lost for finding in state.findings]
+    others = [part for part in lost if not set(part.rollout_ids) <= planned]
+    if others:
+        raise JobError(f"{others[0].part}: its rollouts lost their segments, but some are not this shard's "
+                       f"({shard}); resume the collection that wrote them (the same --shard, or none)")
+    for part in lost:
+        drop_lost(part)
+        logger.info("%s: its %d rollouts had lost their segments; collecting them again", part.part,
+                    len(part.rollout_ids))
 
 
 def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match: bool) -> None:

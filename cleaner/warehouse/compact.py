@@ -50,7 +50,7 @@ import pyarrow as pa
 from cleaner.errors import read_only_file_system
 from cleaner.warehouse.lock import LockHeld, exclusive, phase_lock_path
 from cleaner.warehouse.manifest import Manifest
-from cleaner.warehouse.ownership import Ownership, claim, foreign_line
+from cleaner.warehouse.ownership import Ownership, claim, foreign_line, foreign_part
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -120,7 +120,7 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
             leftovers += sum(remove_leftovers(partition.directory(root, twin))
                              for twin in (None, *partition.twins))  # killed writers' temporaries
             leftovers += _roll_forward(root, partition, owner)
-            leftovers += _remove_uncommitted(root, partition)
+            leftovers += _remove_uncommitted(root, partition, owner)
             for names in _plan(root, partition, target_bytes):
                 merges += merge_parts(root, partition, names, owner)
     return CompactResult(tuple(merges), leftovers)
@@ -201,10 +201,11 @@ def _roll_forward(root: Path, partition: Partition, owner: Ownership) -> int:
     return removed
 
 
-def _remove_uncommitted(root: Path, partition: Partition) -> int:
+def _remove_uncommitted(root: Path, partition: Partition, owner: Ownership) -> int:
     """Remove the twins no commit marker commits in a collection's partition (a collection killed
     between its two writes), holding the iteration's collect lock; while a collection runs there
-    (it holds the lock), its part between its two writes is such a twin, so nothing is removed."""
+    (it holds the lock), its part between its two writes is such a twin, so nothing is removed. A
+    twin the warehouse did not write stays: the readers name it (ownership.py)."""
     iteration = _iteration_of(partition)
     if iteration is None or not partition.twins:
         return 0  # an evaluation's partition: eval takes no lock, so its twins are left alone
@@ -213,7 +214,8 @@ def _remove_uncommitted(root: Path, partition: Partition) -> int:
             removed = 0
             for dataset in partition.twins:
                 for part in sorted(partition.directory(root, dataset).glob(PART_GLOB)):
-                    if not part.name.startswith(MERGED_PREFIX) and not (partition.directory(root) / part.name).exists():
+                    if not part.name.startswith(MERGED_PREFIX) and not (partition.directory(root) / part.name).exists() \
+                            and foreign_part(owner, part) is None:  # a foreign one is the user's to settle
                         removed += _remove(part)
     except LockHeld:
         return 0

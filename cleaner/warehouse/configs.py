@@ -95,5 +95,10 @@ class ConfigFiles:
                                  f"({error}): restore it from a copy of the warehouse") from error
 
 
-def _plan_name(iteration: int) -> str:
+    def planned_iterations(self) -> list[int]:
+        """The iterations whose collection recorded its plan (file names only)."""
+        return sorted(int(path.stem.split("=", 1)[1]) for path in (self.root / "configs").glob(f"{_plan_name('*')}.json"))
+
+
+def _plan_name(iteration: int | str) -> str:
     return f"collect-plan-iteration={iteration}"

@@ -3,17 +3,19 @@ gate"): purify, ablate, train, export and `collect --resume` refuse what it find
 show, report and the browser, which only display, say it in one line beside what they show.
 
 What it checks of an iteration, in this order (the first finding is the refusal):
-1. every visible rollouts and segments part is the warehouse's own (ownership.py): a copied or
-   foreign part is named, with the commands that adopt or remove it;
+1. every visible rollouts and segments part is the warehouse's own (ownership.py), and so is every
+   segments part no rollouts part commits: a copied or foreign part is named, with the commands
+   that adopt or remove it;
 2. no collection is writing it (its collect lock, lock.py), or the shard asked for;
 3. no rollout id is stored twice (both parts named);
 4. every rollout's segments are there exactly once: seq 0..n-1, each once; a rollouts part whose
    segments part is gone is named (`LostSegments`: `collect --resume` collects them again);
 5. it is complete: the rollouts its collection planned (the plan `collect` records, configs.py)
-   are all stored. An iteration an older cleaner collected has no plan; purify then counts from its
+   are all stored, none of them at all included. An iteration an older cleaner collected has no plan; purify then counts from its
    collect config (the warehouse layer cannot load datasets).
-A config's rows (`inspect_config`, for train and the export of purified rows): every part of the
-config's partition (and of purify_configs) is the warehouse's own, and no rollout has two rows.
+A config's rows (`inspect_config`, for purify, train and the export of purified rows): every part of
+the config's partition (and of purify_configs) is the warehouse's own, no rollout has two rows, and
+every row's rollout is the iteration's.
 
 Design decisions:
 - One function decides and words every finding, so a refusal reads the same in every command.
@@ -28,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 
 from cleaner.warehouse import schema
 from cleaner.warehouse.lock import collect_refusal
-from cleaner.warehouse.ownership import foreign_line
+from cleaner.warehouse.ownership import foreign_line, foreign_part
 from cleaner.warehouse.parts import WarehouseError, fsync_dir, list_parts
 from cleaner.warehouse.store import Warehouse
 
@@ -93,14 +96,13 @@ def inspect_iteration(warehouse: Warehouse, iteration: int, *, share: tuple[int,
     # a collection part's segments twin goes with its rollouts part (adopt and remove settle both)
     twins = {path.name for path in foreign}
     foreign.update({path: reason for path, reason in foreign_segments.items() if path.name not in twins})
+    foreign.update(_uncommitted_foreign(warehouse, iteration))
     lines = [foreign_line(root, path, reason, f"every reader refuses iteration {iteration}")
              for path, reason in foreign.items()]
     running = None if collecting else collect_refusal(root, iteration, share,
                                                       "wait for the collection to end, then run this again")
     lines += [running] if running else []
     findings = [Finding(line) for line in lines]
-    if not rollouts:
-        return IterationState(iteration, tuple(findings))
     connection = duckdb.connect(":memory:")
     try:
         _load(connection, rollouts, segments)
@@ -122,9 +124,12 @@ def check_iteration(warehouse: Warehouse, iteration: int, **options) -> None:
 def _load(connection: duckdb.DuckDBPyConnection, rollouts: Sequence[Path], segments: Sequence[Path]) -> None:
     """Tables `r` (rollout, prompt, its part) and `s` (per rollout: segments, distinct seqs, lowest
     and highest seq)."""
-    connection.execute(
-        "CREATE TABLE r AS SELECT rollout_id, prompt_id, filename AS part "
-        "FROM read_parquet(?, hive_partitioning = false, filename = true)", [[str(p) for p in rollouts]])
+    if rollouts:
+        connection.execute(
+            "CREATE TABLE r AS SELECT rollout_id, prompt_id, filename AS part "
+            "FROM read_parquet(?, hive_partitioning = false, filename = true)", [[str(p) for p in rollouts]])
+    else:
+        connection.execute("CREATE TABLE r (rollout_id VARCHAR, prompt_id VARCHAR, part VARCHAR)")
     if segments:
         connection.execute(
             "CREATE TABLE s AS SELECT rollout_id, count(*) AS n, count(DISTINCT seq) AS seqs, min(seq) AS low, "
@@ -169,6 +174,18 @@ def _lost_line(root: Path, iteration: int, lost: LostSegments) -> str:
             f"({_named(lost.rollout_ids, len(lost.rollout_ids))}): {where}; {fix}")
 
 
+def _uncommitted_foreign(warehouse: Warehouse, iteration: int) -> dict[Path, str]:
+    """The segments parts of an iteration that no rollouts part commits (invisible to every reader)
+    and that the warehouse did not write, judged by their footer's stamp: a copy waiting for a
+    rollouts part of its name is named too, and no writer removes it as a killed collection's."""
+    owner, found = warehouse.ownership(), {}
+    committed = warehouse.root / schema.ROLLOUTS.name / f"iteration={iteration}"
+    for part in list_parts(warehouse.root, schema.SEGMENTS, {"iteration": iteration}):
+        if not (committed / part.name).exists() and (reason := foreign_part(owner, part)) is not None:
+            found[part] = reason
+    return found
+
+
 def drop_lost(lost: LostSegments) -> None:
     """Remove a rollouts part whose rollouts all lost their segments (`collect --resume`, holding
     the iteration's collect lock): they are then missing, which a resume collects again; a crash
@@ -200,8 +217,7 @@ def _incomplete(connection: duckdb.DuckDBPyConnection, warehouse: Warehouse, ite
         return []
     prompts = [p for p in plan.prompt_ids if owns is None or owns(p)]
     planned = len(prompts) * plan.group_size
-    connection.execute("CREATE TABLE planned (prompt_id VARCHAR)")
-    connection.executemany("INSERT INTO planned VALUES (?)", [[p] for p in prompts])
+    connection.register("planned", pa.table({"prompt_id": pa.array(prompts, pa.string())}))
     ((stored,),) = connection.execute(
         "SELECT count(DISTINCT rollout_id) FROM r SEMI JOIN planned USING (prompt_id)").fetchall()
     if stored >= planned:
@@ -225,21 +241,32 @@ def inspect_config(warehouse: Warehouse, iteration: int, config_id: str) -> tupl
                 for path, reason in {**foreign, **foreign_configs}.items()]
     if not parts:
         return tuple(findings)
+    rollouts = warehouse.parts_of(schema.ROLLOUTS, iteration=iteration)[0]
     connection = duckdb.connect(":memory:")
     try:
-        rows = connection.execute(
-            "SELECT rollout_id, count(*), list(DISTINCT filename ORDER BY filename), count(*) OVER () "
-            "FROM read_parquet(?, hive_partitioning = false, filename = true) GROUP BY rollout_id, negative_seq "
-            "HAVING count(*) > 1 ORDER BY rollout_id LIMIT 1", [[str(p) for p in parts]]).fetchall()
+        connection.execute("CREATE TABLE p AS SELECT rollout_id, negative_seq, filename AS part FROM "
+                           "read_parquet(?, hive_partitioning = false, filename = true)", [[str(p) for p in parts]])
+        _load(connection, rollouts, [])
+        twice = connection.execute(
+            "SELECT rollout_id, count(*), list(DISTINCT part ORDER BY part), count(*) OVER () FROM p "
+            "GROUP BY rollout_id, negative_seq HAVING count(*) > 1 ORDER BY rollout_id LIMIT 1").fetchall()
+        orphans = connection.execute("SELECT DISTINCT rollout_id FROM p ANTI JOIN r USING (rollout_id) "
+                                     "ORDER BY 1").fetchall()
     finally:
         connection.close()
-    for rollout_id, times, files, total in rows:
-        directory = parts[0].parent
+    directory = parts[0].parent
+    for rollout_id, times, files, total in twice:
         findings.append(
             f"{root}: purify config {config_id} of iteration {iteration} holds {times} rows for rollout {rollout_id} "
             f"(in {', '.join(files)}){f', and {total - 1} more rollouts have more than one' if total > 1 else ''}: "
             f"an older cleaner stored a repeated grid value once per repeat, and training would count each row; "
             f"delete {directory} and purify the iteration under the config again")
+    if orphans:
+        ids = [rollout_id for (rollout_id,) in orphans]
+        findings.append(
+            f"{root}: purify config {config_id} of iteration {iteration} holds rows of {len(ids)} rollouts the "
+            f"iteration does not hold ({_named(ids, len(ids))}): their rollouts part is gone or not the warehouse's; "
+            f"restore it (or adopt it), or delete {directory} and purify the iteration again")
     return tuple(findings)
 
 
@@ -277,10 +304,16 @@ def findings_of(warehouse: Warehouse, iteration: int) -> list[str]:
 
 
 def every_finding(warehouse: Warehouse) -> list[str]:
-    """Every finding of every collected iteration and of every config's rows, in order (`cleaner
-    warehouse`, the report, the browser)."""
+    """Every finding of every iteration the warehouse knows of (collected, planned or purified) and
+    of every config's rows, in order (`cleaner warehouse`, the report, the browser)."""
     warehouse.check_is_warehouse()
     lines: list[str] = []
-    for iteration in warehouse.iterations_collected():
+    for iteration in known_iterations(warehouse):
         lines += [line for line in findings_of(warehouse, iteration) if line not in lines]
     return lines
+
+
+def known_iterations(warehouse: Warehouse) -> list[int]:
+    """The iterations with rollouts parts, a recorded plan, or purified rows (file names only)."""
+    purified = {int(part.parent.parent.name.split("=", 1)[1]) for part in list_parts(warehouse.root, schema.PURIFIED)}
+    return sorted({*warehouse.iterations_collected(), *warehouse.planned_iterations(), *purified})

@@ -137,6 +137,17 @@ def claim(root: Path) -> Ownership:
     return ownership(root)
 
 
+def foreign_part(owner: Ownership, path: Path) -> str | None:
+    """Why the part at `path` is not the warehouse's, judged by its footer's stamp alone (None: it
+    is, or it is gone); for parts no reader reads (a segments part no rollouts part commits)."""
+    try:
+        return owner.foreign_reason(path, stamp_of(path))
+    except WarehouseError:
+        if path.exists():
+            raise
+        return None  # removed meanwhile (a collection's own cleanup)
+
+
 def foreign_line(root: Path, path: Path, reason: str, consequence: str = "its rows are left out") -> str:
     """The one line that names a part the warehouse did not write, what that means for the reader
     (`consequence`), and what settles it."""

@@ -54,7 +54,14 @@ from cleaner.warehouse.lock import (
     remove_if_only_locks,
 )
 from cleaner.warehouse.manifest import MANIFEST_DIR, Manifest
-from cleaner.warehouse.ownership import IDENTITY_FILE, Ownership, claim, foreign_line, ownership
+from cleaner.warehouse.ownership import (
+    IDENTITY_FILE,
+    Ownership,
+    claim,
+    foreign_line,
+    foreign_part,
+    ownership,
+)
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -199,13 +206,17 @@ class Warehouse(ConfigFiles):
         """Delete the segments parts of `iteration` that no rollouts part commits (a collection killed
         between its two writes), those whose rollouts are all `owned` (all, when None): call it only
         holding the collect lock of what `owned` covers, since a writer between its two writes has
-        such a part too. Returns how many went."""
+        such a part too. One the warehouse did not write stays (the readers name it). Returns how
+        many went."""
         directory = self._dir(schema.SEGMENTS, iteration=iteration)
         committed = self._dir(schema.ROLLOUTS, iteration=iteration)
         removed = remove_leftovers(directory) + remove_leftovers(committed)
+        owner = self.ownership()
         for part in sorted(directory.glob(PART_GLOB)) if directory.is_dir() else ():
             if part.name.startswith(MERGED_PREFIX) or (committed / part.name).exists():
                 continue  # committed, or a compaction's (compact.py rolls those forward)
+            if foreign_part(owner, part) is not None:
+                continue  # not the warehouse's: the readers name it, `cleaner warehouse` settles it
             ids = set(pq.read_table(part, columns=["rollout_id"]).column("rollout_id").to_pylist())
             if owned is None or all(owned(rollout_id) for rollout_id in ids):
                 part.unlink(missing_ok=True)
@@ -216,7 +227,7 @@ class Warehouse(ConfigFiles):
 
     def _visible(self, dataset: Dataset, **partition: object) -> list[Path]:
         """The visible parts of `dataset` in `partition` that the warehouse wrote, each verified
-        (`Manifest.verify`); the others are left out (`foreign_parts` names them)."""
+        (`Manifest.verify`); the others are left out (`parts_of` names them)."""
         return self.parts_of(dataset, **partition)[0]
 
     def parts_of(self, dataset: Dataset, **partition: object) -> tuple[list[Path], dict[Path, str]]:

@@ -24,6 +24,7 @@ from cleaner.config import CollectConfig, PurifyConfig
 from cleaner.ui.app import create_app
 from cleaner.warehouse import Warehouse, schema
 from cleaner.warehouse.browse import Browser
+from cleaner.warehouse.compact import compact
 from cleaner.warehouse.configs import CollectPlan
 from cleaner.warehouse.gate import every_finding
 from cleaner.warehouse.parts import write_part
@@ -90,6 +91,13 @@ def copied_rollouts(root: Path, other: Path, holder) -> str:
     return "part-copy.parquet: not a part this warehouse wrote (it is a copy of this warehouse's part rollouts/"
 
 
+def copied_segments(root: Path, other: Path, holder) -> str:
+    """A segments part copied alone: no rollouts part commits it, so no reader would read it, but it
+    is not the warehouse's either, and no writer deletes it as a killed collection's leftover."""
+    shutil.copy(part_of(root, "segments", "r0"), root / "segments" / "iteration=0" / "part-copy.parquet")
+    return "part-copy.parquet: not a part this warehouse wrote (it is a copy of this warehouse's part segments/"
+
+
 def foreign_pair(root: Path, other: Path, holder) -> str:
     for dataset in ("rollouts", "segments"):
         shutil.copy(parts(other, dataset)[0], root / dataset / "iteration=0")
@@ -113,13 +121,19 @@ def lost_rollouts(root: Path, other: Path, holder) -> str:
     return "iteration 0 holds 2 of the 4 rollouts its collection planned: it was interrupted"
 
 
+def every_rollouts_part_lost(root: Path, other: Path, holder) -> str:
+    for part in parts(root, "rollouts"):
+        part.unlink()
+    return "iteration 0 holds 0 of the 4 rollouts its collection planned: it was interrupted"
+
+
 def being_collected(root: Path, other: Path, holder) -> str:
     process = holder("collect:0:", root)
     return f"iteration 0 is being collected (it holds collect-iteration=0.lock: pid {process.pid} on "
 
 
-ITERATION_FAULTS = [copied_pair, copied_rollouts, foreign_pair, sql_copy, lost_segments, lost_rollouts,
-                    being_collected]
+ITERATION_FAULTS = [copied_pair, copied_rollouts, copied_segments, foreign_pair, sql_copy, lost_segments,
+                    lost_rollouts, every_rollouts_part_lost, being_collected]
 
 
 def duplicate_rows(root: Path, other: Path, holder) -> str:
@@ -154,7 +168,7 @@ READERS = list(_refusing(Path("/x")))
 CONFIG_READERS = ["purify", "export-purified", "train"]  # the readers of the config's rows
 # collect --resume repairs these two instead (tested with a real collection below); under a running
 # collection it is refused by the lock, in the lock's words
-RESUMED = {lost_segments: None, lost_rollouts: None,
+RESUMED = {lost_segments: None, lost_rollouts: None, every_rollouts_part_lost: None,
            being_collected: "another process is collecting iteration 0 (it holds collect-iteration=0.lock"}
 CASES = ([(fault, reader) for fault in ITERATION_FAULTS for reader in READERS
           if not (reader == "collect-resume" and fault in RESUMED and RESUMED[fault] is None)]
@@ -194,14 +208,15 @@ def test_the_displays_show_what_is_stored_and_say_the_finding(fault, base, other
     shutil.copytree(base, root)
     said = fault(root, other, holder)
     before = data_digest(root)
-    shown = runner.invoke(app, ["show", "r2", "-w", str(root), "--no-tokenizer"])  # r2's part is untouched
-    assert shown.exit_code == 0, shown.output
-    assert [line for line in shown.output.splitlines() if line.startswith("warning:")] and said in shown.output
+    if fault is not every_rollouts_part_lost:  # else there is no rollout to show
+        shown = runner.invoke(app, ["show", "r2", "-w", str(root), "--no-tokenizer"])  # r2's part is untouched
+        assert shown.exit_code == 0, shown.output
+        assert [line for line in shown.output.splitlines() if line.startswith("warning:")] and said in shown.output
     report = runner.invoke(app, ["report", "-w", str(root), "--out", str(tmp_path / "report")])
     assert report.exit_code == 0 and said in report.output, report.output
     assert said in (tmp_path / "report" / "report.md").read_text()
     client = TestClient(create_app(Browser(Warehouse(root, read_only=True))), base_url="http://127.0.0.1")
-    for page in ("/", "/rollouts", "/rollouts/r2", "/sql?q=select+1"):
+    for page in ("/", "/rollouts", "/sql?q=select+1", *(["/rollouts/r2"] if fault is not every_rollouts_part_lost else [])):
         response = client.get(page)
         assert response.status_code == 200 and said in html.unescape(response.text), page
     check = runner.invoke(app, ["warehouse", "-w", str(root)])
@@ -329,3 +344,32 @@ def test_a_rollout_whose_segments_are_not_there_once_each_is_named(tmp_path):
     (line,) = every_finding(wh)
     assert line.startswith(f"{wh.root}: iteration 0: rollout r0 has 12 segments with 6 distinct seqs from 0 to 5, "
                            "not seq 0 to 11 once each: its segments were changed after it was committed")
+
+
+def test_a_configs_rows_of_rollouts_the_iteration_does_not_hold_are_refused(base, tmp_path, tiny_qwen3_dir):
+    """An iteration an older cleaner collected (no plan) whose rollouts parts were deleted: its
+    purified rows are of rollouts it no longer holds, and training them is refused by name."""
+    root = tmp_path / "wh"
+    shutil.copytree(base, root)
+    (root / "configs" / "collect-plan-iteration=0.json").unlink()
+    for part in parts(root, "rollouts"):
+        part.unlink()
+    args = _refusing(tmp_path)["train"]
+    result = runner.invoke(app, [arg.replace("{policy}", str(tiny_qwen3_dir)) for arg in args])
+    assert result.exit_code == 1 and (f"purify config {CONFIG.config_id} of iteration 0 holds rows of 4 rollouts the "
+                                      "iteration does not hold (r0, r1, r2, ... (4 in all))") in _one_error_line(result.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_writer_removes_a_killed_collections_segments_part_but_not_a_copy(base, tmp_path):
+    root = tmp_path / "wh"
+    shutil.copytree(base, root)
+    copy = root / "segments" / "iteration=0" / "part-copy.parquet"
+    shutil.copy(part_of(root, "segments", "r0"), copy)
+    killed = write_part(root / "segments" / "iteration=0", schema.to_table(schema.SEGMENTS, make_segments("r9")),
+                        stamp=Warehouse(root).stamp)  # its rollouts part never written
+    assert Warehouse(root).remove_uncommitted(0) == 1
+    assert copy.exists() and not killed.exists()
+    killed = write_part(killed.parent, schema.to_table(schema.SEGMENTS, make_segments("r9")), stamp=Warehouse(root).stamp)
+    assert compact(root).n_leftovers == 1  # compaction, too
+    assert copy.exists() and not killed.exists()

@@ -121,6 +121,7 @@ def test_an_older_cleaners_parts_stay_the_warehouses_and_later_unstamped_ones_do
     _batch(Warehouse(root), ("r1",))
     legacy = json.loads((root / IDENTITY_FILE).read_text())["legacy"]
     assert legacy == ["rollouts/iteration=0/part-old.parquet", "segments/iteration=0/part-old.parquet"]
+    shutil.rmtree(root / ".manifest")  # a cache: the list alone keeps them the warehouse's
     assert every_finding(Warehouse(root)) == [] and _ids(Warehouse(root)) == ["r0", "r1"]
     for dataset, rows in (("segments", make_segments("r2")), ("rollouts", [make_rollout("r2")])):
         write_part(root / dataset / "iteration=0", schema.to_table(schema.DATASETS[dataset], rows), "part-late.parquet")

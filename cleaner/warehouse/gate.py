@@ -1,5 +1,5 @@
-"""The one gate every reader passes before it reads an iteration (docs/architecture.md §3, "The
-gate"): purify, ablate, train, export and `collect --resume` refuse what it finds, in its words;
+"""The one gate every reader passes before it reads an iteration (docs/architecture.md §3, "Own
+parts and the gate"): purify, ablate, train, export and `collect --resume` refuse what it finds, in its words;
 show, report and the browser, which only display, say it in one line beside what they show.
 
 What it checks of an iteration, in this order (the first finding is the refusal):
@@ -11,8 +11,9 @@ What it checks of an iteration, in this order (the first finding is the refusal)
 4. every rollout's segments are there exactly once: seq 0..n-1, each once; a rollouts part whose
    segments part is gone is named (`LostSegments`: `collect --resume` collects them again);
 5. it is complete: the rollouts its collection planned (the plan `collect` records, configs.py)
-   are all stored, none of them at all included. An iteration an older cleaner collected has no plan; purify then counts from its
-   collect config (the warehouse layer cannot load datasets).
+   are all stored (an iteration left with none is incomplete too). An iteration an older cleaner
+   collected has no plan; purify then counts from its collect config (the warehouse layer cannot
+   load datasets).
 A config's rows (`inspect_config`, for purify, train and the export of purified rows): every part of
 the config's partition (and of purify_configs) is the warehouse's own, no rollout has two rows, and
 every row's rollout is the iteration's.
@@ -39,6 +40,8 @@ from cleaner.warehouse.parts import WarehouseError, fsync_dir, list_parts
 from cleaner.warehouse.store import Warehouse
 
 MANY = 3  # rollouts a line names before "..."
+# The datasets no iteration's or config's gate reads
+OTHER_DATASETS = (schema.ITERATIONS, schema.TRAIN_STEPS, schema.EVAL_ROLLOUTS, schema.EVAL_SEGMENTS, schema.EVAL_RUNS)
 
 
 class Refused(WarehouseError):
@@ -167,7 +170,8 @@ def _lost_line(root: Path, iteration: int, lost: LostSegments) -> str:
     twin = root / schema.SEGMENTS.name / lost.part.relative_to(root / schema.ROLLOUTS.name)
     where = (f"its rollouts part {lost.part} has no segments part {twin}" if not twin.exists()
              else f"its segments part {twin} does not hold them")
-    fix = (f"`cleaner collect -w {root} --iteration {iteration} --resume` collects them again" if lost.whole else
+    fix = (f"`cleaner collect -w {root} --iteration {iteration} --resume` (and its other options) collects them "
+           "again" if lost.whole else
            "the part's other rollouts kept theirs, so they cannot be collected again without storing those twice: "
            "restore the segments part from a copy of the warehouse, or collect the iteration again (another --iteration)")
     return (f"{root}: iteration {iteration}: {len(lost.rollout_ids)} rollouts have no segments "
@@ -310,6 +314,8 @@ def every_finding(warehouse: Warehouse) -> list[str]:
     lines: list[str] = []
     for iteration in known_iterations(warehouse):
         lines += [line for line in findings_of(warehouse, iteration) if line not in lines]
+    for dataset in OTHER_DATASETS:  # read by the report, train's resume and eval: left out of them, named here
+        lines += [foreign_line(warehouse.root, path, reason) for path, reason in warehouse.parts_of(dataset)[1].items()]
     return lines
 
 

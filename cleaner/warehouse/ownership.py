@@ -1,4 +1,4 @@
-"""Which parts a warehouse wrote (docs/architecture.md §3, "Own parts").
+"""Which parts a warehouse wrote (docs/architecture.md §3, "Own parts and the gate").
 
 A file named `part-*.parquet` under a dataset's directory is not thereby a part of the warehouse:
 a `cp` from another warehouse, a part copied under a new name, or DuckDB's `COPY ... TO` into a

@@ -21,7 +21,7 @@ from cleaner.warehouse.foreign import adopt, remove
 from cleaner.warehouse.gate import every_finding
 from cleaner.warehouse.ownership import IDENTITY_FILE, STAMP_KEY
 from cleaner.warehouse.parts import list_parts, new_merged_name, write_merged, write_part
-from tests.factories import make_rollout, make_segments
+from tests.factories import make_eval_run, make_rollout, make_segments
 from tests.helpers import tree_digest
 
 runner = CliRunner()
@@ -225,3 +225,15 @@ def test_a_warehouse_copied_without_its_identity_file_says_so_and_writes_nothing
     assert not (copy / IDENTITY_FILE).exists() and len(list((copy / "rollouts").rglob("part-*"))) == 1
     shutil.copy(ours.root / IDENTITY_FILE, copy)
     assert every_finding(Warehouse(copy)) == []
+
+
+def test_a_copied_part_of_any_other_dataset_is_left_out_and_named(two):
+    """The datasets no iteration's gate reads (eval runs here; iterations and train_steps alike)."""
+    ours, _ = two
+    ours.write_eval_run(make_eval_run("e1", saar=True))
+    (own,) = list_parts(ours.root, schema.EVAL_RUNS)
+    shutil.copy(own, own.parent / "part-copy.parquet")
+    assert ours.connect().execute("SELECT count(*) FROM eval_runs").fetchall() == [(1,)]
+    (line,) = every_finding(Warehouse(ours.root))
+    assert line.startswith(f"{own.parent / 'part-copy.parquet'}: not a part this warehouse wrote (it is a copy of this "
+                           f"warehouse's part eval_runs/{own.name} under another name); its rows are left out until")

@@ -1,10 +1,14 @@
 """Shared fixtures. GPU tests are skipped, never faked, where CUDA is absent. The real SGLang
-runtime on CPU (an engine, servers, a router) is for the `sglang` tests, in .venv-sglang."""
+runtime on CPU (an engine, servers, a router) is for the `sglang` tests, in .venv-sglang. Lock
+holders are real processes (the warehouse's lock and gate tests)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -117,6 +121,46 @@ def qwen3_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-tokenizer")
     save_qwen3_tokenizer(path)
     return path
+
+
+# ---------------------------------------------------------------------------- lock holders
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from cleaner.warehouse.lock import exclusive, phase_lock
+from cleaner.warehouse.compact import LOCK_NAME
+kind, root = sys.argv[1], Path(sys.argv[2])
+if kind == "compact":
+    held = exclusive(root / LOCK_NAME, "compact", "wait")
+elif kind == "run":
+    held = exclusive(root / ".run.lock", "run", "wait")
+else:
+    phase, iteration, share = kind.split(":")
+    held = phase_lock(root, phase, int(iteration), tuple(map(int, share.split("/"))) if share else None)
+with held:
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def holder():
+    """Start a process that takes a lock (`kind`: compact, run, or phase:iteration:index/count) on
+    `root` and holds it; each is SIGKILLed at the end of the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(kind: str, root) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", _HOLD, kind, str(root)], stdout=subprocess.PIPE, text=True)
+        started.append(process)
+        assert process.stdout.readline() == "held\n"
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 # ---------------------------------------------------------------------------- SGLang on CPU

@@ -254,7 +254,9 @@ def test_one_ctrl_c_ends_a_collection_whose_reward_hangs_in_one_line(tmp_path, u
 def test_relative_paths_are_stored_resolved_and_an_equivalent_spec_resumes(tmp_path, units, monkeypatch):
     """--data and --reward-fn typed relative to the working directory are stored as absolute paths
     (the reward's name written out): a resume spelling them otherwise is the same config, and purify
-    run from another folder can check the iteration is complete. Another option is refused by name."""
+    run from another folder can check the iteration is complete (from the plan its collection
+    recorded, even with the dataset moved; without a plan, from the dataset). Another option is
+    refused by name."""
     import shutil
 
     work = tmp_path / "work"
@@ -286,5 +288,8 @@ def test_relative_paths_are_stored_resolved_and_an_equivalent_spec_resumes(tmp_p
     purified = runner.invoke(app, ["purify", "-w", str(warehouse)])
     assert purified.exit_code == 0, purified.output
     (work / "units.parquet").rename(work / "moved.parquet")
-    refused = runner.invoke(app, ["purify", "-w", str(warehouse), "--gamma", "0.7"])
+    moved = runner.invoke(app, ["purify", "-w", str(warehouse), "--gamma", "0.7"])
+    assert moved.exit_code == 0, moved.output  # the plan the collection recorded says what it planned
+    (warehouse / "configs" / "collect-plan-iteration=0.json").unlink()  # as an older cleaner left it
+    refused = runner.invoke(app, ["purify", "-w", str(warehouse), "--gamma", "0.9"])
     assert refused.exit_code == 1 and "cannot tell whether iteration 0 is complete" in " ".join(refused.output.split())

@@ -361,7 +361,7 @@ def test_every_help_is_readable_at_80_columns():
     import typer
 
     leaves = leaf_commands()
-    assert len(leaves) == 16  # the 13 phase, loop and read commands, ui, export and curate
+    assert len(leaves) == 17  # the 13 phase, loop and read commands, ui, export, curate and warehouse
     for path, command in [((), typer.main.get_command(app)), *leaves]:
         result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
         assert result.exit_code == 0, result.output

@@ -156,10 +156,10 @@ def test_a_full_disk_between_a_parts_two_writes_leaves_no_uncommitted_part(disk,
     warehouse = _collected(disk.root / "wh")
     original = store.write_part
 
-    def fill_before_the_commit(directory, table, name=None):
+    def fill_before_the_commit(directory, table, name=None, stamp=None):
         if directory.parent.name == "rollouts":
             disk.fill()
-        return original(directory, table, name)
+        return original(directory, table, name, stamp)
 
     monkeypatch.setattr(store, "write_part", fill_before_the_commit)
     with pytest.raises(WriteError, match="no space left on the device"):
@@ -180,11 +180,11 @@ def test_an_uncommitted_part_a_killed_collection_left_goes_with_the_next_writer(
 
     warehouse = _collected(disk.root / "wh")
     segments = disk.root / "wh" / "segments" / "iteration=0"
-    write_part(segments, to_table(SEGMENTS, make_segments(R0)))  # as the killed collection of R0 left it
+    write_part(segments, to_table(SEGMENTS, make_segments(R0)), stamp=warehouse.stamp)  # as the killed collection of R0 left it
     assert _plain_segments(warehouse.root) == 3 * len(make_segments(R0))
     collect_job(warehouse, CollectRequest(PLANNED, resume=True), progress=False)
     assert _plain_segments(warehouse.root) == 2 * len(make_segments(R0))
-    write_part(segments, to_table(SEGMENTS, make_segments("someone-else")))
+    write_part(segments, to_table(SEGMENTS, make_segments("someone-else")), stamp=warehouse.stamp)
     runner.invoke(app, ["compact", "-w", str(warehouse.root)])
     view = warehouse.connect().sql("SELECT count(*) FROM segments").fetchall()[0][0]
     assert _plain_segments(warehouse.root) == view == 2 * len(make_segments(R0))

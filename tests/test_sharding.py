@@ -99,7 +99,8 @@ def test_two_shards_collect_and_purify_exactly_what_one_run_does(tmp_path, rando
     assert_same_collection(_collected(warehouse), _collected(unsharded))
     assert sum(len(s.token_ids) for s in _collected(warehouse)[1]) > 0
     assert warehouse.collect_config(0) == unsharded.collect_config(0)
-    assert sorted(p.name for p in (warehouse.root / "configs").iterdir()) == ["collect-iteration=0.json"]
+    assert sorted(p.name for p in (warehouse.root / "configs").iterdir()) == [
+        "collect-iteration=0.json", "collect-plan-iteration=0.json"]  # the shards' one config and plan
     with pytest.raises(JobError, match="iteration 0 shard 1/2 already holds 10 rollouts; pass --resume"):
         collect_job(warehouse, CollectRequest(config, Shard(1, 2)), backend=backend, progress=False)
 

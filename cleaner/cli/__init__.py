@@ -10,6 +10,7 @@ from cleaner.cli import loop  # noqa: F401  (run, demo, bootstrap)
 from cleaner.cli import read  # noqa: F401  (report, sandbox run, sql, compact, show, ui)
 from cleaner.cli import export  # noqa: F401  (export)
 from cleaner.cli import curate  # noqa: F401  (curate)
+from cleaner.cli import warehouse  # noqa: F401  (warehouse)
 # isort: on
 from cleaner.cli.common import app
 

@@ -19,6 +19,7 @@ from cleaner.cli.common import (
     build_config,
     call_job,
     console,
+    err_console,
     fail,
     sandbox_app,
 )
@@ -42,6 +43,8 @@ def report(
 
     out = out or default_report_dir(warehouse)
     written = call_job(report_job, Warehouse(warehouse), out)
+    for line in written.findings:  # a display shows what is stored, and says what the readers' gate finds
+        err_console.print(f"warning: {line}", soft_wrap=True, highlight=False, markup=False)
     for section in written.sections:
         status = section.file or f"skipped: {section.skipped}"
         console.print(f"{section.title}: {status}", soft_wrap=True, highlight=False)
@@ -274,15 +277,22 @@ def show(
     from cleaner.report.inspection import Decoder, load_decoder, load_inspection
     from cleaner.report.show import show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
+    from cleaner.warehouse.gate import collected_iteration, findings_of, first_line
 
     saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
     try:
         store = Warehouse(warehouse)
-        inspection = load_inspection(store, rollout_id, store.connect())  # one connection for every read
+        connection = store.connect(warn_foreign=False)  # one connection for every read; the gate names them
+        inspection = load_inspection(store, rollout_id, connection)
+        iteration = collected_iteration(connection, rollout_id) if inspection is None else (
+            None if inspection.eval_id is not None else inspection.iteration)
+        state = first_line(findings_of(store, iteration), store.root) if iteration is not None else None
     except WarehouseError as exc:
         raise fail(str(exc)) from exc
     if inspection is None:
-        raise fail(f"no rollout {rollout_id!r} in {warehouse}")
+        raise fail(state or f"no rollout {rollout_id!r} in {warehouse}")
+    if state is not None:  # a display shows what is stored, and says what the readers' gate finds
+        err_console.print(f"warning: {state}", soft_wrap=True, highlight=False, markup=False)
     decoder = load_decoder(inspection.model) if tokenizer and view is not Panels.RAW else Decoder(
         None, "--no-tokenizer: text below is the stored segment text, not decoded tokens")
     console.print(show_rollout(inspection, saar, decoder, view))

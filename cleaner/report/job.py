@@ -14,6 +14,7 @@ import duckdb
 from cleaner.outputs import REPORT, atomic_directory, check_outside, check_replaceable
 from cleaner.report.page import Report, ReportData, write_report
 from cleaner.warehouse import Warehouse, queries
+from cleaner.warehouse.gate import every_finding
 
 
 def default_report_dir(warehouse: Path) -> Path:
@@ -28,12 +29,14 @@ def report_job(warehouse: Warehouse, out: Path) -> Report:
 
     The report is written aside and swapped in whole (cleaner.outputs): `out` ends holding
     this report's files only, and is refused, untouched, unless it is absent, empty or a report
-    cleaner wrote, and outside the warehouse."""
+    cleaner wrote, and outside the warehouse. A display, it does not refuse what the readers' gate
+    finds (an iteration being collected, a part the warehouse did not write): the page says it at the
+    top."""
     check_outside(out, warehouse.root, "--out")  # before reading anything
     check_replaceable(out, REPORT)
-    connection = warehouse.connect()
+    connection = warehouse.connect(warn_foreign=False)  # the gate's findings name them
     try:
-        data = report_data(connection)
+        data = dataclasses.replace(report_data(connection), findings=tuple(every_finding(warehouse)))
     finally:
         connection.close()
     with atomic_directory(out, REPORT) as temp_dir:

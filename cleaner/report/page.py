@@ -33,6 +33,7 @@ class ReportData:
     error_types: pl.DataFrame
     ablation: pl.DataFrame
     eval_runs: pl.DataFrame | None  # None: the warehouse holds no eval results
+    findings: tuple[str, ...] = ()  # what the readers' gate finds (warehouse/gate.py): the figures cover what is stored
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Section:
 class Report:
     page: Path  # report.md
     sections: tuple[Section, ...]
+    findings: tuple[str, ...] = ()  # the readers' gate's findings, at the top of the page
 
     @property
     def figures(self) -> list[Path]:
@@ -191,7 +193,9 @@ def write_report(data: ReportData, out: Path, source: str) -> Report:
     intro = (f"Warehouse `{source}`: {data.rollouts} rollouts in {data.iterations_collected} collected "
              f"iteration(s), {completed} completed `cleaner run` iteration(s), "
              f"{data.train_steps.height} optimiser step(s).")
-    text = "\n\n".join(["# cleaner report", intro, *(_section_text(s) for s in sections)]) + "\n"
+    found = ["**Not as collected** (every reader but the report refuses it; the figures show what is stored):\n\n"
+             + "\n".join(f"- {line}" for line in data.findings)] if data.findings else []
+    text = "\n\n".join(["# cleaner report", intro, *found, *(_section_text(s) for s in sections)]) + "\n"
     page = out / "report.md"
     page.write_text(text)
-    return Report(page, tuple(sections))
+    return Report(page, tuple(sections), data.findings)

@@ -108,7 +108,8 @@ class State:
 def page(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
     state: State = request.app.state.ui
     body = TEMPLATES.get_template(template).render(
-        request=request, warehouse=str(state.browser.root), path=request.url.path, **context)
+        request=request, warehouse=str(state.browser.root), path=request.url.path,
+        findings=state.browser.findings, **context)
     return HTMLResponse(body, status_code=status_code)
 
 

@@ -21,6 +21,9 @@ Design decisions:
 - The premise class is the one of `cleaner.engine.saar.premise.classify`, in SQL: clean without a failed
   call; recovered when every step with a failure ended in a successful call; else unrecovered. An
   error type is the exception's name, else the call's status, as in the report.
+- The gate's findings (warehouse/gate.py: a part the warehouse did not write, an iteration being
+  collected or incomplete, ...) are taken with each snapshot; every page says them, since a
+  display shows what is stored instead of refusing it.
 - The `Browser` reads what `cleaner.report.show.load_inspection` asks of a warehouse (`read_rollout`,
   `read_purified_of`, `collect_config`, `eval_config`), over its own connection.
 """
@@ -40,6 +43,7 @@ import pyarrow as pa
 
 from cleaner.records import PurifiedRow, PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import readonly, schema
+from cleaner.warehouse.gate import every_finding
 from cleaner.warehouse.parts import WarehouseError
 from cleaner.warehouse.store import Warehouse
 from cleaner.warehouse.views import cursor_of, parts_variable
@@ -182,18 +186,21 @@ class Browser:
         self.warehouse = warehouse
         self.limits, self.pool_size = limits or readonly.SqlLimits(), pool_size
         self._swap = threading.Lock()  # held only to replace the snapshot
-        self._pages, self.sql = self._open()
+        self._pages, self.sql, self.findings = self._open()
 
     @property
     def root(self) -> Path:
         return self.warehouse.root
 
-    def _open(self) -> tuple[_Pages, readonly.SqlBox]:
+    def _open(self) -> tuple[_Pages, readonly.SqlBox, tuple[str, ...]]:
+        """A snapshot: the pages' database, the SQL box's, and what the readers' gate finds in it
+        (a display says it on every page instead of refusing)."""
+        findings = tuple(every_finding(self.warehouse))
         pages = _Pages(self.warehouse, self.pool_size)
         index = pages.index()
-        box = readonly.SqlBox(self.warehouse.connect(settings=readonly.sql_settings(self.limits)), self.root,
-                              self.limits, tables={INDEX: index})
-        return pages, box
+        box = readonly.SqlBox(self.warehouse.connect(settings=readonly.sql_settings(self.limits), warn_foreign=False),
+                              self.root, self.limits, tables={INDEX: index})
+        return pages, box, findings
 
     @contextlib.contextmanager
     def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -219,7 +226,7 @@ class Browser:
         (the warehouse gone, a compaction removing parts as they are listed) raises a
         WarehouseError, and the old snapshot stays."""
         try:
-            pages, box = self._open()
+            pages, box, findings = self._open()
         except WarehouseError as error:
             if not self.root.is_dir():
                 raise _stale(self.root, error) from error
@@ -228,7 +235,7 @@ class Browser:
             raise _stale(self.root, error, "no new snapshot could be taken") from error
         with self._swap:
             old_pages, old_box = self._pages, self.sql
-            self._pages, self.sql = pages, box
+            self._pages, self.sql, self.findings = pages, box, findings
         old_box.close()
         old_pages.retire()
 
@@ -326,7 +333,7 @@ class _Pages:
 
     def __init__(self, warehouse: Warehouse, size: int) -> None:
         self._temp = tempfile.TemporaryDirectory(prefix="cleaner-ui-", ignore_cleanup_errors=True)
-        self.connection = warehouse.connect(settings={"temp_directory": self._temp.name})
+        self.connection = warehouse.connect(settings={"temp_directory": self._temp.name}, warn_foreign=False)
         variable = parts_variable(schema.ROLLOUTS)
         ((has_parts,),) = self.connection.execute("SELECT count(*) FROM duckdb_variables() WHERE name = ?",
                                                   [variable]).fetchall()

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ import pyarrow as pa
 from cleaner.errors import read_only_file_system
 from cleaner.warehouse.lock import LockHeld, exclusive, phase_lock_path
 from cleaner.warehouse.manifest import Manifest
+from cleaner.warehouse.ownership import Ownership, claim, foreign_line, foreign_part
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -59,6 +60,7 @@ from cleaner.warehouse.parts import (
     new_merged_name,
     read_part,
     remove_leftovers,
+    stamp_of,
     validate_part,
     write_merged,
 )
@@ -80,6 +82,7 @@ class Merge:
     n_rows: int
     bytes_before: int
     bytes_after: int
+    part: str = ""  # the merged part's file name
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class CompactResult:
 
 
 @dataclass(frozen=True)
-class _Partition:
+class Partition:
     """One partition directory of a dataset and, for a commit-marker dataset, its twins'."""
 
     dataset: Dataset
@@ -112,13 +115,14 @@ def compact(root: Path, dataset: str | None = None, iteration: int | None = None
     merges: list[Merge] = []
     leftovers = 0
     with exclusive(root / LOCK_NAME, f"{root}: another `cleaner compact` is running", "wait for it to end"):
+        owner = claim(root)
         for partition in _partitions(root, _chosen(dataset, iteration), iteration):
             leftovers += sum(remove_leftovers(partition.directory(root, twin))
                              for twin in (None, *partition.twins))  # killed writers' temporaries
-            leftovers += _roll_forward(root, partition)
-            leftovers += _remove_uncommitted(root, partition)
+            leftovers += _roll_forward(root, partition, owner)
+            leftovers += _remove_uncommitted(root, partition, owner)
             for names in _plan(root, partition, target_bytes):
-                merges += _merge(root, partition, names)
+                merges += merge_parts(root, partition, names, owner)
     return CompactResult(tuple(merges), leftovers)
 
 
@@ -133,14 +137,14 @@ def _chosen(name: str | None, iteration: int | None) -> list[Dataset]:
     return [d for d in dict.fromkeys(markers) if iteration is None or "iteration" in d.partition_keys]
 
 
-def _partitions(root: Path, datasets: Sequence[Dataset], iteration: int | None) -> list[_Partition]:
+def _partitions(root: Path, datasets: Sequence[Dataset], iteration: int | None) -> list[Partition]:
     selected = {} if iteration is None else {"iteration": iteration}
     found = []
     for dataset in datasets:
         twins = tuple(DATASETS[name] for name, marker in COMMITTED_BY.items() if marker is dataset)
         base = root / dataset.name
         for relative in sorted({p.parent.relative_to(base) for p in list_parts(root, dataset, selected)}):
-            found.append(_Partition(dataset, relative, twins))
+            found.append(Partition(dataset, relative, twins))
     return found
 
 
@@ -152,12 +156,14 @@ def compaction_paused(root: Path) -> Iterator[None]:
         yield
 
 
-def replace_parts(dataset: Dataset, replaced: Sequence[Path], tables: Sequence[pa.Table]) -> Path:
+def replace_parts(dataset: Dataset, replaced: Sequence[Path], tables: Sequence[pa.Table],
+                  stamp: Callable[[Path], bytes]) -> Path:
     """Write `tables` as one part replacing the parts `replaced` of one partition directory, by a
     merge's protocol: the new part lists them in its footer, so its rename hides them, then they
-    are removed. The caller holds `compaction_paused` and read `replaced` under it."""
+    are removed. The caller holds `compaction_paused` and read `replaced` under it; `stamp` is the
+    warehouse's (ownership.py)."""
     directory = replaced[0].parent
-    path = write_merged(directory, new_merged_name(), tables, dataset, [p.name for p in replaced])
+    path = write_merged(directory, new_merged_name(), tables, dataset, [p.name for p in replaced], stamp)
     for part in replaced:
         _remove(part)
     fsync_dir(directory)
@@ -168,9 +174,10 @@ def replace_parts(dataset: Dataset, replaced: Sequence[Path], tables: Sequence[p
 # Rolling an interrupted compaction forward
 
 
-def _roll_forward(root: Path, partition: _Partition) -> int:
+def _roll_forward(root: Path, partition: Partition, owner: Ownership) -> int:
     """Remove what an interrupted compaction left: replaced parts, uncommitted merged twins and
-    temporary files. Returns how many files were removed."""
+    temporary files. Returns how many files were removed. A merged part the warehouse did not
+    write (ownership.py) removes nothing: the readers name it."""
     removed = 0
     directory = partition.directory(root)
     for dataset in (partition.dataset, *partition.twins):
@@ -181,6 +188,8 @@ def _roll_forward(root: Path, partition: _Partition) -> int:
         for merged in sorted(here.glob(f"{MERGED_PREFIX}*.parquet")):
             if not merged.exists():
                 continue  # itself merged again, and removed by a part listed before it
+            if owner.foreign_reason(merged, stamp_of(merged)) is not None:
+                continue
             if dataset is not partition.dataset and not (directory / merged.name).exists():
                 removed += _remove(merged)  # renamed before its commit marker: never visible
                 continue
@@ -192,10 +201,11 @@ def _roll_forward(root: Path, partition: _Partition) -> int:
     return removed
 
 
-def _remove_uncommitted(root: Path, partition: _Partition) -> int:
+def _remove_uncommitted(root: Path, partition: Partition, owner: Ownership) -> int:
     """Remove the twins no commit marker commits in a collection's partition (a collection killed
     between its two writes), holding the iteration's collect lock; while a collection runs there
-    (it holds the lock), its part between its two writes is such a twin, so nothing is removed."""
+    (it holds the lock), its part between its two writes is such a twin, so nothing is removed. A
+    twin the warehouse did not write stays: the readers name it (ownership.py)."""
     iteration = _iteration_of(partition)
     if iteration is None or not partition.twins:
         return 0  # an evaluation's partition: eval takes no lock, so its twins are left alone
@@ -204,7 +214,8 @@ def _remove_uncommitted(root: Path, partition: _Partition) -> int:
             removed = 0
             for dataset in partition.twins:
                 for part in sorted(partition.directory(root, dataset).glob(PART_GLOB)):
-                    if not part.name.startswith(MERGED_PREFIX) and not (partition.directory(root) / part.name).exists():
+                    if not part.name.startswith(MERGED_PREFIX) and not (partition.directory(root) / part.name).exists() \
+                            and foreign_part(owner, part) is None:  # a foreign one is the user's to settle
                         removed += _remove(part)
     except LockHeld:
         return 0
@@ -213,7 +224,7 @@ def _remove_uncommitted(root: Path, partition: _Partition) -> int:
     return removed
 
 
-def _iteration_of(partition: _Partition) -> int | None:
+def _iteration_of(partition: Partition) -> int | None:
     """The iteration of a collection's partition (`iteration=<i>`), else None."""
     name = partition.relative.name
     return int(name.split("=", 1)[1]) if partition.dataset.name == "rollouts" and name.startswith("iteration=") else None
@@ -231,7 +242,7 @@ def _remove(path: Path) -> int:
 # Planning and merging
 
 
-def _plan(root: Path, partition: _Partition, target_bytes: int) -> list[list[str]]:
+def _plan(root: Path, partition: Partition, target_bytes: int) -> list[list[str]]:
     """Bins of part names to merge, each of two or more small parts (module docstring)."""
     bins: list[list[str]] = [[]]
     size = 0
@@ -255,12 +266,23 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _merge(root: Path, partition: _Partition, names: list[str]) -> list[Merge]:
-    """Merge the named parts: twins first, the commit marker last, then remove the originals."""
+def merge_parts(root: Path, partition: Partition, names: list[str], owner: Ownership, *,
+                adopting: bool = False) -> list[Merge]:
+    """Merge the named parts: twins first, the commit marker last, then remove the originals.
+    Every one is verified first, and one the warehouse did not write stops the merge before
+    anything is written (its rows would become the warehouse's), unless `adopting` them."""
+    present = {dataset: [partition.directory(root, dataset) / name for name in names
+                         if (partition.directory(root, dataset) / name).exists()]
+               for dataset in (partition.dataset, *partition.twins)}  # the marker named first, as readers do
+    for dataset, paths in present.items():
+        manifest = Manifest(root, dataset, rehash=True, owner=owner)
+        manifest.verify(paths)
+        if manifest.foreign and not adopting:
+            path, reason = next(iter(manifest.foreign.items()))
+            raise WarehouseError(f"cannot compact {foreign_line(root, path, reason)}")
     merged = new_merged_name()
-    merges = [_write(root, partition, twin, names, merged) for twin in partition.twins]
-    merges.append(_write(root, partition, partition.dataset, names, merged))  # the commit point
-    for dataset in (partition.dataset, *partition.twins):
+    merges = [_write(partition, dataset, present[dataset], merged, owner) for dataset in (*partition.twins, partition.dataset)]
+    for dataset in (partition.dataset, *partition.twins):  # the marker's last write above: the commit point
         directory = partition.directory(root, dataset)
         for name in names:
             _remove(directory / name)
@@ -268,12 +290,10 @@ def _merge(root: Path, partition: _Partition, names: list[str]) -> list[Merge]:
     return [merge for merge in merges if merge is not None]
 
 
-def _write(root: Path, partition: _Partition, dataset: Dataset, names: list[str], merged: str) -> Merge | None:
-    directory = partition.directory(root, dataset)
-    present = [directory / name for name in names if (directory / name).exists()]
+def _write(partition: Partition, dataset: Dataset, present: list[Path], merged: str,
+           owner: Ownership) -> Merge | None:
     if not present:
         return None
-    Manifest(root, dataset, rehash=True).verify(present)
     rows = 0
 
     def tables() -> Iterator[pa.Table]:
@@ -283,6 +303,6 @@ def _write(root: Path, partition: _Partition, dataset: Dataset, names: list[str]
             rows += table.num_rows
             yield table
 
-    path = write_merged(directory, merged, tables(), dataset, [p.name for p in present])
+    path = write_merged(present[0].parent, merged, tables(), dataset, [p.name for p in present], owner.stamp)
     return Merge(dataset.name, str(partition.relative) if str(partition.relative) != "." else "",
-                 len(present), rows, sum(p.stat().st_size for p in present), path.stat().st_size)
+                 len(present), rows, sum(p.stat().st_size for p in present), path.stat().st_size, path.name)

@@ -198,6 +198,32 @@ def phase_lock(root: Path, phase: str, iteration: int, share: tuple[int, int] | 
         yield
 
 
+def collect_refusal(root: Path, iteration: int, share: tuple[int, int] | None, advice: str) -> str | None:
+    """The line a reader of `iteration` (or of one shard (index, count) of it) says while a
+    collection writes what it would read, else None: for the whole iteration any collect of it,
+    a shard's or not; for a shard, a collect of that shard or an unsharded one."""
+    what = f"{root}: iteration {iteration} is being collected"
+    if share is not None:
+        held = refusal_if_held(phase_lock_path(root, "collect", iteration, share),
+                               f"{what} (shard {share[0]}/{share[1]})", advice)
+        return held or refusal_if_held(phase_lock_path(root, "collect", iteration), what, advice, shared=True)
+    whole = phase_lock_path(root, "collect", iteration)
+    held = refusal_if_held(whole, what, advice)
+    if held and holder_of(whole) is None:  # shards hold it, shared: name them
+        return _shards_refusal(root, "collect", iteration, what, advice)
+    return held
+
+
+@contextlib.contextmanager
+def purified_write_lock(root: Path, iteration: int) -> Iterator[None]:
+    """Hold, waiting for it, the lock under which a purify writes an iteration's rows: it finds
+    which rollouts have rows under a config and writes the others, and no other process may do
+    the same meanwhile (writers that hold the iteration's purify lock of different shards could)."""
+    path = root / LOCKS_DIR / f"purified-write-iteration={iteration}.lock"
+    with exclusive(path, f"{root}: another process is writing purified rows of iteration {iteration}", "", wait=True):
+        yield
+
+
 def _shards_refusal(root: Path, phase: str, iteration: int, what: str, advice: str) -> str:
     shards = sorted((root / LOCKS_DIR).glob(f"{phase}-iteration={iteration}-shard=*.lock"))
     holders = [f"{path.name}: {holder.describe()}" for path in shards if (holder := holder_of(path))]

@@ -21,6 +21,9 @@ Design decisions:
   an error naming the file, even when they decode, since nothing rewrites a part under its name.
   This is the content check of parts written before cleaner wrote page checksums, and of the bytes
   page checksums do not cover (page headers, the footer).
+- Ownership (`ownership.py`) is judged when a part is decoded: a part that is not the warehouse's
+  own is never entered, so it is judged again at every read (`foreign`) and an entry means the part
+  is the warehouse's; its replaced names hide nothing.
 - `rehash` compares every part's CRC-32 with its entry even when its identity is unchanged
   (`cleaner sql --verify`, compaction): the only check that sees bytes changed beneath the file
   system (a failing disk), at the cost of reading the whole warehouse.
@@ -52,6 +55,7 @@ from pathlib import Path
 
 import duckdb
 
+from cleaner.warehouse.ownership import Ownership
 from cleaner.warehouse.parts import (
     Identity,
     WarehouseError,
@@ -92,11 +96,14 @@ class Manifest:
     """One dataset's manifest, loaded on construction; `verify` (or `check`) parts, then `save`."""
 
     def __init__(self, root: Path, dataset: Dataset, known: dict[str, PartEntry] | None = None, *,
-                 rehash: bool = False) -> None:
+                 rehash: bool = False, owner: Ownership | None = None) -> None:
         """`known`: entries to start from instead of the file's (a read-only reader keeps them in
-        memory between reads, since it never writes the file)."""
+        memory between reads, since it never writes the file). `owner`: tells the warehouse's own
+        parts from others' (None: every part is taken as its own)."""
         self.dataset = dataset
         self.rehash = rehash  # compare every part's CRC-32, even under an unchanged identity
+        self.owner = owner
+        self.foreign: dict[Path, str] = {}  # parts checked that are not the warehouse's own: why not
         self.path = root / MANIFEST_DIR / f"{dataset.name}.json"
         self._base = root / dataset.name
         self._known = self._load() if known is None else dict(known)
@@ -117,12 +124,15 @@ class Manifest:
         return dict(self._seen)
 
     def check(self, path: Path) -> tuple[str, ...]:
-        """Verify one part (`verify`); return the names it replaces."""
-        return self.verify([path])[0].replaces
+        """Verify one part (`verify`); return the names it replaces (none for a part that is not
+        the warehouse's own: its list hides nothing)."""
+        replaces = self.verify([path])[0].replaces
+        return () if path in self.foreign else replaces
 
     def verify(self, paths: Sequence[Path]) -> list[PartEntry]:
         """Each part's entry, reading the parts that need it (module docstring); a WarehouseError
-        names the first part that fails, and then nothing is entered."""
+        names the first part that fails, and then nothing is entered. A part that is not the
+        warehouse's own is not entered either: it goes in `foreign`."""
         entries: dict[str, PartEntry] = {}
         decoded: list[Path] = []
         for path in paths:
@@ -137,21 +147,24 @@ class Manifest:
             else:
                 entries[name] = pin
         _check_duckdb_reads(decoded, self.dataset)
-        self._seen.update(entries)
+        self._seen.update({name: entry for name, entry in entries.items() if self._base / name not in self.foreign})
         return [entries[relative_name(path, self._base)] for path in paths]
 
     def _read(self, path: Path, pin: PartEntry | None) -> PartEntry:
         content, found = read_whole(path)
         crc32 = zlib.crc32(content)
         if pin is not None and crc32 == pin.crc32:
-            return PartEntry(found, crc32, pin.replaces)  # the bytes that were verified
-        replaces = verify_content(path, content, self.dataset)  # names the file if they do not decode
+            return PartEntry(found, crc32, pin.replaces)  # the bytes that were verified (and owned)
+        footer = verify_content(path, content, self.dataset)  # names the file if they do not decode
         if pin is not None:
             raise WarehouseError(
                 f"{path}: its bytes changed since cleaner verified them (CRC-32 {pin.crc32:08x}, now {crc32:08x}; "
                 f"{pin.identity.size} bytes, now {found.size}); parts are never rewritten: restore it from a copy "
                 f"(if you replaced it on purpose, delete {self.path})")
-        return PartEntry(found, crc32, replaces)
+        reason = self.owner.foreign_reason(path, footer.stamp) if self.owner is not None else None
+        if reason is not None:
+            self.foreign[path] = reason
+        return PartEntry(found, crc32, footer.replaces)
 
     def save(self, *, complete: bool = False) -> None:
         """Write the entries checked since loading, if any is new. `complete`: this read saw every

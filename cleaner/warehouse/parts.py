@@ -39,6 +39,7 @@ from cleaner.warehouse.schema import COMMITTED_BY, Dataset
 PART_GLOB = "part-*.parquet"  # the glob of every part; hidden temporaries start with a dot
 MERGED_PREFIX = "part-merged-"
 REPLACES_KEY = b"cleaner.replaces"  # footer metadata of a merged part: JSON list of file names
+STAMP_KEY = b"cleaner.part"  # footer metadata of every part: whose it is (ownership.py)
 _ROW_GROUP_BYTES = 64 * 2**20  # in-memory size a merged part's row group is gathered up to
 
 ReplacesOf = Callable[[Path], tuple[str, ...]]
@@ -116,7 +117,7 @@ def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], No
             write(sink)
             sink.flush()
             os.fsync(sink.fileno())
-        _link_into_place(temporary, final)
+        link_into_place(temporary, final)
     except OSError as error:  # pyarrow's write errors are OSErrors too
         raise write_error(final, error) from error
     finally:
@@ -125,7 +126,7 @@ def _write_atomically(directory: Path, name: str, write: Callable[[BinaryIO], No
     return final
 
 
-def _link_into_place(temporary: Path, final: Path) -> None:
+def link_into_place(temporary: Path, final: Path) -> None:
     """Give `temporary` the name `final` atomically, never replacing a part already there: the
     manifest pins each part's bytes, so two writers racing to one name (shards writing the same
     `purify_configs` part) must not swap its content under a reader."""
@@ -139,23 +140,33 @@ def _link_into_place(temporary: Path, final: Path) -> None:
         os.rename(temporary, final)  # a file system without hard links: rename, as atomic
 
 
-def write_part(directory: Path, table: pa.Table, name: str | None = None) -> Path:
-    """Write `table` as a new part file in `directory`, atomically. Returns the part's path."""
+def write_part(directory: Path, table: pa.Table, name: str | None = None,
+               stamp: Callable[[Path], bytes] | None = None) -> Path:
+    """Write `table` as a new part file in `directory`, atomically. Returns the part's path.
+    `stamp(path)` is the footer's ownership stamp (ownership.py) of the part at its final path."""
+    name = name or new_part_name()
+    if stamp is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), STAMP_KEY: stamp(directory / name)})
+
     def write(sink: BinaryIO) -> None:
         pq.write_table(table, sink, compression="zstd", use_dictionary=_dictionary_columns(table.schema),
                        write_page_checksum=True)
 
-    return _write_atomically(directory, name or new_part_name(), write)
+    return _write_atomically(directory, name, write)
 
 
 def write_merged(directory: Path, name: str, tables: Iterable[pa.Table], dataset: Dataset,
-                 replaces: Iterable[str]) -> Path:
-    """Write the concatenation of `tables` as one merged part that replaces the named parts.
+                 replaces: Iterable[str], stamp: Callable[[Path], bytes] | None = None) -> Path:
+    """Write the concatenation of `tables` as one merged part that replaces the named parts (and
+    carries `stamp(path)`, as `write_part`).
 
     Tables are streamed: small inputs are gathered into row groups of about `_ROW_GROUP_BYTES`,
     so memory stays bounded by a row group, not by the merged part.
     """
-    schema = dataset.schema.with_metadata({REPLACES_KEY: json.dumps(sorted(replaces)).encode()})
+    metadata = {REPLACES_KEY: json.dumps(sorted(replaces)).encode()}
+    if stamp is not None:
+        metadata[STAMP_KEY] = stamp(directory / name)
+    schema = dataset.schema.with_metadata(metadata)
 
     def write(sink: BinaryIO) -> None:
         with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=_dictionary_columns(schema),
@@ -257,10 +268,18 @@ def read_whole(path: Path) -> tuple[bytes, Identity]:
         raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
 
 
-def verify_content(path: Path, content: bytes, dataset: Dataset) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Footer:
+    """What a part's footer says of it besides its schema."""
+
+    replaces: tuple[str, ...]  # the names of the parts a merged part replaces; () for any other
+    stamp: bytes | None  # whose part it is (ownership.py); None in a part no stamping cleaner wrote
+
+
+def verify_content(path: Path, content: bytes, dataset: Dataset) -> Footer:
     """Check a part's whole content: its footer against the dataset's schema, then every page of
     every column decoded with its page checksum checked (a part written without them, before
-    cleaner wrote them, is only decoded). Returns the names of the parts it replaces."""
+    cleaner wrote them, is only decoded)."""
     try:
         parquet = pq.ParquetFile(pa.BufferReader(content), page_checksum_verification=True)
         schema = parquet.schema_arrow
@@ -272,7 +291,15 @@ def verify_content(path: Path, content: bytes, dataset: Dataset) -> tuple[str, .
             parquet.read_row_group(index)
     except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
-    return _replaces(path, schema)
+    return Footer(_replaces(path, schema), (schema.metadata or {}).get(STAMP_KEY))
+
+
+def stamp_of(path: Path) -> bytes | None:
+    """The ownership stamp in a part's footer (reads the footer only)."""
+    try:
+        return (pq.read_schema(path).metadata or {}).get(STAMP_KEY)
+    except _READ_ERRORS as exc:
+        raise WarehouseError(f"{path}: not a readable Parquet file ({exc})") from exc
 
 
 def _replaces(path: Path, schema: pa.Schema) -> tuple[str, ...]:

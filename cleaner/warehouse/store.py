@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cleaner.errors import existing_ancestor, read_only_file_system, write_error
+from cleaner.errors import existing_ancestor, read_only_file_system
 from cleaner.records import (
     EvalRunRow,
     IterationRow,
@@ -45,9 +44,24 @@ from cleaner.records import (
     TrainStepRow,
 )
 from cleaner.warehouse import schema
-from cleaner.warehouse.compact import compaction_paused, replace_parts
-from cleaner.warehouse.lock import missing_directories, phase_lock, remove_if_only_locks
-from cleaner.warehouse.manifest import Manifest
+from cleaner.warehouse.compact import LOCK_NAME, compaction_paused, replace_parts
+from cleaner.warehouse.configs import ConfigFiles
+from cleaner.warehouse.lock import (
+    LOCKS_DIR,
+    missing_directories,
+    phase_lock,
+    purified_write_lock,
+    remove_if_only_locks,
+)
+from cleaner.warehouse.manifest import MANIFEST_DIR, Manifest
+from cleaner.warehouse.ownership import (
+    IDENTITY_FILE,
+    Ownership,
+    claim,
+    foreign_line,
+    foreign_part,
+    ownership,
+)
 from cleaner.warehouse.parts import (
     MERGED_PREFIX,
     PART_GLOB,
@@ -69,10 +83,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["Warehouse", "WarehouseError"]
 
 MIN_ID_PREFIX = 4  # digits of a config id that name it, as git's shortest abbreviation
+# What a warehouse directory holds (one of them at least, unless it is empty and new)
+WAREHOUSE_ENTRIES = frozenset({*DATASETS, "configs", MANIFEST_DIR, LOCKS_DIR, LOCK_NAME, IDENTITY_FILE})
 
 
-class Warehouse:
-    """A warehouse directory. Cheap to construct; nothing is read until asked.
+class Warehouse(ConfigFiles):
+    """A warehouse directory. Cheap to construct; nothing is read until asked. Its resolved
+    configs and plans are JSON files (`ConfigFiles`).
 
     `read_only=True` opens it for readers that must leave the directory byte for byte as it was
     (`cleaner ui`): `connect()` keeps the validation manifest in memory instead of writing it, and
@@ -84,6 +101,7 @@ class Warehouse:
         self.read_only = read_only
         self._checked: dict[str, dict] = {}  # read-only: each dataset's validated parts, in memory
         self._checked_writable = False
+        self._owner: Ownership | None = None  # once it has an id, it keeps it
 
     def check_writable(self) -> None:
         """WarehouseError if opened read-only, or unless the root is a directory, or can be made
@@ -105,6 +123,23 @@ class Warehouse:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise WarehouseError(f"{self.root}: cannot write into {existing} (permission denied)")
         self._checked_writable = True
+
+    def check_is_warehouse(self) -> None:
+        """WarehouseError unless the root (an existing directory) is empty or holds what a
+        warehouse holds: a reader pointed at a run directory, or at `/`, would answer 0 rows."""
+        try:
+            names = set(os.listdir(self.root))
+        except OSError:
+            return  # absent or unreadable: the read says so
+        if not names or names & WAREHOUSE_ENTRIES:
+            return
+        inner = self.root / "warehouse"
+        if inner.is_dir() and set(os.listdir(inner)) & WAREHOUSE_ENTRIES:
+            raise WarehouseError(f"{self.root}: not a warehouse but a run directory: its warehouse is {inner} "
+                                 f"(-w {inner})")
+        raise WarehouseError(f"{self.root}: not a warehouse: it holds none of a warehouse's folders "
+                             f"({', '.join(sorted(d + '/' for d in DATASETS)[:3])}, configs/, ...); give -w "
+                             "the warehouse directory")
 
     @contextlib.contextmanager
     def writer(self, phase: str, iteration: int, share: tuple[int, int] | None = None) -> Iterator[None]:
@@ -130,7 +165,20 @@ class Warehouse:
     def _write(self, dataset: Dataset, rows: Sequence, name: str | None = None, **partition) -> Path:
         self.check_writable()
         table = schema.to_table(dataset, rows)
-        return write_part(self._dir(dataset, **partition), table, name)
+        return write_part(self._dir(dataset, **partition), table, name, stamp=self.stamp)
+
+    def ownership(self) -> Ownership:
+        """What tells this warehouse's parts from others' (ownership.py)."""
+        if self._owner is None or self._owner.warehouse_id is None:
+            self._owner = ownership(self.root)
+        return self._owner
+
+    def stamp(self, path: Path) -> bytes:
+        """The ownership stamp of a part this warehouse writes at `path` (its first write gives the
+        warehouse its id)."""
+        if self.ownership().warehouse_id is None:
+            self._owner = claim(self.root)
+        return self._owner.stamp(path)
 
     # -----------------------------------------------------------------------------------------
     # Collection
@@ -158,13 +206,17 @@ class Warehouse:
         """Delete the segments parts of `iteration` that no rollouts part commits (a collection killed
         between its two writes), those whose rollouts are all `owned` (all, when None): call it only
         holding the collect lock of what `owned` covers, since a writer between its two writes has
-        such a part too. Returns how many went."""
+        such a part too. One the warehouse did not write stays (the readers name it). Returns how
+        many went."""
         directory = self._dir(schema.SEGMENTS, iteration=iteration)
         committed = self._dir(schema.ROLLOUTS, iteration=iteration)
         removed = remove_leftovers(directory) + remove_leftovers(committed)
+        owner = self.ownership()
         for part in sorted(directory.glob(PART_GLOB)) if directory.is_dir() else ():
             if part.name.startswith(MERGED_PREFIX) or (committed / part.name).exists():
                 continue  # committed, or a compaction's (compact.py rolls those forward)
+            if foreign_part(owner, part) is not None:
+                continue  # not the warehouse's: the readers name it, `cleaner warehouse` settles it
             ids = set(pq.read_table(part, columns=["rollout_id"]).column("rollout_id").to_pylist())
             if owned is None or all(owned(rollout_id) for rollout_id in ids):
                 part.unlink(missing_ok=True)
@@ -174,7 +226,13 @@ class Warehouse:
         return removed
 
     def _visible(self, dataset: Dataset, **partition: object) -> list[Path]:
-        """The visible parts of `dataset` in `partition`, each verified (`Manifest.verify`)."""
+        """The visible parts of `dataset` in `partition` that the warehouse wrote, each verified
+        (`Manifest.verify`); the others are left out (`parts_of` names them)."""
+        return self.parts_of(dataset, **partition)[0]
+
+    def parts_of(self, dataset: Dataset, **partition: object) -> tuple[list[Path], dict[Path, str]]:
+        """The visible parts of `dataset` in `partition`, each verified: the warehouse's own, and
+        the others with why they are not its own (ownership.py)."""
         marker = COMMITTED_BY.get(dataset.name)
         marker_parts = None
         if marker is not None:  # only the commit markers' names (and merged ones' lists) are needed
@@ -185,10 +243,11 @@ class Warehouse:
         parts = visible_parts(self.root, dataset, partition, manifest.check, marker_parts=marker_parts)
         manifest.verify(parts)
         self._keep(manifest)
-        return parts
+        return [p for p in parts if p not in manifest.foreign], {p: manifest.foreign[p] for p in parts
+                                                                  if p in manifest.foreign}
 
     def _manifest(self, dataset: Dataset) -> Manifest:
-        return Manifest(self.root, dataset, self._checked.get(dataset.name))
+        return Manifest(self.root, dataset, self._checked.get(dataset.name), owner=self.ownership())
 
     def _keep(self, manifest: Manifest) -> None:
         """Save a partial read's entries: merged into the file, or in memory when read-only."""
@@ -238,21 +297,36 @@ class Warehouse:
     def write_purified_many(
         self, iteration: int, results: Sequence[tuple[PurifyConfigRow, Sequence[PurifiedRow]]]
     ) -> None:
-        """`write_purified` for several configs: their new config rows go in one part, first."""
+        """`write_purified` for several configs: their new config rows go in one part, first.
+
+        A rollout never has two rows under one config (or two of one negative sample), however
+        the writes meet: a config given twice is written once, a rollout that has rows already
+        under a config gets none, and the check and the write hold the iteration's write lock of
+        purified rows (`lock.purified_write_lock`), so two processes (shards of two shard counts,
+        a resumed purify beside another) cannot both find a rollout missing and both store it."""
         self.check_writable()
-        todo = []
-        for config, rows in results:
-            stored = self.purified_rollout_ids(iteration, config.config_id)
-            new = [row for row in rows if row.rollout_id not in stored]
-            if new:
-                todo.append((config, new))
-        self._write_config_rows([config for config, _ in todo])
-        # one conversion for all configs, so rows they share are converted once (schema._column)
-        table, offset = schema.to_table(schema.PURIFIED, [row for _, rows in todo for row in rows]), 0
-        for config, rows in todo:
-            part = table.slice(offset, len(rows))
-            offset += len(rows)
-            write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part)
+        with purified_write_lock(self.root, iteration):
+            todo: dict[str, tuple[PurifyConfigRow, list[PurifiedRow]]] = {}
+            for config, rows in results:
+                stored = self.purified_rollout_ids(iteration, config.config_id)
+                config, kept = todo.setdefault(config.config_id, (config, []))
+                taken = stored | {row.rollout_id for row in kept}
+                seen = set()
+                for row in rows:
+                    key = (row.rollout_id, row.negative_seq)
+                    if row.rollout_id not in taken and key not in seen:
+                        seen.add(key)
+                        kept.append(row)
+            todo = {config_id: pair for config_id, pair in todo.items() if pair[1]}
+            self._write_config_rows([config for config, _ in todo.values()])
+            # one conversion for all configs, so rows they share are converted once (schema._column)
+            table = schema.to_table(schema.PURIFIED, [row for _, rows in todo.values() for row in rows])
+            offset = 0
+            for config, rows in todo.values():
+                part = table.slice(offset, len(rows))
+                offset += len(rows)
+                write_part(self._dir(schema.PURIFIED, iteration=iteration, config=config.config_id), part,
+                           stamp=self.stamp)
 
     def _write_config_rows(self, configs: Sequence[PurifyConfigRow]) -> None:
         known = self.purify_config_ids() if configs else set()
@@ -311,7 +385,8 @@ class Warehouse:
         with compaction_paused(self.root):  # listed again under the lock: no compaction merges them meanwhile
             earlier = self._train_steps_of(iteration, runs)
             kept = [table.filter(pc.invert(_of_runs(table, runs))) for table in earlier.values()]
-            replace_parts(schema.TRAIN_STEPS, list(earlier), [*kept, schema.to_table(schema.TRAIN_STEPS, steps)])
+            replace_parts(schema.TRAIN_STEPS, list(earlier), [*kept, schema.to_table(schema.TRAIN_STEPS, steps)],
+                          self.stamp)
 
     def _train_steps_of(self, iteration: int, runs: set[tuple[str | None, str | None]]) -> dict[Path, pa.Table]:
         """The visible train_steps parts of `iteration` holding rows of `runs` (config id,
@@ -363,41 +438,6 @@ class Warehouse:
         rows = [row for row in schema.from_table(schema.EVAL_RUNS, table) if row.eval_id == eval_id]
         return rows[0] if rows else None
 
-    def save_eval_config(self, eval_id: str, config_json: str) -> Path:
-        return self.save_config(f"eval-{eval_id}", config_json)
-
-    def eval_config(self, eval_id: str) -> str | None:
-        return self.load_config(f"eval-{eval_id}")
-
-    # -----------------------------------------------------------------------------------------
-    # Resolved configs, saved as JSON next to the outputs they produced
-
-    def save_config(self, name: str, config_json: str) -> Path:
-        """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
-        self.check_writable()
-        directory = self.root / "configs"
-        path = directory / f"{name}.json"
-        temporary = directory / f".{name}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"  # shards save at once
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(config_json)
-            os.replace(temporary, path)
-        except OSError as error:  # a full disk: one line naming the file
-            temporary.unlink(missing_ok=True)
-            raise write_error(path, error) from error
-        return path
-
-    def load_config(self, name: str) -> str | None:
-        path = self.root / "configs" / f"{name}.json"
-        return path.read_text() if path.exists() else None
-
-    def save_collect_config(self, iteration: int, config_json: str) -> Path:
-        """The resolved config an iteration was collected with (its `model` is the collecting policy)."""
-        return self.save_config(f"collect-iteration={iteration}", config_json)
-
-    def collect_config(self, iteration: int) -> str | None:
-        return self.load_config(f"collect-iteration={iteration}")
-
     # -----------------------------------------------------------------------------------------
     # One rollout, for `cleaner show`
 
@@ -434,8 +474,8 @@ class Warehouse:
     # -----------------------------------------------------------------------------------------
     # SQL
 
-    def connect(self, verify_content: bool = False, settings: dict[str, object] | None = None
-                ) -> duckdb.DuckDBPyConnection:
+    def connect(self, verify_content: bool = False, settings: dict[str, object] | None = None, *,
+                warn_foreign: bool = True) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per dataset plus convenience views.
 
         Every visible part is verified first (`Manifest.verify`): read in full if it is new or its
@@ -447,20 +487,28 @@ class Warehouse:
         warehouse keeps it in memory and writes nothing. Datasets with no parts yet get an empty view
         with the right columns. `settings` are DuckDB's, given when the database is opened
         (`cleaner ui`'s temp directory, memory and threads). `views.cursor_of` gives another thread its
-        own connection to the same views.
+        own connection to the same views. A part the warehouse did not write (ownership.py) is left
+        out of the views, with a warning naming it unless `warn_foreign` is off (a reader that
+        says the gate's findings itself, warehouse/gate.py).
         """
         if not self.root.is_dir():
             raise WarehouseError(f"{self.root}: no such warehouse directory")
-        manifests = {name: Manifest(self.root, dataset, self._checked.get(name), rehash=verify_content)
+        self.check_is_warehouse()
+        owner = self.ownership()
+        manifests = {name: Manifest(self.root, dataset, self._checked.get(name), rehash=verify_content, owner=owner)
                      for name, dataset in DATASETS.items()}
+        listed: dict[str, list[Path]] = {}
         visible: dict[str, list[Path]] = {}
         for dataset in sorted(DATASETS.values(), key=lambda d: d.name in COMMITTED_BY):  # markers first
             manifest = manifests[dataset.name]
             marker = COMMITTED_BY.get(dataset.name)
             parts = visible_parts(self.root, dataset, replaces_of=manifest.check,
-                                  marker_parts=None if marker is None else visible[marker.name])
+                                  marker_parts=None if marker is None else listed[marker.name])
             manifest.verify(parts)
-            visible[dataset.name] = parts
+            listed[dataset.name] = parts
+            visible[dataset.name] = [part for part in parts if part not in manifest.foreign]
+            for part, reason in manifest.foreign.items() if warn_foreign else ():
+                logger.warning("%s", foreign_line(self.root, part, reason))
         for name, manifest in manifests.items():
             if self.read_only:
                 self._checked[name] = manifest.checked

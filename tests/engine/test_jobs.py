@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-from pathlib import Path
 
 import pytest
 
@@ -32,30 +30,20 @@ def test_a_collector_disabled_by_the_caller_stays_disabled():
         gc.enable()
 
 
-def test_purify_job_runs_with_the_collector_paused():
+def test_purify_job_runs_with_the_collector_paused(tmp_path):
     from cleaner.engine.purify.job import PurifyRequest, purify_job
     from cleaner.errors import JobError
+    from cleaner.warehouse import Warehouse
 
     seen = []
 
-    class EmptyWarehouse:
-        root = Path("empty")
-
-        def check_writable(self):
-            pass
-
-        def collect_config(self, iteration):
-            return None
-
-        def writer(self, phase, iteration, share=None):
-            return contextlib.nullcontext()
-
+    class EmptyWarehouse(Warehouse):
         def read_rollouts(self, iteration):
             seen.append(gc.isenabled())
             return []
 
     with pytest.raises(JobError, match="no rollouts"):
-        purify_job(EmptyWarehouse(), PurifyRequest(0, []))
+        purify_job(EmptyWarehouse(tmp_path / "empty"), PurifyRequest(0, []))
     assert seen == [False]
     assert gc.isenabled()
 

@@ -34,7 +34,7 @@ def _warehouse(tmp_path: Path) -> Warehouse:
         wh.write_rollouts(0, [make_rollout(i) for i in ids], [s for i in ids for s in make_segments(i)])
     wh.write_rollouts(1, [make_rollout("q0", iteration=1)], make_segments("q0", iteration=1))
     orphan = schema.to_table(schema.SEGMENTS, make_segments("orphan"))
-    write_part(wh.root / "segments" / "iteration=0", orphan)  # a collector died before its rollouts part
+    write_part(wh.root / "segments" / "iteration=0", orphan, stamp=wh.stamp)  # a collector died before its rollouts part
     wh.write_purified(0, CONFIG, [_purified("r0a")])
     wh.write_purified(0, CONFIG, [_purified("r0b"), _purified("r1a")])
     return wh

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -26,44 +25,6 @@ from cleaner.warehouse.lock import LockHeld, holder_of, phase_lock_path
 from tests.helpers import cli, tree_digest
 
 runner = CliRunner()
-
-HOLD = """
-import sys, time
-from pathlib import Path
-from cleaner.warehouse.lock import exclusive, phase_lock
-from cleaner.warehouse.compact import LOCK_NAME
-kind, root = sys.argv[1], Path(sys.argv[2])
-if kind == "compact":
-    held = exclusive(root / LOCK_NAME, "compact", "wait")
-elif kind == "run":
-    held = exclusive(root / ".run.lock", "run", "wait")
-else:
-    phase, iteration, share = kind.split(":")
-    held = phase_lock(root, phase, int(iteration), tuple(map(int, share.split("/"))) if share else None)
-with held:
-    print("held", flush=True)
-    time.sleep(120)
-"""
-
-
-@pytest.fixture
-def holder():
-    """Start a process that takes a lock (`kind`: compact, run, or phase:iteration:index/count) on
-    `root` and holds it; each is SIGKILLed at the end of the test."""
-    started: list[subprocess.Popen] = []
-
-    def start(kind: str, root) -> subprocess.Popen:
-        process = subprocess.Popen([sys.executable, "-c", HOLD, kind, str(root)], stdout=subprocess.PIPE, text=True)
-        started.append(process)
-        assert process.stdout.readline() == "held\n"
-        return process
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-
 
 def _refusal(root, phase: str, lock: str, pid: int) -> str:
     """The start of the line a refused writer prints, up to the holder's start time."""
@@ -158,7 +119,7 @@ def test_purify_refuses_an_iteration_being_collected_or_left_incomplete(tmp_path
         running = runner.invoke(app, ["purify", "-w", str(root)])
         output = " ".join(running.output.split())
         assert running.exit_code == 1 and "iteration 0 is being collected" in output, output
-        assert f"pid {collecting.pid}" in output and "wait for the collection to end, then purify" in output
+        assert f"pid {collecting.pid}" in output and "wait for the collection to end, then run this again" in output
     finally:
         os.kill(collecting.pid, signal.SIGKILL)
         collecting.wait()

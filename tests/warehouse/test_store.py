@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -288,3 +289,50 @@ def test_a_rerun_of_one_training_replaces_its_train_steps_rows_and_no_others(tmp
     assert stored() == [("cfg-a", "/ckpt/y", 4.0), ("cfg-a", "/ckpt/x", 5.0), ("cfg-b", "/ckpt/x", 6.0),
                         ("cfg-b", "/ckpt/x", 7.0), (None, None, 9.0)]
     assert len(list_parts(wh.root, schema.TRAIN_STEPS)) == 1  # the replaced part was removed
+
+
+def test_a_config_or_a_row_given_twice_is_stored_once(tmp_path):
+    """A grid's repeated value reaches the warehouse as one config given twice: its rows go in once;
+    a negative sample (another `negative_seq`) is another row of the rollout, kept."""
+    wh = _fill(tmp_path)
+    config = make_purify_config("c1")
+    r0, r1 = make_purified("c1", "r0"), make_purified("c1", "r1")
+    negative = dataclasses.replace(r0, negative_seq=1)
+    wh.write_purified_many(0, [(config, [r0, r0, negative]), (config, [r0, r1]), (config, [r1])])
+    assert sorted((row.rollout_id, row.negative_seq or -1) for row in wh.read_purified(0, "c1")) == [
+        ("r0", -1), ("r0", 1), ("r1", -1)]
+    assert len(list((tmp_path / "wh" / "purified").rglob("part-*.parquet"))) == 1
+
+
+_RACE = """
+import sys, time
+from pathlib import Path
+from cleaner.warehouse import Warehouse
+from tests.factories import make_purified, make_purify_config
+root, me, other = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+found = Warehouse.purified_rollout_ids
+
+def slow(self, iteration, config_id):  # what a purify found stored, then the time it takes to write
+    ids = found(self, iteration, config_id)
+    time.sleep(0.5)
+    return ids
+
+Warehouse.purified_rollout_ids = slow
+me.touch()
+while not other.exists():
+    time.sleep(0.01)
+Warehouse(root).write_purified(0, make_purify_config("c1"), [make_purified("c1", r) for r in ("r0", "r1")])
+"""
+
+
+def test_two_processes_writing_a_configs_rows_at_once_store_each_row_once(tmp_path):
+    """Two writers of one config's rows (shards of two shard counts, a purify resumed beside one
+    still running), each finding no rows stored before the other writes: the write lock makes the
+    second find the first's rows."""
+    wh = _fill(tmp_path)
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    writers = [subprocess.Popen([sys.executable, "-c", _RACE, str(wh.root), str(me), str(other)], env=env)
+               for me, other in (ready, ready[::-1])]
+    assert [writer.wait(timeout=120) for writer in writers] == [0, 0]
+    assert sorted(row.rollout_id for row in wh.read_purified(0, "c1")) == ["r0", "r1"]

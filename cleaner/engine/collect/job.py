@@ -40,6 +40,8 @@ from cleaner.errors import JobError
 from cleaner.sandbox import make_sandbox
 from cleaner.tools import Toolbox, load_tools
 from cleaner.warehouse import Warehouse
+from cleaner.warehouse.configs import CollectPlan
+from cleaner.warehouse.gate import drop_lost, inspect_iteration
 from cleaner.warehouse.queries import last_groups
 
 logger = logging.getLogger(__name__)
@@ -85,37 +87,27 @@ def _dataset_tasks(config: CollectConfig) -> list[Task]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompts chosen from the warehouse (skip_settled_prompts)
+# The iteration's plan: its prompts, chosen from the warehouse with skip_settled_prompts
 
 
-def prompts_record(iteration: int) -> str:
-    """The name of the record of the prompts an iteration collects, under <warehouse>/configs/."""
-    return f"prompts-iteration={iteration}"
-
-
-def iteration_tasks(warehouse: Warehouse, config: CollectConfig, record: bool = False) -> list[Task]:
-    """The iteration's prompts. With skip_settled_prompts, the dataset is walked on from where the
-    previous iteration stopped, passing over the prompts whose last group (before this iteration)
-    was settled within the last skip_settled_prompts iterations (-1: any); the choice is recorded
-    (`record`: collect writes it before its first rollout) and, once recorded, read back, so a resume
-    and every shard take the same prompts. Without it: `load_tasks`."""
+def iteration_tasks(warehouse: Warehouse, config: CollectConfig) -> tuple[list[Task], CollectPlan]:
+    """The iteration's prompts and the plan collect records before its first rollout (the readers'
+    gate counts the iteration against it). With skip_settled_prompts, the dataset is walked on from
+    where the previous iteration stopped, passing over the prompts whose last group (before this
+    iteration) was settled within the last skip_settled_prompts iterations (-1: any), and a plan
+    recorded already is read back, so a resume and every shard take the same prompts. Without it:
+    `load_tasks`."""
     if config.skip_settled_prompts == 0:
-        return load_tasks(config)
+        tasks = load_tasks(config)
+        return tasks, CollectPlan(tuple(task.prompt_id for task in tasks), config.group_size)
     tasks = _dataset_tasks(config)
-    saved = warehouse.load_config(prompts_record(config.iteration))
-    if saved is not None:
-        by_id = {task.prompt_id: task for task in tasks}
-        chosen = json.loads(saved)["prompt_ids"]
-        missing = [prompt_id for prompt_id in chosen if prompt_id not in by_id]
-        if missing:
-            raise JobError(f"{config.data}: iteration {config.iteration} recorded prompts the dataset no longer "
-                           f"holds ({', '.join(missing[:5])}); collect it with the dataset it started with")
-        return [by_id[prompt_id] for prompt_id in chosen]
-    plan = _plan_prompts(warehouse, config, tasks)
-    if record:
-        warehouse.save_config(prompts_record(config.iteration), json.dumps(plan, indent=1))
     by_id = {task.prompt_id: task for task in tasks}
-    return [by_id[prompt_id] for prompt_id in plan["prompt_ids"]]
+    plan = warehouse.plan(config.iteration) or _plan_prompts(warehouse, config, tasks)
+    missing = [prompt_id for prompt_id in plan.prompt_ids if prompt_id not in by_id]
+    if missing:
+        raise JobError(f"{config.data}: iteration {config.iteration} recorded prompts the dataset no longer "
+                       f"holds ({', '.join(missing[:5])}); collect it with the dataset it started with")
+    return [by_id[prompt_id] for prompt_id in plan.prompt_ids], plan
 
 
 def _last_groups(warehouse: Warehouse, iteration: int) -> dict:
@@ -129,11 +121,12 @@ def _last_groups(warehouse: Warehouse, iteration: int) -> dict:
         connection.close()
 
 
-def _plan_prompts(warehouse: Warehouse, config: CollectConfig, tasks: list[Task]) -> dict:
+def _plan_prompts(warehouse: Warehouse, config: CollectConfig, tasks: list[Task]) -> CollectPlan:
     """The prompts an iteration takes, and where the next one starts (module notes: iteration_tasks)."""
     iteration, window = config.iteration, config.skip_settled_prompts
-    previous = warehouse.load_config(prompts_record(iteration - 1)) if iteration > 0 else None
-    start = json.loads(previous)["next_row"] if previous else (iteration * config.n_prompts) % len(tasks)
+    previous = warehouse.plan(iteration - 1) if iteration > 0 else None
+    start = previous.next_row if previous and previous.next_row is not None else (
+        iteration * config.n_prompts) % len(tasks)
     last = _last_groups(warehouse, iteration)
     chosen, skipped, position = [], [], start
     while len(chosen) < min(config.n_prompts, len(tasks)) and position < start + len(tasks):
@@ -141,7 +134,7 @@ def _plan_prompts(warehouse: Warehouse, config: CollectConfig, tasks: list[Task]
         position += 1
         group = last.get(task.prompt_id)
         if group is not None and group.settled and (window == -1 or iteration - group.iteration <= window):
-            skipped.append({"prompt_id": task.prompt_id, "settled_at": group.iteration})
+            skipped.append((task.prompt_id, group.iteration))
         else:
             chosen.append(task.prompt_id)
     if not chosen:
@@ -150,8 +143,7 @@ def _plan_prompts(warehouse: Warehouse, config: CollectConfig, tasks: list[Task]
     if len(chosen) < config.n_prompts:
         logger.warning("iteration %d: %d of the dataset's prompts are settled; collecting the %d others",
                        iteration, len(skipped), len(chosen))
-    return {"prompt_ids": chosen, "next_row": position % len(tasks), "skipped": skipped,
-            "skip_settled_prompts": window}
+    return CollectPlan(tuple(chosen), config.group_size, position % len(tasks), tuple(skipped))
 
 
 @dataclass(frozen=True)
@@ -205,8 +197,9 @@ def collect_job(warehouse: Warehouse, request: CollectRequest, *, backend: Backe
     user = UserCode.load(config)
     try:
         with warehouse.writer("collect", config.iteration, shard_of(shard)):  # one writer per iteration (shard)
-            tasks = [task for task in iteration_tasks(warehouse, config, record=True) if shard.owns(task.prompt_id)]
-            return _collect(warehouse, request, tasks, backend, progress, started, user)
+            every, plan = iteration_tasks(warehouse, config)  # under the lock: a plan read back or made once
+            tasks = [task for task in every if shard.owns(task.prompt_id)]
+            return _collect(warehouse, request, tasks, plan, backend, progress, started, user)
     finally:
         user.toolbox.close()
 
@@ -216,8 +209,8 @@ def shard_of(shard: Shard) -> tuple[int, int] | None:
     return (shard.index, shard.count) if shard.sharded else None
 
 
-def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], backend: Backend | None,
-             progress: bool, started: float, user: UserCode) -> CollectOutcome:
+def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], plan: CollectPlan,
+             backend: Backend | None, progress: bool, started: float, user: UserCode) -> CollectOutcome:
     """The rest of `collect_job`, under the iteration's (or shard's) collect lock."""
     config, shard, resume = request.config, request.shard, request.resume
     iteration = config.iteration
@@ -225,6 +218,8 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                         for task in tasks for sample in range(config.group_size))
     # a part a killed collection of this share left uncommitted goes (we hold this share's lock)
     warehouse.remove_uncommitted(iteration, owned=planned.__contains__)
+    if resume:
+        _repair(warehouse, iteration, shard, planned)
     stored_anywhere = warehouse.rollout_ids(iteration)
     stored = stored_anywhere & planned  # this share's; other shards' rollouts are theirs to resume
     where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
@@ -247,6 +242,7 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
                 raise JobError(f"model {config.model!r} has no tokenizer files; collect needs its "
                                "tokenizer for the chat format")
             warehouse.save_collect_config(iteration, config.to_json())  # the model loaded: the first write
+            warehouse.save_plan(iteration, plan)
             chat = user.chat(serving.tokenizer)
             with make_sandbox(config.sandbox) as sandbox, user.grading(tasks, config) as grader:
                 def write(batch) -> None:  # on the collection's writer thread
@@ -258,6 +254,26 @@ def _collect(warehouse: Warehouse, request: CollectRequest, tasks: list[Task], b
     rollouts = [r for r in warehouse.read_rollouts(iteration) if r.rollout_id in planned]
     summary = summarize(rollouts, warehouse.read_segments(iteration, planned))
     return CollectOutcome(iteration, len(planned), n_written, summary, time.monotonic() - started)
+
+
+def _repair(warehouse: Warehouse, iteration: int, shard: Shard, planned: frozenset[str]) -> None:
+    """Before a resume: refuse what the gate finds in the iteration (warehouse/gate.py), except
+    rollouts whose segments part is gone, whose rollouts part goes so that they are collected
+    again (their seeds make them the same rollouts); JobError where that would drop rollouts that
+    kept their segments, or another shard's."""
+    state = inspect_iteration(warehouse, iteration, share=shard_of(shard), owns=shard.owns, collecting=True)
+    refused = [f.line for f in state.findings if f.lost is None or not f.lost.whole]
+    if refused:
+        raise JobError(refused[0])
+    lost = [finding.lost for finding in state.findings]
+    others = [part for part in lost if not set(part.rollout_ids) <= planned]
+    if others:
+        raise JobError(f"{others[0].part}: its rollouts lost their segments, but some are not this shard's "
+                       f"({shard}); resume the collection that wrote them (the same --shard, or none)")
+    for part in lost:
+        drop_lost(part)
+        logger.info("%s: its %d rollouts had lost their segments; collecting them again", part.part,
+                    len(part.rollout_ids))
 
 
 def _check_saved_config(warehouse: Warehouse, config: CollectConfig, must_match: bool) -> None:

@@ -6,10 +6,11 @@ Design decisions:
   manifest stays in memory), DuckDB spills into a private temporary directory, so a warehouse on
   a read-only file system exports.
 - Everything that can be refused is refused before the output folder exists: the iterations (not
-  collected; not purified, for `--view purified`), `--where` (and a selection of nothing: a
-  folder of no rows is refused, never written), the purify config, each policy's
-  tokenizer and chat template, an `--out` holding anything unless `--overwrite` (and then only a
-  dataset cleaner exported: `outputs.py`). The folder is written beside `--out` and swapped in
+  collected; what the readers' gate finds, warehouse/gate.py; not purified, for `--view purified`),
+  `--where` (and a selection of nothing: a folder of no rows is refused, never written), the purify
+  config, each policy's tokenizer and chat template, an `--out` holding anything unless
+  `--overwrite` (and then only a dataset cleaner exported: `outputs.py`). The folder is written
+  beside `--out` and swapped in
   whole (`outputs.atomic_directory`), so an export that fails leaves nothing half-written.
 - Rows stream (warehouse/selection.py, folder.py): memory holds a batch of rollouts and a row
   group, whatever the warehouse's size; a progress bar counts the rollouts read.
@@ -52,6 +53,7 @@ from cleaner.interrupts import QueryStop, watched
 from cleaner.outputs import DATASET, OutputError, atomic_directory, check_outside, check_replaceable
 from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse, selection
+from cleaner.warehouse.gate import check_config, check_iteration
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +146,15 @@ def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool =
     started = time.monotonic()
     _check_out(request, warehouse)
     readonly = Warehouse(warehouse.root, read_only=True)
+    readonly.check_is_warehouse()
+    for iteration in request.iterations:  # the readers' gate: whole, not being written, each rollout once
+        check_iteration(readonly, iteration)
     # a Ctrl-C interrupts the query running (a long --where), and the stop comes before the swap
     stop = QueryStop("interrupting the export", f"nothing was written ({request.out} is as it was)")
     with tempfile.TemporaryDirectory(prefix="cleaner-export-") as spill:
         with stop:
-            connection = readonly.connect(settings={"temp_directory": spill, "memory_limit": DUCKDB_MEMORY})
+            connection = readonly.connect(settings={"temp_directory": spill, "memory_limit": DUCKDB_MEMORY},
+                                          warn_foreign=False)  # the gate names them
         try:
             with stop, watched(connection):
                 plan = _plan(connection, readonly, request)
@@ -260,6 +266,8 @@ def _config(connection, warehouse: Warehouse, request: ExportRequest) -> PurifyC
     if config_id and config is None:
         raise JobError(f"{warehouse.root}: no purify config {config_id}")
     if request.purified_rows:
+        for iteration in request.iterations:
+            check_config(warehouse, iteration, config.config_id)
         _check_purified(connection, warehouse, config)
     return config
 

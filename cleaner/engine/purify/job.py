@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cleaner.config import UNSHARDED, CollectConfig, Edit, PurifyConfig, Shard
 from cleaner.engine.collect.agent import rollout_key
-from cleaner.engine.collect.job import collected_policy, iteration_tasks, shard_of
+from cleaner.engine.collect.job import collected_policy, load_tasks, shard_of
 from cleaner.engine.collect.summary import CollectSummary, summarize
 from cleaner.engine.model import Backend, load_backend, require_backend, serving_backend
 from cleaner.engine.model.answers import refusal, row_value_faults, stored_value_faults
@@ -38,7 +38,7 @@ from cleaner.engine.purify.pipeline import (
 from cleaner.errors import CleanerError, JobError
 from cleaner.records import PurifyConfigRow, Rollout, Segment
 from cleaner.warehouse import Warehouse
-from cleaner.warehouse.lock import phase_lock_path, refusal_if_held
+from cleaner.warehouse.gate import check_config, check_iteration
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ class PurifyRequest:
     scorer_memory_gb: float | None = None  # the torch scorer's cache budget on a GPU; None: half a naive pass's
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "configs", tuple(self.configs))  # a list is taken as a tuple: the request stays immutable
+        # a tuple, so the request stays immutable; a config given twice (a grid's repeated value) is one
+        distinct: dict[str, PurifyConfig] = {}
+        for config in self.configs:
+            distinct.setdefault(config.config_id, config)
+        object.__setattr__(self, "configs", tuple(distinct.values()))
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend
     """
     started = time.monotonic()
     warehouse.check_writable()
+    warehouse.check_is_warehouse()  # before its lock file would make a run directory look like one
     if backend is None:
         require_backend(request.backend_kind, request.sglang_url)
         check_device(request.device)
@@ -116,6 +121,8 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
     check_down_sampling(warehouse, iteration, configs)
     rollouts, segments = _share(warehouse, iteration, request.shard)
     check_stored_values(warehouse, iteration, segments)
+    for config in configs:  # rows stored already are results too: one a rollout, in the warehouse's parts
+        check_config(warehouse, iteration, config.config_id)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
     todo = [c for c in configs if missing[c.config_id]]
@@ -139,25 +146,21 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
 
 
 def check_collected(warehouse: Warehouse, iteration: int, shard: Shard) -> None:
-    """JobError unless the iteration's collection (the shard's share of it) has ended and holds every
-    rollout it planned: a purify of what a running or interrupted collection has committed so far
-    would train on part of the iteration, and differ from a purify of the whole."""
+    """JobError with the gate's finding (warehouse/gate.py) unless the iteration's collection (the
+    shard's share of it) has ended, holds every rollout it planned, each once with its segments, in
+    parts the warehouse wrote: a purify of what a running or interrupted collection has committed
+    so far would train on part of the iteration, and differ from a purify of the whole. An
+    iteration an older cleaner collected records no plan: what it planned is read from its collect
+    config."""
+    check_iteration(warehouse, iteration, share=shard_of(shard), owns=shard.owns)  # Refused: its one line
+    saved = warehouse.collect_config(iteration)
+    if saved is None or warehouse.plan(iteration) is not None:
+        return
     root = warehouse.root
     where = f"iteration {iteration}" + (f" shard {shard}" if shard.sharded else "")
-    running = (refusal_if_held(phase_lock_path(root, "collect", iteration, shard_of(shard)), f"{root}: {where} is "
-                               "being collected", "wait for the collection to end, then purify")
-               if shard.sharded else None)
-    running = running or refusal_if_held(phase_lock_path(root, "collect", iteration), f"{root}: iteration "
-                                         f"{iteration} is being collected", "wait for the collection to end, then purify",
-                                         shared=shard.sharded)
-    if running:
-        raise JobError(running)
-    saved = warehouse.collect_config(iteration)
-    if saved is None:
-        return
     try:
         config = CollectConfig.from_json(saved)
-        planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in iteration_tasks(warehouse, config)
+        planned = {rollout_key(iteration, task.prompt_id, sample)[0] for task in load_tasks(config)
                    if shard.owns(task.prompt_id) for sample in range(config.group_size)}
     except (CleanerError, ValueError, TypeError) as error:  # the dataset moved: completeness cannot be known
         raise JobError(f"{root}: cannot tell whether {where} is complete: the prompts its collection planned "

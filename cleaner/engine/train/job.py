@@ -38,6 +38,7 @@ from cleaner.errors import JobError
 from cleaner.outputs import CHECKPOINT, check_replaceable
 from cleaner.records import PurifiedRow
 from cleaner.warehouse import Warehouse, WarehouseError
+from cleaner.warehouse.gate import check_config, check_iteration
 from cleaner.warehouse.lock import phase_lock_path, refusal_if_held
 
 
@@ -76,6 +77,7 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
         memory.expandable_segments()
     check_replaceable(request.out, CHECKPOINT)  # before any training: `out` must be absent or a checkpoint
     warehouse.check_writable()
+    warehouse.check_is_warehouse()  # before its lock file would make a run directory look like one
     if config.engine == "deepspeed":
         check_deepspeed_setup(config)
     if model is None:
@@ -109,8 +111,12 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
 
 
 def _check_purified(warehouse: Warehouse, iteration: int, config_id: str) -> None:
-    """JobError unless every rollout of the iteration has its rows under the config, and no purify
-    of the iteration is running: training on part of an iteration would be a different step."""
+    """JobError (or the gate's Refused, warehouse/gate.py) unless the iteration passes the readers'
+    gate, its config's rows hold one row per rollout in parts the warehouse wrote, every rollout of
+    the iteration has its rows under the config, and no purify of the iteration is running:
+    training on part of an iteration, or on a row twice, would be a different step."""
+    check_iteration(warehouse, iteration)
+    check_config(warehouse, iteration, config_id)
     running = refusal_if_held(phase_lock_path(warehouse.root, "purify", iteration),
                               f"{warehouse.root}: iteration {iteration} is being purified",
                               "wait for it to end, then train", shared=False)

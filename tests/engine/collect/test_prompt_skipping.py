@@ -3,12 +3,11 @@ iterations, chosen from what the warehouse holds and recorded (collect/job.py `i
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from cleaner.config import CollectConfig
-from cleaner.engine.collect.job import iteration_tasks, prompts_record
+from cleaner.engine.collect.job import iteration_tasks
 from cleaner.errors import JobError
 from cleaner.records import Rollout, Segment, SegmentKind, ToolStatus
 from cleaner.warehouse import Warehouse
@@ -43,27 +42,33 @@ def data(tmp_path):
     return str(path)
 
 
-def _ids(tasks):
+def _ids(planned):
+    return [task.prompt_id for task in planned[0]]
+
+
+def _recorded(warehouse: Warehouse, config: CollectConfig) -> list[str]:
+    """The prompts of the iteration's plan, recorded as collect records it before its first rollout."""
+    tasks, plan = iteration_tasks(warehouse, config)
+    warehouse.save_plan(config.iteration, plan)
     return [task.prompt_id for task in tasks]
 
 
 def test_settled_prompts_are_skipped_and_the_next_ones_taken_in_their_place(tmp_path, data):
     warehouse = Warehouse(tmp_path / "w")
     first = CollectConfig(data=data, n_prompts=4, skip_settled_prompts=2)
-    assert _ids(iteration_tasks(warehouse, first, record=True)) == ["toy-0", "toy-1", "toy-2", "toy-3"]
+    assert _recorded(warehouse, first) == ["toy-0", "toy-1", "toy-2", "toy-3"]
     _write(warehouse, 0, [_group(0, "toy-0", [1, 1]),  # all correct: settled
                           _group(0, "toy-1", [0, 1]),
                           _group(0, "toy-2", [0, 0]),  # all wrong: settled
                           _group(0, "toy-3", [1, 0, 0], infra=0)])  # the faulted sample has no say: settled
     second = CollectConfig(data=data, n_prompts=4, skip_settled_prompts=2, iteration=1)
-    assert _ids(iteration_tasks(warehouse, second, record=True)) == ["toy-4", "toy-5", "toy-6", "toy-7"]
+    assert _recorded(warehouse, second) == ["toy-4", "toy-5", "toy-6", "toy-7"]
     _write(warehouse, 1, [_group(1, f"toy-{i}", [0, 1]) for i in (4, 5, 6, 7)])
     # iteration 2 walks on from row 0: toy-0, toy-2 and toy-3 settled at 0, within 2 iterations: skipped
     third = CollectConfig(data=data, n_prompts=4, skip_settled_prompts=2, iteration=2)
-    assert _ids(iteration_tasks(warehouse, third, record=True)) == ["toy-1", "toy-4", "toy-5", "toy-6"]
-    record = json.loads(warehouse.load_config(prompts_record(2)))
-    assert [skip["prompt_id"] for skip in record["skipped"]] == ["toy-0", "toy-2", "toy-3"]
-    assert record["next_row"] == 7
+    assert _recorded(warehouse, third) == ["toy-1", "toy-4", "toy-5", "toy-6"]
+    plan = warehouse.plan(2)
+    assert plan.skipped == (("toy-0", 0), ("toy-2", 0), ("toy-3", 0)) and plan.next_row == 7
 
 
 def test_a_skip_lasts_its_window_then_the_prompt_comes_back(tmp_path, data):
@@ -88,7 +93,7 @@ def test_only_the_last_group_counts(tmp_path, data):
 def test_a_recorded_choice_is_read_back_whatever_the_warehouse_holds_since(tmp_path, data):
     warehouse = Warehouse(tmp_path / "w")
     config = CollectConfig(data=data, n_prompts=3, skip_settled_prompts=-1, iteration=1)
-    chosen = _ids(iteration_tasks(warehouse, config, record=True))
+    chosen = _recorded(warehouse, config)
     _write(warehouse, 0, [_group(0, "toy-3", [1, 1])])  # settled after the choice: a resume keeps it
     assert _ids(iteration_tasks(warehouse, config)) == chosen == ["toy-3", "toy-4", "toy-5"]
 
@@ -132,7 +137,7 @@ def test_a_run_never_collects_a_settled_prompt_again_and_a_rerun_takes_the_same_
             for prompt in prompts:
                 rewards = {r.reward for r in rollouts[i] if r.prompt_id == prompt}
                 settled_before |= {prompt} if len(rewards) == 1 else set()
-        records = [json.loads(warehouse.load_config(prompts_record(i))) for i in range(3)]
-        assert any(record["skipped"] for record in records)  # the run did meet a settled prompt again
-        chosen.append([record["prompt_ids"] for record in records])
+        plans = [warehouse.plan(i) for i in range(3)]
+        assert any(plan.skipped for plan in plans)  # the run did meet a settled prompt again
+        chosen.append([plan.prompt_ids for plan in plans])
     assert chosen[0] == chosen[1]

@@ -121,7 +121,7 @@ def test_a_warehouse_is_never_replaced(tmp_path):
 
     warehouse = Warehouse(tmp_path / "warehouse")
     warehouse.write_rollouts(0, [make_rollout("r0")], make_segments("r0"))
-    _refused_untouched(warehouse.root, "cleaner did not write it .no .cleaner-output.json; it holds rollouts, segments")
+    _refused_untouched(warehouse.root, "cleaner did not write it .no .cleaner-output.json; it holds .warehouse.json, rollouts, segments")
 
 
 def test_a_directory_with_a_user_file_is_never_replaced(tmp_path):

@@ -3,7 +3,6 @@ iterations, chosen from what the warehouse holds and recorded (collect/job.py `i
 
 from __future__ import annotations
 
-
 import pytest
 
 from cleaner.config import CollectConfig

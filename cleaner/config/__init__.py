@@ -14,13 +14,17 @@ from cleaner.config.settings import (
     ASSETS_DIR,
     DEFAULT_POLICY,
     ENV_POLICY,
+    GSPO_AGG_MODE,
+    LOSS_AGG_MODES,
     RECOVER_POLICY,
     UNSHARDED,
+    AdvEstimator,
     CollectConfig,
     DpoCap,
     Edit,
     EvalConfig,
     IsMode,
+    LossMode,
     PromptStyle,
     PurifyConfig,
     PurifyWhen,
@@ -32,6 +36,6 @@ from cleaner.config.settings import (
     TrainConfig,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "DpoCap",
-           "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
+__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "GSPO_AGG_MODE", "LOSS_AGG_MODES", "RECOVER_POLICY", "UNSHARDED", "AdvEstimator", "CollectConfig", "DpoCap",
+           "Edit", "EvalConfig", "IsMode", "LossMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
            "Schedule", "Shard", "SimilarityOn", "TrainConfig"]

@@ -165,6 +165,15 @@ def floats(text: str, name: str) -> list[float]:
     return values
 
 
+def booleans(text: str, name: str) -> list[bool]:
+    """The comma-separated true/false values of option `name`: at least one."""
+    values = [value.lower() for value in words(text, name)]
+    wrong = [value for value in values if value not in ("true", "false")]
+    if wrong:
+        raise fail(f"{name} takes comma-separated true and false, got {text!r}")
+    return [value == "true" for value in values]
+
+
 def words(text: str, name: str) -> list[str]:
     """The comma-separated words of option `name`: at least one."""
     values = [v.strip() for v in text.split(",") if v.strip()]

@@ -318,3 +318,27 @@ def test_purify_stores_nothing_its_scorer_made_non_finite(collected, tmp_path):
     assert message.count(" (old log-prob nan") == 5 and "and 7 more; score with a checkpoint" in message
     assert warehouse.purified_rollout_ids(0, PurifyConfig().config_id) == frozenset()
     assert not list(warehouse.root.glob("purified/**/*.parquet"))
+
+
+def test_a_whole_batch_estimator_is_purified_whole_or_refused(collected, tmp_path):
+    """reinforce_plus_plus_baseline whitens over the iteration: rows under it for part of the
+    iteration (a collection resumed after its purify) cannot be completed, and a shard is refused
+    before anything is read."""
+    from cleaner.config import PurifyConfig, Shard
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.errors import JobError
+    from tests.factories import make_purify_config
+
+    config = PurifyConfig(adv_estimator="reinforce_plus_plus_baseline")
+    whole = _copy(collected, tmp_path / "whole")
+    rows = purify_job(whole, PurifyRequest(0, [config]), progress=False).results[0].rows
+    part = _copy(collected, tmp_path / "part")
+    half = rows[: len(rows) // 2]
+    part.write_purified(0, make_purify_config(config.config_id), half)
+    with pytest.raises(JobError, match=rf"rows under purify config {config.config_id} for {len(half)} of its "
+                                       rf"{len(rows)} rollouts, and adv_estimator reinforce_plus_plus_baseline"):
+        purify_job(part, PurifyRequest(0, [config]), progress=False)
+    with pytest.raises(JobError, match="--shard 0/2: adv_estimator reinforce_plus_plus_baseline whitens"):
+        purify_job(part, PurifyRequest(0, [config], Shard(0, 2)), progress=False)
+    grpo = purify_job(part, PurifyRequest(0, [PurifyConfig()], Shard(0, 2)), progress=False)  # grpo shards
+    assert grpo.results[0].rows

@@ -7,6 +7,10 @@ Design decisions:
 - `render_iteration` renders one config: each rollout is purified iff its rollback_draw < p (4.3)
   and, with purify_when = "positive", its advantage is > 0 (reward above its group mean; a group of
   one or of equal rewards has advantage 0 and stays raw). Everything else is rendered raw.
+- The advantage is the config's estimator's (advantages.py). Its group stage decides purify_when;
+  reinforce_plus_plus_baseline then whitens over the loss tokens of the config's own renderings,
+  so each config of an ablation whitens its rows, and the negative-sample pushes are added to the
+  whitened advantage.
 - `purify_iteration` renders every config first, then sends the rows of ALL configs to ONE
   `scorer.score_rows` call, so a prefix trie shares a rollout's prompt and unchanged spans across
   configs. Identical (token_ids, start) requests are sent once (raw renderings repeat across
@@ -39,6 +43,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 
 from cleaner.config import Edit, PurifyConfig, PurifyWhen
 from cleaner.engine.model.base import RowScorer
-from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.purify.advantages import GroupStage, group_stage, whitened
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.premise import (
@@ -229,10 +234,10 @@ def _plan(
     failed_tokens: Sequence[int],  # the failed-call tokens of each rollout (the premise's credit)
 ) -> PurifyPlan:
     faults = [cls is None for cls in classes]
-    advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts],
-                                 config.advantage_eps, counted=[not fault for fault in faults])
+    stage = group_stage(config, [r.group_id for r in rollouts], [r.reward for r in rollouts],
+                        counted=[not fault for fault in faults])
     drafts = []
-    for rollout, advantage, fault in zip(rollouts, advantages, faults, strict=True):
+    for rollout, advantage, fault in zip(rollouts, stage.advantages, faults, strict=True):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode, config.edit)
@@ -245,6 +250,9 @@ def _plan(
             if not rendered.provisional:
                 renders[key] = rendered
         drafts.append(Draft(rollout, advantage, view.purified, rendered, fault))
+    if config.whole_batch:
+        drafts = _whitened(drafts, stage)
+    advantages = [draft.advantage for draft in drafts]
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
         config_id=config.config_id, n_rollouts=len(drafts),
@@ -260,6 +268,14 @@ def _plan(
         premise=premise_stats(rollouts, classes, advantages, failed_tokens),
     )
     return PurifyPlan(config, tuple(drafts), stats)
+
+
+def _whitened(drafts: list[Draft], stage: GroupStage) -> list[Draft]:
+    """The drafts with their advantages whitened over the loss tokens of their renderings
+    (reinforce_plus_plus_baseline; advantages.py), the infrastructure faults left out."""
+    loss_tokens = [sum(draft.rendered.loss_mask[1:]) for draft in drafts]
+    values = whitened(stage, loss_tokens, [not draft.infra_fault for draft in drafts])
+    return [dataclasses.replace(draft, advantage=value) for draft, value in zip(drafts, values, strict=True)]
 
 
 def _input_errors(grouped: dict[str, list[Segment]]) -> tuple[tuple[str, int], ...]:

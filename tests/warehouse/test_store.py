@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -288,3 +289,22 @@ def test_a_rerun_of_one_training_replaces_its_train_steps_rows_and_no_others(tmp
     assert stored() == [("cfg-a", "/ckpt/y", 4.0), ("cfg-a", "/ckpt/x", 5.0), ("cfg-b", "/ckpt/x", 6.0),
                         ("cfg-b", "/ckpt/x", 7.0), (None, None, 9.0)]
     assert len(list_parts(wh.root, schema.TRAIN_STEPS)) == 1  # the replaced part was removed
+
+
+def test_train_steps_written_before_the_objective_columns_read_them_as_null(tmp_path):
+    """verl's terms (pg_loss, kl_loss, ppo_kl, clip_fraction_lower) and the train config id were added
+    later: an earlier part reads them as null beside a part that has them."""
+    from cleaner.records import TrainStepRow
+
+    wh = Warehouse(tmp_path)
+    old = TrainStepRow(iteration=0, step=0, optimizer_step=0, loss=0.5, clip_fraction=0.125, approx_kl=0.0625,
+                       entropy=1.0, grad_norm=0.25, lr=2.0**-10, tokens=10)  # float32 holds them exactly
+    added = ["pg_loss", "kl_loss", "ppo_kl", "clip_fraction_lower", "train_config_id"]
+    write_part(wh.root / "train_steps" / "iteration=0", schema.to_table(schema.TRAIN_STEPS, [old]).drop_columns(added))
+    new = dataclasses.replace(old, iteration=1, pg_loss=0.25, kl_loss=0.125, ppo_kl=0.0625, clip_fraction_lower=0.5,
+                              train_config_id="abc")
+    wh.write_train_steps(1, [new])
+    assert wh.connect().sql("SELECT iteration, pg_loss, kl_loss, ppo_kl, clip_fraction_lower, train_config_id "
+                            "FROM train_steps ORDER BY 1").fetchall() == [
+        (0, None, None, None, None, None), (1, 0.25, 0.125, 0.0625, 0.5, "abc")]
+    assert wh.read_train_steps(0) == [old]

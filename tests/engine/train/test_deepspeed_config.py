@@ -30,9 +30,9 @@ from cleaner.engine.train.optim import (
     STATE_PATH,
     OptimizerStateError,
 )
-from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
+from cleaner.engine.train.packing import micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy
-from cleaner.engine.train.step import forward_micro_batch
+from cleaner.engine.train.step import batch_totals, forward_micro_batch
 from tests.factories import train_batch, train_row
 
 
@@ -244,7 +244,7 @@ def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_g
     rows = train_batch(model)  # 5 + 8 + 4 + 7 = 24 loss tokens
     config = TrainConfig(mini_batch_size=4, micro_batch_size=1, max_tokens_per_micro_batch=budget)
     policy = TrainablePolicy(model, config)
-    total = sum(loss_token_count(row) for row in rows)
+    total = batch_totals(rows, config)
     model.zero_grad()
     for micro in micro_batches(rows, 1, None):
         forward_micro_batch(policy, None, micro, pack_rows(micro), config, total).loss.backward()

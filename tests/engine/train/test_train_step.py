@@ -21,9 +21,9 @@ from cleaner.engine.model.head import UnsupportedModelError
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.naive import full_logits_micro_batch_loss
 from cleaner.engine.train.optim import STATE_PATH, load_optimization
-from cleaner.engine.train.packing import loss_token_count, pack_rows
+from cleaner.engine.train.packing import pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, training
-from cleaner.engine.train.step import ReferenceLogProbs, forward_micro_batch
+from cleaner.engine.train.step import ReferenceLogProbs, batch_totals, forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3
@@ -41,7 +41,7 @@ def _shifted_behaviour(rows):
 
 def _step(model, reference, rows, config, chunked: bool):
     """Loss, metrics and every parameter's gradient of one micro batch."""
-    total = sum(loss_token_count(row) for row in rows)
+    total = batch_totals(rows, config)
     model.zero_grad(set_to_none=True)
     if chunked:
         policy = TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0)

@@ -150,7 +150,8 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
                         str(tmp_path / "out"), *_args(resolved["train"])])
     assert trained[0].config.to_dict() == resolved["train"] | {
         "deepspeed_config": None, "max_tokens_per_micro_batch": None, "rollout_is": None, "rollout_rs": None,
-        "rollout_rs_threshold": None, "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None}
+        "rollout_rs_threshold": None, "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None,
+        "loss_agg_mode": None, "loss_scale_factor": None}
     assert (trained[0].config.clip_eps_low, trained[0].config.max_grad_norm, trained[0].config.seed) == (0.1, 0.5, 3)
 
 

@@ -330,6 +330,11 @@ def policy_loss_of(module):
     return call
 
 
+def estimator_of(module, name):
+    """The estimator `name`: the transcription's or, given verl's module, verl's own."""
+    return ESTIMATORS[name] if module is None else module.get_adv_estimator_fn(name)
+
+
 def index_array(group_ids) -> np.ndarray:
     """verl's `index` (the uid of each row's prompt) as the trainer passes it."""
     return np.array(list(group_ids), dtype=object)

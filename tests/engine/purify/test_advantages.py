@@ -89,21 +89,28 @@ def test_reinforce_plus_plus_baseline_whitens_over_the_loss_tokens_by_hand():
     assert heavier[0] < values[0]
 
 
-def _verl_advantages(name: str, settings: dict, rows) -> list[torch.Tensor]:
-    """verl's estimator on the rows as its padded batch: each row's advantages at its loss tokens."""
+ORACLES = [None]
+if verl.verl_core_algos() is not None:  # tools/verl-reference/setup.sh's environment
+    ORACLES.append(verl.verl_core_algos())
+
+
+def _verl_advantages(name: str, settings: dict, rows, module=None) -> list[torch.Tensor]:
+    """verl's estimator on the rows as its padded batch (the transcription's, or `module`'s, verl's
+    own): each row's advantages at its loss tokens."""
     mask = torch.zeros(len(rows), max(len(r.token_ids) - r.prompt_len for r in rows), dtype=torch.float64)
     for index, row in enumerate(rows):
         response = row.loss_mask[row.prompt_len:]
         mask[index, : len(response)] = torch.tensor(response, dtype=torch.float64)
-    function = verl.ESTIMATORS[settings.get("adv_estimator", "grpo")]
+    function = verl.estimator_of(module, settings.get("adv_estimator", "grpo"))
     extra = {"norm_adv_by_std_in_grpo": settings["norm_adv_by_std"]} if "norm_adv_by_std" in settings else {}
     scores, _ = function(verl.outcome_rewards([r.reward for r in rows], mask), mask,
                          verl.index_array(r.group_id for r in rows), 1e-6, **extra)
     return [scores[index][mask[index] > 0] for index in range(len(rows))]
 
 
+@pytest.mark.parametrize("module", ORACLES, ids=["transcribed", "verl"][: len(ORACLES)])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_every_estimator_equals_verls_on_warehouse_rows(name):
+def test_every_estimator_equals_verls_on_warehouse_rows(name, module):
     """Groups of four with different rewards (so no departure applies), multi-token prompts, tool
     spans, a rejected row and a one-token row: each row's advantage is verl's on each of its loss
     tokens (the rejected row has none: whatever it holds trains nothing, as verl's is masked)."""
@@ -112,7 +119,7 @@ def test_every_estimator_equals_verls_on_warehouse_rows(name):
         rows = objective_rows(seed)
         ours = advantages(config, [r.group_id for r in rows], [r.reward for r in rows],
                           [sum(r.loss_mask[1:]) for r in rows])
-        for row, value, theirs in zip(rows, ours, _verl_advantages(name, ESTIMATORS[name], rows), strict=True):
+        for row, value, theirs in zip(rows, ours, _verl_advantages(name, ESTIMATORS[name], rows, module), strict=True):
             assert theirs.tolist() == pytest.approx([value] * len(theirs), rel=1e-9, abs=1e-12), (seed, row.rollout_id)
         assert len(_verl_advantages(name, ESTIMATORS[name], rows)[3]) == 0  # the rejected row
 
@@ -126,8 +133,9 @@ def test_a_lone_sample_and_equal_rewards_get_zero_under_every_estimator(name):
     assert values[4] > 0 > values[5]
 
 
+@pytest.mark.parametrize("module", ORACLES, ids=["transcribed", "verl"][: len(ORACLES)])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_an_infrastructure_fault_is_left_out_of_the_statistics_under_every_estimator(name):
+def test_an_infrastructure_fault_is_left_out_of_the_statistics_under_every_estimator(name, module):
     """The fault's row gets 0, and the others get what verl gives the batch without it (for the
     whitening too)."""
     config = PurifyConfig(**ESTIMATORS[name])
@@ -137,7 +145,7 @@ def test_an_infrastructure_fault_is_left_out_of_the_statistics_under_every_estim
                       [sum(r.loss_mask[1:]) for r in rows], counted)
     assert ours[6] == 0.0
     kept = [row for row, count in zip(rows, counted, strict=True) if count]
-    theirs = _verl_advantages(name, ESTIMATORS[name], kept)
+    theirs = _verl_advantages(name, ESTIMATORS[name], kept, module)
     for value, verl_values in zip([v for v, c in zip(ours, counted, strict=True) if c], theirs, strict=True):
         assert verl_values.tolist() == pytest.approx([value] * len(verl_values), rel=1e-9, abs=1e-12)
 

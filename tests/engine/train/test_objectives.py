@@ -161,18 +161,30 @@ def _batch(config: TrainConfig, seed: int):
 def test_every_term_and_the_gradient_equal_verls(mode, agg, terms, shape, world_size, module):
     config = _config(mode, agg, terms, shape)
     for seed in range(2):
-        policy, reference_policy, reference, prepared = _batch(config, seed)
-        steps = list(iter_mini_batches(prepared.rows, config, iteration=0))
-        assert [len(mini) for mini in steps] == [7, 7, 2]
-        for index, mini_rows in enumerate(steps):
-            ours, our_gradient = cleaner_step(policy, reference, mini_rows, prepared.is_weights, config, world_size)
-            theirs, their_gradient = verl_step(module, policy, reference_policy, mini_rows, prepared.is_weights,
-                                               config)
-            where = (seed, index)
-            for name, value in theirs.items():
-                assert ours[name] == pytest.approx(value, rel=1e-9, abs=1e-12), (*where, name)
-            for got, want in zip(our_gradient, their_gradient, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m, w=where: f"{w}: {m}")
+        _compare(config, seed, world_size, module)
+
+
+def test_the_objectives_on_one_batch_equal_verls():
+    """The comparison above in one test on one batch: every objective with every term, on two ranks
+    (what `make mutants` runs for loss.py and aggregation.py)."""
+    for mode, agg in OBJECTIVES:
+        for terms in TERMS.values():
+            for shape in SHAPES.values():
+                _compare(_config(mode, agg, terms, shape), 0, 2, None)
+
+
+def _compare(config: TrainConfig, seed: int, world_size: int, module) -> None:
+    policy, reference_policy, reference, prepared = _batch(config, seed)
+    steps = list(iter_mini_batches(prepared.rows, config, iteration=0))
+    assert [len(mini) for mini in steps] == [7, 7, 2]
+    for index, mini_rows in enumerate(steps):
+        ours, our_gradient = cleaner_step(policy, reference, mini_rows, prepared.is_weights, config, world_size)
+        theirs, their_gradient = verl_step(module, policy, reference_policy, mini_rows, prepared.is_weights, config)
+        where = (config.loss_mode.value, config.aggregation, seed, index)
+        for name, value in theirs.items():
+            assert ours[name] == pytest.approx(value, rel=1e-9, abs=1e-12), (*where, name)
+        for got, want in zip(our_gradient, their_gradient, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m, w=where: f"{w}: {m}")
 
 
 def test_the_batches_hold_the_warehouses_shapes():

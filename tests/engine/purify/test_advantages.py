@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -165,3 +166,18 @@ def test_whitening_a_group_without_signal_counts_it_as_zero_and_keeps_it_zero():
     two = advantages(config, ["a", "a"], [1.0, 0.0], [1, 1])  # two tokens have a variance, verl's 1e-8s in it
     variance = 0.5 / (2 + 1e-8) * 2
     assert two == pytest.approx([0.5 / math.sqrt(variance + 1e-8), -0.5 / math.sqrt(variance + 1e-8)], rel=1e-12)
+
+
+@pytest.mark.parametrize("module", ORACLES, ids=["transcribed", "verl"][: len(ORACLES)])
+def test_whitening_with_an_equal_reward_group_gives_every_other_row_verls_value(module):
+    """The departure is the equal group's own 0 (verl gives it -mean / std): its zeros are in the
+    statistics as in verl's, so every row with a signal gets exactly verl's advantage."""
+    config = PurifyConfig(adv_estimator="reinforce_plus_plus_baseline")
+    rows = [dataclasses.replace(row, reward=1.0) if row.group_id == "g1" else row for row in objective_rows(2)]
+    ours = advantages(config, [r.group_id for r in rows], [r.reward for r in rows], [sum(r.loss_mask[1:]) for r in rows])
+    theirs = _verl_advantages("reinforce_plus_plus_baseline", ESTIMATORS["reinforce_plus_plus_baseline"], rows, module)
+    for row, value, verl_values in zip(rows, ours, theirs, strict=True):
+        if row.group_id == "g1":
+            assert value == 0.0 and all(v != 0.0 for v in verl_values.tolist())
+        else:
+            assert verl_values.tolist() == pytest.approx([value] * len(verl_values), rel=1e-9, abs=1e-12)

@@ -94,7 +94,7 @@ def group_stage(config: PurifyConfig, group_ids: Sequence[str], rewards: Sequenc
     member = pl.col("counted")
     reward = pl.col("reward").filter(member)  # the group's statistics see counted rows only
     size = member.sum().over("group_id").cast(pl.Float64)
-    signal = member & (size > 1) & (reward.max().over("group_id") != reward.min().over("group_id"))
+    signal = member & (reward.max().over("group_id") != reward.min().over("group_id"))  # a lone row: max == min
     centred = pl.col("reward") - reward.mean().over("group_id")
     value = GROUP_STAGE[config.adv_estimator](centred, reward.std(ddof=1).over("group_id"), size, config)
     result = frame.select(pl.when(signal).then(value).otherwise(0.0).alias("advantage"), signal.alias("signal"))
@@ -109,9 +109,8 @@ def group_advantages(config: PurifyConfig, group_ids: Sequence[str], rewards: Se
 
 def grpo_advantages(group_ids: Sequence[str], rewards: Sequence[float], eps: float,
                     counted: Sequence[bool] | None = None) -> list[float]:
-    """GRPO's advantages with the group's std and `eps` (`group_advantages` of such a config)."""
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    """GRPO's advantages with the group's std and `eps` (`group_advantages` of such a config, which
+    refuses an eps <= 0)."""
     return group_advantages(PurifyConfig(advantage_eps=eps), group_ids, rewards, counted)
 
 

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from cleaner.config import PurifyConfig
-from cleaner.engine.purify.advantages import advantages, group_advantages, grpo_advantages
+from cleaner.engine.purify.advantages import (
+    GroupStage,
+    advantages,
+    group_advantages,
+    group_stage,
+    grpo_advantages,
+)
 from tests import verl_core_algos as verl
 from tests.factories import objective_rows
 
@@ -38,8 +44,10 @@ def test_bad_input_is_rejected():
     assert grpo_advantages([], [], 1e-6) == []
     with pytest.raises(ValueError, match="group ids"):
         grpo_advantages(["a"], [1.0, 2.0], 1e-6)
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="advantage_eps must be > 0, got 0.0"):
         grpo_advantages(["a"], [1.0], 0.0)
+    assert group_stage(PurifyConfig(adv_estimator="reinforce_plus_plus_baseline"), [], []) == GroupStage([], [])
+    assert advantages(PurifyConfig(adv_estimator="reinforce_plus_plus_baseline"), [], [], []) == []
 
 
 def test_rows_not_counted_get_zero_and_leave_their_group_statistics_alone():
@@ -84,6 +92,12 @@ def test_reinforce_plus_plus_baseline_whitens_over_the_loss_tokens_by_hand():
     scale = math.sqrt((10 / 3) / (8 + 1e-8) * 8 / 7 + 1e-8)  # verl's 1e-8 in the mean's denominator
     assert values == pytest.approx([2 / 3 / scale, -1 / 3 / scale, -1 / 3 / scale, 1 / scale, -1 / scale],
                                    rel=1e-12)
+    # a mean away from 0, with verl's 1e-8 in its denominator: (1.5 - 0.5) / (4 + 1e-8) on 3 and 1 tokens
+    skewed = advantages(config, ["a", "a"], [1.0, 0.0], [3, 1])
+    mean = (3 * 0.5 - 0.5) / (4 + 1e-8)
+    variance = (3 * (0.5 - mean) ** 2 + (-0.5 - mean) ** 2) / (4 + 1e-8) * 4 / 3
+    assert skewed == pytest.approx([(0.5 - mean) / math.sqrt(variance + 1e-8),
+                                    (-0.5 - mean) / math.sqrt(variance + 1e-8)], rel=1e-12)
     # the loss tokens weigh the statistics: more tokens on a row moves the mean towards its score
     heavier = advantages(config, ["a", "a", "a", "b", "b"], [1.0, 0.0, 0.0, 3.0, 1.0], [20, 1, 3, 1, 1])
     assert sum(n * v for n, v in zip([20, 1, 3, 1, 1], heavier, strict=True)) == pytest.approx(0.0, abs=1e-6)

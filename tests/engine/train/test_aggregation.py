@@ -45,6 +45,13 @@ def test_a_padded_batch_is_its_own_rows_and_garbage_at_masked_positions_is_inert
     assert aggregate(values, rows, "seq-mean-token-sum-norm", totals).item() == pytest.approx(6 / 4 / 2)
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_a_mini_batch_of_one_row_and_one_token_is_its_own_denominator(mode):
+    value = aggregate(torch.tensor([3.0], dtype=torch.float64), Rows(torch.tensor([0]), 1, torch.ones(1)), mode,
+                      BatchTotals(loss_tokens=1, rows=1, scale_factor=1.0))
+    assert value.item() == pytest.approx(3.0 / (1 + 1e-8) if mode == "seq-mean-token-mean" else 3.0, rel=1e-12)
+
+
 def test_a_mini_batch_without_loss_tokens_aggregates_to_zero():
     rows = Rows(torch.zeros(0, dtype=torch.int64), 2, torch.ones(0))
     empty = BatchTotals(loss_tokens=0, rows=0)

@@ -368,5 +368,11 @@ def test_vanillas_lower_clip_fraction_counts_the_dual_clips_negative_advantages(
     assert capped.ppo_kl.item() == pytest.approx(-1.0, rel=1e-12)
 
 
+def test_the_kl_penalty_of_one_loss_token_is_divided_by_one():
+    log_probs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert kl_penalty(log_probs, ref, torch.tensor([[1.0, 0.0]]), num_loss_tokens=1).item() == pytest.approx(k3, rel=1e-6)
+
+
 def test_every_loss_mode_has_its_function():
     assert set(POLICY_LOSSES) == set(LossMode)

@@ -73,7 +73,7 @@ gpu-check:
 
 # Mutation testing (tools/mutants.py, mutmut from the dev extra) of the modules that decide what is
 # trained and stored, each mutant against the tests of its area that run its function (not the
-# suite), two at a time on 2 cores, about 45 minutes; docs/mutants.md lists the survivors, each killed
+# suite), two at a time on 2 cores, about 1.5 hours; docs/mutants.md lists the survivors, each killed
 # or equivalent. A mutant whose tests run past (their clean time + 1 s) x MUTANTS_TIMEOUT is a timeout
 # (calls.py's mutants that lose a call's wake-up hang; mutmut's own bound, 15x, would wait minutes).
 # Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py

@@ -215,7 +215,8 @@ def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
     metrics |= offpolicy_metrics(ratios, [old for _, _, old in located])
     corrected = [_applied(row, positions, kept & (not veto))
                  for row, (positions, _, _), kept, veto in zip(rows, located, keep, vetoed, strict=True)]
-    return Corrected(corrected, metrics, _weights_by_row(corrected, [p for p, _, _ in located], weights))
+    by_row = _weights_by_row(corrected, [p for p, _, _ in located], weights) if config.rollout_is is not None else {}
+    return Corrected(corrected, metrics, by_row)
 
 
 def _applied(row: PurifiedRow, positions: np.ndarray, kept: np.ndarray) -> PurifiedRow:
@@ -230,12 +231,10 @@ def _applied(row: PurifiedRow, positions: np.ndarray, kept: np.ndarray) -> Purif
 
 
 def _weights_by_row(rows: Sequence[PurifiedRow], positions: Sequence[np.ndarray],
-                    weights: Sequence[np.ndarray | None]) -> dict[int, tuple[float, ...]]:
-    """Each row's IS weights on its tokens (1 off its loss tokens), by id(row); {} without weights."""
+                    weights: Sequence[np.ndarray]) -> dict[int, tuple[float, ...]]:
+    """Each row's IS weights on its tokens (1 off its loss tokens), by id(row)."""
     found = {}
     for row, where, weight in zip(rows, positions, weights, strict=True):
-        if weight is None:
-            continue
         per_token = np.ones(len(row.token_ids))
         per_token[where] = weight
         found[id(row)] = tuple(per_token.tolist())

@@ -66,3 +66,14 @@ def test_row_mean_divides_by_the_mini_batchs_rows_and_every_mode_has_its_functio
     gradient = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     aggregate(gradient, FIRST[1], "seq-mean-token-mean", TOTALS).backward()
     assert gradient.grad.tolist() == pytest.approx([1 / (2 + 1e-8) / 4] * 2 + [1 / (1 + 1e-8) / 4], rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_a_gpu_batchs_rows_and_sums_stay_on_its_device():
+    """On the CPU a tensor built without a device is where the mask is; on a GPU it would not be."""
+    mask = torch.ones(2, 3, device="cuda")
+    rows = Rows.padded(mask)
+    assert rows.index.device == mask.device
+    assert rows.sums(torch.ones(2, 3, device="cuda")).device == mask.device
+    assert aggregate(torch.ones(2, 3, device="cuda"), rows, "seq-mean-token-mean",
+                     BatchTotals(loss_tokens=6, rows=2)).item() == pytest.approx(1.0, rel=1e-6)

@@ -263,6 +263,13 @@ def test_the_ratio_is_clamped_at_e_plus_minus_20_and_masked_garbage_is_ignored()
     garbage = policy_loss(torch.tensor([[0.0, float("nan")]]), torch.zeros(1, 2), torch.tensor([1.0]),
                           torch.tensor([[1.0, 0.0]]), EPS_LOW, EPS_HIGH)
     assert garbage.loss.item() == -1.0
+    # nor its gradient: an old log-prob of nan at a masked position leaves every gradient finite
+    log_probs = torch.zeros(1, 2, requires_grad=True)
+    for loss_mode in POLICY_LOSSES.values():
+        mask = torch.tensor([[1.0, 0.0]])
+        surrogate = Surrogate(log_probs, torch.tensor([[0.0, float("nan")]]), torch.ones(1, 2), Rows.padded(mask))
+        (grad,) = torch.autograd.grad(loss_mode(surrogate, CLIP, "token-mean", ONE_ROW).loss, log_probs)
+        assert torch.isfinite(grad).all() and grad[0, 1] == 0.0, loss_mode.__name__
 
 
 def test_the_clip_fraction_counts_only_clipped_gradients_of_loss_tokens():
@@ -321,6 +328,11 @@ def test_gspo_gives_every_token_its_rows_geometric_mean_ratio():
     assert clipped.loss.item() == pytest.approx(-1.28 * 2 / tokens, rel=1e-12) and clipped.clip_fraction.item() == 1.0
     huge = gspo(_one_row([12.0, 12.0], -1.0)[1], Clip(0.2, 100.0), "token-mean", ONE_ROW)
     assert huge.loss.item() == pytest.approx(2 * math.exp(10.0) / tokens, rel=1e-12)  # clamped at e^10 in log space
+    # a negative advantage below the lower bound (e^-0.5 = 0.61 < 0.8): the clipped 0.8, no gradient
+    log_probs, surrogate = _one_row([-0.5, -0.5], -1.0)
+    low = gspo(surrogate, CLIP, "token-mean", ONE_ROW)
+    assert low.loss.item() == pytest.approx(2 * 0.8 / tokens, rel=1e-12) and low.clip_fraction.item() == 1.0
+    assert torch.autograd.grad(low.loss, log_probs)[0].tolist() == [0.0, 0.0]
 
 
 def test_cispo_keeps_the_gradient_of_a_clipped_token_at_the_clipped_weight():
@@ -334,6 +346,8 @@ def test_cispo_keeps_the_gradient_of_a_clipped_token_at_the_clipped_weight():
     assert out.clip_fraction.item() == 0.5 and out.clip_fraction_lower.item() == 0.0
     weighted = cispo(_one_row([0.5, 0.0], 2.0, weights=[0.5, 2.0])[1], CLIP, "token-mean", ONE_ROW)
     assert weighted.loss.item() == pytest.approx((-1.28 * 2 * -0.5 * 0.5 + 2 * 2.0) / 2, rel=1e-12)
+    # its ppo_kl reads the log-ratio clamped to +-20, as verl's: -20 and +20 average to 0
+    assert cispo(_one_row([25.0, -25.0], 1.0)[1], CLIP, "token-mean", ONE_ROW).ppo_kl.item() == 0.0
 
 
 def test_geo_mean_clips_each_log_ratio_on_the_side_its_advantage_grows():
@@ -346,6 +360,9 @@ def test_geo_mean_clips_each_log_ratio_on_the_side_its_advantage_grows():
     down = geo_mean(_one_row([0.1, 0.5], -1.0)[1], CLIP, "token-mean", ONE_ROW)
     assert down.loss.item() == pytest.approx(2 / tokens * math.exp(0.6 / tokens), rel=1e-12)
     assert (down.clip_fraction.item(), down.clip_fraction_lower.item()) == (0.0, 0.5)
+    # a zero advantage counts in neither clip fraction, as verl's strict signs
+    zero = geo_mean(_one_row([0.1, 0.5], 0.0)[1], CLIP, "token-mean", ONE_ROW)
+    assert (zero.clip_fraction.item(), zero.clip_fraction_lower.item(), zero.loss.item()) == (0.0, 0.0, 0.0)
     # the IS weights enter as their geometric mean over the row; the row mean is over the mini batch's rows
     weighted = geo_mean(_one_row([0.1, 0.5], 1.0, weights=[0.5, 2.0])[1], CLIP, "token-mean",
                         BatchTotals(loss_tokens=2, rows=4))
@@ -361,6 +378,10 @@ def test_vanillas_lower_clip_fraction_counts_the_dual_clips_negative_advantages(
     assert capped.clip_fraction_lower.item() == 0.5
     assert vanilla(_one_row([2.0, 0.0], 1.0)[1], Clip(EPS_LOW, EPS_HIGH, 3.0), "token-mean",
                    ONE_ROW).clip_fraction_lower.item() == 0.0
+    # a loss exactly at the cap is not capped (verl's strict >): ratio e^0.5 with c = e^0.5
+    at_cap = torch.exp(torch.tensor(0.5, dtype=torch.float64)).item()
+    assert vanilla(_one_row([0.5], -1.0)[1], Clip(EPS_LOW, EPS_HIGH, at_cap), "token-mean",
+                   BatchTotals(loss_tokens=1, rows=1)).clip_fraction_lower.item() == 0.0
     off = vanilla(_one_row([2.0, 0.0], -1.0)[1], CLIP, "token-mean", ONE_ROW)
     assert off.loss.item() == pytest.approx((math.exp(2.0) + 1.0) / 2, rel=1e-12)
     assert off.clip_fraction_lower.item() == 0.0

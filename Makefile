@@ -74,12 +74,13 @@ gpu-check:
 
 # Mutation testing (tools/mutants.py, mutmut from the dev extra) of the modules that decide what is
 # trained and stored, each mutant against the tests of its area that run its function (not the
-# suite), two at a time on 2 cores, about 45 minutes; docs/mutants.md lists the survivors, each killed
+# suite), two at a time on 2 cores, about 1.5 hours; docs/mutants.md lists the survivors, each killed
 # or equivalent. A mutant whose tests run past (their clean time + 1 s) x MUTANTS_TIMEOUT is a timeout
 # (calls.py's mutants that lose a call's wake-up hang; mutmut's own bound, 15x, would wait minutes).
 # Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py
 MUTANTS_MODULES ?= cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
-	cleaner/engine/train/loss.py cleaner/tools/calls.py
+	cleaner/engine/train/loss.py cleaner/engine/train/aggregation.py cleaner/engine/purify/advantages.py \
+	cleaner/tools/calls.py
 MUTANTS_EDGES := $(addprefix tests/engine/collect/test_edges.py::test_,a_tools_timeout_measures_its_run_never_its_wait_for_a_thread \
 	a_call_past_its_timeout_times_out_at_any_concurrency hung_calls_give_up_their_threads_and_past_the_cap_stop_the_collection \
 	a_hung_call_never_holds_up_the_exit a_coroutine_tool_that_blocks_its_loop_delays_only_its_own_calls \
@@ -89,6 +90,8 @@ MUTANTS_EDGES := $(addprefix tests/engine/collect/test_edges.py::test_,a_tools_t
 MUTANTS_TESTS ?= tests/engine/train/test_rollout_correction.py tests/engine/train/test_trainer.py \
 	tests/engine/train/test_loss.py tests/engine/train/test_optim.py tests/engine/train/test_deepspeed_config.py \
 	tests/engine/train/test_train_step.py::test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_step_is_skipped \
+	tests/engine/train/test_aggregation.py tests/engine/train/test_objectives.py::test_the_objectives_on_one_batch_equal_verls \
+	tests/engine/purify/test_advantages.py \
 	tests/tools/test_calls.py tests/engine/collect/test_user_tools.py tests/engine/grading/test_runner.py $(MUTANTS_EDGES)
 MUTANTS_JOBS ?= 2
 MUTANTS_TIMEOUT ?= 4

@@ -110,12 +110,12 @@ def micro_batch_step(path: str, model, reference, batch_rows, device: str, kl: b
     None without the KL term."""
     from cleaner.config import TrainConfig
     from cleaner.engine.train.naive import full_logits_micro_batch_loss
-    from cleaner.engine.train.packing import loss_token_count, pack_rows
+    from cleaner.engine.train.packing import pack_rows
     from cleaner.engine.train.policy import TrainablePolicy, training
-    from cleaner.engine.train.step import forward_micro_batch
+    from cleaner.engine.train.step import batch_totals, forward_micro_batch
 
     config = TrainConfig(kl_coef=0.1 if kl else 0.0, device=device, **PATHS[path])
-    total = sum(loss_token_count(row) for row in batch_rows)
+    total = batch_totals(batch_rows, config)
     if path.startswith("full"):  # the plain step; in bfloat16 autocast for full+bf16
         import torch
 

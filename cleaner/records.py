@@ -240,6 +240,12 @@ class TrainStepRow:
     seconds: float | None = None  # the step's wall time (its micro batches, clipping and AdamW); None before
     mfu: float | None = None  # model FLOPs utilisation (engine/train/flops.py); None on a CPU or an unknown GPU
     rollout_corr: str | None = None  # the iteration's rollout-correction metrics, JSON (verl's rollout_corr/* names)
+    # verl's actor/* terms and metrics (engine/train/loss.py); None in rows written before them
+    pg_loss: float | None = None  # the policy loss alone: `loss` less the KL and entropy terms
+    kl_loss: float | None = None  # the aggregated k3 KL to the reference; None also without a KL term
+    ppo_kl: float | None = None  # the token mean of log pi_old - log pi (verl's ppo_kl)
+    clip_fraction_lower: float | None = None  # share of loss tokens the dual clip capped (verl's pg_clipfrac_lower)
+    train_config_id: str | None = None  # the train config that trained it: configs/train-config=<id>.json
 
 
 

@@ -350,6 +350,88 @@ def warehouse_row(rollout_id: str, generator: torch.Generator, spread: float = 0
 
 
 # ----------------------------------------------------------------------------------------------
+# The objectives against verl (tests/engine/train/test_objectives.py): warehouse-shaped rows and a
+# policy whose log-probs are a differentiable table, so the step's value and gradient can be
+# compared with verl's functions on the padded batch without a model
+
+TABLE_VOCAB = 32
+
+
+def objective_rows(seed: int, groups: int = 4, group_size: int = 4) -> list[PurifiedRow]:
+    """Rows shaped as the warehouse's, in GRPO groups: multi-token prompts, tool spans masked,
+    SAAR's per-token advantages on half of them, a rejected row (zero mask) and a one-token row per
+    batch, random tokens under TABLE_VOCAB, rewards that differ within each group."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for index in range(groups * group_size):
+        lengths = torch.randint(1, 7, (3,), generator=generator).tolist()
+        spans = ((lengths[0], lengths[1]), (lengths[2], index % 2))
+        row = warehouse_row(f"r{index:02d}", generator, spread=(0.05, 0.4)[index % 2], prompt_len=2 + index % 5,
+                            spans=spans, per_token=index % 2 == 0, group_id=f"g{index // group_size}")
+        tokens = torch.randint(1, TABLE_VOCAB, (len(row.token_ids),), generator=generator).tolist()
+        row = dataclasses.replace(row, token_ids=tuple(tokens), reward=float(index % group_size) + 0.5 * (index % 3))
+        rows.append(row)
+    rows[3] = dataclasses.replace(rows[3], loss_mask=(0,) * len(rows[3].loss_mask))  # rejected
+    one = rows[5]
+    first = one.loss_mask.index(1)
+    rows[5] = dataclasses.replace(one, loss_mask=tuple(int(t == first) for t in range(len(one.loss_mask))))
+    return rows
+
+
+class TablePolicy(torch.nn.Module):
+    """log pi(token | previous token) = -softplus(a[token] + b[previous]) and an entropy
+    softplus(c[token]): a policy of 3 x TABLE_VOCAB float64 parameters, for packed batches (the
+    step's TokenOutputs at the loss tokens) and for (B, T) token grids alike."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(TABLE_VOCAB, generator=generator,
+                                                                 dtype=torch.float64) * 0.7) for _ in range(3))
+
+    def log_probs(self, tokens: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        return -torch.nn.functional.softplus(self.a[tokens] + self.b[previous])
+
+    def entropy(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(self.c[tokens])
+
+    def forward(self, batch):  # a PackedBatch -> the step's TokenOutputs, (M,) each
+        from cleaner.engine.train.logprobs import TokenOutputs
+
+        previous = batch.token_ids[batch.predictor_index]
+        return TokenOutputs(log_probs=self.log_probs(batch.target_ids, previous),
+                            entropy=self.entropy(batch.target_ids))
+
+    def at_loss_tokens(self, rows) -> dict[int, torch.Tensor]:
+        """Each row's log-probs at its loss tokens (a reference's, as step.ReferenceLogProbs holds them)."""
+        values = {}
+        with torch.no_grad():
+            for row in rows:
+                positions = [t for t in range(1, len(row.token_ids)) if row.loss_mask[t]]
+                tokens = torch.tensor(row.token_ids)
+                values[id(row)] = self.log_probs(tokens[positions], tokens[[t - 1 for t in positions]]).float()
+        return values
+
+
+def with_table_old_logprobs(policy: TablePolicy, rows: list[PurifiedRow], seed: int) -> list[PurifiedRow]:
+    """The rows with old log-probs near the policy's own (log-ratios N(0, 0.25): some clipped, most
+    not) and behaviour log-probs near those (N(0, 0.3): IS weights on both sides of 1), at their
+    loss tokens; 0 elsewhere, as stored."""
+    generator = torch.Generator().manual_seed(seed)
+    shifted = []
+    for row in rows:
+        tokens = torch.tensor(row.token_ids)
+        with torch.no_grad():
+            own = torch.cat([torch.zeros(1, dtype=torch.float64), policy.log_probs(tokens[1:], tokens[:-1])])
+        mask = torch.tensor(row.loss_mask, dtype=torch.float64)
+        old = (own + torch.randn(len(own), generator=generator, dtype=torch.float64) * 0.25).clamp(max=0.0) * mask
+        behaviour = (old + torch.randn(len(own), generator=generator, dtype=torch.float64) * 0.3).clamp(max=0.0) * mask
+        shifted.append(dataclasses.replace(row, old_logprobs=tuple(old.tolist()),
+                                           behavior_logprobs=tuple(behaviour.tolist())))
+    return shifted
+
+
+# ----------------------------------------------------------------------------------------------
 # Budgeted rollouts (bench tests): one rollout's tool calls at step 0, then its end
 
 

@@ -379,3 +379,34 @@ def test_a_lora_checkpoint_trained_without_its_adapters_is_refused_before_any_wo
     _fails_cleanly([*command, "--lora-rank", "8"], "its adapters (rank 4, alpha 16, on 14 layers) are not the ones "
                                                    "these settings train (rank 8")
     assert not (tmp_path / "w").exists() and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------
+# The objectives: verl's names, refused as one line before any work
+
+@pytest.mark.parametrize(("command", "expected"), [
+    (["train", "--loss-mode", "ppo"], "invalid option: --loss-mode must be one of ['vanilla', 'gspo', 'cispo', 'geo_mean'], got 'ppo'"),
+    (["train", "--loss-agg-mode", "sum"], "invalid option: --loss-agg-mode must be one of ('token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'), got 'sum'"),
+    (["train", "--loss-mode", "gspo", "--loss-agg-mode", "token-mean"],
+     "--loss-mode gspo aggregates its policy loss seq-mean-token-mean, as verl forces it whatever --loss-agg-mode says"),
+    (["train", "--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-scale-factor", "0"],
+     "invalid option: --loss-scale-factor must be > 0, got 0"),
+    (["train", "--loss-scale-factor", "-4"], "invalid option: --loss-scale-factor must be > 0, got -4"),
+    (["train", "--loss-scale-factor", "512"], "--loss-scale-factor is the constant of --loss-agg-mode seq-mean-token-sum-norm"),
+    (["purify", "--adv-estimator", "ppo"],
+     "invalid option: --adv-estimator must be one of ['grpo', 'rloo', 'reinforce_plus_plus_baseline'], got 'ppo'"),
+    (["purify", "--adv-estimator", "rloo", "--no-norm-adv-by-std"],
+     "--norm-adv-by-std off is GRPO's (verl's norm_adv_by_std_in_grpo), and rloo divides by no std"),
+    (["purify", "--adv-estimator", "reinforce_plus_plus_baseline", "--shard", "1/2"],
+     "--shard 1/2: adv_estimator reinforce_plus_plus_baseline whitens the advantages over the whole iteration, "
+     "which a shard does not see"),
+    (["ablate", "--adv-estimator", "grpo,ppo"], "--adv-estimator must be one of"),
+    (["ablate", "--norm-adv-by-std", "yes"], "--norm-adv-by-std takes comma-separated true and false, got 'yes'"),
+    (["run", "--loss-mode", "gspo", "--loss-agg-mode", "seq-mean-token-sum"], "as verl forces it"),
+    (["run", "--adv-estimator", "reinforce"], "--adv-estimator must be one of"),
+])
+def test_an_unknown_objective_or_a_combination_verl_refuses_is_one_line(tmp_path, command, expected):
+    where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]
+    train = ["--config-id", "c" * 12, "--policy", str(DEFAULT_POLICY), "--out", str(tmp_path / "o")]
+    _fails_cleanly([*command, *where, *(train if command[0] == "train" else [])], expected)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists() and not (tmp_path / "o").exists()

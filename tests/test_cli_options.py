@@ -151,7 +151,8 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
                         str(tmp_path / "out"), *_args(resolved["train"])])
     assert trained[0].config.to_dict() == resolved["train"] | {
         "deepspeed_config": None, "max_tokens_per_micro_batch": None, "rollout_is": None, "rollout_rs": None,
-        "rollout_rs_threshold": None, "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None}
+        "rollout_rs_threshold": None, "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None,
+        "loss_agg_mode": None, "loss_scale_factor": None}
     assert (trained[0].config.clip_eps_low, trained[0].config.max_grad_norm, trained[0].config.seed) == (0.1, 0.5, 3)
 
 
@@ -229,3 +230,15 @@ def test_a_toml_layer_is_held_to_the_same_numbers(tmp_path):
     assert result.exit_code == 1 and result.output.strip() == (
         f"error: {tmp_path / 'run.toml'}.train: lr must be a finite number, got inf")
     assert not (tmp_path / "run").exists()
+
+
+def test_ablate_crosses_the_estimators_and_gives_the_std_switch_to_grpo_alone(monkeypatch, tmp_path):
+    """`--adv-estimator grpo,rloo,reinforce_plus_plus_baseline --norm-adv-by-std true,false`: grpo
+    with and without the std (Dr.GRPO), the others once each (they divide by no std)."""
+    purified = _requests(monkeypatch, "cleaner.engine.purify.job", "purify_job")
+    runner.invoke(app, ["ablate", "-w", str(tmp_path / "w"), "--gamma", "0.5", "--rollback-prob", "1.0",
+                        "--adv-estimator", "grpo,rloo,reinforce_plus_plus_baseline", "--norm-adv-by-std", "true,false"])
+    configs = purified[0].configs
+    assert [(c.adv_estimator.value, c.norm_adv_by_std) for c in configs] == [
+        ("grpo", True), ("grpo", False), ("rloo", True), ("reinforce_plus_plus_baseline", True)]
+    assert len({c.config_id for c in configs}) == 4

@@ -165,16 +165,13 @@ def floats(text: str, name: str) -> list[float]:
     return values
 
 
-TRUTHS = {"true": True, "false": False, "on": True, "off": False, "1": True, "0": False}
-
-
-def truths(text: str, name: str) -> list[bool]:
+def booleans(text: str, name: str) -> list[bool]:
     """The comma-separated true/false values of option `name`: at least one."""
-    values = words(text, name)
-    unknown = [value for value in values if value.lower() not in TRUTHS]
-    if unknown:
-        raise fail(f"{name} takes comma-separated true/false values, got {text!r}")
-    return [TRUTHS[value.lower()] for value in values]
+    values = [value.lower() for value in words(text, name)]
+    wrong = [value for value in values if value not in ("true", "false")]
+    if wrong:
+        raise fail(f"{name} takes comma-separated true and false, got {text!r}")
+    return [value == "true" for value in values]
 
 
 def words(text: str, name: str) -> list[str]:

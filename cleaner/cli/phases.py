@@ -24,12 +24,12 @@ from cleaner.cli.common import (
     WandbProjectOpt,
     WarehouseOpt,
     app,
+    booleans,
     call_job,
     console,
     fail,
     floats,
     parse_shard,
-    truths,
     words,
 )
 from cleaner.cli.options import Flags, config_flags
@@ -153,18 +153,26 @@ def _purify(
 
 
 def _grid(flags: Flags) -> list:
-    """A PurifyConfig per combination of ablate's comma-separated axes, in field order."""
+    """A PurifyConfig per combination of ablate's comma-separated axes, in field order; an estimator
+    other than grpo divides by no std, so it takes norm_adv_by_std's one setting, once."""
     from itertools import product
 
-    from cleaner.config import PurifyConfig
+    from cleaner.config import AdvEstimator, PurifyConfig
 
-    parse = {float: floats, bool: truths}
-    axes = {flag.name: parse.get(flag.hint, words)(flags[flag.name], flag.option)
+    parsers = {float: floats, bool: booleans}
+    axes = {flag.name: parsers.get(flag.hint, words)(flags[flag.name], flag.option)
             for flag in flags.flags if flag.name in COMMANDS["ablate"].grid}
-    points = [dict(zip(axes, values, strict=True)) for values in product(*axes.values())]
-    # --down-sample-to sizes the axis's roc and uniform points; its none point keeps every rollout
-    return [flags.build(PurifyConfig, **point, **({"down_sample_to": None} if point["down_sample"] == "none" else {}))
-            for point in points]
+    points = []
+    for values in product(*axes.values()):
+        point = dict(zip(axes, values, strict=True))
+        if point["adv_estimator"] != AdvEstimator.GRPO:
+            point["norm_adv_by_std"] = True
+        # --down-sample-to sizes the axis's roc and uniform points; its none point keeps every rollout
+        if point["down_sample"] == "none":
+            point["down_sample_to"] = None
+        if point not in points:
+            points.append(point)
+    return [flags.build(PurifyConfig, **point) for point in points]
 
 
 def _print_purify(outcome) -> None:
@@ -187,7 +195,7 @@ def _print_purify(outcome) -> None:
 
 
 # purify and ablate: one signature and body, each command with its own config flags and help
-app.command("purify", help="""Replay stored attempts with SAAR, rescore them and compute GRPO advantages.
+app.command("purify", help="""Replay stored attempts with SAAR, rescore them and compute advantages (--adv-estimator).
 
     With --shard i/N, N processes purify disjoint shares (whole GRPO groups) of the iteration;
     their rows together equal an unsharded purify's.

@@ -14,8 +14,11 @@ from cleaner.config.settings import (
     ASSETS_DIR,
     DEFAULT_POLICY,
     ENV_POLICY,
+    GSPO_AGG_MODE,
+    LOSS_AGG_MODES,
     RECOVER_POLICY,
     UNSHARDED,
+    AdvEstimator,
     CollectConfig,
     CurateConfig,
     DownSample,
@@ -23,6 +26,7 @@ from cleaner.config.settings import (
     Edit,
     EvalConfig,
     IsMode,
+    LossMode,
     PromptStyle,
     PurifyConfig,
     PurifyWhen,
@@ -34,6 +38,7 @@ from cleaner.config.settings import (
     TrainConfig,
 )
 
-__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "RECOVER_POLICY", "UNSHARDED", "CollectConfig", "CurateConfig",
-           "DownSample", "DpoCap", "Edit", "EvalConfig", "IsMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
+__all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "GSPO_AGG_MODE", "LOSS_AGG_MODES", "RECOVER_POLICY", "UNSHARDED",
+           "AdvEstimator", "CollectConfig", "CurateConfig", "DownSample", "DpoCap",
+           "Edit", "EvalConfig", "IsMode", "LossMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
            "Schedule", "Shard", "SimilarityOn", "TrainConfig"]

@@ -74,7 +74,7 @@ class CommandFlags:
 # Ablate's default grid: the paper's gamma and p, around their defaults.
 ABLATE_GRID = {"gamma": "0.3,0.5,0.7", "rollback_prob": "0.7,1.0", "similarity_on": "code",
                "purify_when": "always", "edit": "replace", "rollback_is_threshold": "0", "down_sample": "none",
-               "void_turn_filter": "false"}
+               "void_turn_filter": "false", "adv_estimator": "grpo", "norm_adv_by_std": "true"}
 
 COMMANDS = {
     "collect": CommandFlags(CollectConfig, files=("data", "tools")),

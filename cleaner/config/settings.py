@@ -116,7 +116,10 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 class _Config:
-    """Mixin: JSON round trip and a stable id."""
+    """Mixin: JSON round trip and a stable id. `ADDED` names fields the saved configs of earlier
+    versions lack: part of the id only away from their default, so such a config keeps its id."""
+
+    ADDED: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -126,8 +129,17 @@ class _Config:
 
     @functools.cached_property  # works on frozen dataclasses: it writes __dict__ directly
     def config_id(self) -> str:
-        """Stable 12-hex-digit hash of every parameter."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+        """Stable 12-hex-digit hash of every parameter (a field of ADDED only away from its default)."""
+        fields = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.ADDED}  # type: ignore[arg-type]
+        return _digest({key: value for key, value in self.to_dict().items()
+                        if not (key in fields and value == fields[key])})
+
+    @classmethod
+    def from_json(cls, saved_json: str):
+        """A config saved as JSON, as this version reads it back (a field it predates takes its
+        default, one it does not know is left out); flat configs only."""
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{key: value for key, value in json.loads(saved_json).items() if key in known})
 
 
 class SimilarityOn(StrEnum):
@@ -185,6 +197,29 @@ class DpoCap(StrEnum):
 
     RELATIVE = "relative"  # dpo_max_adjustment_ratio * |advantage of the purified row|
     ABSOLUTE = "absolute"  # dpo_max_adjustment_ratio itself, as the reference's code
+
+
+class AdvEstimator(StrEnum):
+    """How purify turns a group's rewards into advantages, named as verl's `algorithm.adv_estimator`
+    (docs/architecture.md §7)."""
+
+    GRPO = "grpo"  # (r - the group's mean) / (its std + eps); without the std: Dr.GRPO
+    RLOO = "rloo"  # r - the mean of the group's other rewards
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"  # r - the group's mean, whitened over the iteration's loss tokens
+
+
+class LossMode(StrEnum):
+    """The policy loss, named as verl's `actor.policy_loss.loss_mode` (docs/architecture.md §7)."""
+
+    VANILLA = "vanilla"  # PPO's clipped surrogate per token, clip-higher and the dual clip
+    GSPO = "gspo"  # GSPO: the sequence's geometric-mean ratio on every token, aggregated seq-mean-token-mean
+    CISPO = "cispo"  # CISPO: the clipped ratio, gradient stopped, times the advantage and the log-probability
+    GEO_MEAN = "geo_mean"  # GMPO: the geometric mean of the clipped token ratios per row, a mean over rows
+
+
+# verl's `actor.loss_agg_mode`: how a term's per-token values become the mini batch's scalar
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GSPO_AGG_MODE = "seq-mean-token-mean"  # what verl's gspo forces on its policy loss
 
 
 def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
@@ -373,19 +408,16 @@ class PurifyConfig(_Config):
     roc_error_ratio: bool = True  # RoC ranks positives by their failed tool calls over their tool calls (rStar's roc_error_ratio)
     roc_answer_format: bool = True  # RoC ranks positives by missing or repeated final answers too (rStar's roc_answer_format, for \boxed{})
     void_turn_filter: bool = False  # SimpleTIR: a trajectory with a void turn (neither a complete call nor a final answer) is not trained; its row stays, masked
+    adv_estimator: AdvEstimator = AdvEstimator.GRPO  # the advantage (verl's algorithm.adv_estimator): grpo | rloo | reinforce_plus_plus_baseline (whitened over the whole iteration: not with --shard)
+    norm_adv_by_std: bool = True  # grpo divides by the group's std (verl's norm_adv_by_std_in_grpo); off: Dr.GRPO's r - mean
 
-    # Fields added after configs were stored: part of the id only away from their default, so every
-    # config stored before them keeps its id.
     ADDED = frozenset({"down_sample", "down_sample_to", "roc_min_negatives", "roc_min_positives", "roc_error_ratio",
-                       "roc_answer_format", "void_turn_filter"})
+                       "roc_answer_format", "void_turn_filter", "adv_estimator", "norm_adv_by_std"})
 
-    @functools.cached_property
-    def config_id(self) -> str:
-        """Stable 12-hex-digit hash of every parameter, the ADDED ones only away from their default."""
-        fields = self.to_dict()
-        defaults = {name: getattr(PurifyConfig, name) for name in self.ADDED}
-        return _digest({key: value for key, value in fields.items()
-                        if not (key in self.ADDED and value == defaults[key])})
+    @property
+    def whole_batch(self) -> bool:
+        """Whether the advantages need every row of the iteration at once (a shard sees only its own)."""
+        return self.adv_estimator == AdvEstimator.REINFORCE_PLUS_PLUS_BASELINE
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -418,6 +450,10 @@ class PurifyConfig(_Config):
         _check(self.down_sample != DownSample.ROC or self.roc_min_negatives + self.roc_min_positives
                <= self.down_sample_to, f"roc_min_negatives + roc_min_positives must be <= down_sample_to "
                f"({self.down_sample_to}), got {self.roc_min_negatives} + {self.roc_min_positives}")
+        _enum_field(self, "adv_estimator", AdvEstimator)
+        _check(self.norm_adv_by_std or self.adv_estimator == AdvEstimator.GRPO,
+               f"norm_adv_by_std off is GRPO's (verl's norm_adv_by_std_in_grpo), and {self.adv_estimator.value} "
+               "divides by no std: drop it, or use adv_estimator grpo")
 
 
 @dataclass(frozen=True)
@@ -429,7 +465,10 @@ class TrainConfig(_Config):
     clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
     clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
     kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
-    entropy_coef: float = 0.0  # entropy bonus: minus this x the token-mean entropy in the loss; 0 = off
+    entropy_coef: float = 0.0  # entropy bonus: minus this x the entropy (aggregated as the loss) in the loss; 0 = off
+    loss_mode: LossMode = LossMode.VANILLA  # the policy loss (verl's policy_loss.loss_mode): vanilla | gspo | cispo | geo_mean
+    loss_agg_mode: str | None = None  # verl's loss_agg_mode for the policy, KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; none: the loss mode's (gspo: seq-mean-token-mean, else token-mean)
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divides each row's token sum by this constant (verl's loss_scale_factor); none: max_response_tokens
     rollout_is: str | None = None  # verl's rollout correction: importance weights old/behaviour per token or sequence, truncated; none: off (CLEANER: off)
     rollout_is_threshold: float = 2.0  # the IS weights' truncation (above only)
     rollout_is_batch_normalize: bool = False  # divide the truncated IS weights by their mean over the iteration
@@ -456,6 +495,21 @@ class TrainConfig(_Config):
     lora_rank: int = 0  # LoRA: train rank-r adapters (peft) instead of the weights, the KL reference the base with them disabled (verl's lora_rank); 0 = off
     lora_alpha: int = 16  # LoRA's scale is lora_alpha / lora_rank (verl's lora_alpha)
     lora_target_modules: str = LORA_ALL_LINEAR  # the linear layers that get adapters: comma-separated module names (q_proj,v_proj) or all-linear, every one but the lm_head (verl's target_modules)
+
+    ADDED = frozenset({"loss_mode", "loss_agg_mode", "loss_scale_factor", "lora_rank", "lora_alpha", "lora_target_modules"})
+
+    @property
+    def aggregation(self) -> str:
+        """The loss_agg_mode the terms are aggregated with: the one given, else the loss mode's."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return GSPO_AGG_MODE if self.loss_mode == LossMode.GSPO else "token-mean"
+
+    @property
+    def scale_factor(self) -> int:
+        """seq-mean-token-sum-norm's constant: the one given, else the response budget (verl's
+        default is the padded response length, which is that budget)."""
+        return self.loss_scale_factor if self.loss_scale_factor is not None else self.max_response_tokens
 
     @staticmethod
     def upgraded(saved: dict) -> dict:
@@ -484,6 +538,7 @@ class TrainConfig(_Config):
         _check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
                f"clip_ratio_c must be > 1, or 0 for off, got {self.clip_ratio_c}")
         _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        self._check_objective()
         _check(self.rollout_is in (None, "token", "sequence"),
                f"rollout_is must be token, sequence or none, got {self.rollout_is!r}")
         _check(self.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
@@ -519,6 +574,20 @@ class TrainConfig(_Config):
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
                "engine deepspeed needs deepspeed_config")
         _check_lora(self)
+
+    def _check_objective(self) -> None:
+        """The loss mode, its aggregation and the aggregation's constant."""
+        _enum_field(self, "loss_mode", LossMode)
+        if self.loss_agg_mode is not None:
+            _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check(self.loss_mode != LossMode.GSPO or self.loss_agg_mode in (None, GSPO_AGG_MODE),
+               f"loss_mode gspo aggregates its policy loss {GSPO_AGG_MODE}, as verl forces it whatever "
+               f"loss_agg_mode says: drop loss_agg_mode {self.loss_agg_mode!r}, or set it to {GSPO_AGG_MODE}")
+        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0,
+               f"loss_scale_factor must be > 0, got {self.loss_scale_factor}")
+        _check(self.loss_scale_factor is None or self.aggregation == "seq-mean-token-sum-norm",
+               "loss_scale_factor is the constant of loss_agg_mode seq-mean-token-sum-norm: set that mode too, "
+               "or drop it")
 
 
 def _check_lora(config: TrainConfig) -> None:

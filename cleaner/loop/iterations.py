@@ -56,6 +56,7 @@ from cleaner.engine.purify.job import (
     PurifyOutcome,
     PurifyRequest,
     StoredIteration,
+    check_whole_batch,
     purify_job,
     stored_iteration,
 )
@@ -230,6 +231,7 @@ def _check_launch(config: RunConfig, ranks: Ranks) -> None:
     if config.collect.device.startswith("cuda:"):
         raise JobError(f"--device {config.collect.device}: on several ranks each rank takes the GPU of its "
                        "LOCAL_RANK; pass --device cuda")
+    check_whole_batch([config.purify], ranks.shard, f"cleaner run on {ranks.world_size} ranks (each purifies its shard)")
     require_deepspeed()  # the ranks join DeepSpeed's process group
 
 

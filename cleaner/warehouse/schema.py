@@ -94,9 +94,11 @@ TRAIN_STEPS = Dataset("train_steps", records.TrainStepRow, pa.schema([
     ("clip_fraction", pa.float32()), ("approx_kl", pa.float32()), ("entropy", pa.float32()),
     ("grad_norm", pa.float32()), ("lr", pa.float32()), ("tokens", pa.int32()), ("created_at", _TIME),
     ("config_id", pa.string()), ("checkpoint", pa.string()), ("seconds", pa.float32()), ("mfu", pa.float32()),
-    ("rollout_corr", pa.string()),
+    ("rollout_corr", pa.string()), ("pg_loss", pa.float32()), ("kl_loss", pa.float32()), ("ppo_kl", pa.float32()),
+    ("clip_fraction_lower", pa.float32()), ("train_config_id", pa.string()),
 ]), ("iteration",), added=(("config_id", None), ("checkpoint", None), ("seconds", None), ("mfu", None),
-                           ("rollout_corr", None)))
+                           ("rollout_corr", None), ("pg_loss", None), ("kl_loss", None), ("ppo_kl", None),
+                           ("clip_fraction_lower", None), ("train_config_id", None)))
 
 # Evaluation (docs/architecture.md §12): the same rows as collection, partitioned by the eval id
 # (their `collect_config_id`), so `cleaner show` and every query over trajectories work on them.

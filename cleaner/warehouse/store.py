@@ -342,6 +342,12 @@ class Warehouse(ConfigFiles):
     def purify_config_ids(self) -> set[str]:
         return set(read_column(self._visible(schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS, "config_id").to_pylist())
 
+    def purify_params(self, config_id: str) -> str | None:
+        """The stored purify config's parameters as JSON (`params_json`); None if it is not stored."""
+        table = read_parts(self._visible(schema.PURIFY_CONFIGS), schema.PURIFY_CONFIGS)
+        rows = [row for row in schema.from_table(schema.PURIFY_CONFIGS, table) if row.config_id == config_id]
+        return rows[0].params_json if rows else None
+
     def resolve_config_id(self, prefix: str) -> str:
         """The stored purify config id that `prefix` begins, as git resolves a short commit id (the
         tables print 8 of its 12 digits). WarehouseError if several do, or if it is shorter than

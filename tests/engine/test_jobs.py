@@ -135,10 +135,18 @@ def test_train_job_writes_the_checkpoint_and_its_steps(collected, tmp_path):
     assert outcome.result.out_path == (tmp_path / "out").resolve() and outcome.seconds > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "optimizer" / "state.pt").is_file()
-    steps = warehouse.connect().sql("SELECT step, optimizer_step FROM train_steps ORDER BY step").fetchall()
-    assert steps == [(s.step, s.optimizer_step) for s in outcome.result.steps] and len(steps) == 2
-    # `auto` is stored as what it resolved to: float32 on the CPU
-    assert warehouse.load_config("train-iteration=0") == dataclasses.replace(train, compute_dtype="float32").to_json()
+    steps = warehouse.connect().sql("SELECT step, optimizer_step, train_config_id FROM train_steps ORDER BY step").fetchall()
+    resolved = dataclasses.replace(train, compute_dtype="float32")  # `auto` is stored as what it resolved to
+    assert steps == [(s.step, s.optimizer_step, resolved.config_id) for s in outcome.result.steps] and len(steps) == 2
+    # the config by its id, which the rows name; another training of the iteration adds its own
+    assert warehouse.load_config(f"train-config={resolved.config_id}") == resolved.to_json()
+    other = dataclasses.replace(train, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=64)
+    train_job(warehouse, TrainRequest(0, config.config_id, DEFAULT_POLICY, tmp_path / "out2", other), progress=False)
+    other = dataclasses.replace(other, compute_dtype="float32")
+    assert warehouse.load_config(f"train-config={resolved.config_id}") == resolved.to_json()
+    assert warehouse.load_config(f"train-config={other.config_id}") == other.to_json()
+    ids = warehouse.connect().sql("SELECT DISTINCT train_config_id FROM train_steps ORDER BY 1").fetchall()
+    assert sorted(ids) == sorted([(resolved.config_id,), (other.config_id,)])
 
 
 def test_purify_ablate_and_train_commands(collected, tmp_path):
@@ -306,3 +314,48 @@ def test_purify_stores_nothing_its_scorer_made_non_finite(collected, tmp_path):
     assert message.count(" (old log-prob nan") == 5 and "and 7 more; score with a checkpoint" in message
     assert warehouse.purified_rollout_ids(0, PurifyConfig().config_id) == frozenset()
     assert not list(warehouse.root.glob("purified/**/*.parquet"))
+
+
+def test_a_whole_batch_estimator_is_purified_whole_or_refused(collected, tmp_path):
+    """reinforce_plus_plus_baseline whitens over the iteration: rows under it for part of the
+    iteration (a collection resumed after its purify) cannot be completed, and a shard is refused
+    before anything is read."""
+    from cleaner.config import PurifyConfig, Shard
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.errors import JobError
+    from tests.factories import make_purify_config
+
+    config = PurifyConfig(adv_estimator="reinforce_plus_plus_baseline")
+    whole = _copy(collected, tmp_path / "whole")
+    rows = purify_job(whole, PurifyRequest(0, [config]), progress=False).results[0].rows
+    part = _copy(collected, tmp_path / "part")
+    half = rows[: len(rows) // 2]
+    part.write_purified(0, make_purify_config(config.config_id), half)
+    with pytest.raises(JobError, match=rf"rows under purify config {config.config_id} for {len(half)} of its "
+                                       rf"{len(rows)} rollouts, and adv_estimator reinforce_plus_plus_baseline"):
+        purify_job(part, PurifyRequest(0, [config]), progress=False)
+    with pytest.raises(JobError, match="--shard 0/2: adv_estimator reinforce_plus_plus_baseline whitens"):
+        purify_job(part, PurifyRequest(0, [config], Shard(0, 2)), progress=False)
+    grpo = purify_job(part, PurifyRequest(0, [PurifyConfig()], Shard(0, 2)), progress=False)  # grpo shards
+    assert grpo.results[0].rows
+
+
+def test_train_job_recomputes_advantages_with_the_stored_purify_configs_estimator(collected, tmp_path, monkeypatch):
+    from cleaner.config import DEFAULT_POLICY, PurifyConfig, TrainConfig
+    from cleaner.engine.purify.job import PurifyRequest, purify_job
+    from cleaner.engine.train import job
+    from cleaner.engine.train.trainer import TrainResult
+
+    warehouse = _copy(collected, tmp_path)
+    config = PurifyConfig(adv_estimator="rloo")
+    purify_job(warehouse, PurifyRequest(0, [config]), progress=False)
+    seen = {}
+
+    def trained(rows, policy, out, train, iteration, **handles):
+        seen.update(handles)
+        return TrainResult(out_path=Path(out), steps=[], model=None, optimization=None, main_process=False)
+
+    monkeypatch.setattr(job, "train_iteration", trained)
+    job.train_job(warehouse, job.TrainRequest(0, config.config_id, DEFAULT_POLICY, tmp_path / "out", TrainConfig()),
+                  progress=False)
+    assert seen["purify"] == config

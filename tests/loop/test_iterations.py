@@ -108,6 +108,11 @@ def test_several_ranks_without_deepspeed_or_on_a_named_gpu_are_refused_before_an
     with pytest.raises(RanksError, match="^--device cuda:1: on several ranks each rank takes the GPU of its "
                                          "LOCAL_RANK; pass --device cuda$"):
         run_loop(deepspeed, ranks=Ranks(0, 2, 0), progress=False)
+    whitened = dataclasses.replace(deepspeed, collect=config.collect, purify=dataclasses.replace(
+        config.purify, adv_estimator="reinforce_plus_plus_baseline"))
+    with pytest.raises(RanksError, match=r"^cleaner run on 2 ranks \(each purifies its shard\): adv_estimator "
+                                         "reinforce_plus_plus_baseline whitens the advantages over the whole iteration"):
+        run_loop(whitened, ranks=Ranks(1, 2, 1), progress=False)
     assert not (tmp_path / "run").exists()
     args = ["run", "--run-dir", str(tmp_path / "run"), "--model", str(random_policy)]
     for rank, code in ((0, 1), (1, 0)):

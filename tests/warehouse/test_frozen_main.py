@@ -34,24 +34,27 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 # This round's new options, each at its default (a flag main had keeps its name and default).
+_SELECTION = {"--down-sample": "none", "--down-sample-to": None, "--roc-min-negatives": 2, "--roc-min-positives": 2,
+              "--roc-error-ratio/--no-roc-error-ratio": True, "--roc-answer-format/--no-roc-answer-format": True}
+_PURIFY = {**_SELECTION, "--void-turn-filter/--no-void-turn-filter": False, "--adv-estimator": "grpo",
+           "--norm-adv-by-std/--no-norm-adv-by-std": True}
+_TRAIN = {"--loss-mode": "vanilla", "--loss-agg-mode": None, "--loss-scale-factor": None, "--lora-rank": 0,
+          "--lora-alpha": 16, "--lora-target-modules": "all-linear"}
 NEW_OPTIONS = {
     "collect": {"--skip-settled-prompts": 0},
     "sql": {"--allow-write": None},
-    "run": {"--skip-settled-prompts": 0, "--down-sample": "none", "--down-sample-to": None,
-            "--roc-min-negatives": 2, "--roc-min-positives": 2, "--roc-error-ratio/--no-roc-error-ratio": True,
-            "--roc-answer-format/--no-roc-answer-format": True, "--void-turn-filter/--no-void-turn-filter": False},
-    "purify": {"--down-sample": "none", "--down-sample-to": None, "--roc-min-negatives": 2, "--roc-min-positives": 2,
-               "--roc-error-ratio/--no-roc-error-ratio": True, "--roc-answer-format/--no-roc-answer-format": True,
-               "--void-turn-filter/--no-void-turn-filter": False},
-    "ablate": {"--down-sample": "none", "--down-sample-to": None, "--roc-min-negatives": 2, "--roc-min-positives": 2,
-               "--roc-error-ratio/--no-roc-error-ratio": True, "--roc-answer-format/--no-roc-answer-format": True,
-               "--void-turn-filter": "false"},
+    "run": {"--skip-settled-prompts": 0, **_PURIFY, **_TRAIN},
+    "purify": _PURIFY,
+    "ablate": {**_SELECTION, "--void-turn-filter": "false", "--adv-estimator": "grpo", "--norm-adv-by-std": "true"},
+    "train": _TRAIN,
 }
-NEW_COMMANDS = {"curate"}
+NEW_COMMANDS = {"curate", "warehouse"}
 # This round's new fields, at their defaults, in each table of a resolved run config (None: left out)
 NEW_FIELDS = {"collect": {"skip_settled_prompts": 0},
               "purify": {"down_sample": "none", "roc_min_negatives": 2, "roc_min_positives": 2,
-                         "roc_error_ratio": True, "roc_answer_format": True, "void_turn_filter": False}}
+                         "roc_error_ratio": True, "roc_answer_format": True, "void_turn_filter": False,
+                         "adv_estimator": "grpo", "norm_adv_by_std": True},
+              "train": {"loss_mode": "vanilla", "lora_rank": 0, "lora_alpha": 16, "lora_target_modules": "all-linear"}}
 
 
 @pytest.fixture(scope="module")

@@ -336,3 +336,22 @@ def test_two_processes_writing_a_configs_rows_at_once_store_each_row_once(tmp_pa
                for me, other in (ready, ready[::-1])]
     assert [writer.wait(timeout=120) for writer in writers] == [0, 0]
     assert sorted(row.rollout_id for row in wh.read_purified(0, "c1")) == ["r0", "r1"]
+
+
+def test_train_steps_written_before_the_objective_columns_read_them_as_null(tmp_path):
+    """verl's terms (pg_loss, kl_loss, ppo_kl, clip_fraction_lower) and the train config id were added
+    later: an earlier part reads them as null beside a part that has them."""
+    from cleaner.records import TrainStepRow
+
+    wh = Warehouse(tmp_path)
+    old = TrainStepRow(iteration=0, step=0, optimizer_step=0, loss=0.5, clip_fraction=0.125, approx_kl=0.0625,
+                       entropy=1.0, grad_norm=0.25, lr=2.0**-10, tokens=10)  # float32 holds them exactly
+    added = ["pg_loss", "kl_loss", "ppo_kl", "clip_fraction_lower", "train_config_id"]
+    write_part(wh.root / "train_steps" / "iteration=0", schema.to_table(schema.TRAIN_STEPS, [old]).drop_columns(added))
+    new = dataclasses.replace(old, iteration=1, pg_loss=0.25, kl_loss=0.125, ppo_kl=0.0625, clip_fraction_lower=0.5,
+                              train_config_id="abc")
+    wh.write_train_steps(1, [new])
+    assert wh.connect().sql("SELECT iteration, pg_loss, kl_loss, ppo_kl, clip_fraction_lower, train_config_id "
+                            "FROM train_steps ORDER BY 1").fetchall() == [
+        (0, None, None, None, None, None), (1, 0.25, 0.125, 0.0625, 0.5, "abc")]
+    assert wh.read_train_steps(0) == [old]

@@ -19,8 +19,9 @@ BASE=.venv/bin/python
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 "$BASE" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$SITE/base_venv.pth"
 # verl.protocol (any verl import) needs ray and tensordict, verl.utils.config omegaconf, reward.py
-# datasets; its livecodebench runner imports anthropic's HUMAN_PROMPT, gone since anthropic 1.0
-"$VENV/bin/python" -m pip install -q datasets ray tensordict omegaconf "anthropic<1"
+# datasets, verl.workers.config (core_algos.py, rollout_corr_helper.py) codetiming; its
+# livecodebench runner imports anthropic's HUMAN_PROMPT, gone since anthropic 1.0
+"$VENV/bin/python" -m pip install -q datasets ray tensordict omegaconf codetiming "anthropic<1"
 cp "$HERE/verl_tf5_compat.py" "$SITE/" && echo "import verl_tf5_compat" > "$SITE/verl_tf5_compat.pth"
 echo "$REF/verl" > "$SITE/open_cleaner_verl.pth"  # the reference's verl, as PYTHONPATH would give it
 echo "ready: $VENV/bin/python -m cleaner collect --reward-fn $REF/recipe/cleaner/reward.py:compute_score_outcome_reward ..."

@@ -104,6 +104,7 @@ def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend
     purify. Python's cyclic garbage collector is paused while it runs (`_cyclic_gc_paused`).
     """
     started = time.monotonic()
+    check_whole_batch(request.configs, request.shard)
     warehouse.check_writable()
     warehouse.check_is_warehouse()  # before its lock file would make a run directory look like one
     if backend is None:
@@ -111,6 +112,29 @@ def purify_job(warehouse: Warehouse, request: PurifyRequest, *, backend: Backend
         check_device(request.device)
     with warehouse.writer("purify", request.iteration, shard_of(request.shard)):  # one writer per iteration (shard)
         return _purify(warehouse, request, backend, progress, started)
+
+
+def check_whole_batch(configs: Sequence[PurifyConfig], shard: Shard, what: str | None = None) -> None:
+    """JobError when a config's advantages need the whole iteration (reinforce_plus_plus_baseline
+    whitens over it) and the job sees only a share of it; `what` says who shards (--shard i/N)."""
+    needs = next((config for config in configs if config.whole_batch), None)
+    if needs is not None and shard.sharded:
+        raise JobError(f"{what or f'--shard {shard}'}: adv_estimator {needs.adv_estimator.value} whitens the "
+                       "advantages over the whole iteration, which a shard does not see; purify unsharded (one "
+                       "process), or use adv_estimator grpo or rloo")
+
+
+def _check_all_or_none(warehouse: Warehouse, iteration: int, configs: Sequence[PurifyConfig],
+                       missing: dict[str, frozenset[str]], ids: frozenset[str]) -> None:
+    """JobError when a whole-batch config has rows for part of the iteration (its collection was
+    resumed after it was purified): rows added now would be whitened over the new rollouts alone."""
+    for config in configs:
+        if config.whole_batch and 0 < len(missing[config.config_id]) < len(ids):
+            raise JobError(f"{warehouse.root}: iteration {iteration} has rows under purify config "
+                           f"{config.config_id} for {len(ids) - len(missing[config.config_id])} of its {len(ids)} "
+                           f"rollouts, and adv_estimator {config.adv_estimator.value} whitens over the whole "
+                           "iteration: rows added now would be whitened apart; purify the iteration into another "
+                           "warehouse, or use adv_estimator grpo or rloo")
 
 
 def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | None, progress: bool,
@@ -125,6 +149,7 @@ def _purify(warehouse: Warehouse, request: PurifyRequest, backend: Backend | Non
         check_config(warehouse, iteration, config.config_id)
     ids = frozenset(rollout.rollout_id for rollout in rollouts)
     missing = {c.config_id: ids - warehouse.purified_rollout_ids(iteration, c.config_id) for c in configs}
+    _check_all_or_none(warehouse, iteration, configs, missing, ids)
     todo = [c for c in configs if missing[c.config_id]]
     computed, scorer_stats = {}, None
     if todo:

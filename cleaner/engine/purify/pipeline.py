@@ -7,6 +7,10 @@ Design decisions:
 - `render_iteration` renders one config: each rollout is purified iff its rollback_draw < p (4.3)
   and, with purify_when = "positive", its advantage is > 0 (reward above its group mean; a group of
   one or of equal rewards has advantage 0 and stays raw). Everything else is rendered raw.
+- The advantage is the config's estimator's (advantages.py). Its group stage decides purify_when;
+  reinforce_plus_plus_baseline then whitens over the loss tokens of the config's own renderings,
+  so each config of an ablation whitens its rows, and the negative-sample pushes are added to the
+  whitened advantage.
 - `purify_iteration` renders every config first, then sends the rows of ALL configs to ONE
   `scorer.score_rows` call, so a prefix trie shares a rollout's prompt and unchanged spans across
   configs. Identical (token_ids, start) requests are sent once (raw renderings repeat across
@@ -39,6 +43,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 
 from cleaner.config import Edit, PurifyConfig, PurifyWhen
 from cleaner.engine.model.base import RowScorer
-from cleaner.engine.purify.advantages import grpo_advantages
+from cleaner.engine.purify.advantages import GroupStage, group_stage, whitened
 from cleaner.engine.purify.negatives import dpo_push, with_pushes
 from cleaner.engine.purify.selection import select
 from cleaner.engine.saar.gate import ScoreCache
@@ -241,11 +246,11 @@ def _plan(
 ) -> PurifyPlan:
     faults = [cls is None for cls in classes]
     selection = select(rollouts, grouped, config, faults)  # down-sampling and void turns (selection.py)
-    advantages = grpo_advantages([r.group_id for r in rollouts], [r.reward for r in rollouts], config.advantage_eps,
-                                 counted=[not fault and kept for fault, kept in zip(faults, selection.kept, strict=True)])
+    stage = group_stage(config, [r.group_id for r in rollouts], [r.reward for r in rollouts],
+                        counted=[not fault and kept for fault, kept in zip(faults, selection.kept, strict=True)])
     masked = [config.void_turn_filter and void for void in selection.void]
     drafts = []
-    for index, (rollout, advantage, fault) in enumerate(zip(rollouts, advantages, faults, strict=True)):
+    for index, (rollout, advantage, fault) in enumerate(zip(rollouts, stage.advantages, faults, strict=True)):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
         view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
                         config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode, config.edit)
@@ -259,6 +264,9 @@ def _plan(
                 renders[key] = rendered
         drafts.append(Draft(rollout, advantage, view.purified, rendered, fault, not selection.kept[index],
                             masked[index]))
+    if config.whole_batch:
+        drafts = _whitened(drafts, stage)
+    advantages = [draft.advantage for draft in drafts]
     counts = [draft.rendered.stats for draft in drafts]
     stats = PurifyStats(
         config_id=config.config_id, n_rollouts=len(drafts),
@@ -275,6 +283,15 @@ def _plan(
         n_dropped=sum(draft.dropped for draft in drafts), n_void=sum(masked),
     )
     return PurifyPlan(config, tuple(drafts), stats)
+
+
+def _whitened(drafts: list[Draft], stage: GroupStage) -> list[Draft]:
+    """The drafts with their advantages whitened over the loss tokens of their renderings
+    (reinforce_plus_plus_baseline; advantages.py), the infrastructure faults and the rows that do
+    not train (dropped by down-sampling, masked by the void-turn filter) left out."""
+    loss_tokens = [sum(draft.rendered.loss_mask[1:]) for draft in drafts]
+    values = whitened(stage, loss_tokens, [not draft.infra_fault and draft.trained for draft in drafts])
+    return [dataclasses.replace(draft, advantage=value) for draft, value in zip(drafts, values, strict=True)]
 
 
 def _input_errors(grouped: dict[str, list[Segment]]) -> tuple[tuple[str, int], ...]:

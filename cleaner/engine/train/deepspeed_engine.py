@@ -14,9 +14,10 @@ Design decisions:
   sizes, clipping and precision of TrainConfig (`deepspeed_config.py`). Every rank sees every row in
   the same seeded order and trains on its share: `mini_rows[rank::world_size]`, or with a token
   budget the longest-first assignment that balances tokens across ranks.
-- Token mean across ranks: each micro loss is divided by the loss tokens of the WHOLE mini batch
-  (every rank knows it) and multiplied by world_size, because DeepSpeed averages gradients over
-  ranks: (1/W) sum_r W g_r / N = sum_r g_r / N, the torch engine's gradient.
+- The mini batch's aggregate across ranks: each micro loss is divided by the totals of the WHOLE
+  mini batch (its loss tokens and rows, which every rank knows; aggregation.py) and multiplied by
+  world_size, because DeepSpeed averages gradients over ranks: (1/W) sum_r W g_r / N = sum_r g_r
+  / N, the torch engine's gradient, for every loss_agg_mode.
   `backward(..., scale_wrt_gas=False)` because that normalisation already covers accumulation.
 - Accumulation: the number of micro batches varies from step to step (token budgets), so the
   boundary is set explicitly (`set_gradient_accumulation_boundary`, true on the last micro batch);
@@ -59,7 +60,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from cleaner.config import TrainConfig
+from cleaner.config import PurifyConfig, TrainConfig
 from cleaner.engine.model.head import check_attention
 from cleaner.engine.model.loading import load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_pretrained_as
@@ -80,13 +81,15 @@ from cleaner.engine.train.optim import (
     other_engine_error,
 )
 from cleaner.engine.train.outcome import check_trained
-from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
+from cleaner.engine.train.packing import micro_batches, pack_rows, rank_share
 from cleaner.engine.train.policy import load_trainable, training
+from cleaner.engine.train.rollout_correction import Corrected
 from cleaner.engine.train.step import (
     Reference,
     ReferenceLogProbs,
     StepMetrics,
     TrainResult,
+    batch_totals,
     forward_micro_batch,
     iter_mini_batches,
     longest_row,
@@ -214,20 +217,21 @@ def rank_loss_scale(weight: float, world_size: int) -> float:
 
 
 def _deepspeed_step(engine, optimization: Optimization, reference: Reference | None,
-                    mini_rows: Sequence[PurifiedRow], config: TrainConfig, iteration: int,
+                    mini_rows: Sequence[PurifiedRow], prepared: Corrected, config: TrainConfig, iteration: int,
                     step: int) -> TrainStepRow:
     """One optimiser step across the ranks: this rank's micro batches, DeepSpeed's step at the
     explicit accumulation boundary (the last micro batch), the metrics summed over ranks."""
     comm = _comm()
     world_size, rank = comm.get_world_size(), comm.get_rank()
     started = time.perf_counter()
-    total_tokens = sum(loss_token_count(row) for row in mini_rows)
+    totals = batch_totals(mini_rows, config)  # the whole mini batch's, which every rank knows
     optimizer_step, lr = optimization.step, optimization.lr  # what this step uses
     metrics = StepMetrics()
     micro = rank_micro_batches(mini_rows, rank, world_size, config)
     for index, (rows, weight) in enumerate(micro):
         engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
-        part = forward_micro_batch(engine, reference, rows, pack_rows(rows, engine.device), config, total_tokens)
+        batch = pack_rows(rows, engine.device, prepared.is_weights)
+        part = forward_micro_batch(engine, reference, rows, batch, config, totals)
         engine.backward(part.loss * rank_loss_scale(weight, world_size), scale_wrt_gas=False)
         engine.step()
         metrics.add(part, weight)
@@ -239,7 +243,8 @@ def _deepspeed_step(engine, optimization: Optimization, reference: Reference | N
         grad_norm = math.inf  # DeepSpeed keeps the last applied step's norm; the row says it overflowed
     sums = metrics.tensor(engine.device)
     comm.all_reduce(sums)  # each rank holds its share of the mini-batch values
-    row = StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, total_tokens)
+    row = StepMetrics.from_tensor(sums).row(iteration, step, optimizer_step, grad_norm, lr, int(totals.loss_tokens),
+                                            kl=config.kl_coef > 0)
     return timed(row, engine.module.policy, mini_rows, started, world_size)
 
 
@@ -325,6 +330,7 @@ def train_iteration_deepspeed(
     iteration: int,
     model: torch.nn.Module | None = None,
     progress: bool = True,
+    purify: PurifyConfig | None = None,
 ) -> TrainResult:
     """`trainer.train_iteration` on DeepSpeed; every rank calls it with the same rows.
 
@@ -338,7 +344,7 @@ def train_iteration_deepspeed(
     ds_config = deepspeed_config_for(config, comm.get_world_size(), _rank_device().type)
     fresh = new_adapters(policy_path, config)  # new adapters start their optimiser with them
     step = None if fresh else saved_optimizer_step(policy_path, ds_config, comm.get_world_size())
-    prepared = prepare(rows, config)
+    prepared = prepare(rows, config, purify)
     train_rows = prepared.rows
     reference = _reference_log_probs(policy_path, train_rows, config, iteration)
     # on the CPU until DeepSpeed places (and under ZeRO-3 partitions) the policy
@@ -355,7 +361,8 @@ def train_iteration_deepspeed(
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not (progress and main))
     with training(engine.module, config, reentrant=_reentrant(config, ds_config)):
         for index, mini_rows in enumerate(bar):
-            steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, config, iteration, index))
+            steps.append(_deepspeed_step(engine, optimization, reference, mini_rows, prepared, config, iteration,
+                                         index))
     # every rank holds the same (all-reduced) step rows, so all refuse alike; ZeRO-3's partitioned
     # weights are empty here and go unchecked
     check_trained(steps, engine.module.policy.named_parameters(), iteration,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cleaner.config import TrainConfig
+from cleaner.config import PurifyConfig, TrainConfig
 from cleaner.engine.model.answers import refusal, row_value_faults
 from cleaner.engine.model.loading import check_device, check_model_path, vocab_size_of
 from cleaner.engine.train import lora, memory, space
@@ -96,18 +96,32 @@ def train_job(warehouse: Warehouse, request: TrainRequest, *, model=None, rows: 
                 raise JobError(f"{exc}; run `cleaner purify` first") from exc
         _check_values(warehouse, request, config_id, model, rows)
         _check_memory(request, model, rows)
+        purify = _purify_config(warehouse, config_id)
         try:
             result = train_iteration(rows, request.policy, request.out, config, iteration, model=model,
-                                     progress=progress, optimization=optimization)
+                                     progress=progress, optimization=optimization, purify=purify)
         except torch.cuda.OutOfMemoryError as error:
             raise JobError(f"out of GPU memory while training iteration {iteration} on {config.device} "
                            f"({str(error).splitlines()[0][:160]}); {memory.out_of_memory_hint()}") from error
         if result.main_process:  # DeepSpeed's ranks all train; one writes, so each step is one row
             checkpoint = str(Path(request.out).resolve())
-            warehouse.write_train_steps(iteration, [dataclasses.replace(step, config_id=config_id, checkpoint=checkpoint)
-                                                    for step in result.steps])
-            warehouse.save_config(f"train-iteration={iteration}", config.to_json())
+            warehouse.save_config(train_config_name(config), config.to_json())  # before the rows that name it
+            warehouse.write_train_steps(iteration, [
+                dataclasses.replace(step, config_id=config_id, checkpoint=checkpoint, train_config_id=config.config_id)
+                for step in result.steps])
     return TrainOutcome(result, time.monotonic() - started)
+
+
+def train_config_name(config: TrainConfig) -> str:
+    """The name its JSON is saved under in the warehouse's configs/, by its id (`train_config_id`)."""
+    return f"train-config={config.config_id}"
+
+
+def _purify_config(warehouse: Warehouse, config_id: str) -> PurifyConfig:
+    """The purify config of the rows as stored (its estimator recomputes advantages in the step); a
+    config a warehouse lacks, or one an earlier version stored without the estimator, is GRPO's."""
+    params = warehouse.purify_params(config_id)
+    return PurifyConfig.from_json(params) if params is not None else PurifyConfig()
 
 
 def _check_purified(warehouse: Warehouse, iteration: int, config_id: str) -> None:

@@ -4,28 +4,36 @@ Design decisions:
 - Every per-token tensor is aligned with the row's `token_ids`: position t holds the quantity for
   token t predicted from positions < t. `token_log_probs` therefore returns 0 at t = 0 (nothing
   predicts the first token), which lines up with `PurifiedRow.old_logprobs` and `loss_mask`.
-- Token-mean (DAPO): losses are sum over loss tokens / number of loss tokens of the WHOLE batch,
-  not a mean of per-row means, so long and short rows weigh each token equally. `num_loss_tokens`
-  lets a micro batch be normalised by its mini batch's total, so accumulating micro-batch gradients
-  equals one big batch. The reported metrics (clip fraction, approx KL) use the same normalisation,
-  so micro-batch values simply add up to the mini-batch value.
-- Asymmetric clip ("clip-higher"): the ratio is clipped to [1 - eps_low, 1 + eps_high].
-- `policy_loss` takes per-token weights on the surrogate (verl's rollout_is_weights); the train
-  step puts rollout correction's in the advantages instead (rollout_correction.py), which is the
-  same for weights >= 0; the paper's default is off (docs/architecture.md §7).
-- Overlong shaping changes rewards, so the trainer recomputes advantages with the same GRPO
-  normalisation purify uses (`cleaner.engine.purify.advantages.grpo_advantages`).
+- The policy losses are verl's (`core_algos.py` of the reference's verl 0.7.0.dev), one function
+  per `loss_mode` in `POLICY_LOSSES`, each the same arithmetic on (M,) values at a packed micro
+  batch's loss tokens or on (B, T) padded ones (`Rows` says where each value's row is). Each is
+  aggregated by `aggregation.py` with the mini batch's totals, so the micro batches' losses and
+  metrics add up to the mini batch's; the metrics (verl's pg_clipfrac, ppo_kl, pg_clipfrac_lower,
+  and cleaner's k3 approx_kl) are token means whatever the aggregation, each mode reporting what
+  verl's function reports (0 where it has none).
+- Asymmetric clip ("clip-higher"): the ratio is clipped to [1 - eps_low, 1 + eps_high]; vanilla's
+  dual clip is optional (verl always applies its clip_ratio_c, default 3; cleaner's is 10, 0 = off).
+- Rollout correction's IS weights multiply each token's loss (vanilla, gspo, cispo), or enter
+  geo_mean's row loss as their geometric mean over the row, as verl's losses take them; the
+  paper's default is off (docs/architecture.md §7).
+- Every log-ratio is taken at loss tokens only (0 elsewhere), so garbage at a masked position never
+  reaches an exp or a sum.
+- Overlong shaping changes rewards, so the trainer recomputes advantages with the purify config's
+  estimator (`cleaner.engine.purify.advantages.advantages`).
 
-Shapes: B sequences, T tokens, V vocabulary.
+Shapes: B sequences, T tokens, V vocabulary, M loss tokens of a packed micro batch, R its rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cleaner.config import GSPO_AGG_MODE, LossMode
+from cleaner.engine.train.aggregation import SEQ_MEAN_EPS, BatchTotals, Rows, aggregate, row_mean
 
 # ---------------------------------------------------------------------------
 # Elementary pieces
@@ -72,14 +80,133 @@ def _token_total(loss_mask: torch.Tensor, num_loss_tokens: float | None) -> floa
 
 
 # ---------------------------------------------------------------------------
-# Policy objective
+# Policy losses, named as verl's policy_loss.loss_mode
+
+GEO_WEIGHT_EPS = 1e-10  # verl's guard of log(weight) in geo_mean
+
+
+@dataclass(frozen=True)
+class Clip:
+    """The clip parameters of the policy losses (verl's clip_ratio_low, clip_ratio_high, clip_ratio_c)."""
+
+    low: float  # eps_low: the ratio's lower bound is 1 - low (geo_mean: the log-ratio's, -low)
+    high: float  # eps_high: the upper bound is 1 + high (geo_mean: the log-ratio's, high)
+    dual: float | None = None  # vanilla's dual clip c for negative advantages; None: off
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """What a policy loss reads, every tensor of `rows.mask`'s shape."""
+
+    log_probs: torch.Tensor  # differentiable
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    rows: Rows  # each value's row, the micro batch's rows, the loss mask
+    is_weights: torch.Tensor | None = None  # rollout correction's IS weights; None: off
 
 
 @dataclass(frozen=True)
 class PolicyLossOutput:
-    loss: torch.Tensor  # scalar, differentiable: token-mean of the clipped surrogate (negated)
-    clip_fraction: torch.Tensor  # scalar: share of loss tokens whose gradient the clip removed
-    approx_kl: torch.Tensor  # scalar: k3 estimate of KL(pi_old || pi) over loss tokens
+    """A micro batch's policy loss and its shares of the mini batch's metrics (token means)."""
+
+    loss: torch.Tensor  # scalar, differentiable: verl's actor/pg_loss (its share)
+    clip_fraction: torch.Tensor  # actor/pg_clipfrac: share of loss tokens whose gradient the clip removed
+    approx_kl: torch.Tensor  # k3 estimate of KL(pi_old || pi) over loss tokens (cleaner's)
+    ppo_kl: torch.Tensor  # actor/ppo_kl: the mean of log pi_old - log pi
+    clip_fraction_lower: torch.Tensor  # actor/pg_clipfrac_lower: share of negative-advantage tokens the dual clip capped
+
+
+def _log_ratio(s: Surrogate) -> torch.Tensor:
+    """log pi - log pi_old at the loss tokens, 0 elsewhere (garbage there cannot leak)."""
+    return torch.where(s.rows.mask > 0, s.log_probs - s.old_log_probs, 0.0)
+
+
+def _token_mean(values: torch.Tensor, s: Surrogate, totals: BatchTotals) -> torch.Tensor:
+    return aggregate(values.to(s.log_probs.dtype), s.rows, "token-mean", totals)  # a flag counts as 1
+
+
+@torch.no_grad()
+def _output(loss: torch.Tensor, s: Surrogate, totals: BatchTotals, kl_log_ratio: torch.Tensor,
+            clipped: torch.Tensor, clipped_lower: torch.Tensor | None) -> PolicyLossOutput:
+    """The loss with its metrics as verl's loss function reports them (`kl_log_ratio` is the one
+    its ppo_kl averages), each the micro batch's share of the mini batch's token mean."""
+    bounded = torch.clamp(_log_ratio(s), -20.0, 20.0)
+    lower = _token_mean(clipped_lower, s, totals) if clipped_lower is not None else torch.zeros((), device=loss.device)
+    return PolicyLossOutput(loss=loss, clip_fraction=_token_mean(clipped, s, totals),
+                            approx_kl=_token_mean(k3_kl(-bounded), s, totals),
+                            ppo_kl=_token_mean(-kl_log_ratio, s, totals), clip_fraction_lower=lower)
+
+
+def _weighted(values: torch.Tensor, s: Surrogate) -> torch.Tensor:
+    return values if s.is_weights is None else values * s.is_weights
+
+
+def vanilla(s: Surrogate, clip: Clip, mode: str, totals: BatchTotals) -> PolicyLossOutput:
+    """verl's compute_policy_loss_vanilla: PPO's clipped surrogate, asymmetric clip, the dual clip
+    capping a negative advantage's loss at -A c (a token whose ratio exploded, typically one whose
+    context SAAR rewrote, cannot dominate the step); aggregated as `mode`."""
+    log_ratio = torch.clamp(_log_ratio(s), -20.0, 20.0)  # as verl: keeps exp() finite
+    ratio = torch.exp(log_ratio)
+    unclipped = -s.advantages * ratio
+    clipped = -s.advantages * torch.clamp(ratio, 1.0 - clip.low, 1.0 + clip.high)
+    per_token = torch.maximum(unclipped, clipped)
+    lower = None
+    if clip.dual is not None:
+        capped = -s.advantages * clip.dual
+        lower = (per_token > capped) & (s.advantages < 0)
+        per_token = torch.where(s.advantages < 0, torch.minimum(capped, per_token), per_token)
+    loss = aggregate(_weighted(per_token, s), s.rows, mode, totals)
+    return _output(loss, s, totals, log_ratio, clipped > unclipped, lower)
+
+
+def gspo(s: Surrogate, clip: Clip, mode: str, totals: BatchTotals) -> PolicyLossOutput:
+    """verl's compute_policy_loss_gspo: every token's ratio is its row's geometric-mean ratio
+    (gradient through its own log-probability only), clamped at e^10 in log space, clipped as
+    vanilla's, aggregated seq-mean-token-mean whatever `mode` (verl forces it)."""
+    log_ratio = _log_ratio(s)
+    row_log_ratio = s.rows.sums(log_ratio) / s.rows.tokens(log_ratio.dtype).clamp(min=1)  # (R,)
+    log_seq_ratio = s.log_probs - s.log_probs.detach() + row_log_ratio.detach()[s.rows.index]
+    ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
+    unclipped = -s.advantages * ratio
+    clipped = -s.advantages * torch.clamp(ratio, 1.0 - clip.low, 1.0 + clip.high)
+    loss = aggregate(_weighted(torch.maximum(unclipped, clipped), s), s.rows, GSPO_AGG_MODE, totals)
+    return _output(loss, s, totals, log_ratio, clipped > unclipped, None)
+
+
+def cispo(s: Surrogate, clip: Clip, mode: str, totals: BatchTotals) -> PolicyLossOutput:
+    """verl's compute_policy_loss_cispo: -sg(clip(ratio)) A log pi per token, so the clip bounds
+    each token's weight but never removes its gradient; aggregated as `mode`."""
+    log_ratio = torch.clamp(_log_ratio(s), -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    bounded = torch.clamp(ratio, 1.0 - clip.low, 1.0 + clip.high)
+    per_token = -bounded.detach() * s.advantages * s.log_probs
+    loss = aggregate(_weighted(per_token, s), s.rows, mode, totals)
+    return _output(loss, s, totals, log_ratio, ratio != bounded, None)
+
+
+def geo_mean(s: Surrogate, clip: Clip, mode: str, totals: BatchTotals) -> PolicyLossOutput:
+    """verl's compute_policy_loss_geo_mean (GMPO): per row, -mean(A) x the geometric mean of its
+    token ratios, each log-ratio clipped to [-low, high] on the side its advantage's sign would
+    grow; rollout correction's weights enter as their geometric mean per row; the mean over the
+    mini batch's rows whatever `mode` (verl's loss ignores it)."""
+    log_ratio = _log_ratio(s)
+    sign = torch.sign(s.advantages)
+    bounded = torch.clamp(log_ratio, -clip.low, clip.high)
+    kept = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    tokens = s.rows.tokens(log_ratio.dtype) + SEQ_MEAN_EPS  # (R,)
+    ratio = torch.exp(s.rows.sums(kept) / tokens)  # (R,)
+    per_row = -(s.rows.sums(s.advantages.to(log_ratio.dtype)) / tokens) * ratio  # (R,)
+    if s.is_weights is not None:
+        weights = s.is_weights.to(log_ratio.dtype)
+        per_row = per_row * torch.exp(s.rows.sums(torch.log(weights + GEO_WEIGHT_EPS)) / tokens)
+    was_clipped = log_ratio != bounded
+    return _output(row_mean(per_row, totals), s, totals, log_ratio, was_clipped & (s.advantages > 0),
+                   was_clipped & (s.advantages < 0))
+
+
+POLICY_LOSSES: dict[str, Callable[[Surrogate, Clip, str, BatchTotals], PolicyLossOutput]] = {
+    LossMode.VANILLA: vanilla, LossMode.GSPO: gspo, LossMode.CISPO: cispo, LossMode.GEO_MEAN: geo_mean,
+}
 
 
 def policy_loss(
@@ -93,37 +220,19 @@ def policy_loss(
     num_loss_tokens: float | None = None,
     clip_ratio_c: float | None = None,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate with asymmetric clip and DAPO token-mean.
+    """`vanilla`, token-mean, on a (B, T) batch.
 
     log_probs, old_log_probs, loss_mask, is_weights: (B, T); advantages: (B,) or (B, T).
-    num_loss_tokens: the denominator (default: loss tokens in this batch).
-    clip_ratio_c: dual clip (as verl): for negative advantages the per-token loss is capped at
-    -A * c, so a token whose ratio exploded (typically one whose context SAAR rewrote, with a very
-    low old log-prob) cannot dominate the step. None = off.
+    num_loss_tokens: the denominator (default: loss tokens in this batch). clip_ratio_c: the dual
+    clip; None = off.
     """
     mask = loss_mask.to(log_probs.dtype)  # (B, T)
     if advantages.dim() < log_probs.dim():
-        advantages = advantages.unsqueeze(-1)  # (B, 1)
-    log_ratio = torch.where(mask > 0, log_probs - old_log_probs, 0.0)  # (B, T); 0 when masked
-    log_ratio = torch.clamp(log_ratio, -20.0, 20.0)  # as verl: keeps exp() finite
-    ratio = torch.exp(log_ratio)  # (B, T)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # (B, T)
-    if clip_ratio_c is not None:
-        capped = torch.minimum(per_token, -advantages * clip_ratio_c)  # (B, T)
-        per_token = torch.where(advantages < 0, capped, per_token)
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    total = _token_total(mask, num_loss_tokens)
-    loss = (per_token * mask).sum() / total
-    with torch.no_grad():
-        was_clipped = ((ratio > 1.0 + clip_eps_high) & (advantages > 0)) | (
-            (ratio < 1.0 - clip_eps_low) & (advantages < 0)
-        )
-        clip_fraction = (was_clipped.to(mask.dtype) * mask).sum() / total
-        approx_kl = (k3_kl(-log_ratio) * mask).sum() / total
-    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl)
+        advantages = advantages.unsqueeze(-1).expand_as(log_probs)  # (B, T)
+    total = num_loss_tokens if num_loss_tokens is not None else float(mask.sum())
+    surrogate = Surrogate(log_probs, old_log_probs, advantages, Rows.padded(mask), is_weights)
+    return vanilla(surrogate, Clip(clip_eps_low, clip_eps_high, clip_ratio_c), "token-mean",
+                   BatchTotals(loss_tokens=total, rows=mask.shape[0]))
 
 
 def kl_penalty(

@@ -9,12 +9,13 @@ it, and bench/train_memory.py measures both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cleaner.config import TrainConfig
+from cleaner.engine.train.aggregation import BatchTotals, Rows
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import entropy_from_logits, token_log_probs
 from cleaner.engine.train.step import MicroLoss, micro_batch_loss
@@ -31,10 +32,21 @@ class PaddedBatch:
     old_log_probs: torch.Tensor  # (B, T) float32
     behavior_log_probs: torch.Tensor  # (B, T) float32
     advantages: torch.Tensor  # (B, T) float32: the row's advantage, or its per-token advantages
+    is_weights: torch.Tensor | None = None  # (B, T) float32: rollout correction's IS weights; None: off
+
+    @property
+    def row_index(self) -> torch.Tensor:
+        """(B, T): token t of row b is in row b."""
+        return Rows.padded(self.loss_mask).index
+
+    @property
+    def row_count(self) -> int:
+        return self.loss_mask.shape[0]
 
 
-def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -> PaddedBatch:
-    """Right-pad rows into tensors on `device`."""
+def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu",
+                 is_weights: Mapping[int, Sequence[float]] | None = None) -> PaddedBatch:
+    """Right-pad rows into tensors on `device`; `is_weights` as `packing.pack_rows` takes them."""
     length = max(len(row.token_ids) for row in rows)
 
     def pad(values: Sequence, fill, dtype: torch.dtype) -> torch.Tensor:
@@ -51,6 +63,8 @@ def collate_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu"
         behavior_log_probs=pad([row.behavior_logprobs for row in rows], 0.0, torch.float32),
         advantages=pad([row.token_advantages or (row.advantage,) * len(row.token_ids) for row in rows],
                        0.0, torch.float32),
+        is_weights=pad([is_weights.get(id(row), (1.0,) * len(row.token_ids)) for row in rows], 1.0, torch.float32)
+        if is_weights and any(id(row) in is_weights for row in rows) else None,
     )
 
 
@@ -62,12 +76,12 @@ def full_logits_outputs(model: torch.nn.Module, batch: PaddedBatch) -> TokenOutp
 
 
 def full_logits_micro_batch_loss(model: torch.nn.Module, reference: torch.nn.Module | None,
-                                 rows: Sequence[PurifiedRow], config: TrainConfig,
-                                 num_loss_tokens: int) -> MicroLoss:
+                                 rows: Sequence[PurifiedRow], config: TrainConfig, totals: BatchTotals,
+                                 is_weights: Mapping[int, Sequence[float]] | None = None) -> MicroLoss:
     """`step.forward_micro_batch` on padded rows and full logits (entropy differentiable, as the
     chunked step makes it when entropy_coef > 0)."""
     device = next(model.parameters()).device
-    batch = collate_rows(rows, device)
+    batch = collate_rows(rows, device, is_weights)
     outputs = full_logits_outputs(model, batch)
     reference_log_probs = None
     if reference is not None and config.kl_coef > 0:
@@ -75,4 +89,4 @@ def full_logits_micro_batch_loss(model: torch.nn.Module, reference: torch.nn.Mod
             reference_log_probs = full_logits_outputs(reference, batch).log_probs
     if config.entropy_coef == 0:
         outputs = TokenOutputs(outputs.log_probs, outputs.entropy.detach())
-    return micro_batch_loss(outputs, reference_log_probs, batch, config, num_loss_tokens)
+    return micro_batch_loss(outputs, reference_log_probs, batch, config, totals)

@@ -9,14 +9,16 @@ tokens keeps (M,) vectors, and the lm_head runs on M hidden states, not N (no lo
 tool-output positions).
 
 Alignment: flat position i holds token i of its row; the loss token at i is predicted by the hidden
-state at i - 1, which is in the same row because a row's first token never trains.
+state at i - 1, which is in the same row because a row's first token never trains. Each loss token
+also carries its row's index in the micro batch (`row_index`), which sequence-level losses and
+aggregations sum over.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,13 @@ class PackedBatch:
     old_log_probs: torch.Tensor  # (M,) float32: log pi_old of each loss token (the scorer's)
     behavior_log_probs: torch.Tensor  # (M,) float32: log pi of the sampling context
     advantages: torch.Tensor  # (M,) float32: the row's advantage, or its per-token one
+    row_index: torch.Tensor  # (M,) int64: the row of each loss token, 0 .. R - 1 (seq-level losses and aggregation)
+    is_weights: torch.Tensor | None = None  # (M,) float32: rollout correction's IS weights; None: off
+
+    @property
+    def row_count(self) -> int:
+        """R: the rows, with or without loss tokens."""
+        return len(self.row_lengths)
 
     @property
     def row_bounds(self) -> tuple[int, ...]:
@@ -106,10 +115,12 @@ class PackedBatch:
                               for name, value in moved.items()})
 
 
-def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -> PackedBatch:
-    """Lay the rows end to end; gather the per-token inputs of the loss at the loss tokens."""
-    token_ids, positions, loss_mask, old, behavior, advantages = [], [], [], [], [], []
-    for row in rows:
+def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu",
+              is_weights: Mapping[int, Sequence[float]] | None = None) -> PackedBatch:
+    """Lay the rows end to end; gather the per-token inputs of the loss at the loss tokens.
+    `is_weights`: rollout correction's per-token weights by id(row), aligned with each row's tokens."""
+    token_ids, positions, loss_mask, old, behavior, advantages, rows_of = [], [], [], [], [], [], []
+    for index, row in enumerate(rows):
         length = len(row.token_ids)
         token_ids.extend(row.token_ids)
         positions.extend(range(length))
@@ -117,6 +128,7 @@ def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -
         old.extend(row.old_logprobs)
         behavior.extend(row.behavior_logprobs)
         advantages.extend(row.token_advantages or (row.advantage,) * length)
+        rows_of.extend((index,) * length)
     flat_ids = torch.tensor(token_ids, dtype=torch.int64)  # (N,)
     loss_index = torch.tensor(loss_mask, dtype=torch.bool).nonzero().squeeze(-1)  # (M,)
 
@@ -129,6 +141,15 @@ def pack_rows(rows: Sequence[PurifiedRow], device: str | torch.device = "cpu") -
         cu_seq_lens=torch.tensor([0, *itertools.accumulate(row_lengths)], dtype=torch.int32),
         predictor_index=loss_index - 1,
         target_ids=flat_ids[loss_index], old_log_probs=at_loss(old),
-        behavior_log_probs=at_loss(behavior), advantages=at_loss(advantages))
+        behavior_log_probs=at_loss(behavior), advantages=at_loss(advantages),
+        row_index=torch.tensor(rows_of, dtype=torch.int64)[loss_index],
+        is_weights=_weights_at_loss(rows, is_weights, at_loss))
     return batch.to(device)
 
+
+def _weights_at_loss(rows: Sequence[PurifiedRow], is_weights: Mapping[int, Sequence[float]] | None,
+                     at_loss: Callable[[list[float]], torch.Tensor]) -> torch.Tensor | None:
+    """The rows' IS weights at their loss tokens (1 for a row without any); None when none has."""
+    if not is_weights or not any(id(row) in is_weights for row in rows):
+        return None
+    return at_loss([weight for row in rows for weight in is_weights.get(id(row), (1.0,) * len(row.token_ids))])

@@ -13,10 +13,10 @@ Design decisions, verl's unless said:
   then each is truncated at `rollout_is_threshold` (above only) and, with
   `rollout_is_batch_normalize`, divided by their mean over every loss token of the batch (sequence
   level: over the rows that have one), rejected ones included, as verl normalises before it
-  rejects; a mean <= 1e-8 leaves them as they are (factor 1). The weights multiply each token's
-  clipped surrogate. Here they multiply the token's advantage instead (SAAR's per-token advantages
-  included), which is the same for any weight >= 0: the clipped surrogate, dual clip included, is
-  positively homogeneous in the advantage (max(w a, w b) = w max(a, b)).
+  rejects; a mean <= 1e-8 leaves them as they are (factor 1). The weights go to the policy loss
+  beside the advantages (`Corrected.is_weights`), which composes them as verl's loss mode does: a
+  token's loss times its weight, or for geo_mean (GMPO) a row's loss times its weights' geometric
+  mean (loss.py).
 - Rejection sampling (`rollout_rs`): a ratio exp(clamp(.)) of log_ratio per token (`token`), of its
   sum (`sequence`) or of its mean over the loss tokens (`geometric`), kept within [lower, upper]
   (`rollout_rs_threshold`, `rollout_rs_threshold_lower`, which defaults to 1 / upper): a rejected
@@ -58,11 +58,14 @@ ESS_EPS = 1e-8  # verl's guard in the effective sample size
 
 @dataclasses.dataclass(frozen=True)
 class Corrected:
-    """The rows to train (every row given: rejected tokens out of their masks, IS weights in their
-    advantages) and the iteration's rollout-correction metrics."""
+    """The rows to train (every row given: rejected tokens out of their masks), their IS weights and
+    the iteration's rollout-correction metrics."""
 
     rows: list[PurifiedRow]
     metrics: dict[str, float]
+    # id(row) of a row of `rows` -> its IS weight per token, aligned with its token_ids (1 where it
+    # is not a loss token); empty with rollout_is off
+    is_weights: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _log_ratios(row: PurifiedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,7 +196,7 @@ def _is_weights(ratios: Sequence[np.ndarray], config: TrainConfig) -> tuple[list
 
 
 def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
-    """The iteration's rows after rollout correction, and its metrics (module notes)."""
+    """The iteration's rows after rollout correction, their IS weights and its metrics (module notes)."""
     located = [_log_ratios(row) for row in rows]
     ratios = [log_ratio for _, log_ratio, _ in located]
     if not sum(len(log_ratio) for log_ratio in ratios):
@@ -210,21 +213,29 @@ def correct(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
     vetoed, veto_metrics = _veto(ratios, config.rollout_token_veto_threshold)
     metrics |= veto_metrics
     metrics |= offpolicy_metrics(ratios, [old for _, _, old in located])
-    corrected = [_applied(row, positions, kept & (not veto), weight)
-                 for row, (positions, _, _), kept, veto, weight in zip(rows, located, keep, vetoed, weights, strict=True)]
-    return Corrected(corrected, metrics)
+    corrected = [_applied(row, positions, kept & (not veto))
+                 for row, (positions, _, _), kept, veto in zip(rows, located, keep, vetoed, strict=True)]
+    by_row = _weights_by_row(corrected, [p for p, _, _ in located], weights) if config.rollout_is is not None else {}
+    return Corrected(corrected, metrics, by_row)
 
 
-def _applied(row: PurifiedRow, positions: np.ndarray, kept: np.ndarray, weights: np.ndarray | None) -> PurifiedRow:
+def _applied(row: PurifiedRow, positions: np.ndarray, kept: np.ndarray) -> PurifiedRow:
     """`row` with its rejected tokens out of the loss mask (all of them: a row verl keeps with a zero
-    mask) and its IS weights in its advantages (per token, SAAR's kept)."""
-    if kept.all() and weights is None:
+    mask)."""
+    if kept.all():
         return row
     mask = list(row.loss_mask)
     for position in positions[~kept]:
         mask[position] = 0
-    advantages = list(row.token_advantages) if row.token_advantages is not None else [row.advantage] * len(mask)
-    if weights is not None:
-        for position, weight in zip(positions, weights, strict=True):
-            advantages[position] *= float(weight)
-    return dataclasses.replace(row, loss_mask=tuple(mask), token_advantages=tuple(advantages))
+    return dataclasses.replace(row, loss_mask=tuple(mask))
+
+
+def _weights_by_row(rows: Sequence[PurifiedRow], positions: Sequence[np.ndarray],
+                    weights: Sequence[np.ndarray]) -> dict[int, tuple[float, ...]]:
+    """Each row's IS weights on its tokens (1 off its loss tokens), by id(row)."""
+    found = {}
+    for row, where, weight in zip(rows, positions, weights, strict=True):
+        per_token = np.ones(len(row.token_ids))
+        per_token[where] = weight
+        found[id(row)] = tuple(per_token.tolist())
+    return found

@@ -4,8 +4,8 @@
     -> iter_mini_batches (seeded shuffle; one mini batch = one optimiser step)
     -> packing.micro_batches (by rows or by a token budget) -> packing.pack_rows (padding-free)
     -> forward_micro_batch (TrainablePolicy: log-probs and entropy at the loss tokens only)
-    -> micro_batch_loss (policy loss + optional KL and entropy terms, normalised by the MINI
-       batch's loss tokens)
+    -> micro_batch_loss (the loss mode's policy loss + optional KL and entropy terms, each
+       aggregated as loss_agg_mode says with the MINI batch's totals: its loss tokens and rows)
     -> StepMetrics (the micro batches' values summed into the step's TrainStepRow)
 
 The torch engine (`trainer.py`) and the DeepSpeed engine (`deepspeed_engine.py`) each run these
@@ -15,15 +15,23 @@ Design decisions:
 - Old log-probs are `row.old_logprobs` from the scorer (docs/architecture.md §6); training never
   recomputes them. Log-prob of token t comes from the logits at t-1; the loss counts only where
   loss_mask[t] == 1 (position 0 never counts: nothing predicts it).
-- Each micro batch's loss is divided by the total loss tokens of its mini batch, so the summed
-  micro-batch gradients equal one big batch's token-mean gradient (a tested property).
+- Each micro batch's loss is its share of the mini batch's aggregate (`batch_totals`: the mini
+  batch's loss tokens, its rows, seq-mean-token-sum-norm's constant), so the summed micro-batch
+  gradients equal one big batch's, whatever the aggregation (tested against verl's functions on the
+  padded mini batch: tests/engine/train/test_objectives.py).
 - A row without loss tokens, from the warehouse or emptied by rollout correction's rejection,
   stays in the batch with its zero mask, as verl keeps it: the mini batches, the number of optimiser
   steps and the token-mean denominators are verl's whatever is rejected (a mini batch of such rows
   is a step with a zero gradient, AdamW's decay and moments still moving).
 - Dynamic sampling filters on the rows' outcome rewards BEFORE overlong shaping (verl's DAPO
   filters on accuracy too); overlong shaping then adds the soft penalty to the reward and
-  recomputes GRPO advantages within each group (eps = PurifyConfig's default 1e-6).
+  recomputes the advantages with the purify config's estimator (its eps, its std switch); a
+  batch-wide estimator (reinforce_plus_plus_baseline) is also recomputed over the rows dynamic
+  sampling keeps, as verl whitens the batch it trains on.
+- Rollout correction's IS weights travel beside the rows (`Corrected.is_weights`) into the packed
+  batch and the policy loss, which composes them as verl's loss mode does.
+- Each step's row holds the total `loss` and verl's actor/* terms apart: pg_loss, kl_loss (null
+  without a KL term, as verl logs none), entropy, and the policy loss's metrics.
 - The KL reference (kl_coef > 0) is the frozen policy at the iteration's input checkpoint; with LoRA,
   the base with the adapters disabled (lora.py).
 - Rows a purify config's down-sampling dropped (RoC, uniform) leave the batch, as rStar filters its
@@ -48,14 +56,17 @@ from typing import Protocol
 
 import torch
 
-from cleaner.config import TrainConfig
+from cleaner.config import PurifyConfig, TrainConfig
+from cleaner.engine.train.aggregation import BatchTotals, Rows, aggregate
 from cleaner.engine.train.flops import model_flops_utilisation
 from cleaner.engine.train.logprobs import TokenOutputs
 from cleaner.engine.train.loss import (
+    POLICY_LOSSES,
+    Clip,
+    Surrogate,
     dynamic_sampling_mask,
-    kl_penalty,
+    k3_kl,
     overlong_penalty,
-    policy_loss,
 )
 from cleaner.engine.train.optim import Optimization
 from cleaner.engine.train.packing import PackedBatch, loss_token_count, micro_batches, pack_rows
@@ -64,8 +75,6 @@ from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.records import PurifiedRow, TrainStepRow
 
 logger = logging.getLogger(__name__)
-
-OVERLONG_ADVANTAGE_EPS = 1e-6  # GRPO eps when overlong shaping recomputes advantages
 
 
 @dataclass(frozen=True)
@@ -81,10 +90,11 @@ class TrainResult:
 # Rows -> mini batches
 
 
-def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
-    """Rewards with DAPO's overlong penalty and their group advantages, for the rows that are not
-    negative samples (those keep their pushes and stay out of the groups)."""
-    from cleaner.engine.purify.advantages import grpo_advantages  # polars: the step runs without it
+def _reestimated(rows: list[PurifiedRow], config: TrainConfig, purify: PurifyConfig) -> list[PurifiedRow]:
+    """The rows that are not negative samples with DAPO's overlong penalty in their rewards (none
+    with overlong_buffer 0) and their advantages recomputed by the purify config's estimator over
+    these rows; negative samples keep their pushes and stay out of the groups."""
+    from cleaner.engine.purify.advantages import advantages  # polars: the step runs without it
 
     shaped = [row for row in rows if not row.is_negative]
     if not shaped:
@@ -92,9 +102,10 @@ def _shape_overlong(rows: list[PurifiedRow], config: TrainConfig) -> list[Purifi
     lengths = torch.tensor([len(row.token_ids) - row.prompt_len for row in shaped])
     penalties = overlong_penalty(lengths, config.max_response_tokens, config.overlong_buffer)
     rewards = torch.tensor([row.reward for row in shaped]) + penalties  # (B,)
-    advantages = grpo_advantages([row.group_id for row in shaped], rewards.tolist(), OVERLONG_ADVANTAGE_EPS)
+    values = advantages(purify, [row.group_id for row in shaped], rewards.tolist(),
+                        [loss_token_count(row) for row in shaped])
     replaced = {id(row): _with_advantage(row, float(reward), float(advantage))
-                for row, reward, advantage in zip(shaped, rewards.tolist(), advantages, strict=True)}
+                for row, reward, advantage in zip(shaped, rewards.tolist(), values, strict=True)}
     return [replaced.get(id(row), row) for row in rows]
 
 
@@ -120,15 +131,17 @@ def longest_micro_batch_tokens(rows: Sequence[PurifiedRow], config: TrainConfig)
     return sum(lengths[: config.micro_batch_size])
 
 
-def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
+def prepare_rows(rows: Sequence[PurifiedRow], config: TrainConfig,
+                 purify: PurifyConfig | None = None) -> list[PurifiedRow]:
     """The rows that are trained on (`prepare`'s)."""
-    return prepare(rows, config).rows
+    return prepare(rows, config, purify).rows
 
 
-def prepare(rows: Sequence[PurifiedRow], config: TrainConfig) -> Corrected:
-    """The rows that are trained on, in input order, with shaped advantages when configured and
-    rollout correction applied (rollout_correction.py), and the iteration's correction metrics."""
-    return correct(_shaped(rows, config), config)
+def prepare(rows: Sequence[PurifiedRow], config: TrainConfig, purify: PurifyConfig | None = None) -> Corrected:
+    """The rows that are trained on, in input order, with shaped advantages when configured (by the
+    estimator of `purify`, the config that computed the rows' advantages; default: GRPO's) and
+    rollout correction applied (rollout_correction.py): its IS weights and the iteration's metrics."""
+    return correct(_shaped(rows, config, purify or PurifyConfig()), config)
 
 
 def with_rollout_corr(steps: list[TrainStepRow], metrics: dict[str, float]) -> list[TrainStepRow]:
@@ -137,7 +150,7 @@ def with_rollout_corr(steps: list[TrainStepRow], metrics: dict[str, float]) -> l
     return [dataclasses.replace(step, rollout_corr=text) for step in steps]
 
 
-def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRow]:
+def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig, purify: PurifyConfig) -> list[PurifiedRow]:
     """The rows that are trained on, in input order, with shaped advantages when configured."""
     kept = [row for row in rows if not row.infra_fault]
     if len(kept) < len(rows):
@@ -157,8 +170,9 @@ def _shaped(rows: Sequence[PurifiedRow], config: TrainConfig) -> list[PurifiedRo
         kept_groups = {row.group_id for row, k in zip(groups, keep.tolist(), strict=True) if k}
         logger.info("dynamic sampling dropped %d rows in equal-reward groups", int((~keep).sum()))
         kept = [row for row in kept if row.group_id in kept_groups]
-    if config.overlong_buffer > 0 and kept:
-        kept = _shape_overlong(kept, config)
+    # a batch-wide estimator whitens over the rows kept, as verl computes advantages after filtering
+    if kept and (config.overlong_buffer > 0 or (config.dynamic_sampling and purify.whole_batch)):
+        kept = _reestimated(kept, config, purify)
     return kept
 
 
@@ -191,41 +205,61 @@ class LossTokens(Protocol):
     behavior_log_probs: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor
+    row_index: torch.Tensor  # each token's row within the micro batch
+    is_weights: torch.Tensor | None  # rollout correction's IS weights; None: off
+
+    @property
+    def row_count(self) -> int: ...
+
+
+def batch_totals(mini_rows: Sequence[PurifiedRow], config: TrainConfig) -> BatchTotals:
+    """What every micro batch of a mini batch is normalised by, on every rank: its loss tokens, its
+    rows (each with or without loss tokens) and seq-mean-token-sum-norm's constant."""
+    return BatchTotals(loss_tokens=sum(loss_token_count(row) for row in mini_rows), rows=len(mini_rows),
+                       scale_factor=config.scale_factor)
 
 
 @dataclass(frozen=True)
 class MicroLoss:
     """A micro batch's loss and its shares of the reported values, all 0-dim tensors on the device:
-    nothing is read back to the host before the optimiser step's row (StepMetrics)."""
+    nothing is read back to the host before the optimiser step's row (StepMetrics). Each share is
+    already divided by the mini batch's totals, so the micro batches' shares add up to its value."""
 
-    loss: torch.Tensor  # differentiable; already divided by the mini batch's loss tokens
-    clip_fraction: torch.Tensor  # this micro batch's share of the mini-batch value (they add up)
-    approx_kl: torch.Tensor  # likewise
-    entropy: torch.Tensor  # likewise
+    loss: torch.Tensor  # differentiable: pg_loss + kl_coef x kl_loss - entropy_coef x entropy
+    pg_loss: torch.Tensor  # verl's actor/pg_loss
+    kl_loss: torch.Tensor  # actor/kl_loss: the aggregated k3 KL to the reference (0 without one)
+    entropy: torch.Tensor  # actor/entropy: the aggregated entropy
+    clip_fraction: torch.Tensor  # actor/pg_clipfrac (a token mean, whatever the aggregation)
+    clip_fraction_lower: torch.Tensor  # actor/pg_clipfrac_lower
+    approx_kl: torch.Tensor  # k3 of KL(pi_old || pi), a token mean
+    ppo_kl: torch.Tensor  # actor/ppo_kl, a token mean
 
 
 def micro_batch_loss(outputs: TokenOutputs, reference_log_probs: torch.Tensor | None, tokens: LossTokens,
-                     config: TrainConfig, num_loss_tokens: int) -> MicroLoss:
-    """The objective of one micro batch from its log-probs and entropy, normalised by the mini
-    batch's `num_loss_tokens`: clipped surrogate + kl_coef x k3 KL to the reference - entropy_coef
-    x entropy (rollout correction's IS weights are in the advantages: rollout_correction.py)."""
-    out = policy_loss(outputs.log_probs, tokens.old_log_probs, tokens.advantages, tokens.loss_mask,
-                      config.clip_eps_low, config.clip_eps_high, None, num_loss_tokens,
-                      clip_ratio_c=config.clip_ratio_c or None)
-    loss = out.loss
+                     config: TrainConfig, totals: BatchTotals) -> MicroLoss:
+    """The objective of one micro batch from its log-probs and entropy, as verl's ppo_loss composes
+    it: the loss mode's policy loss + kl_coef x the k3 KL to the reference - entropy_coef x the
+    entropy, the KL and the entropy aggregated as the policy loss is (`config.aggregation`), each
+    normalised by the mini batch's `totals`; rollout correction's IS weights go to the policy loss."""
+    rows = Rows(index=tokens.row_index, count=tokens.row_count, mask=tokens.loss_mask)
+    surrogate = Surrogate(outputs.log_probs, tokens.old_log_probs, tokens.advantages, rows, tokens.is_weights)
+    clip = Clip(config.clip_eps_low, config.clip_eps_high, config.clip_ratio_c or None)
+    out = POLICY_LOSSES[config.loss_mode](surrogate, clip, config.aggregation, totals)
+    loss, kl = out.loss, torch.zeros((), device=out.loss.device)
     if config.kl_coef > 0 and reference_log_probs is not None:
-        loss = loss + config.kl_coef * kl_penalty(outputs.log_probs, reference_log_probs, tokens.loss_mask,
-                                                  num_loss_tokens)
-    entropy = (outputs.entropy * tokens.loss_mask).sum() / max(num_loss_tokens, 1)
+        kl = aggregate(k3_kl(rows.masked(reference_log_probs - outputs.log_probs)), rows, config.aggregation, totals)
+        loss = loss + config.kl_coef * kl
+    entropy = aggregate(outputs.entropy, rows, config.aggregation, totals)
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * entropy
-    return MicroLoss(loss=loss, clip_fraction=out.clip_fraction.detach(), approx_kl=out.approx_kl.detach(),
-                     entropy=entropy.detach())
+    return MicroLoss(loss=loss, pg_loss=out.loss.detach(), kl_loss=kl.detach(), entropy=entropy.detach(),
+                     clip_fraction=out.clip_fraction, clip_fraction_lower=out.clip_fraction_lower,
+                     approx_kl=out.approx_kl, ppo_kl=out.ppo_kl)
 
 
 def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference: Reference | None,
                         rows: Sequence[PurifiedRow], batch: PackedBatch, config: TrainConfig,
-                        num_loss_tokens: int) -> MicroLoss:
+                        totals: BatchTotals) -> MicroLoss:
     """Forward one packed micro batch (`rows`, packed) through the policy (a TrainablePolicy, or the
     DeepSpeed engine over one), and its loss against the reference's log-probs (computed before the
     iteration; with LoRA the base's, in the micro batch: lora.AdapterReference)."""
@@ -233,7 +267,7 @@ def forward_micro_batch(policy: Callable[[PackedBatch], TokenOutputs], reference
     if reference is not None and config.kl_coef > 0:  # first: its forward's memory is free before the policy's
         reference_log_probs = reference.log_probs(rows, batch)  # (M,)
     outputs = policy(batch)  # (M,) each
-    return micro_batch_loss(outputs, reference_log_probs, batch, config, num_loss_tokens)
+    return micro_batch_loss(outputs, reference_log_probs, batch, config, totals)
 
 
 # ---------------------------------------------------------------------------
@@ -297,31 +331,39 @@ class ReferenceLogProbs:
 # Micro losses -> the step's row
 
 
+METRICS = ("loss", "pg_loss", "kl_loss", "entropy", "clip_fraction", "clip_fraction_lower", "approx_kl", "ppo_kl")
+
+
 class StepMetrics:
     """The reported values of one optimiser step, summed over its micro batches (and ranks) on the
     device, and read back once, for its row."""
 
     def __init__(self, sums: torch.Tensor | None = None) -> None:
-        self.sums = sums  # (4,) float64: loss, clip fraction, approx KL, entropy; None before any
+        self.sums = sums  # (len(METRICS),) float64, in METRICS' order; None before any
 
     def add(self, part: MicroLoss, weight: float = 1.0) -> None:
-        values = torch.stack([part.loss.detach(), part.clip_fraction, part.approx_kl, part.entropy]).double()
+        values = torch.stack([getattr(part, name).detach() for name in METRICS]).double()
         self.sums = weight * values if self.sums is None else self.sums + weight * values
 
     def tensor(self, device: str | torch.device) -> torch.Tensor:
-        """The four sums as one float64 tensor, for an all-reduce over ranks; `from_tensor` reads it back."""
-        return torch.zeros(4, dtype=torch.float64, device=device) if self.sums is None else self.sums.to(device)
+        """The sums as one float64 tensor, for an all-reduce over ranks; `from_tensor` reads it back."""
+        if self.sums is None:
+            return torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+        return self.sums.to(device)
 
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> StepMetrics:
         return cls(values)
 
     def row(self, iteration: int, step: int, optimizer_step: int, grad_norm: float, lr: float,
-            tokens: int) -> TrainStepRow:
-        loss, clip_fraction, approx_kl, entropy = self.tensor("cpu").tolist()  # the step's one read
-        return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=loss,
-                            clip_fraction=clip_fraction, approx_kl=approx_kl, entropy=entropy,
-                            grad_norm=grad_norm, lr=lr, tokens=tokens)
+            tokens: int, kl: bool = False) -> TrainStepRow:
+        """The step's row; `kl`: whether a KL term was in the loss (else kl_loss is null, as verl logs none)."""
+        values = dict(zip(METRICS, self.tensor("cpu").tolist(), strict=True))  # the step's one read
+        return TrainStepRow(iteration=iteration, step=step, optimizer_step=optimizer_step, loss=values["loss"],
+                            clip_fraction=values["clip_fraction"], approx_kl=values["approx_kl"],
+                            entropy=values["entropy"], grad_norm=grad_norm, lr=lr, tokens=tokens,
+                            pg_loss=values["pg_loss"], kl_loss=values["kl_loss"] if kl else None,
+                            ppo_kl=values["ppo_kl"], clip_fraction_lower=values["clip_fraction_lower"])
 
 
 def timed(row: TrainStepRow, model: torch.nn.Module, mini_rows: Sequence[PurifiedRow], started: float,

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from cleaner.config import TrainConfig
+from cleaner.config import PurifyConfig, TrainConfig
 from cleaner.engine.model.head import check_attention
 from cleaner.engine.model.loading import load_tokenizer_if_present
 from cleaner.engine.train.checkpoint import save_checkpoint_atomic, save_pretrained_as
@@ -41,13 +41,15 @@ from cleaner.engine.train.deepspeed_engine import train_iteration_deepspeed
 from cleaner.engine.train.lora import AdapterReference, new_adapters, save_with_adapters
 from cleaner.engine.train.optim import STATE_PATH, Optimization, load_optimization, new_optimization
 from cleaner.engine.train.outcome import check_trained
-from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
+from cleaner.engine.train.packing import micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, load_trainable, training
+from cleaner.engine.train.rollout_correction import Corrected
 from cleaner.engine.train.step import (
     Reference,
     ReferenceLogProbs,
     StepMetrics,
     TrainResult,
+    batch_totals,
     forward_micro_batch,
     iter_mini_batches,
     longest_row,
@@ -65,18 +67,19 @@ def _optimizer_step(
     reference: Reference | None,
     optimization: Optimization,
     mini_rows: Sequence[PurifiedRow],
+    prepared: Corrected,
     config: TrainConfig,
     iteration: int,
     step: int,
 ) -> TrainStepRow:
     """One optimiser step: every micro batch forward and backward, clip, AdamW, the step's row."""
     started = time.perf_counter()
-    total_tokens = sum(loss_token_count(row) for row in mini_rows)
+    totals = batch_totals(mini_rows, config)
     optimization.optimizer.zero_grad(set_to_none=True)
     metrics = StepMetrics()
     for micro_rows in micro_batches(mini_rows, config.micro_batch_size, config.max_tokens_per_micro_batch):
-        part = forward_micro_batch(policy, reference, micro_rows, pack_rows(micro_rows, config.device), config,
-                                   total_tokens)
+        batch = pack_rows(micro_rows, config.device, prepared.is_weights)
+        part = forward_micro_batch(policy, reference, micro_rows, batch, config, totals)
         optimization.backward(part.loss)  # scaled under float16
         metrics.add(part)
     optimization.unscale()
@@ -86,7 +89,8 @@ def _optimizer_step(
         logger.warning(
             "iteration %d step %d: gradient norm %s, step skipped", iteration, step, grad_norm
         )
-    row = metrics.row(iteration, step, optimization.step, grad_norm, optimization.lr, total_tokens)
+    row = metrics.row(iteration, step, optimization.step, grad_norm, optimization.lr, int(totals.loss_tokens),
+                      kl=config.kl_coef > 0)
     optimization.advance(apply=math.isfinite(grad_norm))
     return timed(row, policy.policy, mini_rows, started)
 
@@ -119,18 +123,21 @@ def train_iteration(
     model: torch.nn.Module | None = None,
     progress: bool = True,
     optimization: Optimization | None = None,
+    purify: PurifyConfig | None = None,
 ) -> TrainResult:
     """Train the policy on one iteration's purified rows and save it atomically at out_path.
 
     `optimization` is the run's optimiser, bound to `model`; without one, the optimiser saved with
-    `policy_path` is loaded (or a fresh one made, if that checkpoint has none).
+    `policy_path` is loaded (or a fresh one made, if that checkpoint has none). `purify` is the
+    config that computed the rows' advantages: its estimator recomputes them where the step does
+    (overlong shaping; default: GRPO's).
     """
     if config.engine == "deepspeed":
         return train_iteration_deepspeed(
-            rows, policy_path, out_path, config, iteration, model, progress
+            rows, policy_path, out_path, config, iteration, model, progress, purify
         )
     torch.manual_seed(config.seed)
-    prepared = prepare(rows, config)
+    prepared = prepare(rows, config, purify)
     train_rows = prepared.rows
     if not train_rows:
         logger.warning("iteration %d: no rows to train on; saving the policy unchanged", iteration)
@@ -141,7 +148,7 @@ def train_iteration(
     bar = tqdm(mini_batches, desc=f"train iteration {iteration}", unit="step", disable=not progress)
     with training(policy, config):
         for step, mini_rows in enumerate(bar):
-            row = _optimizer_step(policy, reference, optimization, mini_rows, config,
+            row = _optimizer_step(policy, reference, optimization, mini_rows, prepared, config,
                                   iteration, step)
             steps.append(row)
             bar.set_postfix(loss=f"{row.loss:.4f}", clip=f"{row.clip_fraction:.3f}")

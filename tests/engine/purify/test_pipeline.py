@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -60,6 +61,42 @@ def test_positive_purifies_only_rewards_above_group_mean():
     assert [row.rolled_back for row in rows] == [True, False, False, False]
     assert [row.token_ids for row in rows] == [shallow(100), raw(200), raw(300), raw(400)]
     assert stats.n_rolled_back == 1
+
+
+WHITENED = PurifyConfig(gamma=0.5, rollback_prob=0.5, adv_estimator="reinforce_plus_plus_baseline")
+
+
+def test_a_whole_batch_estimator_whitens_over_each_configs_own_renderings():
+    """reinforce_plus_plus_baseline whitens over the loss tokens of the rows the config rendered:
+    the shallow merge leaves r1 5 loss tokens where the raw view has 7, so a config that purifies
+    nothing (p = 0) whitens otherwise. g2's equal rewards take part as 0 and stay 0."""
+    from cleaner.engine.purify.advantages import advantages
+
+    nothing = dataclasses.replace(WHITENED, rollback_prob=0.0)
+    for config in (WHITENED, nothing):
+        rows, _ = render_iteration(ROLLOUTS, SEGMENTS, config, decode=None)
+        tokens = [sum(row.loss_mask[1:]) for row in rows]
+        assert [row.advantage for row in rows] == pytest.approx(advantages(
+            config, [r.group_id for r in ROLLOUTS], [r.reward for r in ROLLOUTS], tokens), rel=1e-12)
+        assert rows[2].advantage == rows[3].advantage == 0.0
+    purified, raw_rows = (render_iteration(ROLLOUTS, SEGMENTS, c, decode=None)[0] for c in (WHITENED, nothing))
+    assert sum(purified[0].loss_mask) == 5 and sum(raw_rows[0].loss_mask) == 7
+    assert purified[0].advantage != pytest.approx(raw_rows[0].advantage)
+
+
+def test_a_whole_batch_estimators_positive_rollouts_are_those_above_their_groups_mean():
+    rows, _ = render_iteration(ROLLOUTS, SEGMENTS, dataclasses.replace(WHITENED, rollback_prob=1.0,
+                                                                         purify_when="positive"), decode=None)
+    assert [row.rolled_back for row in rows] == [True, False, False, False]
+
+
+def test_negative_sample_pushes_go_on_the_whitened_advantage():
+    config = dataclasses.replace(WHITENED, rollback_prob=1.0, negative_samples=True)
+    (result,) = purify_iteration(ROLLOUTS, SEGMENTS, [config], FakeScorer(), None, "v")
+    first = next(row for row in result.rows if row.rollout_id == "r1" and not row.is_negative)
+    pushed = [value - first.advantage for value in first.token_advantages]
+    assert max(pushed) > 0 and min(pushed) == 0.0  # the fix's call tokens, on top of the whitened advantage
+    assert max(pushed) <= config.dpo_max_adjustment_ratio * abs(first.advantage) + 1e-12  # the relative cap
 
 
 def test_rollout_without_segments_is_an_error():

@@ -89,22 +89,29 @@ def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
 REAL_SHAPE_FLAGS = ("--max-tokens-per-micro-batch", "16", "--gradient-checkpointing")
 
 
+# verl's gspo, with the KL aggregated as its loss, sequence-level: each rank's share of the mini
+# batch's rows, which the ranks split unevenly (3 rows on 2 ranks)
+GSPO = {"loss_mode": "gspo", "kl_coef": 0.1}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, extra, mini, micro", [
-    (2, (), MINI, MICRO),
+@pytest.mark.parametrize("stage, extra, mini, micro, objective", [
+    (2, (), MINI, MICRO, {}),
     # ZeRO-3 with mini batches of 3 on 2 ranks packed by a token budget, with checkpointing: the
     # ranks hold unequal rows and tokens, yet ZeRO-3's per-layer gathers (again in checkpointing's
     # recomputation) must pair up across them
-    (3, REAL_SHAPE_FLAGS, 3, 2),
-], ids=["zero2", "zero3-uneven-rows-token-budget-checkpointing"])
+    (3, REAL_SHAPE_FLAGS, 3, 2, {}),
+    (2, (), 3, MICRO, GSPO),
+], ids=["zero2", "zero3-uneven-rows-token-budget-checkpointing", "zero2-gspo-kl-uneven-rows"])
 def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows, tmp_path, stage, extra, mini,
-                                                                micro):
+                                                                micro, objective):
     from transformers import AutoModelForCausalLM
 
     policy, rows = policy_and_rows
     warehouse = _warehouse(tmp_path / "wh", rows)
     ds_config = EXAMPLES / f"zero{stage}.json"
-    config = TrainConfig(lr=LR, warmup_steps=WARMUP_STEPS, mini_batch_size=mini, micro_batch_size=1)
+    config = TrainConfig(lr=LR, warmup_steps=WARMUP_STEPS, mini_batch_size=mini, micro_batch_size=1, **objective)
+    extra = (*extra, *(word for name, value in objective.items() for word in ("--" + name.replace("_", "-"), str(value))))
     plain = [train_iteration(rows[0], policy, tmp_path / "torch-1", config, 0, progress=False)]
     plain.append(train_iteration(rows[1], plain[0].out_path, tmp_path / "torch-2", config, 1, progress=False))
 
@@ -127,6 +134,11 @@ def test_deepspeed_on_two_cpu_processes_equals_the_torch_engine(policy_and_rows,
                             optimization=new_optimization(model, config, step=2), progress=False)
     assert _max_difference(fresh.model, load_policy(plain[1].out_path)) > 10 * TOLERANCE
 
+    if objective:  # every term the ranks reported adds up to the torch engine's
+        terms = warehouse.connect().sql("SELECT pg_loss, kl_loss FROM train_steps ORDER BY iteration, step").fetchall()
+        torch_terms = [(s.pg_loss, s.kl_loss) for result in plain for s in result.steps]
+        assert [value for row in terms for value in row] == pytest.approx(
+            [value for row in torch_terms for value in row], abs=1e-5)
     steps = warehouse.connect().sql(
         "SELECT iteration, step, optimizer_step, lr, loss, grad_norm FROM train_steps ORDER BY iteration, step"
     ).fetchall()

@@ -30,9 +30,10 @@ from cleaner.engine.train.optim import (
     STATE_PATH,
     OptimizerStateError,
 )
-from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows
+from cleaner.engine.train.packing import micro_batches, pack_rows
 from cleaner.engine.train.policy import TrainablePolicy
-from cleaner.engine.train.step import forward_micro_batch
+from cleaner.engine.train.rollout_correction import Corrected
+from cleaner.engine.train.step import batch_totals, forward_micro_batch
 from tests.factories import train_batch, train_row
 
 
@@ -142,7 +143,7 @@ def test_a_step_deepspeed_skips_for_overflow_logs_a_non_finite_grad_norm(policy_
     config = TrainConfig(mini_batch_size=2, micro_batch_size=1)
     optimization = new_optimization(model, config, step=5)
     row = deepspeed_engine._deepspeed_step(_OverflowingEngine(TrainablePolicy(model, config)), optimization, None,
-                                           train_batch(model)[:2], config, 0, 0)
+                                           train_batch(model)[:2], Corrected([], {}), config, 0, 0)
     assert row.grad_norm == float("inf")  # as the torch engine logs a skipped step
     assert row.optimizer_step == 5 and optimization.step == 6  # the schedule moved on
     assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []  # said once, as skipped
@@ -244,7 +245,7 @@ def test_rank_shares_averaged_as_deepspeed_does_give_the_mini_batch_token_mean_g
     rows = train_batch(model)  # 5 + 8 + 4 + 7 = 24 loss tokens
     config = TrainConfig(mini_batch_size=4, micro_batch_size=1, max_tokens_per_micro_batch=budget)
     policy = TrainablePolicy(model, config)
-    total = sum(loss_token_count(row) for row in rows)
+    total = batch_totals(rows, config)
     model.zero_grad()
     for micro in micro_batches(rows, 1, None):
         forward_micro_batch(policy, None, micro, pack_rows(micro), config, total).loss.backward()

@@ -7,14 +7,23 @@ import math
 import pytest
 import torch
 
+from cleaner.config import LossMode
+from cleaner.engine.train.aggregation import BatchTotals, Rows
 from cleaner.engine.train.loss import (
+    POLICY_LOSSES,
+    Clip,
+    Surrogate,
+    cispo,
     dynamic_sampling_mask,
     entropy_from_logits,
+    geo_mean,
+    gspo,
     k3_kl,
     kl_penalty,
     overlong_penalty,
     policy_loss,
     token_log_probs,
+    vanilla,
 )
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -254,6 +263,13 @@ def test_the_ratio_is_clamped_at_e_plus_minus_20_and_masked_garbage_is_ignored()
     garbage = policy_loss(torch.tensor([[0.0, float("nan")]]), torch.zeros(1, 2), torch.tensor([1.0]),
                           torch.tensor([[1.0, 0.0]]), EPS_LOW, EPS_HIGH)
     assert garbage.loss.item() == -1.0
+    # nor its gradient: an old log-prob of nan at a masked position leaves every gradient finite
+    log_probs = torch.zeros(1, 2, requires_grad=True)
+    for loss_mode in POLICY_LOSSES.values():
+        mask = torch.tensor([[1.0, 0.0]])
+        surrogate = Surrogate(log_probs, torch.tensor([[0.0, float("nan")]]), torch.ones(1, 2), Rows.padded(mask))
+        (grad,) = torch.autograd.grad(loss_mode(surrogate, CLIP, "token-mean", ONE_ROW).loss, log_probs)
+        assert torch.isfinite(grad).all() and grad[0, 1] == 0.0, loss_mode.__name__
 
 
 def test_the_clip_fraction_counts_only_clipped_gradients_of_loss_tokens():
@@ -276,3 +292,108 @@ def test_one_loss_token_is_its_own_denominator_and_approx_kl_is_a_mean():
     two = policy_loss(_log([[2.0, 1.0]]), torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), EPS_LOW,
                       EPS_HIGH)
     assert two.approx_kl.item() == pytest.approx((0.5 - 1 + math.log(2.0)) / 2, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The other loss modes by hand (verl's core_algos.py; against verl itself: test_objectives.py)
+
+
+def _one_row(log_ratios, advantage, weights=None, dtype=torch.float64):
+    """A one-row surrogate whose loss tokens have these log pi - log pi_old (pi_old = -1 each)."""
+    old = torch.full((len(log_ratios),), -1.0, dtype=dtype)
+    log_probs = (old + torch.tensor(log_ratios, dtype=dtype)).requires_grad_(True)
+    mask = torch.ones(len(log_ratios), dtype=dtype)
+    rows = Rows(index=torch.zeros(len(log_ratios), dtype=torch.int64), count=1, mask=mask)
+    advantages = torch.full_like(old, advantage)
+    weights = None if weights is None else torch.tensor(weights, dtype=dtype)
+    return log_probs, Surrogate(log_probs, old, advantages, rows, weights)
+
+
+ONE_ROW = BatchTotals(loss_tokens=2, rows=1)
+CLIP = Clip(EPS_LOW, EPS_HIGH)
+
+
+def test_gspo_gives_every_token_its_rows_geometric_mean_ratio():
+    """log-ratios 0.1 and 0.3: the row's ratio e^0.2 = 1.22 (within [0.8, 1.28]) on both tokens,
+    each token's gradient only through its own log-probability; seq-mean-token-mean over one row."""
+    log_probs, surrogate = _one_row([0.1, 0.3], 1.0)
+    out = gspo(surrogate, CLIP, "token-mean", ONE_ROW)  # the mode is verl's forced one, not this
+    tokens = 2 + 1e-8  # verl's guard of the row's token count
+    assert out.loss.item() == pytest.approx(-2 * math.exp(0.2) / tokens, rel=1e-12)
+    (grad,) = torch.autograd.grad(out.loss, log_probs)
+    assert grad.tolist() == pytest.approx([-math.exp(0.2) / tokens] * 2, rel=1e-12)
+    assert (out.clip_fraction.item(), out.clip_fraction_lower.item()) == (0.0, 0.0)
+    assert out.ppo_kl.item() == pytest.approx(-0.2, rel=1e-12)  # mean of log pi_old - log pi
+    clipped = gspo(_one_row([0.3, 0.5], 1.0)[1], CLIP, "token-mean", ONE_ROW)  # e^0.4 = 1.49 > 1.28
+    assert clipped.loss.item() == pytest.approx(-1.28 * 2 / tokens, rel=1e-12) and clipped.clip_fraction.item() == 1.0
+    huge = gspo(_one_row([12.0, 12.0], -1.0)[1], Clip(0.2, 100.0), "token-mean", ONE_ROW)
+    assert huge.loss.item() == pytest.approx(2 * math.exp(10.0) / tokens, rel=1e-12)  # clamped at e^10 in log space
+    # a negative advantage below the lower bound (e^-0.5 = 0.61 < 0.8): the clipped 0.8, no gradient
+    log_probs, surrogate = _one_row([-0.5, -0.5], -1.0)
+    low = gspo(surrogate, CLIP, "token-mean", ONE_ROW)
+    assert low.loss.item() == pytest.approx(2 * 0.8 / tokens, rel=1e-12) and low.clip_fraction.item() == 1.0
+    assert torch.autograd.grad(low.loss, log_probs)[0].tolist() == [0.0, 0.0]
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token_at_the_clipped_weight():
+    """log-ratio 0.5: the ratio e^0.5 = 1.65 clipped to 1.28 and stopped; the loss -1.28 A log pi
+    keeps its gradient -1.28 A where vanilla's clip would remove it."""
+    log_probs, surrogate = _one_row([0.5, 0.0], 2.0)
+    out = cispo(surrogate, CLIP, "token-mean", ONE_ROW)
+    assert out.loss.item() == pytest.approx((-1.28 * 2 * -0.5 + -1.0 * 2 * -1.0) / 2, rel=1e-12)
+    (grad,) = torch.autograd.grad(out.loss, log_probs)
+    assert grad.tolist() == pytest.approx([-1.28 * 2 / 2, -1.0 * 2 / 2], rel=1e-12)
+    assert out.clip_fraction.item() == 0.5 and out.clip_fraction_lower.item() == 0.0
+    weighted = cispo(_one_row([0.5, 0.0], 2.0, weights=[0.5, 2.0])[1], CLIP, "token-mean", ONE_ROW)
+    assert weighted.loss.item() == pytest.approx((-1.28 * 2 * -0.5 * 0.5 + 2 * 2.0) / 2, rel=1e-12)
+    # its ppo_kl reads the log-ratio clamped to +-20, as verl's: -20 and +20 average to 0
+    assert cispo(_one_row([25.0, -25.0], 1.0)[1], CLIP, "token-mean", ONE_ROW).ppo_kl.item() == 0.0
+
+
+def test_geo_mean_clips_each_log_ratio_on_the_side_its_advantage_grows():
+    """log-ratios 0.1 and 0.5 clipped to [-0.2, 0.28]: a positive advantage keeps 0.1 and 0.28
+    (ratio e^0.19), a negative one keeps both (e^0.3: growing the ratio is what it punishes)."""
+    tokens = 2 + 1e-8  # verl's guard of the row's token count, in the mean advantage too
+    up = geo_mean(_one_row([0.1, 0.5], 1.0)[1], CLIP, "token-mean", ONE_ROW)
+    assert up.loss.item() == pytest.approx(-2 / tokens * math.exp((0.1 + 0.28) / tokens), rel=1e-12)
+    assert (up.clip_fraction.item(), up.clip_fraction_lower.item()) == (0.5, 0.0)
+    down = geo_mean(_one_row([0.1, 0.5], -1.0)[1], CLIP, "token-mean", ONE_ROW)
+    assert down.loss.item() == pytest.approx(2 / tokens * math.exp(0.6 / tokens), rel=1e-12)
+    assert (down.clip_fraction.item(), down.clip_fraction_lower.item()) == (0.0, 0.5)
+    # a zero advantage counts in neither clip fraction, as verl's strict signs
+    zero = geo_mean(_one_row([0.1, 0.5], 0.0)[1], CLIP, "token-mean", ONE_ROW)
+    assert (zero.clip_fraction.item(), zero.clip_fraction_lower.item(), zero.loss.item()) == (0.0, 0.0, 0.0)
+    # the IS weights enter as their geometric mean over the row; the row mean is over the mini batch's rows
+    weighted = geo_mean(_one_row([0.1, 0.5], 1.0, weights=[0.5, 2.0])[1], CLIP, "token-mean",
+                        BatchTotals(loss_tokens=2, rows=4))
+    geometric = math.exp((math.log(0.5 + 1e-10) + math.log(2.0 + 1e-10)) / tokens)
+    assert weighted.loss.item() == pytest.approx(-2 / tokens * math.exp(0.38 / tokens) * geometric / 4, rel=1e-12)
+
+
+def test_vanillas_lower_clip_fraction_counts_the_dual_clips_negative_advantages():
+    """ratio e^2 = 7.4 with A = -1: the clipped surrogate 7.4 is capped at c = 3 (the dual clip);
+    with A = +1 nothing is capped; off, nothing is."""
+    capped = vanilla(_one_row([2.0, 0.0], -1.0)[1], Clip(EPS_LOW, EPS_HIGH, 3.0), "token-mean", ONE_ROW)
+    assert capped.loss.item() == pytest.approx((3.0 + 1.0) / 2, rel=1e-12)
+    assert capped.clip_fraction_lower.item() == 0.5
+    assert vanilla(_one_row([2.0, 0.0], 1.0)[1], Clip(EPS_LOW, EPS_HIGH, 3.0), "token-mean",
+                   ONE_ROW).clip_fraction_lower.item() == 0.0
+    # a loss exactly at the cap is not capped (verl's strict >): ratio e^0.5 with c = e^0.5
+    at_cap = torch.exp(torch.tensor(0.5, dtype=torch.float64)).item()
+    assert vanilla(_one_row([0.5], -1.0)[1], Clip(EPS_LOW, EPS_HIGH, at_cap), "token-mean",
+                   BatchTotals(loss_tokens=1, rows=1)).clip_fraction_lower.item() == 0.0
+    off = vanilla(_one_row([2.0, 0.0], -1.0)[1], CLIP, "token-mean", ONE_ROW)
+    assert off.loss.item() == pytest.approx((math.exp(2.0) + 1.0) / 2, rel=1e-12)
+    assert off.clip_fraction_lower.item() == 0.0
+    assert capped.approx_kl.item() == pytest.approx((math.exp(-2.0) + 2.0 - 1.0) / 2, rel=1e-12)  # k3 of -2, 0
+    assert capped.ppo_kl.item() == pytest.approx(-1.0, rel=1e-12)
+
+
+def test_the_kl_penalty_of_one_loss_token_is_divided_by_one():
+    log_probs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert kl_penalty(log_probs, ref, torch.tensor([[1.0, 0.0]]), num_loss_tokens=1).item() == pytest.approx(k3, rel=1e-6)
+
+
+def test_every_loss_mode_has_its_function():
+    assert set(POLICY_LOSSES) == set(LossMode)

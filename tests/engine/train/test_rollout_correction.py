@@ -16,7 +16,6 @@ import torch
 
 from cleaner.config import TrainConfig
 from cleaner.config.layers import typed_layer
-from cleaner.engine.train.loss import policy_loss
 from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.engine.train.step import iter_mini_batches, prepare
 from cleaner.records import PurifiedRow
@@ -57,12 +56,16 @@ def test_off_everything_is_measured_and_nothing_changes():
     assert m["chi2_seq"] == pytest.approx((math.exp(2 * -0.5) + math.exp(2 * 0.2)) / 2 - 1)
 
 
-def test_token_level_is_weights_truncate_and_go_into_the_advantages():
+def weights(done: Corrected, index: int) -> tuple[float, ...]:
+    """The IS weights `correct` gave row `index` of its rows, per token (1 off its loss tokens)."""
+    return done.is_weights[id(done.rows[index])]
+
+
+def test_token_level_is_weights_truncate_and_go_to_the_loss_beside_the_advantages():
     done = correct([A, B], TrainConfig(rollout_is="token", rollout_is_threshold=1.2))
-    a, b = done.rows
-    assert a.token_advantages == pytest.approx((2.0, 2.0 * 1.2, 2.0 * math.exp(-1.0)))  # e^0.5 = 1.65 > 1.2
-    assert b.token_advantages == pytest.approx((-1.0, -1.2, -math.exp(0.1), -math.exp(-0.1)))  # e^0.2 = 1.22 > 1.2
-    assert a.loss_mask == A.loss_mask
+    assert done.rows == [A, B]  # advantages and masks as they were
+    assert weights(done, 0) == pytest.approx((1.0, 1.2, math.exp(-1.0)))  # e^0.5 = 1.65 > 1.2
+    assert weights(done, 1) == pytest.approx((1.0, 1.2, math.exp(0.1), math.exp(-0.1)))  # e^0.2 = 1.22 > 1.2
     m = done.metrics  # before truncation
     assert m["rollout_is_max"] == pytest.approx(math.exp(0.5)) and m["rollout_is_min"] == pytest.approx(math.exp(-1))
     assert m["rollout_is_mean"] == pytest.approx(sum(math.exp(x) for x in [0.5, -1.0, 0.2, 0.1, -0.1]) / 5)
@@ -75,9 +78,8 @@ def test_sequence_level_weights_and_batch_normalisation():
                                        rollout_is_batch_normalize=True))
     wa, wb = math.exp(-0.5), math.exp(0.2)  # each row's sum of log_ratio
     mean = (wa + wb) / 2  # over rows
-    a, b = done.rows
-    assert a.token_advantages[1:] == pytest.approx((2.0 * wa / mean,) * 2)
-    assert b.token_advantages[1:] == pytest.approx((-wb / mean,) * 3)
+    assert weights(done, 0)[1:] == pytest.approx((wa / mean,) * 2)
+    assert weights(done, 1)[1:] == pytest.approx((wb / mean,) * 3)
     assert done.metrics["rollout_is_batch_norm_factor"] == pytest.approx(mean)
 
 
@@ -105,25 +107,6 @@ def test_the_lower_bound_defaults_to_one_over_the_upper_and_the_veto_rejects_a_r
     assert [r.loss_mask for r in vetoed.rows] == [(0, 0, 0), B.loss_mask]
     assert vetoed.metrics["rollout_is_veto_fraction"] == pytest.approx(0.5)
     assert vetoed.metrics["rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
-
-
-@pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
-def test_weights_in_the_advantages_are_weights_on_the_clipped_surrogate(clip_ratio_c):
-    """verl multiplies each token's clipped (and dual-clipped) surrogate by its weight; the
-    surrogate is positively homogeneous in the advantage, so the weight in the advantage gives the
-    same loss and the same gradient."""
-    generator = torch.Generator().manual_seed(0)
-    log_probs = (torch.randn(3, 6, generator=generator) * 0.5).requires_grad_(True)
-    old = torch.randn(3, 6, generator=generator) * 0.5
-    advantages = torch.randn(3, 6, generator=generator)
-    weights = torch.rand(3, 6, generator=generator) * 2
-    mask = torch.ones(3, 6)
-    verl = policy_loss(log_probs, old, advantages, mask, 0.2, 0.28, weights, clip_ratio_c=clip_ratio_c).loss
-    (verl_grad,) = torch.autograd.grad(verl, log_probs)
-    ours = policy_loss(log_probs, old, advantages * weights, mask, 0.2, 0.28, None, clip_ratio_c=clip_ratio_c).loss
-    (our_grad,) = torch.autograd.grad(ours, log_probs)
-    torch.testing.assert_close(ours, verl)
-    torch.testing.assert_close(our_grad, verl_grad)
 
 
 def test_the_train_steps_carry_the_iterations_metrics_and_truncated_is_reads_as_token_is():
@@ -180,7 +163,7 @@ def test_batch_normalisation_with_a_vanishing_mean_reports_factor_one_and_leaves
     far = [row("x", [-30.0, -5.0], [-5.0, -5.0], 1.0), row("y", [-28.0], [-4.0], 2.0)]
     done = correct(far, TrainConfig(rollout_is="sequence", rollout_is_batch_normalize=True))
     assert done.metrics["rollout_is_batch_norm_factor"] == 1.0
-    assert done.rows[1].token_advantages[1] == pytest.approx(2.0 * math.exp(-20))
+    assert weights(done, 1)[1] == pytest.approx(math.exp(-20))
 
 
 def test_a_row_without_loss_tokens_counts_in_the_metrics_as_verls_does():
@@ -241,17 +224,17 @@ def test_batch_normalisation_counts_the_rejected_tokens():
     shaped = done.rows[0]
     trained = [t for t, m in enumerate(shaped.loss_mask) if m]
     assert len(trained) == 8
-    assert [shaped.token_advantages[t] for t in trained] == pytest.approx([shaped.advantage / mean] * 8)
+    assert [weights(done, 0)[t] for t in trained] == pytest.approx([1 / mean] * 8)
 
 
-def test_is_weights_multiply_saars_per_token_advantages():
+def test_is_weights_sit_at_the_loss_tokens_and_leave_saars_per_token_advantages():
     pushes = tuple(0.1 * t for t in range(18))  # SAAR's per-token advantages
     log_ratios = [0.1 * k - 0.4 for k in range(9)]
     done = correct([_shaped(log_ratios, token_advantages=pushes)], TrainConfig(rollout_is="token"))
     positions = [t for t, m in enumerate(done.rows[0].loss_mask) if m]
-    assert [done.rows[0].token_advantages[t] for t in positions] == pytest.approx(
-        [pushes[t] * math.exp(x) for t, x in zip(positions, log_ratios, strict=True)])
-    assert done.rows[0].token_advantages[:6] + done.rows[0].token_advantages[10:13] == pushes[:6] + pushes[10:13]
+    assert [weights(done, 0)[t] for t in positions] == pytest.approx([math.exp(x) for x in log_ratios])
+    assert weights(done, 0)[:6] + weights(done, 0)[10:13] == (1.0,) * 9  # the prompt and the tool span
+    assert done.rows[0].token_advantages == pushes
 
 
 # ---------------------------------------------------------------------------
@@ -316,7 +299,7 @@ def test_every_metric_the_masks_and_the_weights_equal_verls(settings, oracle):
     for seed in range(10):
         rows = _warehouse_batch(seed)
         done = correct(rows, config)
-        weights, mask, metrics = oracle(verl.verl_batch(rows), **{VERL_NAMES[k]: v for k, v in settings.items()})
+        verl_weights, mask, metrics = oracle(verl.verl_batch(rows), **{VERL_NAMES[k]: v for k, v in settings.items()})
         assert done.metrics.keys() == metrics.keys(), seed
         for name, value in metrics.items():
             assert done.metrics[name] == pytest.approx(value, rel=2e-5, abs=1e-6), (seed, name)
@@ -324,12 +307,13 @@ def test_every_metric_the_masks_and_the_weights_equal_verls(settings, oracle):
         for index, (before, after) in enumerate(zip(rows, done.rows, strict=True)):
             response = slice(before.prompt_len, None)
             assert list(after.loss_mask[response]) == mask[index, : len(before.token_ids) - before.prompt_len].tolist()
-            if weights is None:
+            assert after.token_advantages == before.token_advantages
+            if verl_weights is None:
+                assert done.is_weights == {}
                 continue
-            advantages = before.token_advantages or (before.advantage,) * len(before.token_ids)
-            expected = [a * w if m else a for a, w, m in zip(advantages[response], weights[index].tolist(),
-                                                             before.loss_mask[response], strict=False)]
-            assert list(after.token_advantages[response]) == pytest.approx(expected, rel=2e-5, abs=1e-7), (seed, index)
+            expected = [w if m else 1.0 for w, m in zip(verl_weights[index].tolist(), before.loss_mask[response],
+                                                         strict=False)]
+            assert list(done.is_weights[id(after)][response]) == pytest.approx(expected, rel=2e-5, abs=1e-7), (seed, index)
 
 
 def test_heavy_rejection_keeps_verls_mini_batches():
@@ -400,7 +384,7 @@ def test_sequence_normalisation_takes_one_weight_per_row_and_a_mean_at_the_floor
     # every weight truncated to 1e-8: their mean is exactly verl's floor, so nothing is divided
     floor = correct([A], TrainConfig(rollout_is="token", rollout_is_threshold=1e-8, rollout_is_batch_normalize=True))
     assert floor.metrics["rollout_is_batch_norm_factor"] == 1.0
-    assert floor.rows[0].token_advantages[1:] == (2.0 * 1e-8, 2.0 * 1e-8)
+    assert weights(floor, 0)[1:] == (1e-8, 1e-8)
 
 
 def test_a_batch_without_loss_tokens_is_returned_as_it_is():

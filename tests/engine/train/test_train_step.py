@@ -21,9 +21,9 @@ from cleaner.engine.model.head import UnsupportedModelError
 from cleaner.engine.model.loading import load_policy
 from cleaner.engine.train.naive import full_logits_micro_batch_loss
 from cleaner.engine.train.optim import STATE_PATH, load_optimization
-from cleaner.engine.train.packing import loss_token_count, pack_rows
+from cleaner.engine.train.packing import pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, training
-from cleaner.engine.train.step import ReferenceLogProbs, forward_micro_batch
+from cleaner.engine.train.step import ReferenceLogProbs, batch_totals, forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3
@@ -41,7 +41,7 @@ def _shifted_behaviour(rows):
 
 def _step(model, reference, rows, config, chunked: bool):
     """Loss, metrics and every parameter's gradient of one micro batch."""
-    total = sum(loss_token_count(row) for row in rows)
+    total = batch_totals(rows, config)
     model.zero_grad(set_to_none=True)
     if chunked:
         policy = TrainablePolicy(model, config, entropy_grad=config.entropy_coef > 0)
@@ -62,7 +62,7 @@ def _assert_same_step(model, reference, rows, config, baseline=None):
     full, full_grads = baseline or _step(model, reference, rows, config, chunked=False)
     chunked, chunked_grads = _step(model, reference, rows, config, chunked=True)
     assert chunked.loss.item() == pytest.approx(full.loss.item(), abs=TOLERANCE)
-    for metric in ("clip_fraction", "approx_kl", "entropy"):
+    for metric in ("clip_fraction", "approx_kl", "entropy", "pg_loss", "kl_loss", "ppo_kl", "clip_fraction_lower"):
         assert float(getattr(chunked, metric)) == pytest.approx(float(getattr(full, metric)), abs=TOLERANCE), metric
     assert chunked_grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
@@ -70,6 +70,10 @@ def _assert_same_step(model, reference, rows, config, baseline=None):
 
 
 ALL_TERMS = dict(kl_coef=0.3, rollout_is="token", entropy_coef=0.01)
+# sequence-level objectives: the padded (B, T) path sums each row as the packed one does
+ROW_TERMS = {"gspo": dict(loss_mode="gspo", kl_coef=0.3, entropy_coef=0.01),
+             "geo_mean-norm": dict(loss_mode="geo_mean", loss_agg_mode="seq-mean-token-sum-norm", kl_coef=0.3,
+                                   entropy_coef=0.01, loss_scale_factor=7)}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def tiny():
     return model, reference, rows
 
 
-@pytest.mark.parametrize("terms", [{}, ALL_TERMS], ids=["plain", "kl+is+entropy"])
+@pytest.mark.parametrize("terms", [{}, ALL_TERMS, *ROW_TERMS.values()], ids=["plain", "kl+is+entropy", *ROW_TERMS])
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 1024])
 def test_chunked_step_equals_the_full_logits_step_on_the_tiny_policy(tiny, terms, chunk_tokens):
     model, reference, rows = tiny

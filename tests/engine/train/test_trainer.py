@@ -9,18 +9,24 @@ import math
 import pytest
 import torch
 
-from cleaner.config import TrainConfig
+from cleaner.config import PurifyConfig, TrainConfig
 from cleaner.engine.model.loading import load_policy
+from cleaner.engine.purify.advantages import advantages
 from cleaner.engine.train.naive import collate_rows
 from cleaner.engine.train.packing import pack_rows
 from cleaner.engine.train.policy import TrainablePolicy
-from cleaner.engine.train.step import forward_micro_batch, iter_mini_batches, prepare_rows
+from cleaner.engine.train.step import (
+    batch_totals,
+    forward_micro_batch,
+    iter_mini_batches,
+    prepare_rows,
+)
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch, train_row
 
 
 def _batch_loss(model, rows, config):
-    total = sum(sum(row.loss_mask[1:]) for row in rows)
+    total = batch_totals(rows, config)
     with torch.no_grad():
         return forward_micro_batch(TrainablePolicy(model, config), None, rows, pack_rows(rows), config, total).loss.item()
 
@@ -67,6 +73,24 @@ def test_one_step_lowers_the_loss_and_saves_a_loadable_checkpoint(policy_dir, tm
         assert torch.equal(p, q), name
     assert (result.out_path / "train_config.json").exists()
     assert _batch_loss(loaded, rows, config) < loss_before
+
+
+def test_each_steps_row_holds_the_policy_loss_apart_from_the_kl_and_entropy_terms(policy_dir, tmp_path):
+    """verl's actor/pg_loss, kl_loss and entropy: loss = pg_loss + kl_coef kl_loss - entropy_coef
+    entropy; without a KL term kl_loss is null, as verl logs none. At ratio 1 the metrics vanish."""
+    model = load_policy(policy_dir)
+    rows = train_batch(model)
+    terms = TrainConfig(lr=1e-2, mini_batch_size=2, micro_batch_size=1, kl_coef=0.5, entropy_coef=0.25,
+                        loss_agg_mode="seq-mean-token-mean")
+    steps = train_iteration(rows, policy_dir, tmp_path / "a", terms, iteration=0, progress=False).steps
+    assert len(steps) == 2 and steps[1].kl_loss > 0  # the second step's policy has moved from the reference
+    for step in steps:
+        assert step.loss == pytest.approx(step.pg_loss + 0.5 * step.kl_loss - 0.25 * step.entropy, rel=1e-5)
+        assert step.ppo_kl is not None and step.clip_fraction_lower is not None
+    assert steps[0].ppo_kl == pytest.approx(0.0, abs=1e-6) and steps[0].clip_fraction_lower == 0.0
+    plain = train_iteration(rows, policy_dir, tmp_path / "b", TrainConfig(mini_batch_size=4, micro_batch_size=2),
+                            iteration=0, progress=False).steps
+    assert plain[0].kl_loss is None and plain[0].loss == pytest.approx(plain[0].pg_loss, rel=1e-6)
 
 
 def test_gradient_accumulation_equals_one_big_batch(policy_dir, tmp_path):
@@ -177,6 +201,36 @@ def test_overlong_shaping_recomputes_group_advantages():
     assert [r.reward for r in shaped] == pytest.approx([1.0, 0.5])
     std = math.sqrt(0.125)  # unbiased std of [1.0, 0.5]
     assert [r.advantage for r in shaped] == pytest.approx([0.25 / std, -0.25 / std], abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", [{"norm_adv_by_std": False}, {"adv_estimator": "rloo"},
+                                       {"adv_estimator": "reinforce_plus_plus_baseline"}])
+def test_overlong_shaping_recomputes_advantages_with_the_purify_configs_estimator(estimator):
+    """The shaped rewards 1.0, 0.5 (as above) and 0, 1 in a second group, through the estimator that
+    computed the rows' advantages; per-token pushes move with the advantage."""
+    purify = PurifyConfig(**estimator)
+    rows = [train_row("short", "g", [1] * 7, 2, 1.0, 0.0), train_row("long", "g", [1] * 10, 2, 1.0, 0.0),
+            train_row("h0", "h", [1] * 5, 2, 0.0, 0.0), train_row("h1", "h", [1] * 5, 2, 1.0, 0.0)]
+    rows[0] = dataclasses.replace(rows[0], token_advantages=(0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0))
+    shaped = prepare_rows(rows, TrainConfig(overlong_buffer=4, max_response_tokens=10), purify)
+    rewards = [1.0, 0.5, 0.0, 1.0]
+    expected = advantages(purify, ["g", "g", "h", "h"], rewards, [5, 8, 3, 3])
+    assert [r.reward for r in shaped] == pytest.approx(rewards)
+    assert [r.advantage for r in shaped] == pytest.approx(expected, rel=1e-6)
+    assert shaped[0].token_advantages[2] == pytest.approx(expected[0] + 0.3, rel=1e-6)
+
+
+def test_dynamic_sampling_whitens_a_whole_batch_estimator_over_the_rows_it_keeps():
+    """verl computes advantages after filtering groups, so reinforce_plus_plus_baseline's whitening
+    sees only the kept groups: without the all-equal group's zeros the spread is otherwise."""
+    purify = PurifyConfig(adv_estimator="reinforce_plus_plus_baseline")
+    rows = [train_row("a0", "a", [1] * 6, 2, 1.0, 0.7), train_row("a1", "a", [1] * 4, 2, 0.0, -0.7),
+            train_row("z0", "z", [1] * 8, 2, 1.0, 0.0), train_row("z1", "z", [1] * 8, 2, 1.0, 0.0)]
+    kept = prepare_rows(rows, TrainConfig(dynamic_sampling=True), purify)
+    assert [r.rollout_id for r in kept] == ["a0", "a1"]
+    assert [r.advantage for r in kept] == pytest.approx(advantages(purify, ["a", "a"], [1.0, 0.0], [4, 2]), rel=1e-6)
+    grpo = prepare_rows(rows, TrainConfig(dynamic_sampling=True), PurifyConfig())  # a group's own: as stored
+    assert [r.advantage for r in grpo] == [0.7, -0.7]
 
 
 def test_mini_batches_are_a_seeded_shuffle():

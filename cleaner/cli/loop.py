@@ -168,13 +168,19 @@ def demo(
     iterations: Annotated[int, typer.Option(help="Iterations to run.")] = 6,
     prompts: Annotated[int, typer.Option(help="Prompts per iteration.")] = 32,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted demo.")] = False,
+    lora_rank: Annotated[int, typer.Option(help="Train rank-R LoRA adapters instead of the weights (0 = off).")] = 0,
+    lr: Annotated[float | None, typer.Option(help="Learning rate (unset: run's, 1e-4).")] = None,
 ) -> None:
     """Run the whole loop on the tiny default policy and the toy task (a few minutes on two cores)."""
     from cleaner.report.job import report_job
     from cleaner.warehouse import Warehouse
 
+    train = {"lora_rank": lora_rank} if lora_rank else {}
+    if lr is not None:
+        train["lr"] = lr
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
-                            "collect": {"n_prompts": prompts, "group_size": 8}}], "demo", resume)
+                            "collect": {"n_prompts": prompts, "group_size": 8},
+                            **({"train": train} if train else {})}], "demo", resume)
     _run_and_report(config, resume, fresh=not resume)  # the demo starts clean unless asked to resume
     warehouse = run_dir / "warehouse"
     written = call_job(report_job, Warehouse(warehouse), run_dir / "report")

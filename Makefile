@@ -74,11 +74,17 @@ gpu-check:
 
 # Mutation testing (tools/mutants.py, mutmut from the dev extra) of the modules that decide what is
 # trained and stored, each mutant against the tests of its area that run its function (not the
-# suite), two at a time on 2 cores, about 1.5 hours; docs/mutants.md lists the survivors, each killed
-# or equivalent. A mutant whose tests run past (their clean time + 1 s) x MUTANTS_TIMEOUT is a timeout
-# (calls.py's mutants that lose a call's wake-up hang; mutmut's own bound, 15x, would wait minutes).
+# suite); docs/mutants.md lists the survivors, each killed or equivalent, and which batches have run.
+# The modules come in batches, each run on its own (its scratch directory build/mutants/BATCH/, its
+# report build/mutants-BATCH.json, its tests and its timeout): `make mutants` runs every batch, two
+# mutants at a time on 2 cores (hours: about 1.5 for `train` alone); one batch:
+# make mutants MUTANTS_BATCH=model. A mutant whose tests run past (their clean time + the batch's
+# second MUTANTS_TIMEOUT_ figure, in seconds) x its first is a timeout: 4x because calls.py's mutants
+# that lose a call's wake-up hang (mutmut's own 15x would wait minutes); 15 s where the tests build a
+# tiny model in their fixtures, which the clean time leaves out.
 # Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py
-MUTANTS_MODULES ?= cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
+MUTANTS_BATCHES := train model saar purify export store
+MUTANTS_MODULES_train := cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
 	cleaner/engine/train/loss.py cleaner/engine/train/aggregation.py cleaner/engine/purify/advantages.py \
 	cleaner/tools/calls.py
 MUTANTS_EDGES := $(addprefix tests/engine/collect/test_edges.py::test_,a_tools_timeout_measures_its_run_never_its_wait_for_a_thread \
@@ -87,17 +93,46 @@ MUTANTS_EDGES := $(addprefix tests/engine/collect/test_edges.py::test_,a_tools_t
 	a_call_whose_loop_answers_between_its_neighbours_blocks_is_never_given_up \
 	a_loop_blocked_for_good_gives_its_calls_up_as_hung_and_leaves_the_others open_and_close_are_bounded \
 	a_toolbox_that_fails_to_open_stops_the_loops_it_started a_tools_service_fault_is_tried_again_then_infra_error_never_trained)
-MUTANTS_TESTS ?= tests/engine/train/test_rollout_correction.py tests/engine/train/test_trainer.py \
+MUTANTS_TESTS_train := tests/engine/train/test_rollout_correction.py tests/engine/train/test_trainer.py \
 	tests/engine/train/test_loss.py tests/engine/train/test_optim.py tests/engine/train/test_deepspeed_config.py \
 	tests/engine/train/test_train_step.py::test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_step_is_skipped \
 	tests/engine/train/test_aggregation.py tests/engine/train/test_objectives.py::test_the_objectives_on_one_batch_equal_verls \
 	tests/engine/purify/test_advantages.py \
 	tests/tools/test_calls.py tests/engine/collect/test_user_tools.py tests/engine/grading/test_runner.py $(MUTANTS_EDGES)
+MUTANTS_TIMEOUT_train := 4 1
+MUTANTS_MODULES_model := cleaner/engine/model/answers.py cleaner/engine/model/trie_scorer.py cleaner/engine/model/radix.py \
+	cleaner/engine/train/packing.py
+MUTANTS_TESTS_model := tests/engine/model/test_answers.py tests/engine/model/test_sglang_wire.py \
+	tests/engine/model/test_torch_backend.py::test_a_forward_that_overflows_into_nan_is_a_bad_answer_never_a_generation \
+	tests/engine/model/test_trie_scorer.py tests/engine/model/test_backend_scorer.py tests/engine/train/test_train_step.py
+MUTANTS_TIMEOUT_model := 4 15
+MUTANTS_MODULES_saar := $(wildcard cleaner/engine/saar/*.py)
+MUTANTS_TESTS_saar := tests/engine/saar
+MUTANTS_TIMEOUT_saar := 4 15
+MUTANTS_MODULES_purify := cleaner/engine/purify/pipeline.py cleaner/engine/purify/job.py cleaner/engine/purify/negatives.py \
+	cleaner/engine/purify/selection.py
+MUTANTS_TESTS_purify := tests/engine/purify tests/engine/test_jobs.py
+MUTANTS_TIMEOUT_purify := 4 15
+MUTANTS_MODULES_export := $(wildcard cleaner/engine/export/*.py)
+MUTANTS_TESTS_export := tests/engine/export/test_conversation.py tests/engine/export/test_rows_by_hand.py \
+	tests/engine/export/test_export_job.py
+MUTANTS_TIMEOUT_export := 4 15
+MUTANTS_MODULES_store := cleaner/warehouse/parts.py cleaner/warehouse/store.py
+MUTANTS_TESTS_store := tests/warehouse tests/test_full_disk.py
+MUTANTS_TIMEOUT_store := 4 15
+ifdef MUTANTS_MODULES
+MUTANTS_BATCH := one
+MUTANTS_MODULES_one := $(MUTANTS_MODULES)
+MUTANTS_TESTS_one := $(MUTANTS_TESTS)
+MUTANTS_TIMEOUT_one := $(or $(MUTANTS_TIMEOUT),4 1)
+endif
+MUTANTS_BATCH ?= $(MUTANTS_BATCHES)
 MUTANTS_JOBS ?= 2
-MUTANTS_TIMEOUT ?= 4
+mutants_batch = OMP_NUM_THREADS=1 $(PY) tools/mutants.py --name $(1) --jobs $(MUTANTS_JOBS) \
+	--timeout-multiplier $(word 1,$(MUTANTS_TIMEOUT_$(1))) --timeout-constant $(or $(word 2,$(MUTANTS_TIMEOUT_$(1))),1) \
+	$(foreach m,$(MUTANTS_MODULES_$(1)),--module $(m)) $(foreach t,$(MUTANTS_TESTS_$(1)),--tests $(t))
 mutants: setup
-	OMP_NUM_THREADS=1 $(PY) tools/mutants.py --jobs $(MUTANTS_JOBS) --timeout-multiplier $(MUTANTS_TIMEOUT) \
-		$(foreach m,$(MUTANTS_MODULES),--module $(m)) $(foreach t,$(MUTANTS_TESTS),--tests $(t))
+	$(foreach b,$(MUTANTS_BATCH),$(call mutants_batch,$(b)) && ) true
 
 # The browser tests of `cleaner ui`: Debian's Chromium and its driver from apt (root, or sudo),
 # selenium from pip (pointed at /usr/bin/chromedriver: no browser is downloaded at test time).

@@ -210,6 +210,8 @@ def _print_sql(table, output_format: OutputFormat, output: Path | None) -> None:
     if output is None:
         typer.echo(text, nl=False)
         return
+    if not output.parent.is_dir():  # a mistyped folder is refused, never made
+        raise fail(f"--output {output}: cannot write the result (No such file or directory: {output.parent})")
     try:
         write_file_atomically(output, text)
     except WriteError as exc:  # the file, why, and for a full disk what to free

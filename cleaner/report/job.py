@@ -32,6 +32,7 @@ def report_job(warehouse: Warehouse, out: Path) -> Report:
     cleaner wrote, and outside the warehouse. A display, it does not refuse what the readers' gate
     finds (an iteration being collected, a part the warehouse did not write): the page says it at the
     top."""
+    warehouse.check_is_warehouse()  # -w at a run directory or at / is named first
     check_outside(out, warehouse.root, "--out")  # before reading anything
     check_replaceable(out, REPORT)
     connection = warehouse.connect(warn_foreign=False)  # the gate's findings name them

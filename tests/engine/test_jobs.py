@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from pathlib import Path
 
 import pytest
 

@@ -195,6 +195,7 @@ def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Ta
 
 def _check_out(request: ExportRequest, warehouse: Warehouse) -> None:
     out = Path(request.out)
+    warehouse.check_is_warehouse()  # -w at a run directory or at / is named first
     check_outside(out, warehouse.root, "--out")
     if out.is_dir() and any(out.iterdir()) and not request.overwrite:
         raise OutputError(f"--out {out} is not empty; pass --overwrite to replace a dataset cleaner "

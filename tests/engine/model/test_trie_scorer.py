@@ -240,25 +240,54 @@ def test_trie_equals_naive_on_random_small_alphabet_rows(backend, rows, data):
 
 def test_a_gpu_scorer_sizes_its_batches_from_a_memory_budget(backend, monkeypatch):
     """On a GPU the attention batches hold at most half of what a naive forward of the longest row
-    would (its float32 logits and its cache), within 80% of the free memory, or a budget given;
-    worked by hand on the tiny model's geometry (the device stood in for: sizes only)."""
-    from cleaner.engine.model import trie_scorer
-
+    would (its float32 logits and its cache), within 80% of the free memory, or a budget given,
+    rounded down to 256 tokens, between 512 and 8192; pieces at most 2048. Worked by hand on the
+    tiny model (the device stood in for: sizes only): a position's float32 keys and values take
+    2 (K, V) x 2 layers x 2 heads x 8 dims x 4 bytes = 256 bytes and its logits 64 x 4 = 256, so a
+    naive pass holds 512 bytes a position; a batch token costs 2 x (4 window batches + 1) x 256 =
+    2,560 bytes of budget."""
     scorer = PrefixTrieScorer(backend.model, device="cpu")
-    layers, kv_heads, head_dim = scorer.geometry
-    per_token = 2 * layers * kv_heads * head_dim * 4  # float32 keys and values of one position
-    vocab = backend.model.get_output_embeddings().weight.shape[0]
+    assert scorer.geometry == (2, 2, 8) and scorer.window_batches == 4
     free = {"bytes": 10**12}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 10**12))
-
-    def expected(budget):
-        batch = budget // (2 * (scorer.window_batches + 1) * per_token) // 256 * 256
-        batch = max(trie_scorer.BUDGET_MIN_BATCH_TOKENS, min(trie_scorer.GPU_BATCH_TOKENS, batch))
-        return batch, min(trie_scorer.GPU_EDGE_TOKENS, batch)
-
-    longest = 400_000  # long enough that half its naive pass buys more than the smallest batch
-    assert scorer._sizes(longest) == expected(longest * (vocab * 4 + per_token) // 2)
-    scorer.memory_bytes = 2 * (scorer.window_batches + 1) * per_token * 1024
-    assert scorer._sizes(longest) == (1024, 1024)  # the budget given
+    # 20,480 x 512 / 2 = 5,242,880 bytes: 2,048 tokens exactly
+    assert scorer._sizes(20_480) == (2048, 2048)
+    # 15,000 x 512 / 2 = 3,840,000 bytes: 1,500 tokens, rounded down to 1,280
+    assert scorer._sizes(15_000) == (1280, 1280)
+    # 400,000 x 512 / 2 buys 40,000 tokens: the largest batch, and pieces of 2,048
+    assert scorer._sizes(400_000) == (8192, 2048)
+    free["bytes"] = 5_000_000  # 80% of it, 4,000,000 bytes, is less than the 5,242,880 asked: 1,562 -> 1,536
+    assert scorer._sizes(20_480) == (1536, 1536)
+    free["bytes"] = 10**12
+    scorer.memory_bytes = 2560 * 1024  # a budget given: 1,024 tokens, whatever the row
+    assert scorer._sizes(400_000) == (1024, 1024)
     free["bytes"] = 0  # nothing free: the smallest batch
-    assert scorer._sizes(longest) == (trie_scorer.BUDGET_MIN_BATCH_TOKENS, trie_scorer.BUDGET_MIN_BATCH_TOKENS)
+    assert scorer._sizes(400_000) == (512, 512)
+
+
+def test_a_scorer_for_a_gpu_takes_the_gpu_sizes_unless_it_is_given_sizes(backend):
+    """What the CPU can see of the CUDA path: built for a CUDA device (nothing is allocated there
+    until a forward), the scorer takes batches of 8,192 and pieces of 2,048 tokens, sized by the
+    memory budget at each call unless sizes are given, and repeats K/V per query head (no
+    enable_gqa); on the CPU, 2,048 and 64, never budgeted."""
+    from cleaner.engine.model.trie_attention import TORCH_GQA
+
+    gpu = PrefixTrieScorer(backend.model, device="cuda", memory_bytes=10**9)
+    assert (gpu.max_batch_tokens, gpu.max_edge_tokens, gpu.budgeted, gpu.grouped_query) == (8192, 2048, True, False)
+    assert gpu.memory_bytes == 10**9 and gpu.device == torch.device("cuda")
+    assert PrefixTrieScorer(backend.model, device="cuda", max_batch_tokens=4096).budgeted is False
+    assert PrefixTrieScorer(backend.model, device="cuda", max_edge_tokens=1024).budgeted is False
+    cpu = PrefixTrieScorer(backend.model)
+    assert (cpu.max_batch_tokens, cpu.max_edge_tokens, cpu.budgeted, cpu.grouped_query) == (2048, 64, False, TORCH_GQA)
+    assert cpu.memory_bytes is None and cpu.device == torch.device("cpu") and cpu.dtype == torch.float32
+
+
+def test_sizes_that_cannot_hold_a_piece_are_refused(backend):
+    equal = PrefixTrieScorer(backend.model, max_batch_tokens=16, max_edge_tokens=16, window_batches=1)
+    assert (equal.max_batch_tokens, equal.max_edge_tokens, equal.window_batches) == (16, 16, 1)
+    with pytest.raises(ValueError, match="^max_edge_tokens must be <= max_batch_tokens$"):
+        PrefixTrieScorer(backend.model, max_batch_tokens=16, max_edge_tokens=17)
+    with pytest.raises(ValueError, match="^max_edge_tokens must be <= max_batch_tokens$"):
+        PrefixTrieScorer(backend.model, max_batch_tokens=32)  # the CPU's 64-token pieces
+    with pytest.raises(ValueError, match="^window_batches must be >= 1$"):
+        PrefixTrieScorer(backend.model, window_batches=0)

@@ -24,9 +24,9 @@ from cleaner.engine.train.lora import (
     with_adapters,
 )
 from cleaner.engine.train.naive import full_logits_micro_batch_loss
-from cleaner.engine.train.packing import loss_token_count, pack_rows
+from cleaner.engine.train.packing import pack_rows
 from cleaner.engine.train.policy import TrainablePolicy, training
-from cleaner.engine.train.step import forward_micro_batch
+from cleaner.engine.train.step import batch_totals, forward_micro_batch
 from cleaner.engine.train.trainer import train_iteration
 from tests.factories import train_batch
 from tests.helpers import tiny_qwen3
@@ -69,7 +69,7 @@ def test_a_lora_step_equals_the_same_peft_model_driven_directly(checkpointing):
     model, base = _adapted()
     config = TrainConfig(**LORA, **ALL_TERMS, logits_chunk_tokens=5, gradient_checkpointing=checkpointing)
     rows = _shifted(train_batch(base))
-    total = sum(loss_token_count(row) for row in rows)
+    total = batch_totals(rows, config)
     model.train()
     full = full_logits_micro_batch_loss(model, base, rows, config, total)
     full.loss.backward()

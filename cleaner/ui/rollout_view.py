@@ -27,8 +27,8 @@ from cleaner.engine.saar.walk import (
     Decode,
     KeptTokens,
     MergeDecision,
+    RenderSettings,
     StepOutcome,
-    View,
     explain,
     render,
 )
@@ -120,7 +120,7 @@ class PurifiedStep:
 class PurifiedPane:
     row: PurifiedRow
     config: PurifyConfigRow | None
-    view: View
+    view: RenderSettings
     steps: tuple[PurifiedStep, ...]  # steps[0] is the prompt (label "prompt")
     explained: tuple[StepOutcome, ...]  # render.explain's steps of `view` (for the raw pane's marks)
     trained_tokens: int  # loss_mask ones
@@ -142,13 +142,13 @@ class StoredLogprobs:
         return math.fsum(self.old_logprobs[len(context):end])
 
 
-def config_view(config: PurifyConfigRow | None, row: PurifiedRow) -> View:
+def config_view(config: PurifyConfigRow | None, row: PurifiedRow) -> RenderSettings:
     """The view the row was rendered under: the config's SAAR if the row was rolled back, else raw."""
     if config is None or not row.rolled_back:
         return RAW
     params = _params(config)
-    return View(True, config.gamma, config.similarity_on, float(params.get("rollback_is_threshold") or 0.0),
-                params.get("rollback_is_mode") or "sum")
+    return RenderSettings(True, config.gamma, config.similarity_on, float(params.get("rollback_is_threshold") or 0.0),
+                          params.get("rollback_is_mode") or "sum")
 
 
 def _params(config: PurifyConfigRow) -> dict:
@@ -218,7 +218,7 @@ def _css(kind: SegmentKind, mask_value: int) -> str:
     return "prompt" if kind == SegmentKind.PROMPT else "tool"
 
 
-def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None, view: View,
+def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None, view: RenderSettings,
                decode: Decode | None, note: str, steps: Sequence[StepOutcome]) -> PurifiedPane:
     """The row from its own tokens: runs of equal loss mask, decoded (or named without a tokenizer)."""
     pieces = []

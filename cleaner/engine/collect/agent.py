@@ -81,7 +81,7 @@ from cleaner.engine.grading.reward_file import verl_extra_info
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat, ToolCall, parse_tool_call
 from cleaner.engine.saar.gate import ScoreCache
-from cleaner.engine.saar.walk import Rendered, View, render, view_for
+from cleaner.engine.saar.walk import Rendered, RenderSettings, render, view_for
 from cleaner.records import (
     CollectView,
     FinishReason,
@@ -171,7 +171,7 @@ class RolloutState:
     rollout_id: str
     group_id: str
     draw: float
-    view: View
+    view: RenderSettings
     segments: list[Segment] = field(default_factory=list)
     step: int = 0  # of the next generation
     attempt: int = 0  # of the next generation

@@ -47,7 +47,7 @@ from cleaner.engine.export.folder import (
     stored_messages,
 )
 from cleaner.engine.export.policy import Policy, policy_for
-from cleaner.engine.saar.walk import View
+from cleaner.engine.saar.walk import RenderSettings
 from cleaner.errors import JobError
 from cleaner.interrupts import QueryStop, watched
 from cleaner.outputs import DATASET, OutputError, atomic_directory, check_outside, check_replaceable
@@ -136,7 +136,7 @@ class _Tally:
 class _Plan:
     selected: int
     config: PurifyConfigRow | None  # the purify config read (its rows, or its SAAR settings)
-    saar: View  # chain pairs' SAAR settings
+    saar: RenderSettings  # chain pairs' SAAR settings
     policies: dict[int, Policy]
     counted: int | None
 
@@ -219,8 +219,8 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
         raise JobError(f"iteration(s) {_listed(request.iterations)} hold {which}: nothing to export")
     config = _config(connection, warehouse, request)
     defaults = PurifyConfig()
-    saar = View(purified=True, gamma=config.gamma if config else defaults.gamma,
-                similarity_on=config.similarity_on if config else defaults.similarity_on)
+    saar = RenderSettings(purified=True, gamma=config.gamma if config else defaults.gamma,
+                          similarity_on=config.similarity_on if config else defaults.similarity_on)
     cache: dict = {}
     policies = {i: policy_for(request.policy, warehouse.collect_config(i), i, cache) for i in request.iterations}
     counted = None

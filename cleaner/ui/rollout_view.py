@@ -103,7 +103,7 @@ def _retry_links(segments: Sequence[Segment]) -> dict[int, tuple[int | None, int
 
 
 @dataclass(frozen=True)
-class Piece:
+class StyledSpan:
     text: str
     css: str  # prompt | tool | trained | masked
 
@@ -113,7 +113,7 @@ class PurifiedStep:
     label: str  # show.step_label: outcome, merges with their similarity, what was removed
     outcome: str
     merges: tuple[MergeDecision, ...]  # attempt, kind, similarity, log IS, rejected
-    pieces: tuple[Piece, ...]
+    pieces: tuple[StyledSpan, ...]
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def purified_pane(segments: Sequence[Segment], row: PurifiedRow, config: PurifyC
                 low = piece.start + start - cursor
                 css = _css(segment.kind, value)
                 masked += (end - start) if css == "masked" else 0
-                texts.append(Piece(token_text(segment, low, low + end - start, decode), css))
+                texts.append(StyledSpan(token_text(segment, low, low + end - start, decode), css))
             cursor += piece.end - piece.start
         if index == 0:
             out.append(PurifiedStep("prompt", "prompt", (), tuple(texts)))
@@ -225,6 +225,6 @@ def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConf
     for start, end, value in _runs(row.loss_mask, 0, len(row.token_ids)):
         ids = row.token_ids[start:end]
         text = decode(ids) if decode is not None else f"<tokens {start}:{end} of the row>"
-        pieces.append(Piece(text, "trained" if value else ("prompt" if end <= row.prompt_len else "tool")))
+        pieces.append(StyledSpan(text, "trained" if value else ("prompt" if end <= row.prompt_len else "tool")))
     return PurifiedPane(row, config, view, (PurifiedStep("stored row", "raw", (), tuple(pieces)),),
                         tuple(steps), sum(row.loss_mask), 0, note)

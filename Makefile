@@ -98,7 +98,7 @@ MUTANTS_TESTS_train := tests/engine/train/test_rollout_correction.py tests/engin
 	tests/engine/train/test_train_step.py::test_a_float16_iteration_equals_float32_within_its_rounding_and_a_nonfinite_step_is_skipped \
 	tests/engine/train/test_aggregation.py tests/engine/train/test_objectives.py::test_the_objectives_on_one_batch_equal_verls \
 	tests/engine/purify/test_advantages.py \
-	tests/tools/test_calls.py tests/engine/collect/test_user_tools.py tests/engine/grading/test_runner.py $(MUTANTS_EDGES)
+	tests/tools/test_calls.py tests/tools/test_toolbox.py tests/engine/grading/test_runner.py $(MUTANTS_EDGES)
 MUTANTS_TIMEOUT_train := 4 1
 MUTANTS_MODULES_model := cleaner/engine/model/answers.py cleaner/engine/model/trie_scorer.py cleaner/engine/model/radix.py \
 	cleaner/engine/train/packing.py

@@ -117,17 +117,17 @@ def command(config: CollectConfig, warehouse: Path) -> str:
 
 
 @dataclass(frozen=True)
-class Collected:
+class MeasuredIteration:
     rollouts: list[Rollout]
     classes: dict[str, RolloutClass]  # premise class by rollout id (infrastructure faults left out)
 
 
-def measure(args: argparse.Namespace, toy: str, budget: int, seed: int) -> Collected:
+def measure(args: argparse.Namespace, toy: str, budget: int, seed: int) -> MeasuredIteration:
     """Iteration 0 under `budget` (collected unless already stored), read back."""
     warehouse = Warehouse(Path(args.out) / toy / f"budget-{budget}" / f"seed-{seed}")
     collect_job(warehouse, CollectRequest(collect_config(args, toy, budget, seed), resume=True), progress=False)
     rollouts = warehouse.read_rollouts(0)
-    return Collected(rollouts, premise_classes(rollouts, warehouse.read_segments(0)))
+    return MeasuredIteration(rollouts, premise_classes(rollouts, warehouse.read_segments(0)))
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class BudgetRow:
     reference_accuracy: float
 
 
-def budget_row(reference: Sequence[Collected], budgeted: Sequence[Collected]) -> BudgetRow:
+def budget_row(reference: Sequence[MeasuredIteration], budgeted: Sequence[MeasuredIteration]) -> BudgetRow:
     rollouts = [r for c in budgeted for r in c.rollouts]
     before = [r for c in reference for r in c.rollouts]
     return BudgetRow([budget_by_class(ref.classes, b.rollouts) for ref, b in zip(reference, budgeted, strict=True)],

@@ -312,3 +312,56 @@ def test_every_test_folder_is_a_package():
     folders = {path.parent for path in _test_files()}
     assert sorted(str(folder.relative_to(TESTS.parent)) for folder in folders
                   if not (folder / "__init__.py").exists()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests laid out as the code (docs/architecture.md §2)
+
+# tests/bench tests the repository's bench/ folder (the benchmarks), not a package of cleaner's
+MIRRORS = {"bench": PACKAGE.parent / "bench"}
+# The top of tests/ holds a test of a top-level module of cleaner's (test_outputs.py), the support
+# modules, and these files, each crossing the packages: the commands end to end, the docs, recipes
+# and notebooks against the code, the package as installed, the layer rules, and the runs on SGLang
+CROSS_CUTTING = {"test_byo_task.py", "test_docs.py", "test_full_disk.py", "test_layers.py", "test_notebooks.py",
+                 "test_package.py", "test_recipes.py", "test_sglang_cli.py", "test_sglang_faults.py",
+                 "test_sglang_run.py", "test_sharding.py"}
+
+
+def _mirrored(folder: Path) -> Path:
+    """The folder of the code that tests/<folder> tests: cleaner/<folder>, or a MIRRORS entry."""
+    parts = folder.relative_to(TESTS).parts
+    root = MIRRORS.get(parts[0], PACKAGE / parts[0]) if parts else PACKAGE
+    return root.joinpath(*parts[1:])
+
+
+def _homes(name: str) -> set[Path]:
+    """The folders of tests/ a test of `name` may sit in: beside cleaner/.../<name>.py, or in the
+    mirror of the package cleaner/.../<name>/; empty when no module or package bears the name."""
+    modules = {TESTS / path.parent.relative_to(PACKAGE) for path in PACKAGE.rglob(f"{name}.py")}
+    packages = {TESTS / path.relative_to(PACKAGE) for path in PACKAGE.rglob(name) if (path / "__init__.py").exists()}
+    return modules | packages
+
+
+def test_every_test_folder_mirrors_a_folder_of_the_code():
+    """tests/engine/saar tests cleaner/engine/saar: no test folder without its package."""
+    folders = {path.parent for path in _test_files()} - {TESTS}
+    assert sorted(str(folder.relative_to(TESTS)) for folder in folders if not _mirrored(folder).is_dir()) == []
+
+
+def test_a_test_named_after_a_module_sits_where_the_module_sits():
+    """test_<name>.py, where cleaner/ has a module or a package called <name>, lives in the folder
+    mirroring it (tests/engine/train/test_loss.py for engine/train/loss.py, tests/engine/eval/
+    test_eval.py for engine/eval/); a name two modules share may sit beside either."""
+    misplaced = sorted(str(path.relative_to(TESTS)) for path in _test_files()
+                       if path.stem.startswith("test_") and path.name not in CROSS_CUTTING
+                       and (homes := _homes(path.stem.removeprefix("test_"))) and path.parent not in homes)
+    assert misplaced == []
+
+
+def test_the_top_of_the_tests_holds_only_what_crosses_the_packages():
+    """A test of one package's code lives under that package's folder; the top keeps the listed
+    cross-cutting files and the tests of cleaner's top-level modules."""
+    top = sorted(path.name for path in TESTS.glob("test_*.py")
+                 if path.name not in CROSS_CUTTING and TESTS not in _homes(path.stem.removeprefix("test_")))
+    assert top == []
+    assert sorted(name for name in CROSS_CUTTING if not (TESTS / name).exists()) == []

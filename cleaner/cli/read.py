@@ -275,13 +275,13 @@ def show(
     The purified view marks each step's outcome (clean, shallow, deep, mixed, unrecovered, answered),
     each merge's similarity, the row's stats, and this rollout's advantage under every stored config.
     """
-    from cleaner.engine.saar.walk import View
+    from cleaner.engine.saar.walk import RenderSettings
     from cleaner.report.inspection import Decoder, load_decoder, load_inspection
     from cleaner.report.show import show_rollout
     from cleaner.warehouse import Warehouse, WarehouseError
     from cleaner.warehouse.gate import collected_iteration, findings_of, first_line
 
-    saar = build_config(View, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
+    saar = build_config(RenderSettings, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
     try:
         store = Warehouse(warehouse)
         connection = store.connect(warn_foreign=False)  # one connection for every read; the gate names them

@@ -26,7 +26,15 @@ from rich.table import Table
 from rich.text import Text
 
 from cleaner.engine.model.chat import TOOL_CALL_OPEN
-from cleaner.engine.saar.walk import Decode, Edit, Outcome, StepOutcome, View, explain, render
+from cleaner.engine.saar.walk import (
+    Decode,
+    Edit,
+    Outcome,
+    RenderSettings,
+    StepOutcome,
+    explain,
+    render,
+)
 from cleaner.records import (
     Rollout,
     Segment,
@@ -226,7 +234,7 @@ def step_label(step: StepOutcome) -> str:
 
 
 def purified_panel(
-    segments: Sequence[Segment], view: View, decode: Decode | None, note: str, max_chars: int = 2000
+    segments: Sequence[Segment], view: RenderSettings, decode: Decode | None, note: str, max_chars: int = 2000
 ) -> Panel:
     """The purified token sequence as text, each step headed by its outcome, then the row's stats."""
     try:
@@ -284,7 +292,7 @@ def config_table(configs: Sequence[ConfigOutcome], iteration: int) -> Table | Te
 # The whole `cleaner show` output
 
 
-def show_rollout(inspection: Inspection, view: View, decoder: Decoder, which: Panels = Panels.BOTH) -> Group:
+def show_rollout(inspection: Inspection, view: RenderSettings, decoder: Decoder, which: Panels = Panels.BOTH) -> Group:
     """The whole `cleaner show` output: raw segments (drops marked), purified view, stored configs."""
     which = enum_value(Panels, which, "view")
     segments = inspection.segments

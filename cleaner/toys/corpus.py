@@ -154,7 +154,7 @@ def _call_text(reasoning: str, code: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _TranscriptPlan:
     task: Task
     problem: ToyProblem
     failure: str
@@ -166,7 +166,7 @@ class _Plan:
     guess: int | None = None  # NO_TOOL: the number answered without calling the tool
 
 
-def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Random) -> _Plan:
+def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Random) -> _TranscriptPlan:
     if config.no_tool_share > 0 and rng.random() < config.no_tool_share:  # no draw at 0, as slip_share
         return _no_tool_plan(problem, task, rng)
     draw = rng.random()
@@ -182,21 +182,21 @@ def _plan(problem: ToyProblem, task: Task, config: CorpusConfig, rng: random.Ran
     values = {"a": problem.a, "b": problem.b, "c": problem.c, "d": problem.d}
     if failure == ENVIRONMENT:
         reasoning, template, fix_reasoning = rng.choice(ENVIRONMENTS)
-        return _Plan(task, problem, failure, reasoning, template.format(**values),
-                     ENVIRONMENT_FIX_CODE.format(**values), rng.getrandbits(32), fix_reasoning)
+        return _TranscriptPlan(task, problem, failure, reasoning, template.format(**values),
+                               ENVIRONMENT_FIX_CODE.format(**values), rng.getrandbits(32), fix_reasoning)
     if failure == APPROACH:
         reasoning, template = rng.choice(APPROACHES)
-        return _Plan(task, problem, failure, reasoning, template.format(**values),
-                     APPROACH_FIX_CODE.format(**values), rng.getrandbits(32))
+        return _TranscriptPlan(task, problem, failure, reasoning, template.format(**values),
+                               APPROACH_FIX_CODE.format(**values), rng.getrandbits(32))
     failed = typo_of(good, rng) if failure == TYPO else None
-    return _Plan(task, problem, failure, rng.choice(START_REASONING), failed, good, rng.getrandbits(32))
+    return _TranscriptPlan(task, problem, failure, rng.choice(START_REASONING), failed, good, rng.getrandbits(32))
 
 
-def _no_tool_plan(problem: ToyProblem, task: Task, rng: random.Random) -> _Plan:
+def _no_tool_plan(problem: ToyProblem, task: Task, rng: random.Random) -> _TranscriptPlan:
     """An answer without the tool: a guess below the modulus, never the right one."""
     guess = rng.randrange(problem.d - 1)
     guess += guess >= problem.answer  # skips the answer, so every guess is wrong
-    return _Plan(task, problem, NO_TOOL, "", None, "", rng.getrandbits(32), guess=guess)
+    return _TranscriptPlan(task, problem, NO_TOOL, "", None, "", rng.getrandbits(32), guess=guess)
 
 
 def _slipped(problem: ToyProblem, rng: random.Random) -> ToyProblem:
@@ -209,7 +209,7 @@ def _slipped(problem: ToyProblem, rng: random.Random) -> ToyProblem:
     return dataclasses.replace(problem, **{name: int("".join(digits))})
 
 
-def _assemble(plan: _Plan, failed_response: str | None, error_type: str | None,
+def _assemble(plan: _TranscriptPlan, failed_response: str | None, error_type: str | None,
               fixed_response: str) -> CorpusExample:
     rng = random.Random(plan.rng_state)
     if plan.failure == NO_TOOL:

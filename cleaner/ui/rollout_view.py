@@ -27,8 +27,8 @@ from cleaner.engine.saar.walk import (
     Decode,
     KeptTokens,
     MergeDecision,
+    RenderSettings,
     StepOutcome,
-    View,
     explain,
     render,
 )
@@ -103,7 +103,7 @@ def _retry_links(segments: Sequence[Segment]) -> dict[int, tuple[int | None, int
 
 
 @dataclass(frozen=True)
-class Piece:
+class StyledSpan:
     text: str
     css: str  # prompt | tool | trained | masked
 
@@ -113,14 +113,14 @@ class PurifiedStep:
     label: str  # show.step_label: outcome, merges with their similarity, what was removed
     outcome: str
     merges: tuple[MergeDecision, ...]  # attempt, kind, similarity, log IS, rejected
-    pieces: tuple[Piece, ...]
+    pieces: tuple[StyledSpan, ...]
 
 
 @dataclass(frozen=True)
 class PurifiedPane:
     row: PurifiedRow
     config: PurifyConfigRow | None
-    view: View
+    view: RenderSettings
     steps: tuple[PurifiedStep, ...]  # steps[0] is the prompt (label "prompt")
     explained: tuple[StepOutcome, ...]  # render.explain's steps of `view` (for the raw pane's marks)
     trained_tokens: int  # loss_mask ones
@@ -142,13 +142,13 @@ class StoredLogprobs:
         return math.fsum(self.old_logprobs[len(context):end])
 
 
-def config_view(config: PurifyConfigRow | None, row: PurifiedRow) -> View:
+def config_view(config: PurifyConfigRow | None, row: PurifiedRow) -> RenderSettings:
     """The view the row was rendered under: the config's SAAR if the row was rolled back, else raw."""
     if config is None or not row.rolled_back:
         return RAW
     params = _params(config)
-    return View(True, config.gamma, config.similarity_on, float(params.get("rollback_is_threshold") or 0.0),
-                params.get("rollback_is_mode") or "sum")
+    return RenderSettings(True, config.gamma, config.similarity_on, float(params.get("rollback_is_threshold") or 0.0),
+                          params.get("rollback_is_mode") or "sum")
 
 
 def _params(config: PurifyConfigRow) -> dict:
@@ -191,7 +191,7 @@ def purified_pane(segments: Sequence[Segment], row: PurifiedRow, config: PurifyC
                 low = piece.start + start - cursor
                 css = _css(segment.kind, value)
                 masked += (end - start) if css == "masked" else 0
-                texts.append(Piece(token_text(segment, low, low + end - start, decode), css))
+                texts.append(StyledSpan(token_text(segment, low, low + end - start, decode), css))
             cursor += piece.end - piece.start
         if index == 0:
             out.append(PurifiedStep("prompt", "prompt", (), tuple(texts)))
@@ -218,13 +218,13 @@ def _css(kind: SegmentKind, mask_value: int) -> str:
     return "prompt" if kind == SegmentKind.PROMPT else "tool"
 
 
-def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None, view: View,
+def _unmatched(segments: Sequence[Segment], row: PurifiedRow, config: PurifyConfigRow | None, view: RenderSettings,
                decode: Decode | None, note: str, steps: Sequence[StepOutcome]) -> PurifiedPane:
     """The row from its own tokens: runs of equal loss mask, decoded (or named without a tokenizer)."""
     pieces = []
     for start, end, value in _runs(row.loss_mask, 0, len(row.token_ids)):
         ids = row.token_ids[start:end]
         text = decode(ids) if decode is not None else f"<tokens {start}:{end} of the row>"
-        pieces.append(Piece(text, "trained" if value else ("prompt" if end <= row.prompt_len else "tool")))
+        pieces.append(StyledSpan(text, "trained" if value else ("prompt" if end <= row.prompt_len else "tool")))
     return PurifiedPane(row, config, view, (PurifiedStep("stored row", "raw", (), tuple(pieces)),),
                         tuple(steps), sum(row.loss_mask), 0, note)

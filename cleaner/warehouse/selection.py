@@ -71,7 +71,7 @@ OUTCOME_PAIRS = f"""
 
 
 @dataclass(frozen=True)
-class Collected:
+class SelectedRollout:
     """One selected rollout with its segments in seq order (and its purified row, when asked)."""
 
     rollout: Rollout
@@ -177,7 +177,7 @@ def unpurified(connection: duckdb.DuckDBPyConnection, config_id: str) -> int:
 
 
 def stream(connection: duckdb.DuckDBPyConnection, batch_rows: int,
-           config_id: str | None = None) -> Iterator[list[Collected]]:
+           config_id: str | None = None) -> Iterator[list[SelectedRollout]]:
     """The selection in group order, a group never split across two lists; each rollout with its
     segments, and its purified row under `config_id` if given (every selected rollout has one:
     check `unpurified` first)."""
@@ -189,7 +189,7 @@ def stream(connection: duckdb.DuckDBPyConnection, batch_rows: int,
     purified = None if config_id is None else _rows_of(schema.PURIFIED, _batches(
         connection, f"SELECT p.* FROM purified p JOIN {SELECTED} x USING (rollout_id) WHERE p.config_id = ? "
                     f"AND p.negative_seq IS NULL ORDER BY {_ORDER}", batch_rows, [config_id]))
-    pending: list[Collected] = []
+    pending: list[SelectedRollout] = []
     following = None
     for table in rollouts:
         for rollout in schema.from_table(schema.ROLLOUTS, table):
@@ -201,7 +201,7 @@ def stream(connection: duckdb.DuckDBPyConnection, batch_rows: int,
             if row is not None and row.rollout_id != rollout.rollout_id:  # one row per rollout: `unpurified` said so
                 raise WarehouseError(f"purified rows of config {config_id} out of step at rollout {rollout.rollout_id} "
                                      f"(got {row.rollout_id}): two rows for one rollout?")
-            pending.append(Collected(rollout, tuple(own), row))
+            pending.append(SelectedRollout(rollout, tuple(own), row))
     if pending:
         yield pending
 

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from cleaner.engine.model.chat import format_call
-from cleaner.engine.saar.walk import View, explain, render
+from cleaner.engine.saar.walk import RenderSettings, explain, render
 from cleaner.records import PurifiedRow, PurifyConfigRow, Segment, SegmentKind, ToolStatus
 from cleaner.report.inspection import ConfigOutcome, Decoder, load_decoder, load_inspection
 from cleaner.report.show import purified_texts, raw_panel, show_rollout
@@ -52,7 +52,7 @@ def chain() -> list[Segment]:
     ]
 
 
-SHALLOW_VIEW, DEEP_VIEW = View(True, 0.5, "code"), View(True, 0.9, "code")
+SHALLOW_VIEW, DEEP_VIEW = RenderSettings(True, 0.5, "code"), RenderSettings(True, 0.9, "code")
 
 
 def plain(renderable) -> str:

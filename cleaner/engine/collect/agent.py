@@ -1,4 +1,4 @@
-"""The agent loop of `cleaner collect`: one rollout's story (docs/architecture.md §5).
+"""The agent loop of `cleaner collect`: one rollout from prompt to reward (docs/architecture.md §5).
 
 A rollout is a small state machine, as verl's ToolAgentLoop is: it renders its context, generates
 its next turn, runs the turn's tool call, records both and decides what comes next (stop, retry,
@@ -81,7 +81,7 @@ from cleaner.engine.grading.reward_file import verl_extra_info
 from cleaner.engine.model.base import LENGTH, Generation, SamplingParams
 from cleaner.engine.model.chat import ChatFormat, ToolCall, parse_tool_call
 from cleaner.engine.saar.gate import ScoreCache
-from cleaner.engine.saar.walk import Rendered, View, render, view_for
+from cleaner.engine.saar.walk import Rendered, RenderSettings, render, view_for
 from cleaner.records import (
     CollectView,
     FinishReason,
@@ -153,7 +153,7 @@ def rollback_draw(base_seed: int, iteration: int, prompt_id: str, sample_index: 
 
 
 class Phase(StrEnum):
-    """Where a rollout is in its story (what the progress bar counts)."""
+    """Where a rollout is on its way (what the progress bar counts)."""
 
     PENDING = "pending"  # rendering its context (and scoring its IS gate)
     GENERATING = "generating"  # waiting for its turn from the backend
@@ -171,7 +171,7 @@ class RolloutState:
     rollout_id: str
     group_id: str
     draw: float
-    view: View
+    view: RenderSettings
     segments: list[Segment] = field(default_factory=list)
     step: int = 0  # of the next generation
     attempt: int = 0  # of the next generation
@@ -246,7 +246,7 @@ def plan_rollouts(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat
 
 
 # ---------------------------------------------------------------------------------------------
-# One rollout's story
+# One rollout, turn after turn
 
 
 class InfraFault(Exception):  # noqa: N818 - names what happened to the rollout
@@ -283,7 +283,7 @@ class Requests(Protocol):
 
 
 @dataclass(frozen=True)
-class Story:
+class CollectionSetup:
     """What every rollout of a collection shares: its config, format, context and rewards."""
 
     config: CollectConfig
@@ -300,48 +300,49 @@ class Story:
         return {} if self.toolbox is None else self.toolbox.parameters
 
 
-async def run_rollout(state: RolloutState, story: Story, requests: Requests) -> Rollout:
+async def run_rollout(state: RolloutState, setup: CollectionSetup, requests: Requests) -> Rollout:
     """Generate one rollout to its end, turn after turn: render, generate, record, run the call,
     record its outcome, decide. Returns its row; its segments are on `state`."""
     try:
-        return await _run(state, story, requests)
+        return await _run(state, setup, requests)
     except BaseException:  # a fault, a stop: the rollout's tools are released all the same
         requests.abandon_tools(state)
         raise
 
 
-async def _run(state: RolloutState, story: Story, requests: Requests) -> Rollout:
+async def _run(state: RolloutState, setup: CollectionSetup, requests: Requests) -> Rollout:
     cache = ScoreCache()  # the IS gate's scores of this rollout's retries
     while state.finish_reason is None:
         state.phase = Phase.PENDING
-        rendered = await _render_context(state, story, requests, cache)
-        limit = _turn_limit(rendered, story)
+        rendered = await _render_context(state, setup, requests, cache)
+        limit = _turn_limit(rendered, setup)
         if limit <= 0:
             state.finish_reason = FinishReason.MAX_TOKENS
             break
         context = list(rendered.token_ids)
-        if story.on_context is not None:
-            story.on_context(state.rollout_id, context)
+        if setup.on_context is not None:
+            setup.on_context(state.rollout_id, context)
         state.phase = Phase.GENERATING
-        generation = await _generate(state, context, limit, story, requests)
-        call = _record_generation(state, generation, story)
+        generation = await _generate(state, context, limit, setup, requests)
+        call = _record_generation(state, generation, setup)
         if call is None:
             break  # answered, out of tokens, or the last step's call, which is not run
         state.phase = Phase.TOOL
-        outcome = await _execute(call, state, story, requests)
-        _record_tool(state, call, outcome, story.config, story.chat)
+        outcome = await _execute(call, state, setup, requests)
+        _record_tool(state, call, outcome, setup.config, setup.chat)
     state.phase = Phase.DONE
     requests.leave(state)
     state.tool_scores = await requests.finish_tools(state)
-    return await _finish(state, story, requests, cache)
+    return await _finish(state, setup, requests, cache)
 
 
-async def _render_context(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rendered:
+async def _render_context(state: RolloutState, setup: CollectionSetup, requests: Requests,
+                          cache: ScoreCache) -> Rendered:
     """The rollout's context. An IS-gated view needs the old policy's log-probs of a retry under the
     context without the error: they are scored (this rollout's requests, in one call) and the
     context rendered again. InfraFault if the backend failed."""
     while True:
-        rendered = render(state.segments, state.view, story.chat.decode, oracle=cache)
+        rendered = render(state.segments, state.view, setup.chat.decode, oracle=cache)
         if not rendered.provisional:
             return rendered
         try:
@@ -350,19 +351,19 @@ async def _render_context(state: RolloutState, story: Story, requests: Requests,
             raise InfraFault(state.rollout_id, error) from error
 
 
-def _turn_limit(rendered: Rendered, story: Story) -> int:
+def _turn_limit(rendered: Rendered, setup: CollectionSetup) -> int:
     """Tokens the next turn may take: the response budget left, within the context."""
-    remaining = story.config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
-    if story.context_length is not None:  # binds only where the budget exceeds it (eval)
-        remaining = min(remaining, story.context_length - len(rendered.token_ids))
-    return min(story.config.max_new_tokens, remaining)
+    remaining = setup.config.max_response_tokens - (len(rendered.token_ids) - rendered.prompt_len)
+    if setup.context_length is not None:  # binds only where the budget exceeds it (eval)
+        remaining = min(remaining, setup.context_length - len(rendered.token_ids))
+    return min(setup.config.max_new_tokens, remaining)
 
 
-async def _generate(state: RolloutState, context: list[int], limit: int, story: Story,
+async def _generate(state: RolloutState, context: list[int], limit: int, setup: CollectionSetup,
                     requests: Requests) -> Generation:
     """The rollout's next turn; InfraFault if the backend failed."""
-    config = story.config
-    params = SamplingParams(max_new_tokens=limit, stop_token_ids=tuple(story.chat.stop_token_ids),
+    config = setup.config
+    params = SamplingParams(max_new_tokens=limit, stop_token_ids=tuple(setup.chat.stop_token_ids),
                             temperature=config.temperature, top_p=config.top_p)
     seed = turn_seed(config.seed, config.iteration, state.task.prompt_id, state.sample_index, state.turns)
     try:
@@ -383,17 +384,17 @@ def cut_generation(generation: Generation, limit: int) -> Generation:
 
 
 @dataclass(frozen=True)
-class _Call:
+class _PendingCall:
     segment: Segment  # the assistant segment that made the call
     parsed: ToolCall  # code, or why it does not parse
 
 
-def _record_generation(state: RolloutState, generation: Generation, story: Story) -> _Call | None:
+def _record_generation(state: RolloutState, generation: Generation, setup: CollectionSetup) -> _PendingCall | None:
     """Append the assistant segment; return its call if it is to be executed."""
-    config, chat = story.config, story.chat
+    config, chat = setup.config, setup.chat
     text = chat.decode(generation.token_ids)
     call_start = chat.call_start(generation.token_ids) if chat.tools else None  # no tool: one generation
-    parsed = parse_tool_call(text, story.tool_parameters) if call_start is not None else None
+    parsed = parse_tool_call(text, setup.tool_parameters) if call_start is not None else None
     segment = state.add(
         SegmentKind.ASSISTANT, generation.token_ids, text, step=state.step, attempt=state.attempt,
         logprobs=tuple(float(x) for x in generation.logprobs), call_start=call_start,
@@ -408,10 +409,10 @@ def _record_generation(state: RolloutState, generation: Generation, story: Story
     if state.attempt == 0 and state.steps >= config.max_turns:
         state.finish_reason = FinishReason.MAX_TURNS  # the reference does not run the last step's call
         return None
-    return _Call(segment, parsed)
+    return _PendingCall(segment, parsed)
 
 
-def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: CollectConfig,
+def _record_tool(state: RolloutState, call: _PendingCall, outcome: _Outcome, config: CollectConfig,
                  chat: ChatFormat) -> None:
     """Append the tool segment and move (step, attempt) on for the next generation."""
     step, attempt = call.segment.step, call.segment.attempt
@@ -436,14 +437,14 @@ def _record_tool(state: RolloutState, call: _Call, outcome: _Outcome, config: Co
 # Tool execution
 
 
-async def _execute(call: _Call, state: RolloutState, story: Story, requests: Requests) -> _Outcome:
+async def _execute(call: _PendingCall, state: RolloutState, setup: CollectionSetup, requests: Requests) -> _Outcome:
     """What the call produced: a format error without running it, the sandbox's outcome (the code
     interpreter) or the toolbox's (a user tool, whose own failures are failed calls; a tool that
     breaks the protocol raises ToolError, which stops the collection)."""
     if call.parsed.code is None:
         response = format_tool_response(False, "", call.parsed.error or "", ToolStatus.FORMAT_ERROR)
         return _Outcome(ToolStatus.FORMAT_ERROR, "FormatError", None, response)
-    if call.parsed.name in story.tool_parameters:  # the user's (one named code_interpreter replaces ours)
+    if call.parsed.name in setup.tool_parameters:  # the user's (one named code_interpreter replaces ours)
         extra = state.task.extra_info
         tools_kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None  # verl's, per row
         context = CallContext(state.rollout_id, tools_kwargs or {})
@@ -486,22 +487,22 @@ def _from_result(result) -> _Outcome:
 # Finishing a rollout
 
 
-async def _finish(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache) -> Rollout:
-    config = story.config
+async def _finish(state: RolloutState, setup: CollectionSetup, requests: Requests, cache: ScoreCache) -> Rollout:
+    config = setup.config
     assistants = [segment for segment in state.segments if segment.kind == SegmentKind.ASSISTANT]
     tools = [segment for segment in state.segments if segment.kind == SegmentKind.TOOL]
     reward, correct, answer, details = 0.0, False, None, None
     if assistants:
-        if story.rewards.reward_file is not None:
-            result = await _reward_from_file(state, story, requests, cache)
+        if setup.rewards.reward_file is not None:
+            result = await _reward_from_file(state, setup, requests, cache)
         else:
-            result = await story.rewards.grade(state.rollout_id, assistants[-1].text, state.task.graded_truth,
+            result = await setup.rewards.grade(state.rollout_id, assistants[-1].text, state.task.graded_truth,
                                                state.task.data_source)
         reward, correct, answer, details = float(result.reward), bool(result.correct), result.answer, getattr(result, "details", None)
     return Rollout(
         rollout_id=state.rollout_id, iteration=state.iteration, group_id=state.group_id,
         prompt_id=state.task.prompt_id, sample_index=state.sample_index,
-        policy_version=str(story.policy_version), data_source=state.task.data_source,
+        policy_version=str(setup.policy_version), data_source=state.task.data_source,
         ground_truth=state.task.ground_truth, answer=answer, reward=reward, correct=correct,
         finish_reason=state.finish_reason, rollback_draw=state.draw,
         collect_view=CollectView.PURIFIED if state.view.purified else CollectView.RAW,
@@ -511,13 +512,13 @@ async def _finish(state: RolloutState, story: Story, requests: Requests, cache: 
     )
 
 
-async def _reward_from_file(state: RolloutState, story: Story, requests: Requests, cache: ScoreCache):
+async def _reward_from_file(state: RolloutState, setup: CollectionSetup, requests: Requests, cache: ScoreCache):
     """The user's reward function on verl's arguments (grading/reward_file.py): the response as the
     rollout's view renders it, after the prompt, without special tokens (the IS gate that rendering
     needs may score first: InfraFault if the backend fails it)."""
-    rendered = await _render_context(state, story, requests, cache)
-    solution = story.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
+    rendered = await _render_context(state, setup, requests, cache)
+    solution = setup.chat.decode_response(rendered.token_ids[rendered.prompt_len:])
     turns = sum(segment.kind != SegmentKind.PROMPT for segment in state.segments) + 1
-    return await story.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.raw_truth,
+    return await setup.rewards.verl(state.rollout_id, state.task.data_source, solution, state.task.raw_truth,
                                     verl_extra_info(state.task.extra_info, turns, state.tool_scores,
                                                                     state.tool_rewards))

@@ -1,7 +1,7 @@
 """How the rollouts of a collection are run and committed (docs/architecture.md §5).
 
-`collect` runs every planned rollout's story (agent.py) as a task of its own on one event loop and
-hands the finished ones, in parts of `batch_rollouts`, to `write` on a thread of its own (the unit of
+`collect` runs every planned rollout (agent.py's run_rollout) as a task of its own on one event
+loop and hands the finished ones, in parts of `batch_rollouts`, to `write` on a thread of its own (the unit of
 resume). It returns what it wrote, or stops with one line (`CollectionStopped`).
 
 Design decisions:
@@ -56,10 +56,10 @@ from tqdm import tqdm
 from cleaner.config import CollectConfig, Schedule
 from cleaner.engine.collect.agent import (
     CollectedBatch,
+    CollectionSetup,
     InfraFault,
     Phase,
     RolloutState,
-    Story,
     cut_generation,
     plan_rollouts,
     run_rollout,
@@ -90,7 +90,7 @@ STOPPING = "committing the parts already finished"  # what a further Ctrl-C says
 
 
 @dataclasses.dataclass(frozen=True)
-class Collected:
+class CollectionCounts:
     """What a collection wrote."""
 
     n_rollouts: int  # rollouts written
@@ -113,7 +113,7 @@ def collect(
     strict_context: bool = True,
     toolbox: Toolbox | None = None,
     reward_file: RewardFunction | None = None,
-) -> Collected:
+) -> CollectionCounts:
     """Run config.group_size rollouts per task; `write` the finished ones in parts of
     config.batch_rollouts (the last part may be smaller), on a thread of its own.
 
@@ -134,13 +134,13 @@ def collect(
     logger.info("collecting %d rollouts (%d skipped as already stored), schedule %s", plan.total,
                 len(tasks) * config.group_size - plan.total, config.schedule)
     rewards = Rewards(reward_fn, reward_file, config.reward_timeout_s)
-    story = Story(config, chat, backend.context_length, rewards, backend.policy_version, on_context, toolbox)
+    setup = CollectionSetup(config, chat, backend.context_length, rewards, backend.policy_version, on_context, toolbox)
     loop = backend.event_loop
     own_loop = loop is None
     if own_loop:
         loop = asyncio.new_event_loop()
     writer = PartWriter(write)
-    run = _Run(plan.states, story, backend, sandbox)
+    run = _Run(plan.states, setup, backend, sandbox)
     bar = tqdm(total=plan.total, desc="collect", unit="rollout", disable=not progress)
     stopped: BaseException | None = None
     main = loop.create_task(run.main(bar, writer))
@@ -164,7 +164,7 @@ def collect(
             if own_loop:
                 loop.close()
             rewards.close()
-    done = Collected(writer.rollouts, writer.parts)
+    done = CollectionCounts(writer.rollouts, writer.parts)
     if writer.error is not None and not isinstance(stopped, KeyboardInterrupt):
         raise writer.error  # a write that failed (a full disk) says so itself
     if stopped is not None:
@@ -176,7 +176,7 @@ def collect(
     return done
 
 
-def _stopped(error: BaseException, done: Collected, total: int, run: _Run) -> BaseException:
+def _stopped(error: BaseException, done: CollectionCounts, total: int, run: _Run) -> BaseException:
     """What a collection that ended early raises: one line of why, what is committed, what to do."""
     committed = f"{done.n_rollouts} of {total} rollouts are committed in {done.n_parts} parts"
     if isinstance(error, KeyboardInterrupt):
@@ -320,9 +320,9 @@ class Faults:
 class _Run:
     """The planned rollouts, those in flight and those finished but not yet handed out."""
 
-    def __init__(self, states: Iterator[RolloutState], story: Story, backend, sandbox) -> None:
-        self.story, self.backend, self.sandbox = story, backend, sandbox
-        self.config = story.config
+    def __init__(self, states: Iterator[RolloutState], setup: CollectionSetup, backend, sandbox) -> None:
+        self.setup, self.backend, self.sandbox = setup, backend, sandbox
+        self.config = setup.config
         self.waiting = states
         self.exhausted = False  # every planned rollout has started
         self.running: dict[asyncio.Task, RolloutState] = {}
@@ -400,24 +400,24 @@ class _Run:
             if self.running:
                 return
             batch = self._take(self.config.batch_rollouts)
-            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, len(batch), self.story.toolbox,
+            requests = LockstepRequests(self.backend, self.sandbox, self.tokens, len(batch), self.setup.toolbox,
                                         self.faults)
             self.lock_steps = [requests]
             for state in batch:
                 self._launch(state, requests)
             return
-        requests = DirectRequests(self.backend, self.sandbox, self.tokens, self.story.toolbox, self.faults)
+        requests = DirectRequests(self.backend, self.sandbox, self.tokens, self.setup.toolbox, self.faults)
         for state in self._take(self.config.max_concurrent_rollouts - len(self.running)):
             self._launch(state, requests)
 
     def _launch(self, state: RolloutState, requests: DirectRequests) -> None:
-        async def story() -> Rollout:
+        async def one_rollout() -> Rollout:
             try:
-                return await run_rollout(state, self.story, requests)
+                return await run_rollout(state, self.setup, requests)
             finally:
-                requests.leave(state)  # if its story did not say so itself (an error)
+                requests.leave(state)  # if its rollout did not say so itself (an error)
 
-        self.running[asyncio.get_running_loop().create_task(story(), name=state.rollout_id)] = state
+        self.running[asyncio.get_running_loop().create_task(one_rollout(), name=state.rollout_id)] = state
 
     def _show(self, bar: tqdm) -> None:
         now = time.monotonic()

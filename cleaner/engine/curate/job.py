@@ -46,7 +46,7 @@ from cleaner.engine.curate import stats as statistics
 from cleaner.engine.curate.filtering import Selection, match_rows, select
 from cleaner.engine.curate.ratios import RatioSpec, parse_ratios
 from cleaner.engine.curate.stats import PromptStats, StatsError
-from cleaner.engine.curate.summary import TITLE, WRITTEN_BY, Facts, page, record, stats_page
+from cleaner.engine.curate.summary import TITLE, WRITTEN_BY, CurationFacts, page, record, stats_page
 from cleaner.errors import JobError
 from cleaner.outputs import OutputError, atomic_files
 from cleaner.warehouse import Warehouse
@@ -90,7 +90,7 @@ def curate_job(warehouse: Warehouse, config: CurateConfig) -> CurateOutcome:
 @dataclass(frozen=True)
 class _Filtered:
     table: pa.Table  # the kept rows, in the dataset's order
-    facts: Facts
+    facts: CurationFacts
     selection: Selection
 
 
@@ -103,9 +103,9 @@ def _filtered(config: CurateConfig, found: _Statistics, spec: RatioSpec | None) 
     selection = select(matched, ratios, config.retain_code, config.seed)
     _check_selection(config, found, selection)
     used = {id(item) for item in matched if item is not None}
-    facts = Facts(config.data, table.num_rows, found.source, len(found.items),
-                  sum(id(item) not in used for item in found.items), config.success_rate_ratios,
-                  config.retain_code, config.seed, config.out)
+    facts = CurationFacts(config.data, table.num_rows, found.source, len(found.items),
+                          sum(id(item) not in used for item in found.items), config.success_rate_ratios,
+                          config.retain_code, config.seed, config.out)
     return _Filtered(table.take(list(selection.kept_rows)), facts, selection)
 
 

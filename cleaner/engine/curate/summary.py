@@ -23,7 +23,7 @@ WRITTEN_BY = "cleaner curate"
 
 
 @dataclass(frozen=True)
-class Facts:
+class CurationFacts:
     """Everything a summary states besides the selection."""
 
     data: str  # the dataset filtered
@@ -65,7 +65,7 @@ def level_rows(levels: Sequence[Level]) -> list[list[object]]:
     return rows
 
 
-def page(facts: Facts, selection: Selection) -> str:
+def page(facts: CurationFacts, selection: Selection) -> str:
     """The Markdown summary."""
     matched = sum(item is not None for item in selection.matched)
     kept = len(selection.kept_rows)
@@ -101,7 +101,7 @@ def _total(counts: Sequence[Count]) -> list[object]:
     return ["total", before, after, _percent(after, before)]
 
 
-def record(facts: Facts, selection: Selection, sha256: str) -> str:
+def record(facts: CurationFacts, selection: Selection, sha256: str) -> str:
     """The JSON summary."""
     levels = [{"success_rate": float(level.rate), "fraction": f"{level.rate.numerator}/{level.rate.denominator}",
                "prompts": level.prompts, "kept": level.kept,

@@ -26,7 +26,7 @@ _DTYPES = {"extension<arrow.json>": "json", "float": "float32", "double": "float
 
 
 @dataclass(frozen=True)
-class Facts:
+class CardFacts:
     """What a card states."""
 
     warehouse: Path
@@ -60,7 +60,7 @@ def _feature(name: str, type_: pa.DataType) -> dict:
     return {"name": name, "dtype": _DTYPES.get(str(type_), str(type_))}
 
 
-def card(facts: Facts) -> str:
+def card(facts: CardFacts) -> str:
     """README.md: the YAML front matter, then the text."""
     info: dict = {"splits": [{"name": SPLIT, "num_bytes": facts.data_bytes, "num_examples": facts.rows}]}
     if facts.form != MESSAGES:
@@ -73,7 +73,7 @@ def card(facts: Facts) -> str:
     return f"---\n{yaml.safe_dump(front, sort_keys=False, allow_unicode=True)}---\n\n{_text(facts)}"
 
 
-def _text(facts: Facts) -> str:
+def _text(facts: CardFacts) -> str:
     what = f"{facts.form} ({facts.pairs} pairs)" if facts.form == PREFERENCE else facts.form
     lines = [
         "# Trajectories exported by cleaner", "",

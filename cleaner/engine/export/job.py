@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from cleaner.config import Edit, PurifyConfig
 from cleaner.engine.export import rows as rowing
-from cleaner.engine.export.card import Facts, card
+from cleaner.engine.export.card import CardFacts, card
 from cleaner.engine.export.folder import (
     MESSAGES,
     PREFERENCE,
@@ -47,7 +47,7 @@ from cleaner.engine.export.folder import (
     stored_messages,
 )
 from cleaner.engine.export.policy import Policy, policy_for
-from cleaner.engine.saar.walk import View
+from cleaner.engine.saar.walk import RenderSettings
 from cleaner.errors import JobError
 from cleaner.interrupts import QueryStop, watched
 from cleaner.outputs import DATASET, OutputError, atomic_directory, check_outside, check_replaceable
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 DUCKDB_MEMORY = "1GB"  # DuckDB's sort of the selection spills past this
 
 
-class Form(StrEnum):
+class ExportFormat(StrEnum):
     SFT = SFT  # one conversation per rollout, TRL's conversational format (Parquet)
     PREFERENCE = PREFERENCE  # prompt, chosen, rejected (Parquet)
     MESSAGES = MESSAGES  # the conversations as OpenAI-style chat JSON Lines
@@ -81,7 +81,7 @@ class ExportRequest:
     """What an export writes: which rollouts, in which format, where."""
 
     iterations: tuple[int, ...]  # the collected iterations to export
-    form: Form  # sft | preference | messages
+    form: ExportFormat  # sft | preference | messages
     out: Path  # the dataset folder
     view: ExportView = ExportView.RAW  # conversations of the stored rollout, or of its purified row
     where: str | None = None  # a SQL condition over the rollouts view's columns
@@ -93,7 +93,7 @@ class ExportRequest:
     batch_rows: int = 256  # rollouts read at a time
 
     def __post_init__(self) -> None:
-        for name, kind in (("form", Form), ("view", ExportView), ("pairs", Pairs)):
+        for name, kind in (("form", ExportFormat), ("view", ExportView), ("pairs", Pairs)):
             value = getattr(self, name)
             if value not in set(kind):
                 raise ValueError(f"{name} must be one of {', '.join(kind)}, got {value!r}")
@@ -105,7 +105,7 @@ class ExportRequest:
 
     @property
     def chain_pairs(self) -> bool:
-        return self.form == Form.PREFERENCE and self.pairs == Pairs.CHAIN
+        return self.form == ExportFormat.PREFERENCE and self.pairs == Pairs.CHAIN
 
     @property
     def purified_rows(self) -> bool:
@@ -133,10 +133,10 @@ class _Tally:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _ExportPlan:
     selected: int
     config: PurifyConfigRow | None  # the purify config read (its rows, or its SAAR settings)
-    saar: View  # chain pairs' SAAR settings
+    saar: RenderSettings  # chain pairs' SAAR settings
     policies: dict[int, Policy]
     counted: int | None
 
@@ -169,27 +169,27 @@ def export_job(warehouse: Warehouse, request: ExportRequest, *, progress: bool =
             connection.close()
     if plan.counted is not None and plan.counted != tally.rows:
         logger.warning("%d pairs written, but the documented SQL counts %d", tally.rows, plan.counted)
-    exact = tally.exact if request.form != Form.PREFERENCE else None
+    exact = tally.exact if request.form != ExportFormat.PREFERENCE else None
     return ExportOutcome(Path(request.out), tally.rows, len(paths), plan.selected, exact, plan.counted,
                          time.monotonic() - started)
 
 
-def _facts(warehouse: Warehouse, request: ExportRequest, plan: _Plan, tally: _Tally, shards: int,
-           data_bytes: int) -> Facts:
+def _facts(warehouse: Warehouse, request: ExportRequest, plan: _ExportPlan, tally: _Tally, shards: int,
+           data_bytes: int) -> CardFacts:
     config = plan.config
     chains = request.chain_pairs
     described = None if config is None else (
         f"{config.config_id} (gamma {config.gamma}, similarity on {config.similarity_on}, edit {config.edit})")
     if chains and config is None:
         described = f"none; SAAR at cleaner purify's defaults (gamma {plan.saar.gamma}, similarity on {plan.saar.similarity_on})"
-    return Facts(
+    return CardFacts(
         warehouse=warehouse.root.resolve(), form=str(request.form),
-        pairs=str(request.pairs) if request.form == Form.PREFERENCE else None,
+        pairs=str(request.pairs) if request.form == ExportFormat.PREFERENCE else None,
         view="purified (SAAR's rendering)" if chains else str(request.view), iterations=request.iterations,
         where=request.where, config=described,
         policies=tuple(dict.fromkeys(policy.path for policy in plan.policies.values())),
         selected=plan.selected, rows=tally.rows, data_bytes=data_bytes, shards=shards,
-        exact=tally.exact if request.form != Form.PREFERENCE else None, counted=plan.counted,
+        exact=tally.exact if request.form != ExportFormat.PREFERENCE else None, counted=plan.counted,
         kinds=tally.kinds, errors=tally.errors)
 
 
@@ -207,7 +207,7 @@ def _check_out(request: ExportRequest, warehouse: Warehouse) -> None:
 # What can be refused, before anything is written
 
 
-def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
+def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _ExportPlan:
     collected = selection.collected_iterations(connection)
     missing = [i for i in request.iterations if i not in collected]
     if missing:
@@ -220,18 +220,18 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _Plan:
         raise JobError(f"iteration(s) {_listed(request.iterations)} hold {which}: nothing to export")
     config = _config(connection, warehouse, request)
     defaults = PurifyConfig()
-    saar = View(purified=True, gamma=config.gamma if config else defaults.gamma,
-                similarity_on=config.similarity_on if config else defaults.similarity_on)
+    saar = RenderSettings(purified=True, gamma=config.gamma if config else defaults.gamma,
+                          similarity_on=config.similarity_on if config else defaults.similarity_on)
     cache: dict = {}
     policies = {i: policy_for(request.policy, warehouse.collect_config(i), i, cache) for i in request.iterations}
     counted = None
-    if request.form == Form.PREFERENCE:
+    if request.form == ExportFormat.PREFERENCE:
         query = selection.FIXED_CHAINS if request.pairs == Pairs.CHAIN else selection.OUTCOME_PAIRS
         counted = selection.count(connection, query)
         if not counted:
             raise JobError(f"the {selected} selected rollouts hold no {request.pairs} pair (the documented SQL "
                            f"count is 0: {_NO_PAIRS[request.pairs]}): nothing to export")
-    return _Plan(selected, config, saar, policies, counted)
+    return _ExportPlan(selected, config, saar, policies, counted)
 
 
 _NO_PAIRS = {Pairs.CHAIN: "no failed call that a later call of its step fixed",
@@ -291,14 +291,14 @@ def _listed(values) -> str:
 # Rows
 
 
-def _write(connection, plan: _Plan, request: ExportRequest, shards: Shards, progress: bool,
+def _write(connection, plan: _ExportPlan, request: ExportRequest, shards: Shards, progress: bool,
            stop: QueryStop) -> _Tally:
     tally = _Tally()
     config_id = plan.config.config_id if request.purified_rows else None
     with tqdm(total=plan.selected, desc="export", unit="rollout", disable=not progress) as bar:
         for batch in selection.stream(connection, request.batch_rows, config_id):
             stop.check()  # a Ctrl-C between the streams' reads
-            if request.form == Form.PREFERENCE and not request.chain_pairs:
+            if request.form == ExportFormat.PREFERENCE and not request.chain_pairs:
                 for _, group in groupby(batch, key=lambda c: c.rollout.group_id):
                     _outcome_rows(list(group), plan, request, shards, tally)
             else:
@@ -315,9 +315,9 @@ def _conversation(collected, policy: Policy, purified: bool) -> rowing.Conversat
     return rowing.raw_conversation(collected.segments, policy.template)
 
 
-def _rollout_rows(collected, plan: _Plan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
+def _rollout_rows(collected, plan: _ExportPlan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
     policy = plan.policies[collected.rollout.iteration]
-    if request.form == Form.PREFERENCE:
+    if request.form == ExportFormat.PREFERENCE:
         for pair in rowing.chain_pairs(collected.segments, plan.saar, policy.template, policy.chat.decode):
             shards.add(_pair_row(pair.prompt, pair.chosen, pair.rejected, policy, collected, None, plan,
                                  ExportView.PURIFIED, step=pair.step, depth=pair.depth, error_type=pair.error_type))
@@ -328,7 +328,7 @@ def _rollout_rows(collected, plan: _Plan, request: ExportRequest, shards: Shards
     conversation = _conversation(collected, policy, request.purified_rows)
     rollout = collected.rollout
     row = {
-        "messages": stored_messages(conversation.messages) if request.form == Form.SFT
+        "messages": stored_messages(conversation.messages) if request.form == ExportFormat.SFT
         else openai_messages(conversation.messages),
         "tools": _tools(policy, request.form),
         "rollout_id": rollout.rollout_id, "iteration": rollout.iteration, "group_id": rollout.group_id,
@@ -344,17 +344,17 @@ def _rollout_rows(collected, plan: _Plan, request: ExportRequest, shards: Shards
     tally.exact += conversation.exact
 
 
-def _tools(policy: Policy, form: Form) -> object:
+def _tools(policy: Policy, form: ExportFormat) -> object:
     """The tools as the format holds them: JSON text for the Parquet formats (a Json feature), a
     list in a JSON line."""
-    return list(policy.tools) if form == Form.MESSAGES else _dumps(list(policy.tools))
+    return list(policy.tools) if form == ExportFormat.MESSAGES else _dumps(list(policy.tools))
 
 
 def _dumps(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _outcome_rows(group: list, plan: _Plan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
+def _outcome_rows(group: list, plan: _ExportPlan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
     purified = request.purified_rows
     for chosen, rejected in rowing.outcome_pairs(group):
         policy = plan.policies[chosen.rollout.iteration]
@@ -366,7 +366,7 @@ def _outcome_rows(group: list, plan: _Plan, request: ExportRequest, shards: Shar
         tally.kinds["exact" if good.exact and bad.exact else "not exact"] += 1
 
 
-def _pair_row(prompt, chosen, rejected, policy: Policy, first, second, plan: _Plan, view: ExportView,
+def _pair_row(prompt, chosen, rejected, policy: Policy, first, second, plan: _ExportPlan, view: ExportView,
               step: int | None = None, depth: str | None = None, error_type: str | None = None) -> dict:
     rollout = first.rollout
     return {

@@ -33,7 +33,7 @@ from cleaner.engine.export.conversation import (
     assistant_message,
     turn_messages,
 )
-from cleaner.engine.saar.walk import Outcome, StepOutcome, View, explain
+from cleaner.engine.saar.walk import Outcome, RenderSettings, StepOutcome, explain
 from cleaner.records import FinishReason, PurifiedRow, Rollout, Segment, SegmentKind, ToolStatus
 
 Decode = Callable[[Sequence[int]], str]
@@ -112,7 +112,8 @@ class ChainPair:
     error_type: str  # the failed call's exception name, else its status
 
 
-def chain_pairs(segments: Sequence[Segment], view: View, template: Template, decode: Decode) -> list[ChainPair]:
+def chain_pairs(segments: Sequence[Segment], view: RenderSettings, template: Template,
+                decode: Decode) -> list[ChainPair]:
     """One pair per chain SAAR recovers in this rollout (module docstring)."""
     by_seq = {segment.seq: segment for segment in segments}
     prompt, _ = template.prompt_messages(_prompt_text(segments))

@@ -47,7 +47,7 @@ class StdioTests:
     outputs: tuple[str, ...]
 
 
-class Task(Protocol):
+class GradedTask(Protocol):
     """What grading reads of a task (collect's `Task` has it): grading imports no stage."""
 
     @property
@@ -87,7 +87,7 @@ def same_output(actual: str, expected: str) -> bool:
     return lines(actual) == lines(expected)
 
 
-def grading_sandbox_config(tool: SandboxConfig, test_timeout_s: float, tasks: Sequence[Task]) -> SandboxConfig:
+def grading_sandbox_config(tool: SandboxConfig, test_timeout_s: float, tasks: Sequence[GradedTask]) -> SandboxConfig:
     """The tool's sandbox settings with the per-test limits and room for the longest expected output."""
     longest = max((len(output) for task in tasks if is_code_source(task.data_source)
                    for output in parse_tests(task.ground_truth).outputs), default=0)
@@ -134,7 +134,7 @@ class Grader:
 
 
 @contextlib.contextmanager
-def grader_for(tasks: Sequence[Task], tool: SandboxConfig, test_timeout_s: float) -> Iterator[Grader]:
+def grader_for(tasks: Sequence[GradedTask], tool: SandboxConfig, test_timeout_s: float) -> Iterator[Grader]:
     """The reward function of these tasks; a grading sandbox runs only if a task is a program."""
     if not any(is_code_source(task.data_source) for task in tasks):
         yield Grader()

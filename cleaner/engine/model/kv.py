@@ -67,11 +67,6 @@ def kv_to_cache(kv: KV | None) -> DynamicCache | None:
     return DynamicCache(ddp_cache_data=kv)
 
 
-def kv_select(kv: KV, rows: torch.Tensor | slice) -> KV:
-    """Keep the batch rows `rows` (an index tensor or a slice)."""
-    return tuple((keys[rows], values[rows]) for keys, values in kv)
-
-
 # ---------------------------------------------------------------------------- forward
 
 

@@ -427,7 +427,7 @@ def run_to_end(batch: DecodeBatch, requests: Sequence[DecodeRequest]) -> None:
 
 
 @dataclass(frozen=True)
-class _Call:
+class _ModelWork:
     """Work on the model run between two steps; its result goes to `future`."""
 
     fn: Callable[[], object]
@@ -468,11 +468,11 @@ class DecodeServer:
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the decoding thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if (refusal := self._enqueue(_Call(fn, future))) is not None:
+        if (refusal := self._enqueue(_ModelWork(fn, future))) is not None:
             future.set_exception(refusal)
         return future
 
-    def _enqueue(self, item: DecodeRequest | _Call) -> BaseException | None:
+    def _enqueue(self, item: DecodeRequest | _ModelWork) -> BaseException | None:
         """Put `item` in the inbox for a running thread, or say why not. Under the lock the thread
         takes to record its death or close: an item checked in before either is in the inbox when
         the thread drains it at its end, and one after is refused, so none is left unanswered."""
@@ -577,12 +577,12 @@ class DecodeServer:
                 return True
             if closing:
                 error = self._refusal() or RuntimeError("the torch backend was closed")
-                if isinstance(item, _Call):
+                if isinstance(item, _ModelWork):
                     if item.future.set_running_or_notify_cancel():
                         item.future.set_exception(error)
                 else:
                     item.settle(error)
-            elif isinstance(item, _Call):
+            elif isinstance(item, _ModelWork):
                 _run_call(item)
             elif not item.cancelled():
                 self._received.add(item)
@@ -611,7 +611,7 @@ def _free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_call(call: _Call) -> None:
+def _run_call(call: _ModelWork) -> None:
     if not call.future.set_running_or_notify_cancel():
         return
     try:

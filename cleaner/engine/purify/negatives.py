@@ -35,7 +35,7 @@ from cleaner.config import DpoCap
 
 
 @dataclass(frozen=True)
-class Push:
+class AdvantageShift:
     """The per-token advantage changes of one (fix, failure) pair; both are >= 0."""
 
     delta: float  # mean old log-prob of the fix's call tokens minus the failure's
@@ -44,14 +44,14 @@ class Push:
 
 
 def dpo_push(fix_logprobs: Sequence[float], failed_logprobs: Sequence[float], beta: float,
-             max_ratio: float, cap: DpoCap, advantage: float) -> Push:
+             max_ratio: float, cap: DpoCap, advantage: float) -> AdvantageShift:
     """The pair's push; `advantage` is the purified row's (for the relative cap)."""
     if not fix_logprobs or not failed_logprobs:
-        return Push(0.0, 0.0, 0.0)
+        return AdvantageShift(0.0, 0.0, 0.0)
     delta = math.fsum(fix_logprobs) / len(fix_logprobs) - math.fsum(failed_logprobs) / len(failed_logprobs)
     s = 1.0 / (1.0 + math.exp(beta * delta))  # sigmoid(-beta * delta)
     limit = max_ratio * abs(advantage) if cap == DpoCap.RELATIVE else max_ratio
-    return Push(delta, min(beta * s / len(fix_logprobs), limit), min(beta * s / len(failed_logprobs), limit))
+    return AdvantageShift(delta, min(beta * s / len(fix_logprobs), limit), min(beta * s / len(failed_logprobs), limit))
 
 
 def with_pushes(advantage: float, length: int, ranges: Sequence[tuple[int, int, float]]) -> tuple[float, ...]:

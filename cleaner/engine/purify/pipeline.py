@@ -99,7 +99,7 @@ class PurifyStats:
 
 
 @dataclass(frozen=True)
-class Draft:
+class UnscoredRow:
     """One rollout rendered under one config, before scoring."""
 
     rollout: Rollout
@@ -121,7 +121,7 @@ class PurifyPlan:
     """One config's renderings before scoring."""
 
     config: PurifyConfig
-    drafts: tuple[Draft, ...]
+    drafts: tuple[UnscoredRow, ...]
     stats: PurifyStats
 
 
@@ -262,8 +262,8 @@ def _plan(
             rendered = render(chain, view, decode, oracle=cache, negatives=key[2])
             if not rendered.provisional:
                 renders[key] = rendered
-        drafts.append(Draft(rollout, advantage, view.purified, rendered, fault, not selection.kept[index],
-                            masked[index]))
+        drafts.append(UnscoredRow(rollout, advantage, view.purified, rendered, fault, not selection.kept[index],
+                                  masked[index]))
     if config.whole_batch:
         drafts = _whitened(drafts, stage)
     advantages = [draft.advantage for draft in drafts]
@@ -285,7 +285,7 @@ def _plan(
     return PurifyPlan(config, tuple(drafts), stats)
 
 
-def _whitened(drafts: list[Draft], stage: GroupStage) -> list[Draft]:
+def _whitened(drafts: list[UnscoredRow], stage: GroupStage) -> list[UnscoredRow]:
     """The drafts with their advantages whitened over the loss tokens of their renderings
     (reinforce_plus_plus_baseline; advantages.py), the infrastructure faults and the rows that do
     not train (dropped by down-sampling, masked by the void-turn filter) left out."""
@@ -298,7 +298,7 @@ def _input_errors(grouped: dict[str, list[Segment]]) -> tuple[tuple[str, int], .
     return errors_by_type([segment for group in grouped.values() for segment in group])
 
 
-def _row(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...] | None,
+def _row(config: PurifyConfig, draft: UnscoredRow, old_logprobs: tuple[float, ...] | None,
          scorer_version: str, token_advantages: tuple[float, ...] | None = None) -> PurifiedRow:
     """The stored row of a draft; old_logprobs None = zeros (not scored yet)."""
     rendered, rollout = draft.rendered, draft.rollout
@@ -377,7 +377,7 @@ def _warn_masking_purified(rollouts: Sequence[Rollout], configs: Sequence[Purify
                        purified, len(rollouts))
 
 
-def _rows_with_negatives(config: PurifyConfig, draft: Draft, old_logprobs: tuple[float, ...],
+def _rows_with_negatives(config: PurifyConfig, draft: UnscoredRow, old_logprobs: tuple[float, ...],
                          cache: ScoreCache, scorer_version: str) -> list[PurifiedRow]:
     """The draft's row, then one row per negative sample, with the pairs' pushes applied."""
     rendered = draft.rendered
@@ -394,7 +394,7 @@ def _rows_with_negatives(config: PurifyConfig, draft: Draft, old_logprobs: tuple
     return [_row(config, draft, old_logprobs, scorer_version, token_advantages), *negative_rows]
 
 
-def _negative_row(config: PurifyConfig, draft: Draft, negative: NegativeSample, failed_old: Sequence[float],
+def _negative_row(config: PurifyConfig, draft: UnscoredRow, negative: NegativeSample, failed_old: Sequence[float],
                   push: float, scorer_version: str) -> PurifiedRow:
     """A negative sample's row: trained on the failed call's tokens only, advantage -push there."""
     length, start = len(negative.token_ids), negative.call_start

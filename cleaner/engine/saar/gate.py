@@ -1,7 +1,7 @@
 """SAAR's IS gate (docs/architecture.md §4): whether a merge is close enough to on-policy to keep.
 
 Design decisions:
-- The IS gate (the authors' follow-up, "Plan B"; `View.is_threshold` tau > 0): a merge takes
+- The IS gate (the authors' follow-up, "Plan B"; `RenderSettings.is_threshold` tau > 0): a merge takes
   tokens R from a_i (its call tokens for a shallow merge, the whole turn for a deep one). Its
   IS = exp(sum log pi_old(R | the rendered context without the error) - sum log pi_b(R | the
   context R was sampled in)). The behaviour sum comes from the stored log-probs; the old-policy

@@ -13,13 +13,13 @@ Design decisions:
   merged(a_0..a_last) + t_last whether retries ran out (the next segment has another step, rendered
   raw) or the retry has simply not been generated yet (nothing follows). Both give the same tokens,
   which is exactly the context the next retry must see during collection.
-- The IS gate (`View.is_threshold` > 0) needs an oracle of old-policy log-probs; a rendering that
+- The IS gate (`RenderSettings.is_threshold` > 0) needs an oracle of old-policy log-probs; a rendering that
   assumed an unknown one is marked `provisional` (see merge.py), so the caller scores and renders
   again until nothing is assumed.
 - Negative samples (`negatives=True`): each failed attempt a_k of a recovered chain, as the turn
   stood after merging it (its own call, the reasoning SAAR would keep), after the rendered context
   before the chain; paired with the fix's call tokens in the rendered row (docs/architecture.md §7).
-- Edit mask (`View.edit`, docs/architecture.md §4): the same walk decides every merge, then the raw
+- Edit mask (`RenderSettings.edit`, docs/architecture.md §4): the same walk decides every merge, then the raw
   sequence is emitted token for token, and an assistant token is trained iff the replace rendering
   emits it or its attempt's call succeeded. A shallow merge thus masks the failed call, a deep one
   the failed turn; the fix is trained whole where it was sampled; what replace renders raw masks
@@ -58,7 +58,7 @@ from cleaner.engine.saar.merge import (
 from cleaner.records import Segment, SegmentKind, enum_value
 
 __all__ = ["RAW", "Decode", "Edit", "KeptTokens", "LogprobOracle", "MergeDecision", "NegativeSample", "Outcome",
-           "RenderStats", "Rendered", "StepOutcome", "View", "clear_similarity_cache", "explain",
+           "RenderSettings", "RenderStats", "Rendered", "StepOutcome", "clear_similarity_cache", "explain",
            "render", "view_for"]
 
 # ----------------------------------------------------------------------------------------------
@@ -66,8 +66,10 @@ __all__ = ["RAW", "Decode", "Edit", "KeptTokens", "LogprobOracle", "MergeDecisio
 
 
 @dataclass(frozen=True)
-class View:
-    """How to render: raw, or purified with SAAR at threshold gamma (IS-gated if is_threshold > 0)."""
+class RenderSettings:
+    """How to render: raw, or purified with SAAR at threshold gamma (IS-gated if is_threshold > 0).
+    A rollout's "view" is the one it was rendered in; the settings are named for what they are, apart
+    from the warehouse's SQL views and the `collect_view` flag."""
 
     purified: bool
     gamma: float = 0.5  # shallow merge iff similarity >= gamma (gamma > 1: always deep)
@@ -86,7 +88,7 @@ class View:
             raise ValueError(f"is_threshold must be >= 0, got {self.is_threshold}")
 
 
-RAW = View(purified=False)
+RAW = RenderSettings(purified=False)
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,11 @@ def view_for(
     rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
     similarity_on: SimilarityOn, is_threshold: float = 0.0, is_mode: IsMode = IsMode.SUM,
     edit: Edit = Edit.REPLACE,
-) -> View:
+) -> RenderSettings:
     """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (docs/architecture.md §4)."""
     if purified and rollback_draw < rollback_prob:
-        return View(purified=True, gamma=gamma, similarity_on=similarity_on, is_threshold=is_threshold,
-                    is_mode=is_mode, edit=edit)
+        return RenderSettings(purified=True, gamma=gamma, similarity_on=similarity_on,
+                              is_threshold=is_threshold, is_mode=is_mode, edit=edit)
     return RAW
 
 
@@ -154,7 +156,7 @@ def view_for(
 
 
 def _split(
-    segments: Sequence[Segment], view: View, decode: Decode | None
+    segments: Sequence[Segment], view: RenderSettings, decode: Decode | None
 ) -> tuple[list[Segment], list[Segment]]:
     """Check the input; the prompt segments and the rest, in seq order."""
     if not segments:
@@ -171,7 +173,7 @@ def _split(
     return prompt, body
 
 
-def render(segments: Sequence[Segment], view: View, decode: Decode | None = None,
+def render(segments: Sequence[Segment], view: RenderSettings, decode: Decode | None = None,
            oracle: LogprobOracle | None = None, negatives: bool = False) -> Rendered:
     """Render the segments of ONE rollout under `view` (sorted by seq here)."""
     prompt, body = _split(segments, view, decode)
@@ -198,11 +200,11 @@ def render(segments: Sequence[Segment], view: View, decode: Decode | None = None
     return _assemble(spans, prompt_len, stats, found, provisional)
 
 
-def _masking(view: View) -> bool:
+def _masking(view: RenderSettings) -> bool:
     return view.purified and view.edit == Edit.MASK
 
 
-def _gate(view: View, oracle: LogprobOracle | None) -> Gate | None:
+def _gate(view: RenderSettings, oracle: LogprobOracle | None) -> Gate | None:
     if not view.purified or view.is_threshold <= 0:
         return None
     if oracle is None:
@@ -290,7 +292,7 @@ def _negatives(prompt_spans: Sequence[Span], results: Sequence[ChainResult]) -> 
     return tuple(found)
 
 
-def explain(segments: Sequence[Segment], view: View, decode: Decode | None = None,
+def explain(segments: Sequence[Segment], view: RenderSettings, decode: Decode | None = None,
             oracle: LogprobOracle | None = None) -> list[StepOutcome]:
     """Step by step, how `render(segments, view, decode, oracle)` treats each chain (prompt excluded).
 
@@ -322,7 +324,7 @@ def explain(segments: Sequence[Segment], view: View, decode: Decode | None = Non
 
 
 def _walk(
-    prompt: Sequence[Segment], body: Sequence[Segment], view: View, decode: Decode | None, gate: Gate | None
+    prompt: Sequence[Segment], body: Sequence[Segment], view: RenderSettings, decode: Decode | None, gate: Gate | None
 ) -> list[tuple[list[Segment], ChainResult]]:
     """Each chain with its rendering; after an unrecovered chain (or in the raw view) chains are raw."""
     walked = []

@@ -200,10 +200,6 @@ def out_of_memory_hint() -> str:
             "before training (docs/running.md, 'Will it fit')")
 
 
-def gib(value: int) -> float:
-    return value / 2**30
-
-
 def parameter_count(config) -> int:
     """The parameters a config's model has, counted on the meta device (nothing allocated)."""
     import torch  # CLI start-up time

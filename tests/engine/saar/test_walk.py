@@ -13,7 +13,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cleaner.engine.model.chat import format_call
-from cleaner.engine.saar.walk import RAW, KeptTokens, MergeDecision, View, explain, render, view_for
+from cleaner.engine.saar.walk import (
+    RAW,
+    KeptTokens,
+    MergeDecision,
+    RenderSettings,
+    explain,
+    render,
+    view_for,
+)
 from cleaner.records import Segment, SegmentKind, ToolStatus
 from tests.factories import (
     DIFFERENT,
@@ -29,7 +37,7 @@ from tests.factories import (
 )
 from tests.helpers import assert_rendered
 
-PURIFIED = View(purified=True, gamma=0.5, similarity_on="code")
+PURIFIED = RenderSettings(purified=True, gamma=0.5, similarity_on="code")
 
 
 
@@ -111,23 +119,23 @@ def measured_chain(first_code: str | None) -> list[Segment]:
 
 def test_code_similarity_is_deep_where_call_similarity_is_shallow():
     segments = measured_chain("import numpy; print(numpy.add(2,2))")
-    by_code = render(segments, View(True, 0.5, "code"), decode)
-    by_call = render(segments, View(True, 0.5, "call"), decode)
+    by_code = render(segments, RenderSettings(True, 0.5, "code"), decode)
+    by_call = render(segments, RenderSettings(True, 0.5, "call"), decode)
     assert (by_code.stats.n_deep, by_call.stats.n_shallow) == (1, 1)
     assert decode(by_code.token_ids[1:-1]) == "Again. " + format_call("x=2; print(x+x)")
     assert decode(by_call.token_ids[1:-1]) == "Add. " + format_call("x=2; print(x+x)")
 
 
 def test_code_falls_back_to_call_when_code_is_missing():
-    rendered = render(measured_chain(None), View(True, 0.5, "code"), decode)
+    rendered = render(measured_chain(None), RenderSettings(True, 0.5, "code"), decode)
     assert rendered.stats.n_shallow == 1
 
 
 def test_call_similarity_without_decode_is_a_clear_error():
     with pytest.raises(ValueError, match="decode"):
-        render(measured_chain(None), View(True, 0.5, "call"))
+        render(measured_chain(None), RenderSettings(True, 0.5, "call"))
     with pytest.raises(ValueError, match="decode"):
-        render(measured_chain(None), View(True, 0.5, "code"))  # fallback needs decode too
+        render(measured_chain(None), RenderSettings(True, 0.5, "code"))  # fallback needs decode too
 
 
 def test_malformed_chain_is_rejected():
@@ -138,7 +146,7 @@ def test_malformed_chain_is_rejected():
 
 
 def test_view_for_follows_the_draw():
-    assert view_for(0.3, True, 0.7, 0.5, "call") == View(True, 0.7, "call")
+    assert view_for(0.3, True, 0.7, 0.5, "call") == RenderSettings(True, 0.7, "call")
     assert view_for(0.5, True, 0.7, 0.5, "call") == RAW
     assert view_for(0.0, False, 0.7, 1.0, "code") == RAW
 
@@ -216,7 +224,7 @@ def processed(plan: Plan) -> list[int]:
 @given(plans(), st.floats(0, 1.2))
 def test_mask_and_logprobs_align_with_tokens(plan, gamma):
     by_seq = {segment.seq: segment for segment in plan.segments}
-    for view in (RAW, View(True, gamma, "code")):
+    for view in (RAW, RenderSettings(True, gamma, "code")):
         rendered = render(plan.segments, view)
         assert len(rendered.token_ids) == len(rendered.loss_mask) == len(rendered.behavior_logprobs)
         for token, mask, logprob in zip(rendered.token_ids, rendered.loss_mask,
@@ -243,15 +251,15 @@ def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
 def test_rollout_without_a_failed_call_renders_raw_under_every_view(plan, gamma, similarity_on):
     # purify renders such a rollout once for every config of an ablation grid, relying on this
     assume(not any(segment.kind == SegmentKind.TOOL and segment.failed for segment in plan.segments))
-    assert render(plan.segments, View(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
+    assert render(plan.segments, RenderSettings(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
 
 
 @settings(max_examples=150, deadline=None)
 @given(plans())
 def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
     expected_merges = sum(plan.merges[index] for index in processed(plan))
-    shallow = render(plan.segments, View(True, 0.0, "code")).stats
-    deep = render(plan.segments, View(True, 1.01, "code")).stats
+    shallow = render(plan.segments, RenderSettings(True, 0.0, "code")).stats
+    deep = render(plan.segments, RenderSettings(True, 1.01, "code")).stats
     assert (shallow.n_shallow, shallow.n_deep) == (expected_merges, 0)
     assert (deep.n_shallow, deep.n_deep) == (0, expected_merges)
     assert shallow.n_unrecovered == deep.n_unrecovered == ("unrecovered" in plan.outcomes)
@@ -260,7 +268,7 @@ def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.floats(0, 1.2))
 def test_recovered_chain_leaves_no_failed_call_or_error(plan, gamma):
-    rendered = set(render(plan.segments, View(True, gamma, "code")).token_ids)
+    rendered = set(render(plan.segments, RenderSettings(True, gamma, "code")).token_ids)
     for index in processed(plan):
         if plan.outcomes[index] != "recovered":
             continue
@@ -278,13 +286,13 @@ def test_unrecovered_chain_renders_rest_raw(plan, gamma):
     if "unrecovered" not in plan.outcomes:
         return
     chain = plan.chains[plan.outcomes.index("unrecovered")]
-    rendered = render(plan.segments, View(True, gamma, "code"))
+    rendered = render(plan.segments, RenderSettings(True, gamma, "code"))
     last_tool = [segment for segment in chain if segment.kind == SegmentKind.TOOL][-1]
     rest = [segment for segment in plan.segments if segment.seq > last_tool.seq]
     tail = raw_ids([last_tool, *rest])
     assert rendered.token_ids[-len(tail):] == tail
     # Cut right after the last failed call (a retry not generated yet): a prefix of the full render.
-    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], View(True, gamma, "code"))
+    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], RenderSettings(True, gamma, "code"))
     assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
 
 
@@ -350,7 +358,7 @@ def test_explain_raw_view_removes_nothing():
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.floats(0, 1.2))
 def test_explain_agrees_with_render(plan, gamma):
-    view = View(True, gamma, "code")
+    view = RenderSettings(True, gamma, "code")
     rendered = render(plan.segments, view)
     steps = explain(plan.segments, view)
     by_seq = {segment.seq: segment for segment in plan.segments}

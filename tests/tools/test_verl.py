@@ -42,7 +42,7 @@ from tests.agent_fakes import (
     fake_reward,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 REFERENCE = FIXTURES / "open_cleaner"
 
 

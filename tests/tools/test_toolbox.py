@@ -1,7 +1,7 @@
-"""Tools beside Python (cleaner/tools.py): the call parser, the toolbox, loading, and the agent loop
+"""Tools beside Python (cleaner/tools/): the call parser, the toolbox, loading, and the agent loop
 with a second tool, whose failure-and-retry chains SAAR merges as it merges the Python tool's.
 
-The scripted backend and fake sandbox are test_agent.py's; the second tool is the example's
+The scripted backend and fake sandbox are tests/agent_fakes.py's; the second tool is the example's
 unit converter (examples/units/tools.py), loaded from its YAML as a user would.
 """
 
@@ -440,9 +440,10 @@ def test_each_call_goes_to_the_tool_it_names_and_the_rows_say_which():
 
 
 def test_the_second_tools_chains_have_the_python_tools_steps_and_contexts():
-    """The replay that holds for the Python tool (test_agent.py) holds for the unit converter: every
-    context the model saw is the renderer's rendering of the stored segments before it, in both
-    views, and the same number of contexts differ from raw as with CHAINS (1 + 2 + 4 + 0)."""
+    """The replay that holds for the Python tool (tests/engine/collect/test_agent.py) holds for the
+    unit converter: every context the model saw is the renderer's rendering of the stored segments
+    before it, in both views, and the same number of contexts differ from raw as with CHAINS
+    (1 + 2 + 4 + 0)."""
     for collect_view in ("purified", "raw"):
         config = dataclasses.replace(BASE, collect_view=collect_view)
         rollouts, segments, contexts = run_units(config)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -37,9 +38,8 @@ def _fail_job(message: str) -> typer.Exit:
 
 def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | None = None):
     """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
-    and nothing but `iterations` and the collection's scheduling may differ from it. `names`: the
+    and nothing but `iterations` and the fields that never count toward an id may differ from it. `names`: the
     flag of each field a flag set."""
-    from cleaner.config import CollectConfig
     from cleaner.config.layers import (
         RUN_BASE_LAYER,
         ConfigError,
@@ -59,7 +59,8 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
     except ConfigError as error:
         raise _fail_job(str(error)) from error
-    free = ("iterations", *(f"collect.{name}" for name in CollectConfig.SCHEDULING))  # not what a rollout contains
+    free = ("iterations", *(f"{table}.{item.name}" for table in ("collect", "purify", "train")  # not what is computed
+                            for item in dataclasses.fields(getattr(config, table)) if item.metadata["identity"] == "never"))
     changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=free)
     if changed:
         raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it "

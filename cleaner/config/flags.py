@@ -1,5 +1,5 @@
 """Which flags a command takes: one per config field, named after it, with the field's default and
-its one-line comment as help (docs/architecture.md §9), so each is written once, in the dataclass.
+the help its `setting` declares (docs/architecture.md §9), so each is written once, in the dataclass.
 
 `--field-name` sets a field; a nested config's fields carry its name (`--sandbox-workers`). What a
 command does otherwise is `RENAMED` and `COMMANDS` below. `cleaner run` takes its collect, purify
@@ -11,10 +11,8 @@ phase command) or merges over the run's other layers.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +45,7 @@ class Flag:
     paths: tuple[tuple[str, ...], ...]  # the fields it sets, e.g. (("collect", "gamma"), ("purify", "gamma"))
     hint: object  # the field's type
     default: object  # the field's default (run's: RUN_BASE_LAYER's value where it has one)
-    help: str  # the field's comment
+    help: str  # the field's help
     derived: str | None = None  # what the default follows when the flag is not given (no fixed default)
 
     @property
@@ -97,27 +95,12 @@ COMMANDS = {
 
 
 def field_help(cls: type) -> dict[str, str]:
-    """{field: its one-line comment} of a dataclass, read from its source; TypeError naming the
-    first field without one (every config field has one: it is the flag's help)."""
-    tree, lines = _parsed(inspect.getsourcefile(cls))
-    node = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
-    found = {}
-    for item in node.body:
-        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-            # after the statement, its line holds only a comment (offsets count UTF-8 bytes)
-            rest = lines[item.end_lineno - 1].encode()[item.end_col_offset:].decode().strip()
-            if rest.startswith("#"):
-                found[item.target.id] = rest.lstrip("#").strip()
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in found]
+    """{field: its help} of a config dataclass (`setting(..., help=...)`); TypeError naming the
+    first field without one (a config field's help is its flag's)."""
+    missing = [item.name for item in dataclasses.fields(cls) if not item.metadata.get("help")]
     if missing:
-        raise TypeError(f"{cls.__name__}.{missing[0]} has no comment; a config field's comment is its flag's help")
-    return found
-
-
-@functools.cache
-def _parsed(path: str) -> tuple[ast.Module, list[str]]:
-    source = Path(path).read_text()
-    return ast.parse(source), source.splitlines()
+        raise TypeError(f"{cls.__name__}.{missing[0]} has no help; declare it with setting(..., help=...)")
+    return {item.name: item.metadata["help"] for item in dataclasses.fields(cls)}
 
 
 def _fields(cls: type, path: tuple[str, ...] = (), prefix: str = "") -> Iterator[Flag]:

@@ -84,8 +84,6 @@ def typed_layer(cls: type, data: object, where: str = "config") -> dict:
         raise ConfigError(f"{where}: expected a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    if hasattr(cls, "upgraded"):  # an earlier version's keys, in this version's fields
-        data = cls.upgraded(data)
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")

@@ -1,10 +1,9 @@
-"""Frozen configuration dataclasses shared by the CLI and the library.
+"""Frozen configuration dataclasses shared by the CLI and the library (docs/architecture.md §9).
 
-Every field has a one-line comment; invariants are checked in `__post_init__` so a bad value fails
-at construction time with a message naming the field. `to_json()` gives the resolved config that is
-saved next to every output; `config_id` is a stable hash of the parameters. `SandboxConfig` lives
-with the sandbox (`cleaner/sandbox/config.py`, which knows nothing of the engine); CollectConfig
-nests it as its `sandbox` field.
+Every field is a `setting`: its default, its flag's help, and whether it counts toward the config's
+id; invariants are checked in `__post_init__` so a bad value fails at construction time with a
+message naming the field. `to_json()` gives the resolved config saved next to every output. The
+sandbox's config lives with the sandbox (cleaner/sandbox/config.py); CollectConfig nests it.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -115,11 +115,16 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
 
 
-class _Config:
-    """Mixin: JSON round trip and a stable id. `ADDED` names fields the saved configs of earlier
-    versions lack: part of the id only away from their default, so such a config keeps its id."""
+def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always", default_factory=dataclasses.MISSING):
+    """A config field with its flag's help and how it counts toward its config's id: `always`;
+    `away-from-default`, a field stored configs predate (at its default, theirs keep their ids);
+    `never`, how something runs, not what it computes (a schedule, a server's address)."""
+    _check_choice("identity", identity, ("always", "away-from-default", "never"))
+    return field(default=default, default_factory=default_factory, metadata={"help": help, "identity": identity})
 
-    ADDED: frozenset[str] = frozenset()
+
+class _Config:
+    """Mixin: JSON round trip and a stable id over the fields that count (`setting`'s identity)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -127,19 +132,29 @@ class _Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, default=str)
 
+    def identity(self) -> dict:
+        """The fields that count toward the id, as `to_dict` gives them."""
+        values = self.to_dict()
+        return {item.name: values[item.name] for item in dataclasses.fields(self)  # type: ignore[arg-type]
+                if (rule := item.metadata.get("identity", "always")) == "always"
+                or (rule == "away-from-default" and values[item.name] != item.default)}
+
     @functools.cached_property  # works on frozen dataclasses: it writes __dict__ directly
     def config_id(self) -> str:
-        """Stable 12-hex-digit hash of every parameter (a field of ADDED only away from its default)."""
-        fields = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.ADDED}  # type: ignore[arg-type]
-        return _digest({key: value for key, value in self.to_dict().items()
-                        if not (key in fields and value == fields[key])})
+        """12 hex digits of the sha256 of the identity as sorted JSON."""
+        return _digest(self.identity())
 
     @classmethod
     def from_json(cls, saved_json: str):
-        """A config saved as JSON, as this version reads it back (a field it predates takes its
-        default, one it does not know is left out); flat configs only."""
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        return cls(**{key: value for key, value in json.loads(saved_json).items() if key in known})
+        """A saved config as this version reads it (a field it predates at its default, one unknown left out)."""
+        return _known(cls, json.loads(saved_json))
+
+
+def _known(cls: type, saved: dict):
+    """`cls` of the fields of `saved` it has (a nested config's likewise)."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{item.name: _known(hints[item.name], saved[item.name]) if dataclasses.is_dataclass(hints[item.name])
+                  else saved[item.name] for item in dataclasses.fields(cls) if item.name in saved})
 
 
 class SimilarityOn(StrEnum):
@@ -230,105 +245,80 @@ def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
 
 @dataclass(frozen=True)
 class CollectConfig(_Config):
-    model: str = str(DEFAULT_POLICY)  # the policy: a Hugging Face model directory or hub id, or a checkpoint
-    data: str | None = None  # a dataset Parquet (verl RL or an eval layout); none: the toy tasks
-    prompt_style: PromptStyle = PromptStyle.REFERENCE  # prompts of --data: the paper's or the problem alone
-    reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
-    tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
-    tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
-    multi_turn: bool = True  # tool calls run, turn after turn; off: verl's multi_turn.enable=False, the reference's no-tool baseline (no tool in the template, its no-tool prompts, one generation)
-    max_tool_response_chars: int | None = None  # a longer tool response keeps its first and last halves around "...(truncated)..." (verl's max_tool_response_length, 256 in its recipes); none: whole
-    iteration: int = 0  # the iteration to collect (its number in the warehouse)
-    n_prompts: int = 64  # prompts per iteration
-    skip_settled_prompts: int = 0  # a prompt of --data whose last group was all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), the dataset's next prompts taken instead; 0 = off
-    group_size: int = 8  # samples per prompt (one GRPO group)
-    max_turns: int = 8  # steps per rollout (tool calls and the answer; retries do not count)
-    max_retries: int = 3  # K: retries per failed tool-call step
-    max_new_tokens: int = 160  # tokens per generation
-    max_response_tokens: int = 768  # token budget for everything after the prompt
-    truncate_prompts: bool = False  # a prompt longer than the context minus the budget keeps its end; off: an error
-    temperature: float = 1.0  # sampling temperature; greedy never shows errors
-    top_p: float = 1.0  # nucleus sampling
-    collect_view: CollectView = CollectView.PURIFIED  # context of later turns: SAAR's (the paper) or raw
-    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
-    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its draw u < p
-    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
-    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (its definition) or mean (the reference's later code)
-    seed: int = 0  # base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)
-    batch_rollouts: int = 64  # finished rollouts committed per part (the unit of resume; lock step: per batch)
-    max_concurrent_rollouts: int = 1024  # rollouts in flight, each on its own clock: enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools
-    schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
-    backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
-    sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
-    sglang_request_timeout_s: float | None = None  # a request to an SGLang server unanswered past this is tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token
-    deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
-    sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
-    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
-    rollout_dtype: str | None = None  # the policy's dtype while it generates (torch backend, SGLang engine): float32 | bfloat16 | float16 (the reference's); none: float32, or a GPU engine's checkpoint dtype
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
-    test_timeout_s: float = 4.0  # per-test limit when grading programs (code data sources)
-    reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the collection, resumable
-
-    # How rollouts are run, not what they contain: not part of the config's identity (its id, and
-    # what resuming an iteration must match).
-    SCHEDULING = frozenset({"batch_rollouts", "max_concurrent_rollouts", "schedule", "sglang_mem_fraction",
-                            "reward_timeout_s", "sglang_request_timeout_s",
-                            "sglang_url"})  # the servers' address: they may come back at another
-    # Fields the saved configs of earlier versions lack: part of the identity only away from their
-    # default, so such a config read back keeps its identity.
-    ADDED = frozenset({"deterministic_inference", "reward_fn", "tools", "tool", "rollout_dtype", "multi_turn",
-                       "max_tool_response_chars", "skip_settled_prompts"})
-
-    @functools.cached_property
-    def config_id(self) -> str:
-        """Stable 12-hex-digit hash of every parameter that decides what a rollout contains."""
-        return _digest(self.identity())
-
-    @property
-    def legacy_config_id(self) -> str:
-        """The id an earlier version gave this config (every field it had, `batch_rollouts` included):
-        eval finds the evaluations it stored by it."""
-        fields = {key: value for key, value in self.to_dict().items()
-                  if key not in (self.SCHEDULING | self.ADDED) - {"batch_rollouts", "sglang_url"}}
-        return _digest(fields)
-
-    def identity(self) -> dict:
-        """The parameters that decide what a rollout contains (module notes: SCHEDULING, ADDED)."""
-        defaults = {name: getattr(CollectConfig, name, None) for name in self.ADDED}
-        return {key: value for key, value in self.to_dict().items()
-                if key not in self.SCHEDULING and not (key in self.ADDED and value == defaults[key])}
-
-    @classmethod
-    def from_json(cls, saved_json: str) -> CollectConfig:
-        """A config saved as JSON, as this version reads it back (a field it predates takes its
-        default, one it does not know is left out)."""
-        saved = json.loads(saved_json)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        known = {key: value for key, value in saved.items() if key in fields}
-        sandbox_fields = {f.name for f in dataclasses.fields(SandboxConfig)}
-        sandbox = {key: value for key, value in known.get("sandbox", {}).items() if key in sandbox_fields}
-        return cls(**{**known, "sandbox": SandboxConfig(**sandbox)})
+    model: str = setting(str(DEFAULT_POLICY), help="the policy: a Hugging Face model directory or hub id, or a "
+        "checkpoint")
+    data: str | None = setting(None, help="a dataset Parquet (verl RL or an eval layout); none: the toy tasks")
+    prompt_style: PromptStyle = setting(PromptStyle.REFERENCE, help="prompts of --data: the paper's or the problem "
+        "alone")
+    reward_fn: str | None = setting(None, identity="away-from-default", help="the reward: PATH.py:NAME, a verl "
+        "compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader")
+    tools: str | None = setting(None, identity="away-from-default", help="tools beside Python: a verl tool config, "
+        "PATH.yaml (class_name, config, tool_schema)")
+    tool: str | None = setting(None, identity="away-from-default", help="tools beside Python: PATH.py:NAME, a "
+        "cleaner.tools.Tool or a documented function (comma-separated for several)")
+    multi_turn: bool = setting(True, identity="away-from-default", help="tool calls run, turn after turn; off: verl's "
+        "multi_turn.enable=False, the reference's no-tool baseline (no tool in the template, its no-tool prompts, one "
+        "generation)")
+    max_tool_response_chars: int | None = setting(None, identity="away-from-default", help="a longer tool response "
+        "keeps its first and last halves around \"...(truncated)...\" (verl's max_tool_response_length, 256 in its "
+        "recipes); none: whole")
+    iteration: int = setting(0, help="the iteration to collect (its number in the warehouse)")
+    n_prompts: int = setting(64, help="prompts per iteration")
+    skip_settled_prompts: int = setting(0, identity="away-from-default", help="a prompt of --data whose last group was "
+        "all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), "
+        "the dataset's next prompts taken instead; 0 = off")
+    group_size: int = setting(8, help="samples per prompt (one GRPO group)")
+    max_turns: int = setting(8, help="steps per rollout (tool calls and the answer; retries do not count)")
+    max_retries: int = setting(3, help="K: retries per failed tool-call step")
+    max_new_tokens: int = setting(160, help="tokens per generation")
+    max_response_tokens: int = setting(768, help="token budget for everything after the prompt")
+    truncate_prompts: bool = setting(False, help="a prompt longer than the context minus the budget keeps its end; "
+        "off: an error")
+    temperature: float = setting(1.0, help="sampling temperature; greedy never shows errors")
+    top_p: float = setting(1.0, help="nucleus sampling")
+    collect_view: CollectView = setting(CollectView.PURIFIED, help="context of later turns: SAAR's (the paper) or raw")
+    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)")
+    rollback_prob: float = setting(1.0, help="p: SAAR applies to a rollout iff its draw u < p")
+    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
+    rollback_is_threshold: float = setting(0.0, help="tau: a merge whose IS < tau keeps its chain raw; 0 = off")
+    rollback_is_mode: IsMode = setting(IsMode.SUM, help="the IS gate over the retry's tokens: sum (its definition) or "
+        "mean (the reference's later code)")
+    seed: int = setting(0, help="base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)")
+    batch_rollouts: int = setting(64, identity="never", help="finished rollouts committed per part (the unit of "
+        "resume; lock step: per batch)")
+    max_concurrent_rollouts: int = setting(1024, identity="never", help="rollouts in flight, each on its own clock: "
+        "enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools")
+    schedule: Schedule = setting(Schedule.ASYNC, identity="never", help="async (each rollout on its own clock) | "
+        "lockstep (a batch turn by turn together: debugging, benchmarks)")
+    backend: str = setting("torch", help="torch (this process) | sglang (an engine here, or the server at "
+        "--sglang-url)")
+    sglang_url: str | None = setting(None, identity="never", help="a running SGLang server or router (with --backend "
+        "sglang); none: in-process")
+    sglang_request_timeout_s: float | None = setting(None, identity="never", help="a request to an SGLang server "
+        "unanswered past this is tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 "
+        "s per prompt token")
+    deterministic_inference: bool = setting(True, identity="away-from-default", help="an SGLang engine on a GPU: "
+        "batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)")
+    sglang_mem_fraction: float | None = setting(None, identity="never", help="an SGLang engine on a GPU: its share of "
+        "GPU memory for weights and KV cache; none: SGLang's default")
+    device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)")
+    rollout_dtype: str | None = setting(None, identity="away-from-default", help="the policy's dtype while it "
+        "generates (torch backend, SGLang engine): float32 | bfloat16 | float16 (the reference's); none: float32, or a "
+        "GPU engine's checkpoint dtype")
+    sandbox: SandboxConfig = setting(default_factory=SandboxConfig, help="the python tool's sandbox")
+    test_timeout_s: float = setting(4.0, help="per-test limit when grading programs (code data sources)")
+    reward_timeout_s: float = setting(60.0, identity="never", help="a reward (the built-in grader's or --reward-fn's) "
+        "past this stops the collection, resumable")
 
     def differences(self, saved_json: str) -> list[tuple[str, object, object]]:
         """(field, saved value, this config's value) for every field of the identity that differs
         from a saved config's, a nested one named `sandbox_<field>` as its flag is."""
-        saved, mine = self.identity_of(saved_json), json.loads(json.dumps(self.identity(), sort_keys=True, default=str))
-
-        def flat(identity: dict) -> dict:
-            return {(f"{key}_{inner}" if isinstance(value, dict) else key): item
-                    for key, value in identity.items()
-                    for inner, item in (value.items() if isinstance(value, dict) else [(None, value)])}
-
-        saved, mine = flat(saved), flat(mine)
+        saved, mine = ({f"{key}_{inner}" if inner else key: item for key, value in identity.items()
+                        for inner, item in (value.items() if isinstance(value, dict) else [(None, value)])}
+                       for identity in (json.loads(json.dumps(config.identity(), default=str))
+                                        for config in (self.from_json(saved_json), self)))
         return [(name, saved.get(name), mine.get(name)) for name in sorted(saved.keys() | mine.keys())
                 if saved.get(name) != mine.get(name)]
-
-    @classmethod
-    def identity_of(cls, saved_json: str) -> dict:
-        """The identity of a config saved as JSON, as this version reads it back (a field it
-        predates takes its default)."""
-        return json.loads(json.dumps(cls.from_json(saved_json).identity(), sort_keys=True, default=str))
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -379,40 +369,49 @@ class CollectConfig(_Config):
                f"sglang_url is for backend sglang, got backend {self.backend!r}")
         _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
                f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
-        _check(self.test_timeout_s > 0, f"test_timeout_s must be > 0, got {self.test_timeout_s}")
-        _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         _check(self.sglang_request_timeout_s is None or self.sglang_url is not None,
                "sglang_request_timeout_s is for the servers at sglang_url")
-        _check(self.sglang_request_timeout_s is None or self.sglang_request_timeout_s > 0,
-               f"sglang_request_timeout_s must be > 0, got {self.sglang_request_timeout_s}")
 
 
 @dataclass(frozen=True)
 class PurifyConfig(_Config):
-    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)
-    rollback_prob: float = 1.0  # p: SAAR applies to a rollout iff its stored draw u < p
-    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
-    purify_when: PurifyWhen = PurifyWhen.ALWAYS  # which rollouts SAAR may purify: all (the paper) or positive ones
-    rollback_is_threshold: float = 0.0  # tau: a merge whose IS < tau keeps its chain raw; 0 = off
-    rollback_is_mode: IsMode = IsMode.SUM  # the IS gate over the retry's tokens: sum (its definition) or mean (the reference's later code)
-    negative_samples: bool = False  # pair each fixed failure with its fix, push them apart (the reference's DPO)
-    dpo_beta: float = 0.1  # beta of the negative-sample term
-    dpo_max_adjustment_ratio: float = 0.1  # cap of the negative-sample push per token (see --dpo-cap)
-    dpo_cap: DpoCap = DpoCap.RELATIVE  # the cap: relative (x |advantage|) or absolute (the reference's code)
-    advantage_eps: float = 1e-6  # GRPO: (r - mean) / (std + eps)
-    edit: Edit = Edit.REPLACE  # replace (SAAR's sequence) | mask (the raw one, what replace drops untrained)
-    down_sample: DownSample = DownSample.NONE  # the rollouts of a group trained: all | roc (GRPO-RoC) | uniform (RoC's control); the advantages are the kept rows'
-    down_sample_to: int | None = None  # rows kept per group with --down-sample (rStar's down_sample_to_n): fewer than the iteration's group size
-    roc_min_negatives: int = 2  # RoC keeps at least this many negatives (reward <= 0) where the group has them (rStar's min_zero_reward_trace_num)
-    roc_min_positives: int = 2  # RoC keeps at least this many positives where the group has them (rStar's min_non_zero_reward_trace_num)
-    roc_error_ratio: bool = True  # RoC ranks positives by their failed tool calls over their tool calls (rStar's roc_error_ratio)
-    roc_answer_format: bool = True  # RoC ranks positives by missing or repeated final answers too (rStar's roc_answer_format, for \boxed{})
-    void_turn_filter: bool = False  # SimpleTIR: a trajectory with a void turn (neither a complete call nor a final answer) is not trained; its row stays, masked
-    adv_estimator: AdvEstimator = AdvEstimator.GRPO  # the advantage (verl's algorithm.adv_estimator): grpo | rloo | reinforce_plus_plus_baseline (whitened over the whole iteration: not with --shard)
-    norm_adv_by_std: bool = True  # grpo divides by the group's std (verl's norm_adv_by_std_in_grpo); off: Dr.GRPO's r - mean
+    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)")
+    rollback_prob: float = setting(1.0, help="p: SAAR applies to a rollout iff its stored draw u < p")
+    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
+    purify_when: PurifyWhen = setting(PurifyWhen.ALWAYS, help="which rollouts SAAR may purify: all (the paper) or "
+        "positive ones")
+    rollback_is_threshold: float = setting(0.0, help="tau: a merge whose IS < tau keeps its chain raw; 0 = off")
+    rollback_is_mode: IsMode = setting(IsMode.SUM, help="the IS gate over the retry's tokens: sum (its definition) or "
+        "mean (the reference's later code)")
+    negative_samples: bool = setting(False, help="pair each fixed failure with its fix, push them apart (the "
+        "reference's DPO)")
+    dpo_beta: float = setting(0.1, help="beta of the negative-sample term")
+    dpo_max_adjustment_ratio: float = setting(0.1, help="cap of the negative-sample push per token (see --dpo-cap)")
+    dpo_cap: DpoCap = setting(DpoCap.RELATIVE, help="the cap: relative (x |advantage|) or absolute (the reference's "
+        "code)")
+    advantage_eps: float = setting(1e-6, help="GRPO: (r - mean) / (std + eps)")
+    edit: Edit = setting(Edit.REPLACE, help="replace (SAAR's sequence) | mask (the raw one, what replace drops "
+        "untrained)")
+    down_sample: DownSample = setting(DownSample.NONE, identity="away-from-default", help="the rollouts of a group "
+        "trained: all | roc (GRPO-RoC) | uniform (RoC's control); the advantages are the kept rows'")
+    down_sample_to: int | None = setting(None, identity="away-from-default", help="rows kept per group with "
+        "--down-sample (rStar's down_sample_to_n): fewer than the iteration's group size")
+    roc_min_negatives: int = setting(2, identity="away-from-default", help="RoC keeps at least this many negatives "
+        "(reward <= 0) where the group has them (rStar's min_zero_reward_trace_num)")
+    roc_min_positives: int = setting(2, identity="away-from-default", help="RoC keeps at least this many positives "
+        "where the group has them (rStar's min_non_zero_reward_trace_num)")
+    roc_error_ratio: bool = setting(True, identity="away-from-default", help="RoC ranks positives by their failed tool "
+        "calls over their tool calls (rStar's roc_error_ratio)")
+    roc_answer_format: bool = setting(True, identity="away-from-default", help="RoC ranks positives by missing or "
+        "repeated final answers too (rStar's roc_answer_format, for \\boxed{})")
+    void_turn_filter: bool = setting(False, identity="away-from-default", help="SimpleTIR: a trajectory with a void "
+        "turn (neither a complete call nor a final answer) is not trained; its row stays, masked")
+    adv_estimator: AdvEstimator = setting(AdvEstimator.GRPO, identity="away-from-default", help="the advantage (verl's "
+        "algorithm.adv_estimator): grpo | rloo | reinforce_plus_plus_baseline (whitened over the whole iteration: not "
+        "with --shard)")
+    norm_adv_by_std: bool = setting(True, identity="away-from-default", help="grpo divides by the group's std (verl's "
+        "norm_adv_by_std_in_grpo); off: Dr.GRPO's r - mean")
 
-    ADDED = frozenset({"down_sample", "down_sample_to", "roc_min_negatives", "roc_min_positives", "roc_error_ratio",
-                       "roc_answer_format", "void_turn_filter", "adv_estimator", "norm_adv_by_std"})
 
     @property
     def whole_batch(self) -> bool:
@@ -458,45 +457,64 @@ class PurifyConfig(_Config):
 
 @dataclass(frozen=True)
 class TrainConfig(_Config):
-    lr: float = 1e-6  # AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: 1e-4)
-    warmup_steps: int = 0  # linear warmup from 0 over this many optimiser steps; 0 = constant lr
-    weight_decay: float = 0.0  # AdamW weight decay
-    clip_eps_low: float = 0.2  # DAPO lower clip
-    clip_eps_high: float = 0.28  # DAPO upper clip (clip-higher)
-    clip_ratio_c: float = 10.0  # dual clip for negative advantages (the reference script's); 0 = off
-    kl_coef: float = 0.0  # KL to the reference policy; 0 = off (DAPO)
-    entropy_coef: float = 0.0  # entropy bonus: minus this x the entropy (aggregated as the loss) in the loss; 0 = off
-    loss_mode: LossMode = LossMode.VANILLA  # the policy loss (verl's policy_loss.loss_mode): vanilla | gspo | cispo | geo_mean
-    loss_agg_mode: str | None = None  # verl's loss_agg_mode for the policy, KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; none: the loss mode's (gspo: seq-mean-token-mean, else token-mean)
-    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divides each row's token sum by this constant (verl's loss_scale_factor); none: max_response_tokens
-    rollout_is: str | None = None  # verl's rollout correction: importance weights old/behaviour per token or sequence, truncated; none: off (CLEANER: off)
-    rollout_is_threshold: float = 2.0  # the IS weights' truncation (above only)
-    rollout_is_batch_normalize: bool = False  # divide the truncated IS weights by their mean over the iteration
-    rollout_rs: str | None = None  # rejection sampling by the old/behaviour ratio: token | sequence | geometric; none: off
-    rollout_rs_threshold: float | None = None  # rejection's upper bound on the ratio
-    rollout_rs_threshold_lower: float | None = None  # rejection's lower bound; none: 1 / the upper
-    rollout_token_veto_threshold: float | None = None  # reject a row with any token whose ratio is below this; none: off
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
-    overlong_buffer: int = 0  # DAPO overlong shaping buffer in tokens; 0 = off
-    max_response_tokens: int = 768  # DAPO overlong: the response length the buffer counts back from
-    mini_batch_size: int = 64  # sequences per optimiser step
-    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
-    max_tokens_per_micro_batch: int | None = None  # pack micro batches by tokens, at most this many (a longer row alone); replaces micro_batch_size
-    logits_chunk_tokens: int = 512  # tokens per lm_head chunk: the step never holds more logits than this x vocabulary
-    gradient_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant): activations grow with layers x tokens x hidden only
-    compute_dtype: str = "auto"  # auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | bfloat16 | float16 (with dynamic loss scaling: the reference's): autocast compute; weights, optimiser and log-softmax stay float32
-    save_dtype: str = "float32"  # float32 | bfloat16 | float16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32
-    epochs: int = 1  # passes over the iteration's rows
-    max_grad_norm: float = 1.0  # gradient clipping
-    engine: str = "torch"  # torch | deepspeed (ZeRO over the ranks torchrun starts)
-    deepspeed_config: str | None = None  # DeepSpeed JSON (ZeRO stage, offload, precision) for --engine deepspeed
-    device: str = "cpu"  # torch device
-    seed: int = 0  # shuffling and dropout seed
-    lora_rank: int = 0  # LoRA: train rank-r adapters (peft) instead of the weights, the KL reference the base with them disabled (verl's lora_rank); 0 = off
-    lora_alpha: int = 16  # LoRA's scale is lora_alpha / lora_rank (verl's lora_alpha)
-    lora_target_modules: str = LORA_ALL_LINEAR  # the linear layers that get adapters: comma-separated module names (q_proj,v_proj) or all-linear, every one but the lm_head (verl's target_modules)
+    lr: float = setting(1e-6, help="AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: 1e-4)")
+    warmup_steps: int = setting(0, help="linear warmup from 0 over this many optimiser steps; 0 = constant lr")
+    weight_decay: float = setting(0.0, help="AdamW weight decay")
+    clip_eps_low: float = setting(0.2, help="DAPO lower clip")
+    clip_eps_high: float = setting(0.28, help="DAPO upper clip (clip-higher)")
+    clip_ratio_c: float = setting(10.0, help="dual clip for negative advantages (the reference script's); 0 = off")
+    kl_coef: float = setting(0.0, help="KL to the reference policy; 0 = off (DAPO)")
+    entropy_coef: float = setting(0.0, help="entropy bonus: minus this x the entropy (aggregated as the loss) in the "
+        "loss; 0 = off")
+    loss_mode: LossMode = setting(LossMode.VANILLA, identity="away-from-default", help="the policy loss (verl's "
+        "policy_loss.loss_mode): vanilla | gspo | cispo | geo_mean")
+    loss_agg_mode: str | None = setting(None, identity="away-from-default", help="verl's loss_agg_mode for the policy, "
+        "KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; none: "
+        "the loss mode's (gspo: seq-mean-token-mean, else token-mean)")
+    loss_scale_factor: int | None = setting(None, identity="away-from-default", help="seq-mean-token-sum-norm divides "
+        "each row's token sum by this constant (verl's loss_scale_factor); none: max_response_tokens")
+    rollout_is: str | None = setting(None, help="verl's rollout correction: importance weights old/behaviour per token "
+        "or sequence, truncated; none: off (CLEANER: off)")
+    rollout_is_threshold: float = setting(2.0, help="the IS weights' truncation (above only)")
+    rollout_is_batch_normalize: bool = setting(False, help="divide the truncated IS weights by their mean over the "
+        "iteration")
+    rollout_rs: str | None = setting(None, help="rejection sampling by the old/behaviour ratio: token | sequence | "
+        "geometric; none: off")
+    rollout_rs_threshold: float | None = setting(None, help="rejection's upper bound on the ratio")
+    rollout_rs_threshold_lower: float | None = setting(None, help="rejection's lower bound; none: 1 / the upper")
+    rollout_token_veto_threshold: float | None = setting(None, help="reject a row with any token whose ratio is below "
+        "this; none: off")
+    dynamic_sampling: bool = setting(False, help="drop groups whose rewards are all equal")
+    overlong_buffer: int = setting(0, help="DAPO overlong shaping buffer in tokens; 0 = off")
+    max_response_tokens: int = setting(768, help="DAPO overlong: the response length the buffer counts back from")
+    mini_batch_size: int = setting(64, help="sequences per optimiser step")
+    micro_batch_size: int = setting(8, help="sequences per forward/backward (gradient accumulation)")
+    max_tokens_per_micro_batch: int | None = setting(None, help="pack micro batches by tokens, at most this many (a "
+        "longer row alone); replaces micro_batch_size")
+    logits_chunk_tokens: int = setting(512, help="tokens per lm_head chunk: the step never holds more logits than this "
+        "x vocabulary")
+    gradient_checkpointing: bool = setting(False, help="recompute each decoder layer in backward (non-reentrant): "
+        "activations grow with layers x tokens x hidden only")
+    compute_dtype: str = setting("auto", help="auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | "
+        "bfloat16 | float16 (with dynamic loss scaling: the reference's): autocast compute; weights, optimiser and "
+        "log-softmax stay float32")
+    save_dtype: str = setting("float32", help="float32 | bfloat16 | float16: the checkpoint's weights (what a backend "
+        "reloads); the optimiser state stays float32")
+    epochs: int = setting(1, help="passes over the iteration's rows")
+    max_grad_norm: float = setting(1.0, help="gradient clipping")
+    engine: str = setting("torch", help="torch | deepspeed (ZeRO over the ranks torchrun starts)")
+    deepspeed_config: str | None = setting(None, help="DeepSpeed JSON (ZeRO stage, offload, precision) for --engine "
+        "deepspeed")
+    device: str = setting("cpu", help="torch device")
+    seed: int = setting(0, help="shuffling and dropout seed")
+    lora_rank: int = setting(0, identity="away-from-default", help="LoRA: train rank-r adapters (peft) instead of the "
+        "weights, the KL reference the base with them disabled (verl's lora_rank); 0 = off")
+    lora_alpha: int = setting(16, identity="away-from-default", help="LoRA's scale is lora_alpha / lora_rank (verl's "
+        "lora_alpha)")
+    lora_target_modules: str = setting(LORA_ALL_LINEAR, identity="away-from-default", help="the linear layers that get "
+        "adapters: comma-separated module names (q_proj,v_proj) or all-linear, every one but the lm_head (verl's "
+        "target_modules)")
 
-    ADDED = frozenset({"loss_mode", "loss_agg_mode", "loss_scale_factor", "lora_rank", "lora_alpha", "lora_target_modules"})
 
     @property
     def aggregation(self) -> str:
@@ -510,17 +528,6 @@ class TrainConfig(_Config):
         """seq-mean-token-sum-norm's constant: the one given, else the response budget (verl's
         default is the padded response length, which is that budget)."""
         return self.loss_scale_factor if self.loss_scale_factor is not None else self.max_response_tokens
-
-    @staticmethod
-    def upgraded(saved: dict) -> dict:
-        """A saved table of an earlier version in this version's fields: `truncated_is` with its
-        `is_cap` was the token level of rollout correction (rollout_is token, its threshold)."""
-        saved = dict(saved)
-        truncated, cap = saved.pop("truncated_is", None), saved.pop("is_cap", None)
-        if truncated:
-            saved.setdefault("rollout_is", "token")
-            saved.setdefault("rollout_is_threshold", cap if cap is not None else 2.0)
-        return saved
 
     def compute_dtype_on(self, device_type: str) -> str:
         """The compute dtype on a device of this type ("cuda", "cpu"): `auto` resolved."""
@@ -651,11 +658,11 @@ UNSHARDED = Shard()
 
 @dataclass(frozen=True)
 class RunConfig(_Config):
-    run_dir: str = "runs/default"  # holds warehouse/ and checkpoints/
-    iterations: int = 3  # collect -> purify -> train iterations to run
-    collect: CollectConfig = field(default_factory=CollectConfig)  # iteration and model are set per iteration
-    purify: PurifyConfig = field(default_factory=PurifyConfig)  # the config trained on
-    train: TrainConfig = field(default_factory=TrainConfig)  # the training of each iteration
+    run_dir: str = setting("runs/default", help="holds warehouse/ and checkpoints/")
+    iterations: int = setting(3, help="collect -> purify -> train iterations to run")
+    collect: CollectConfig = setting(default_factory=CollectConfig, help="iteration and model are set per iteration")
+    purify: PurifyConfig = setting(default_factory=PurifyConfig, help="the config trained on")
+    train: TrainConfig = setting(default_factory=TrainConfig, help="the training of each iteration")
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -674,38 +681,54 @@ class EvalConfig(_Config):
     (`collect_config`), whose id is the evaluation's id.
     """
 
-    models: tuple[str, ...] = (str(DEFAULT_POLICY),)  # Hugging Face model directories or hub ids, or checkpoints
-    datasets: tuple[tuple[str, str], ...] = ()  # (name, Parquet path) in any layout of datasets.py
-    saar: tuple[bool, ...] = (True,)  # SAAR settings to run: True = purified context (the paper's test time)
-    n: int = 16  # samples per problem
-    prompt_style: PromptStyle = PromptStyle.REFERENCE  # the paper's prompts, or the problem alone
-    reward_fn: str | None = None  # the reward: PATH.py:NAME, a verl compute_score(data_source, solution_str, ground_truth, extra_info); none: the built-in grader
-    tools: str | None = None  # tools beside Python: a verl tool config, PATH.yaml (class_name, config, tool_schema)
-    tool: str | None = None  # tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented function (comma-separated for several)
-    multi_turn: bool = True  # tool calls run, turn after turn; off: the reference's no-tool baseline (no tool in the template, its no-tool prompts, one generation)
-    max_tool_response_chars: int | None = None  # a longer tool response keeps its first and last halves (verl's max_tool_response_length); none: whole
-    limit: int | None = None  # evaluate the first N problems of each dataset; none: all
-    temperature: float = 1.0  # sampling temperature (the reference's validation setting)
-    top_p: float = 0.6  # nucleus sampling (the reference's validation setting)
-    max_turns: int = 16  # steps per rollout (retries do not count)
-    max_retries: int = 3  # K: retries per failed tool-call step
-    max_new_tokens: int = 20480  # tokens per generation
-    max_response_tokens: int = 20480  # token budget for everything after the prompt (the reference's)
-    gamma: float = 0.5  # SAAR: shallow merge iff similarity >= gamma, in the purified context
-    similarity_on: SimilarityOn = SimilarityOn.CODE  # what SAAR compares
-    seed: int = 0  # base seed; per-rollout seeds derive from (prompt_id, sample_index)
-    batch_rollouts: int = 64  # finished rollouts committed per part (the unit of resume; lock step: per batch)
-    max_concurrent_rollouts: int = 1024  # rollouts in flight, each on its own clock: enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools
-    schedule: Schedule = Schedule.ASYNC  # async (each rollout on its own clock) | lockstep (a batch turn by turn together: debugging, benchmarks)
-    backend: str = "torch"  # torch (this process) | sglang (an engine here, or the server at --sglang-url)
-    sglang_url: str | None = None  # a running SGLang server or router (with --backend sglang); none: in-process
-    sglang_request_timeout_s: float | None = None  # a request to an SGLang server unanswered past this is tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token
-    deterministic_inference: bool = True  # an SGLang engine on a GPU: batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)
-    sglang_mem_fraction: float | None = None  # an SGLang engine on a GPU: its share of GPU memory for weights and KV cache; none: SGLang's default
-    device: str = "cpu"  # torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's sandbox
-    test_timeout_s: float = 4.0  # per-test limit when grading programs (code-judge's default)
-    reward_timeout_s: float = 60.0  # a reward (the built-in grader's or --reward-fn's) past this stops the evaluation, resumable
+    models: tuple[str, ...] = setting((str(DEFAULT_POLICY),), help="Hugging Face model directories or hub ids, or "
+        "checkpoints")
+    datasets: tuple[tuple[str, str], ...] = setting((), help="(name, Parquet path) in any layout of datasets.py")
+    saar: tuple[bool, ...] = setting((True,), help="SAAR settings to run: True = purified context (the paper's test "
+        "time)")
+    n: int = setting(16, help="samples per problem")
+    prompt_style: PromptStyle = setting(PromptStyle.REFERENCE, help="the paper's prompts, or the problem alone")
+    reward_fn: str | None = setting(None, help="the reward: PATH.py:NAME, a verl compute_score(data_source, "
+        "solution_str, ground_truth, extra_info); none: the built-in grader")
+    tools: str | None = setting(None, help="tools beside Python: a verl tool config, PATH.yaml (class_name, config, "
+        "tool_schema)")
+    tool: str | None = setting(None, help="tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented "
+        "function (comma-separated for several)")
+    multi_turn: bool = setting(True, help="tool calls run, turn after turn; off: the reference's no-tool baseline (no "
+        "tool in the template, its no-tool prompts, one generation)")
+    max_tool_response_chars: int | None = setting(None, help="a longer tool response keeps its first and last halves "
+        "(verl's max_tool_response_length); none: whole")
+    limit: int | None = setting(None, help="evaluate the first N problems of each dataset; none: all")
+    temperature: float = setting(1.0, help="sampling temperature (the reference's validation setting)")
+    top_p: float = setting(0.6, help="nucleus sampling (the reference's validation setting)")
+    max_turns: int = setting(16, help="steps per rollout (retries do not count)")
+    max_retries: int = setting(3, help="K: retries per failed tool-call step")
+    max_new_tokens: int = setting(20480, help="tokens per generation")
+    max_response_tokens: int = setting(20480, help="token budget for everything after the prompt (the reference's)")
+    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma, in the purified context")
+    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
+    seed: int = setting(0, help="base seed; per-rollout seeds derive from (prompt_id, sample_index)")
+    batch_rollouts: int = setting(64, help="finished rollouts committed per part (the unit of resume; lock step: per "
+        "batch)")
+    max_concurrent_rollouts: int = setting(1024, help="rollouts in flight, each on its own clock: enough to keep an "
+        "SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools")
+    schedule: Schedule = setting(Schedule.ASYNC, help="async (each rollout on its own clock) | lockstep (a batch turn "
+        "by turn together: debugging, benchmarks)")
+    backend: str = setting("torch", help="torch (this process) | sglang (an engine here, or the server at "
+        "--sglang-url)")
+    sglang_url: str | None = setting(None, help="a running SGLang server or router (with --backend sglang); none: "
+        "in-process")
+    sglang_request_timeout_s: float | None = setting(None, help="a request to an SGLang server unanswered past this is "
+        "tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token")
+    deterministic_inference: bool = setting(True, help="an SGLang engine on a GPU: batch-invariant kernels, so seeds "
+        "hold whatever the schedule (slower; docs/running.md)")
+    sglang_mem_fraction: float | None = setting(None, help="an SGLang engine on a GPU: its share of GPU memory for "
+        "weights and KV cache; none: SGLang's default")
+    device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)")
+    sandbox: SandboxConfig = setting(default_factory=SandboxConfig, help="the python tool's sandbox")
+    test_timeout_s: float = setting(4.0, help="per-test limit when grading programs (code-judge's default)")
+    reward_timeout_s: float = setting(60.0, help="a reward (the built-in grader's or --reward-fn's) past this stops "
+        "the evaluation, resumable")
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -725,23 +748,12 @@ class EvalConfig(_Config):
         self.collect_config(self.models[0], self.datasets[0][1], self.saar[0], 1)  # checks the rest
 
     def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
-        """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0."""
-        return CollectConfig(
-            model=model, data=data, prompt_style=self.prompt_style, reward_fn=self.reward_fn, tools=self.tools,
-            tool=self.tool, multi_turn=self.multi_turn, max_tool_response_chars=self.max_tool_response_chars,
-            iteration=0, n_prompts=problems,
-            group_size=self.n, max_turns=self.max_turns, max_retries=self.max_retries,
-            max_new_tokens=self.max_new_tokens, max_response_tokens=self.max_response_tokens,
-            temperature=self.temperature, top_p=self.top_p,
-            collect_view=CollectView.PURIFIED if saar else CollectView.RAW, gamma=self.gamma,
-            rollback_prob=1.0, similarity_on=self.similarity_on, seed=self.seed,
-            batch_rollouts=self.batch_rollouts, max_concurrent_rollouts=self.max_concurrent_rollouts,
-            schedule=self.schedule, backend=self.backend, sglang_url=self.sglang_url,
-            sglang_request_timeout_s=self.sglang_request_timeout_s,
-            deterministic_inference=self.deterministic_inference, sglang_mem_fraction=self.sglang_mem_fraction,
-            device=self.device, sandbox=self.sandbox, test_timeout_s=self.test_timeout_s,
-            reward_timeout_s=self.reward_timeout_s,
-        )
+        """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0,
+        every field the two configs share as this one's."""
+        collect = {item.name for item in dataclasses.fields(CollectConfig)}
+        shared = {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.name in collect}
+        return CollectConfig(**shared, model=model, data=data, iteration=0, n_prompts=problems, group_size=self.n,
+                             collect_view=CollectView.PURIFIED if saar else CollectView.RAW, rollback_prob=1.0)
 
 
 MAX_CURATE_SEED = 2**32 - 1 - 1001  # a draw's seed is seed (+ 1) + int(1000 rate), below 2**32
@@ -750,19 +762,25 @@ MAX_CURATE_SEED = 2**32 - 1 - 1001  # a draw's seed is seed (+ 1) + int(1000 rat
 @dataclass(frozen=True)
 class CurateConfig(_Config):
     """`cleaner curate`: pass statistics from a warehouse or a file, and a dataset filtered by them as
-    the paper filters its own (docs/architecture.md §16). Each output needs its inputs: `stats_out`
+    the paper filters its own (docs/architecture.md §9). Each output needs its inputs: `stats_out`
     a warehouse's iterations or evaluations; `out` a dataset and statistics (a file or the warehouse)."""
 
-    stats: str | None = None  # a statistics file, JSON Lines as the paper ships it (uid, data_source, successes, attempts, success_rate, avg_score, keep); none: the warehouse's --iteration / --eval
-    iterations: tuple[int, ...] = ()  # collected iterations whose rollouts are pooled per prompt
-    evals: tuple[str, ...] = ()  # evaluations (eval_runs.eval_id) whose rollouts are pooled too
-    stats_out: str | None = None  # write the warehouse's statistics to this file, in the paper's format
-    data: str | None = None  # the dataset to filter: a verl RL Parquet (prompt, data_source, reward_model, extra_info, ...)
-    success_rate_ratios: str | None = None  # share kept per success rate: "0.0:0.0,0.125:0.8,..." or nine ratios for 0/8 .. 8/8; a rate not named keeps all; none: every rate whole
-    retain_code: bool = False  # code prompts (by data source, the paper's table) are filtered at success rate 0 only
-    seed: int = 42  # the draws' seed: code prompts at rate r draw with seed + int(1000 r), the rest seed + 1 + int(1000 r) (42: the paper's)
-    out: str | None = None  # the filtered dataset (Parquet, the input's columns and row order), its summary beside it (.curate.md, .curate.json)
-    overwrite: bool = False  # replace an --out (or --stats-out) that curate wrote
+    stats: str | None = setting(None, help="a statistics file, JSON Lines as the paper ships it (uid, data_source, "
+        "successes, attempts, success_rate, avg_score, keep); none: the warehouse's --iteration / --eval")
+    iterations: tuple[int, ...] = setting((), help="collected iterations whose rollouts are pooled per prompt")
+    evals: tuple[str, ...] = setting((), help="evaluations (eval_runs.eval_id) whose rollouts are pooled too")
+    stats_out: str | None = setting(None, help="write the warehouse's statistics to this file, in the paper's format")
+    data: str | None = setting(None, help="the dataset to filter: a verl RL Parquet (prompt, data_source, "
+        "reward_model, extra_info, ...)")
+    success_rate_ratios: str | None = setting(None, help="share kept per success rate: \"0.0:0.0,0.125:0.8,...\" or "
+        "nine ratios for 0/8 .. 8/8; a rate not named keeps all; none: every rate whole")
+    retain_code: bool = setting(False, help="code prompts (by data source, the paper's table) are filtered at success "
+        "rate 0 only")
+    seed: int = setting(42, help="the draws' seed: code prompts at rate r draw with seed + int(1000 r), the rest seed "
+        "+ 1 + int(1000 r) (42: the paper's)")
+    out: str | None = setting(None, help="the filtered dataset (Parquet, the input's columns and row order), its "
+        "summary beside it (.curate.md, .curate.json)")
+    overwrite: bool = setting(False, help="replace an --out (or --stats-out) that curate wrote")
 
     def __post_init__(self) -> None:
         _check_numbers(self)

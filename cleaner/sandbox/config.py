@@ -5,8 +5,8 @@ Design decisions:
   and the worker processes that rebuild the config from `to_json()`, stand on their own.
 - `CollectConfig.sandbox` nests this dataclass, so its field names and defaults are part of every
   collect config's JSON and `config_id`: renaming a field or changing a default changes those ids.
-- As every config of the project: frozen, one comment per field, invariants checked in
-  `__post_init__` with a message naming the field.
+- As every config of the project: frozen, each field's help in its metadata (its flag's help),
+  invariants checked in `__post_init__` with a message naming the field.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ BACKENDS = ("local", "docker")
 MAX_SECONDS = 86_400.0  # the longest timeout: a day (the engine's configs take the same)
 
 
+def _setting(default: object, help: str) -> dataclasses.Field:
+    """A field with its flag's help, read as cleaner/config/settings.py's `setting` is (every field
+    of this config counts toward a collect config's id)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -29,18 +35,19 @@ def _check(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    backend: str = "local"  # local (worker processes) | docker
-    workers: int = 2  # warm worker processes in the pool
-    timeout_s: float = 4.0  # wall-clock limit per tool call (the paper's value)
-    cpu_time_s: int = 5  # RLIMIT_CPU per execution
-    memory_mb: int = 1024  # RLIMIT_AS per execution
-    max_processes: int = 32  # RLIMIT_NPROC of the unprivileged sandbox user
-    max_file_size_mb: int = 16  # RLIMIT_FSIZE: largest file an execution writes
-    max_open_files: int = 64  # RLIMIT_NOFILE: open files per execution
-    max_output_chars: int = 2048  # stdout/stderr kept per stream; the rest is cut with a marker
-    infra_retries: int = 2  # transparent retries of an execution lost to an infrastructure fault
-    docker_image: str = "python:3.11-slim"  # image for the docker backend
-    preload_scientific: bool = True  # warm workers also import numpy+sympy: fast `import sympy`, costlier fork
+    backend: str = _setting("local", help="local (worker processes) | docker")
+    workers: int = _setting(2, help="warm worker processes in the pool")
+    timeout_s: float = _setting(4.0, help="wall-clock limit per tool call (the paper's value)")
+    cpu_time_s: int = _setting(5, help="RLIMIT_CPU per execution")
+    memory_mb: int = _setting(1024, help="RLIMIT_AS per execution")
+    max_processes: int = _setting(32, help="RLIMIT_NPROC of the unprivileged sandbox user")
+    max_file_size_mb: int = _setting(16, help="RLIMIT_FSIZE: largest file an execution writes")
+    max_open_files: int = _setting(64, help="RLIMIT_NOFILE: open files per execution")
+    max_output_chars: int = _setting(2048, help="stdout/stderr kept per stream; the rest is cut with a marker")
+    infra_retries: int = _setting(2, help="transparent retries of an execution lost to an infrastructure fault")
+    docker_image: str = _setting("python:3.11-slim", help="image for the docker backend")
+    preload_scientific: bool = _setting(True, help="warm workers also import numpy+sympy: fast `import sympy`, costlier "
+        "fork")
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):  # numbers finite, durations within a day (as the engine's configs)

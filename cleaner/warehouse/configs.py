@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.errors import write_error
+from cleaner.warehouse.format import migrated
 from cleaner.warehouse.parts import WarehouseError
 
 
@@ -36,11 +37,18 @@ class ConfigFiles:
     def check_writable(self) -> None:
         raise NotImplementedError
 
+    def format_version(self) -> int:
+        raise NotImplementedError
+
     def save_eval_config(self, eval_id: str, config_json: str) -> Path:
         return self.save_config(f"eval-{eval_id}", config_json)
 
     def eval_config(self, eval_id: str) -> str | None:
         return self.load_config(f"eval-{eval_id}")
+
+    def eval_config_ids(self) -> list[str]:
+        """The evaluations whose config is stored (file names only)."""
+        return sorted(path.stem.removeprefix("eval-") for path in (self.root / "configs").glob("eval-*.json"))
 
     def save_config(self, name: str, config_json: str) -> Path:
         """Write `<root>/configs/<name>.json` atomically (temp file + rename)."""
@@ -58,8 +66,8 @@ class ConfigFiles:
         return path
 
     def load_config(self, name: str) -> str | None:
-        """The text of `<root>/configs/<name>.json` (None if absent); WarehouseError naming the file
-        if it is not one JSON value (a truncated copy, an edit)."""
+        """The text of `<root>/configs/<name>.json` (None if absent) in this version's shape (format.py);
+        WarehouseError naming the file if it is not one JSON value (a truncated copy, an edit)."""
         path = self.root / "configs" / f"{name}.json"
         try:
             text = path.read_text()
@@ -69,7 +77,7 @@ class ConfigFiles:
         except (OSError, ValueError) as error:  # a JSONDecodeError, or bytes that are not UTF-8
             raise WarehouseError(f"{path}: not a config cleaner wrote ({str(error).splitlines()[0]}); it is "
                                  "truncated or was edited: restore it from a copy of the warehouse") from error
-        return text
+        return migrated(name, text, self.format_version())
 
     def save_collect_config(self, iteration: int, config_json: str) -> Path:
         """The resolved config an iteration was collected with (its `model` is the collecting policy)."""

@@ -9,7 +9,7 @@ warehouse root. A part is the warehouse's own iff its stamp names this warehouse
 
 Design decisions:
 - The id is a random one, in `<root>/.warehouse.json`, made by the first write of a part (so a job
-  that fails before writing leaves no file behind). A copy of the whole warehouse (`cp -r`, a
+  that fails before writing leaves no file behind), with the warehouse's format version (format.py). A copy of the whole warehouse (`cp -r`, a
   backup restored) keeps its id and its paths, so its parts stay its own; a part restored from a
   backup under its own name is its own again; a part renamed or copied under another name, or
   copied in from another warehouse, is not.
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleaner.errors import write_error
+from cleaner.warehouse.format import FORMAT_VERSION
 from cleaner.warehouse.parts import (
     STAMP_KEY,
     PartExistsError,
@@ -61,6 +62,7 @@ class Ownership:
     root: Path
     warehouse_id: str | None  # None: no stamping cleaner has written here yet
     legacy: frozenset[str]  # paths under the root of the unstamped parts present at the first stamping write
+    format_version: int = 1  # the oldest format its data has (format.py); 1 without the record
 
     def stamp(self, path: Path) -> bytes:
         """The footer value of a part this warehouse writes at `path`."""
@@ -102,7 +104,8 @@ def ownership(root: Path) -> Ownership:
         raise WarehouseError(f"{path}: cannot be read ({error.strerror})") from error
     try:
         document = json.loads(text)
-        return Ownership(root, str(document["id"]), frozenset(str(name) for name in document["legacy"]))
+        return Ownership(root, str(document["id"]), frozenset(str(name) for name in document["legacy"]),
+                         int(document.get("format", 1)))
     except (ValueError, TypeError, KeyError) as error:
         raise WarehouseError(f"{path}: not the warehouse's identity file cleaner writes (a JSON object with "
                              f"its id and its older parts; {error}): restore it from a copy of the warehouse"
@@ -127,7 +130,8 @@ def claim(root: Path) -> Ownership:
     temporary = root / f".{IDENTITY_FILE}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps({"id": uuid.uuid4().hex, "legacy": legacy}))
+        version = 1 if legacy else FORMAT_VERSION  # parts an older cleaner wrote are of its format
+        temporary.write_text(json.dumps({"id": uuid.uuid4().hex, "legacy": legacy, "format": version}))
         with contextlib.suppress(PartExistsError):  # another writer made it first: theirs holds
             link_into_place(temporary, final)
     except OSError as error:

@@ -167,6 +167,10 @@ class Warehouse(ConfigFiles):
         table = schema.to_table(dataset, rows)
         return write_part(self._dir(dataset, **partition), table, name, stamp=self.stamp)
 
+    def format_version(self) -> int:
+        """The oldest format its data has (format.py)."""
+        return self.ownership().format_version
+
     def ownership(self) -> Ownership:
         """What tells this warehouse's parts from others' (ownership.py)."""
         if self._owner is None or self._owner.warehouse_id is None:

@@ -16,6 +16,7 @@ from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY
 from cleaner.config.flags import ABLATE_GRID, COMMANDS, RUN_FLAGS, field_help
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
+from cleaner.config.settings import setting
 from cleaner.errors import JobError
 
 runner = CliRunner()
@@ -81,14 +82,25 @@ def test_run_flags_set_every_field_of_the_run_but_the_iteration():
     assert RUN_FLAGS["sandbox_memory_mb"] == (("collect", "sandbox", "memory_mb"),)
 
 
-def test_a_config_field_without_its_comment_is_refused():
+def test_a_config_field_without_its_help_is_refused():
     @dataclasses.dataclass(frozen=True)
     class Documented:
-        steps: int = 3  # optimiser steps
-        rate: float = 0.5
+        steps: int = setting(3, help="optimiser steps")
+        rate: float = 0.5  # a comment is not its help
 
-    with pytest.raises(TypeError, match="Documented.rate has no comment"):
+    with pytest.raises(TypeError, match="Documented.rate has no help"):
         field_help(Documented)
+
+
+def test_a_help_longer_than_a_line_is_the_flags_help_whole():
+    """The help is the field's `setting(help=...)`, however long: collect's --multi-turn, as --help prints it."""
+    from cleaner.config import CollectConfig
+
+    declared = next(item for item in dataclasses.fields(CollectConfig) if item.name == "multi_turn").metadata["help"]
+    assert declared == ("tool calls run, turn after turn; off: verl's multi_turn.enable=False, the reference's no-tool "
+                        "baseline (no tool in the template, its no-tool prompts, one generation)")
+    params = {param.name: param for param in typer.main.get_command(app).commands["collect"].params}
+    assert params["multi_turn"].help == declared
 
 
 # ---------------------------------------------------------------------------------------------

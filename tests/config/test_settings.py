@@ -1,19 +1,50 @@
-"""The objective settings (config/settings.py): fields added at their default leave every stored id
-as it was; away from it they make a new one; a saved config reads back; the aggregation and its
-constant follow the loss mode and the budget when not given."""
+"""The settings (config/settings.py): how a field counts toward its config's id (`setting`'s
+identity); fields added at their default leave every stored id as it was, away from it they make a
+new one; a saved config reads back; the aggregation and its constant follow the loss mode and the
+budget when not given."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
-from cleaner.config import AdvEstimator, LossMode, PurifyConfig, TrainConfig
+from cleaner.config import AdvEstimator, CollectConfig, LossMode, PurifyConfig, TrainConfig
+from cleaner.config.settings import _Config, setting
+
+MAIN_CONFIGS = Path(__file__).parent / "fixtures" / "main-a9d807d" / "warehouse" / "configs"
 
 # the ids the version before the objective settings gave these configs (git a9d807d)
 MAIN_PURIFY_IDS = {"default": "a8bf93c6f605", "gamma 0.7, mask": "d27e6371d66d",
                    "negatives, absolute cap": "a055cd88791e"}
 MAIN_TRAIN_ID = "186da912031c"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Toy(_Config):
+    counted: int = setting(1, help="always counts")
+    added: int = setting(2, identity="away-from-default", help="counts away from its default")
+    scheduling: int = setting(3, identity="never", help="never counts")
+
+
+def test_each_identity_rule_decides_what_the_id_hashes():
+    assert _Toy().identity() == {"counted": 1} and _Toy(added=5).identity() == {"counted": 1, "added": 5}
+    assert _Toy(scheduling=9).config_id == _Toy().config_id == hashlib.sha256(b'{"counted": 1}').hexdigest()[:12]
+    assert _Toy(counted=4).config_id != _Toy().config_id != _Toy(added=5).config_id
+    with pytest.raises(ValueError, match="identity must be one of"):
+        setting(0, identity="sometimes", help="")
+
+
+@pytest.mark.parametrize(("cls", "stored"), [(CollectConfig, "collect-iteration=0"), (TrainConfig, "train-iteration=0"),
+                                             (PurifyConfig, "purify-iteration=0-config=a8bf93c6f605")])
+def test_a_field_mains_stored_configs_lack_counts_only_away_from_its_default(cls, stored):
+    """What keeps every id main stored: a field added since counts only away from its default (or never)."""
+    had = set(json.loads((MAIN_CONFIGS / f"{stored}.json").read_text()))
+    always = {item.name for item in dataclasses.fields(cls) if item.metadata["identity"] == "always"}
+    assert always - had == set()
 
 
 def test_a_config_at_the_new_fields_defaults_keeps_the_id_it_had():

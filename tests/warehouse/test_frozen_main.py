@@ -15,6 +15,7 @@ paths it was run with: its ids are checked, not a rerun.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tomllib
@@ -26,7 +27,9 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import CollectConfig, PurifyConfig
+from cleaner.engine.eval.job import stored_evaluation
 from cleaner.warehouse import Warehouse
+from tests.factories import as_format_1
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "main-a9d807d"
 MAIN_ROOT = "/work/main"  # where main's checkout was: its configs name files under it
@@ -83,9 +86,24 @@ def test_every_stored_config_keeps_the_id_main_gave_it(ids):
         for name, expected in ids[kind].items():
             config = CollectConfig.from_json((configs / f"{name}.json").read_text())
             assert config.config_id == expected["config_id"], name
-            assert config.legacy_config_id == expected["legacy_config_id"], name
     for name, expected in ids["purify"].items():
         assert PurifyConfig(**json.loads((configs / f"{name}.json").read_text())).config_id == expected, name
+
+
+def test_an_evaluation_stored_under_the_id_an_earlier_version_gave_it_is_found_by_its_config(ids, tmp_path):
+    """Before main, an evaluation's id hashed every field (`legacy_config_id` in ids.json): one stored
+    so, its config and its eval_runs row under that id, in a warehouse of format 1, is found."""
+    stored = Warehouse(FIXTURE / "warehouse", read_only=True)
+    for name, expected in ids["eval"].items():
+        earlier = Warehouse(tmp_path / name)
+        earlier.write_eval_run(dataclasses.replace(stored.read_eval_run(expected["config_id"]),
+                                                   eval_id=expected["legacy_config_id"]))
+        earlier.save_eval_config(expected["legacy_config_id"], stored.eval_config(expected["config_id"]))
+        config = CollectConfig.from_json(stored.eval_config(expected["config_id"]))
+        assert stored_evaluation(earlier, config) is None  # format 2: an id is its config's own
+        as_format_1(earlier.root)
+        assert stored_evaluation(Warehouse(earlier.root), config) == expected["legacy_config_id"], name
+        assert stored_evaluation(stored, config) == expected["config_id"], name
 
 
 def test_every_view_reads_and_holds_the_rows_and_ids_main_wrote(ids):

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cleaner.config import EvalConfig
+from cleaner.config import CollectConfig, EvalConfig
 from cleaner.engine.collect.datasets import load_dataset
 from cleaner.engine.collect.job import UserCode
 from cleaner.engine.collect.schedule import collect
@@ -86,12 +86,29 @@ def eval_job(warehouse: Warehouse, config: EvalConfig, *, backends: Mapping[str,
 
 
 def _as_stored(warehouse: Warehouse, plan: EvalPlan) -> EvalPlan:
-    """The plan under the id an earlier version stored its complete evaluation by, if it did."""
-    legacy = plan.collect_config.legacy_config_id
-    if legacy != plan.eval_id and warehouse.read_eval_run(plan.eval_id) is None \
-            and warehouse.read_eval_run(legacy) is not None:
-        return dataclasses.replace(plan, stored_id=legacy)
-    return plan
+    """The plan under the id its complete evaluation is stored by, if that is another."""
+    stored = stored_evaluation(warehouse, plan.collect_config)
+    return plan if stored in (None, plan.eval_id) else dataclasses.replace(plan, stored_id=stored)
+
+
+def stored_evaluation(warehouse: Warehouse, config: CollectConfig) -> str | None:
+    """The id a complete evaluation of `config` is stored under: its own, or in a warehouse of
+    format 1 (warehouse/format.py), one an earlier version gave it, found as a stored config whose
+    id now is this one's; None if none is stored."""
+    if warehouse.read_eval_run(config.config_id) is not None:
+        return config.config_id
+    if warehouse.format_version() > 1:
+        return None
+    return next((stored for stored in warehouse.eval_config_ids() if warehouse.read_eval_run(stored) is not None
+                 and _id_now(warehouse.eval_config(stored)) == config.config_id), None)
+
+
+def _id_now(saved_json: str | None) -> str | None:
+    """The id this version gives a stored collect config (None: one it refuses)."""
+    try:
+        return CollectConfig.from_json(saved_json).config_id if saved_json is not None else None
+    except ValueError:
+        return None
 
 
 def _warm_up(backend: Backend, sandbox, task: Task) -> None:

@@ -6,8 +6,8 @@ Design decisions:
   warehouse partition of its rollouts and segments, prefixes their rollout ids (so `cleaner show`
   finds each one uniquely) and is their `collect_config_id` (so SQL joins `eval_runs` to them).
   Running the same evaluation again therefore finds its committed rollouts and continues. A
-  complete evaluation stored by an earlier version, whose ids hashed every field then (how rollouts
-  were batched included), is found by that id (`CollectConfig.legacy_config_id`) and not run again.
+  complete evaluation an earlier version stored under another id (format 1, warehouse/format.py) is
+  found through its stored config (`stored_evaluation`) and not run again.
 - Seeds derive from the prompt id and sample index, not from the evaluation, so the SAAR and raw
   settings sample the same first turn of every rollout: the two differ only after a failed call.
 - `seconds` is the wall time of the session that completed the evaluation and `rollouts_generated`

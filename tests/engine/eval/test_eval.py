@@ -22,6 +22,7 @@ from cleaner.engine.eval.job import eval_job
 from cleaner.engine.model.torch_backend import TorchBackend
 from cleaner.sandbox import SandboxConfig
 from cleaner.warehouse import Warehouse, schema
+from tests.factories import as_format_1
 from tests.helpers import assert_same_collection, comparable, scalars
 
 runner = CliRunner()
@@ -146,17 +147,22 @@ class _Killed(Exception):
 
 
 def test_an_evaluation_an_earlier_version_stored_is_not_run_again(tmp_path, toy_aime, backend):
-    """Ids hashed every field before (how rollouts were batched included): a complete evaluation
-    stored under such an id is found by it."""
+    """Format 1's ids hashed every field (how rollouts were batched included): a complete evaluation
+    stored under such an id, with its config, is found through that config; in a warehouse of this
+    format an id is its config's own."""
     config = _config(toy_aime)
-    (row,) = eval_job(Warehouse(tmp_path / "new"), config, backends={config.models[0]: backend},
-                      progress=False).rows
-    legacy = config.collect_config(config.models[0], config.datasets[0][1], True, 2).legacy_config_id
-    assert legacy != row.eval_id
-    old = Warehouse(tmp_path / "old")
-    old.write_eval_run(dataclasses.replace(row, eval_id=legacy))
-    again = eval_job(old, config, backends={config.models[0]: backend}, progress=False)
-    assert again.computed == [] and [r.eval_id for r in again.rows] == [legacy]
+    new = Warehouse(tmp_path / "new")
+    (row,) = eval_job(new, config, backends={config.models[0]: backend}, progress=False).rows
+    earlier = "0123456789ab"  # the id format 1 gave it (tests/warehouse/test_frozen_main.py has main's own)
+    for version in (2, 1):
+        old = Warehouse(tmp_path / f"format-{version}")
+        old.write_eval_run(dataclasses.replace(row, eval_id=earlier))
+        old.save_eval_config(earlier, new.eval_config(row.eval_id))
+        if version == 1:
+            as_format_1(old.root)
+        again = eval_job(Warehouse(old.root), config, backends={config.models[0]: backend}, progress=False)
+        assert [r.eval_id for r in again.rows] == [earlier if version == 1 else row.eval_id]
+        assert again.computed == ([] if version == 1 else [row.eval_id])
 
 
 def test_an_interrupted_eval_resumes_to_exactly_the_uninterrupted_rollouts(tmp_path, toy_aime, backend, monkeypatch):

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from cleaner.config import TrainConfig
-from cleaner.config.layers import typed_layer
 from cleaner.engine.train.rollout_correction import Corrected, correct
 from cleaner.engine.train.step import iter_mini_batches, prepare
 from cleaner.records import PurifiedRow
@@ -109,14 +108,10 @@ def test_the_lower_bound_defaults_to_one_over_the_upper_and_the_veto_rejects_a_r
     assert vetoed.metrics["rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
 
 
-def test_the_train_steps_carry_the_iterations_metrics_and_truncated_is_reads_as_token_is():
+def test_the_train_steps_carry_the_iterations_metrics():
+    """(An earlier format's `truncated_is` reads as rollout_is token: tests/warehouse/test_format.py.)"""
     done = prepare([A, B], TrainConfig(rollout_is="token"))
     assert json.loads(json.dumps(done.metrics))["kl"] == pytest.approx(0.06)
-    # a saved config of an earlier version: --truncated-is with its cap was the token level
-    table = typed_layer(TrainConfig, {"truncated_is": True, "is_cap": 3.0, "lr": 1e-5})
-    config = TrainConfig(**table)
-    assert (config.rollout_is, config.rollout_is_threshold, config.lr) == ("token", 3.0, 1e-5)
-    assert dataclasses.replace(config).rollout_is == "token"
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from cleaner.config import AdvEstimator, CollectConfig, LossMode, PurifyConfig, TrainConfig
 from cleaner.config.settings import _Config, setting
 
-MAIN_CONFIGS = Path(__file__).parent / "fixtures" / "main-a9d807d" / "warehouse" / "configs"
+MAIN_CONFIGS = Path(__file__).parents[1] / "fixtures" / "main-a9d807d" / "warehouse" / "configs"
 
 # the ids the version before the objective settings gave these configs (git a9d807d)
 MAIN_PURIFY_IDS = {"default": "a8bf93c6f605", "gamma 0.7, mask": "d27e6371d66d",

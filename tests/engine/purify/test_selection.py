@@ -218,6 +218,27 @@ def test_the_void_turn_filter_masks_the_row_and_keeps_it_in_its_group_and_the_ba
     assert any(unfiltered[1].loss_mask) and not unfiltered[1].void_turn  # the filter off: trained, unmarked
 
 
+def test_a_whitened_estimator_whitens_over_the_rows_that_train_only():
+    """reinforce_plus_plus_baseline beside down-sampling and the void-turn filter: the group stage
+    sees the kept rows (a void row among them), the whitening only the rows that train, by hand from
+    their loss tokens; a dropped row stays 0."""
+    rollouts, segments = group((1.0, (OK,)), (1.0, (ERROR, OK)), (1.0, (ERROR, ERROR, OK)), (0.0, (OK,), False),
+                               (0.0, (ERROR, OK)), (0.0, ()))
+    config = PurifyConfig(rollback_prob=0.0, down_sample="roc", down_sample_to=4, adv_estimator="reinforce_plus_plus_baseline",
+                          void_turn_filter=True)
+    rows, _ = render_iteration(rollouts, segments, config, decode=None)
+    assert [(row.dropped, row.void_turn) for row in rows] == [(False, False), (False, False), (True, False),
+                                                              (False, True), (False, False), (True, False)]
+    scores = [0.5, 0.5, -0.5]  # kept rewards 1, 1, 0, 0 centred; the void row (the 4th kept) trains not
+    tokens = [sum(rows[i].loss_mask[1:]) for i in (0, 1, 4)]
+    total = sum(tokens)
+    mean = sum(n * v for n, v in zip(tokens, scores, strict=True)) / (total + 1e-8)
+    variance = sum(n * (v - mean) ** 2 for n, v in zip(tokens, scores, strict=True)) / (total + 1e-8) * total / (total - 1)
+    expected = [(v - mean) / math.sqrt(variance + 1e-8) for v in scores]
+    assert [rows[i].advantage for i in (0, 1, 4)] == pytest.approx(expected, rel=1e-9)
+    assert rows[2].advantage == rows[5].advantage == 0.0
+
+
 def test_untrained_rows_are_not_scored_and_the_others_equal_an_unfiltered_configs():
     rollouts, segments = group((1.0, (OK,)), (1.0, (ERROR, OK)), (1.0, (ERROR, ERROR, OK)), (0.0, (OK,)),
                                (0.0, (ERROR, OK)), (0.0, ()))

@@ -205,8 +205,8 @@ def _sha256(path: Path) -> str:
 
 def check_complete(warehouse: Warehouse, iteration: int) -> None:
     """JobError unless `iteration` is collected, not being collected, and holds every rollout its
-    collection planned: purify's own check (its job's `check_collected`), the one place to point at
-    a shared gate."""
+    collection planned: purify's check (its job's `check_collected`: the readers' gate,
+    warehouse/gate.py, then an older iteration's completeness from its collect config)."""
     from cleaner.engine.purify.job import check_collected  # start-up time: purify's job loads torch
 
     if iteration not in warehouse.iterations_collected():

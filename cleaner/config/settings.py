@@ -762,7 +762,7 @@ MAX_CURATE_SEED = 2**32 - 1 - 1001  # a draw's seed is seed (+ 1) + int(1000 rat
 @dataclass(frozen=True)
 class CurateConfig(_Config):
     """`cleaner curate`: pass statistics from a warehouse or a file, and a dataset filtered by them as
-    the paper filters its own (docs/architecture.md §9). Each output needs its inputs: `stats_out`
+    the paper filters its own (docs/architecture.md §16). Each output needs its inputs: `stats_out`
     a warehouse's iterations or evaluations; `out` a dataset and statistics (a file or the warehouse)."""
 
     stats: str | None = setting(None, help="a statistics file, JSON Lines as the paper ships it (uid, data_source, "

@@ -17,7 +17,7 @@ Design decisions:
   are `ctx-rewritten`: loss tokens whose recomputed old log-prob differs from the behaviour
   log-prob (|diff| > 1e-3), i.e. tokens whose context purification rewrote after they were
   sampled. That is the off-policy share a config creates, which truncated IS
-  (docs/architecture.md §6) can correct.
+  (docs/architecture.md §7) can correct.
 - Evaluations: one row per (model, dataset, SAAR setting). When both settings of a (model, dataset)
   ran, the SAAR row carries the latency ratio: its seconds per generated rollout over the raw
   setting's (cleaner/engine/eval/plan.py says why per generated rollout); the paper reports SAAR's

@@ -130,7 +130,7 @@ class PurifiedPane:
 
 class StoredLogprobs:
     """A LogprobOracle over one stored row: the old log-probs of tokens the row holds after the same
-    context; None for anything else (docs/architecture.md §4.5)."""
+    context; None for anything else (docs/architecture.md §4)."""
 
     def __init__(self, row: PurifiedRow) -> None:
         self.token_ids, self.old_logprobs = row.token_ids, row.old_logprobs

@@ -27,7 +27,7 @@ from cleaner.engine.train.optim import DEEPSPEED_STATE_DIR, DEEPSPEED_STATE_META
 from cleaner.engine.train.trainer import train_iteration
 from cleaner.records import PurifyConfigRow
 from cleaner.warehouse import Warehouse
-from tests.factories import VOCAB, train_row, with_old_logprobs
+from tests.factories import VOCAB, make_rollout, make_segments, train_row, with_old_logprobs
 from tests.helpers import tiny_qwen3
 
 # deepspeed runs in the launched processes only; this one needs to know it is there
@@ -62,6 +62,9 @@ def _warehouse(root: Path, rows) -> Warehouse:
     warehouse = Warehouse(root)
     config_row = PurifyConfigRow(CONFIG_ID, 0.5, 1.0, "code", "always", "{}")
     for iteration, iteration_rows in rows.items():
+        ids = sorted({row.rollout_id for row in iteration_rows})  # the rollouts the rows are of (the readers' gate)
+        warehouse.write_rollouts(iteration, [make_rollout(i, iteration) for i in ids],
+                                 [s for i in ids for s in make_segments(i, iteration)])
         warehouse.write_purified(iteration, config_row, iteration_rows)
     return warehouse
 

@@ -15,6 +15,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +38,21 @@ class Settled:
     written: tuple[Path, ...]  # the parts that hold its rows now (adopt), else ()
 
 
-def adopt(root: Path, part: Path) -> Settled:
-    """Make the rows of `part`, which the warehouse did not write, the warehouse's own."""
+@contextlib.contextmanager
+def _settling(root: Path, part: Path) -> Iterator[tuple[Dataset, Path, Ownership]]:
+    """`part`'s dataset, partition and the warehouse's owner, under compact's lock, once `part` is
+    checked to be a part the warehouse did not write: what adopt and remove both start from."""
     dataset, partition = _located(root, part)
     with exclusive(root / LOCK_NAME, f"{root}: `cleaner compact` (or another adopt or remove) is running",
                    "wait for it to end"):
         owner = claim(root)
         _check_foreign(root, dataset, part, owner)
+        yield dataset, partition, owner
+
+
+def adopt(root: Path, part: Path) -> Settled:
+    """Make the rows of `part`, which the warehouse did not write, the warehouse's own."""
+    with _settling(root, part) as (dataset, partition, owner):
         marker = COMMITTED_BY.get(dataset.name, dataset)
         unit = Partition(marker, partition, tuple(DATASETS[name] for name, m in COMMITTED_BY.items() if m is marker))
         files = tuple(unit.directory(root, d) / part.name for d in (marker, *unit.twins)
@@ -53,11 +63,7 @@ def adopt(root: Path, part: Path) -> Settled:
 
 def remove(root: Path, part: Path) -> Settled:
     """Delete `part`, which the warehouse did not write, and its twin if that is not its own either."""
-    dataset, partition = _located(root, part)
-    with exclusive(root / LOCK_NAME, f"{root}: `cleaner compact` (or another adopt or remove) is running",
-                   "wait for it to end"):
-        owner = claim(root)
-        _check_foreign(root, dataset, part, owner)
+    with _settling(root, part) as (dataset, partition, owner):
         files = [part]
         twins = [DATASETS[name] for name, marker in COMMITTED_BY.items() if marker is dataset]
         for twin in twins:

@@ -85,6 +85,27 @@ def wait_for(predicate, timeout_s: float, process: subprocess.Popen) -> None:
     pytest.fail("kill point not reached in time")
 
 
+def ctrl_c_when(command: list[str], log: Path, said: str, settle_s: float, what: str) -> tuple[int, str, list[str]]:
+    """Run `command` (stdout discarded, stderr into `log`), send one SIGINT once `log` holds `said`
+    and `settle_s` more have passed (inside DuckDB by then), and reap it: its exit code, its stderr
+    and the error lines of it; fail if it goes on for 30 s after, or took 10 s or more to stop."""
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        wait_for(lambda: said in log.read_text(), 120, process)
+        time.sleep(settle_s)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail(f"the {what} went on after its Ctrl-C")
+    assert time.monotonic() - sent < 10
+    text = log.read_text()
+    return process.returncode, text, [line for line in text.splitlines() if line.startswith("error:")]
+
+
 def sigkill_when(command: list[str], predicate, timeout_s: float, env: dict | None = None) -> None:
     """Start `command` (its output discarded), SIGKILL it once `predicate()` holds, and reap it;
     fail if it ends first or the time runs out."""

@@ -198,30 +198,12 @@ LONG_QUERY = "SELECT sum(hash(a)) FROM range(1000000000000) t(a)"  # hours on an
 def test_one_ctrl_c_stops_a_running_query_in_one_line(warehouse, tmp_path):
     """A real SIGINT once the query runs: the process ends within seconds, exit 130, one line, and
     -o is not written."""
-    import signal
-    import subprocess
-    import time
-
-    from tests.helpers import cli, wait_for
+    from tests.helpers import cli, ctrl_c_when
 
     output, log = tmp_path / "result.csv", tmp_path / "stderr.txt"
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(cli("-v", "sql", LONG_QUERY, "-w", str(warehouse.root), "-o", str(output)),
-                                   stdout=subprocess.DEVNULL, stderr=stderr)
-        wait_for(lambda: "running the query" in log.read_text(), 120, process)
-        time.sleep(0.5)  # inside DuckDB now
-        process.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            pytest.fail("the query went on after its Ctrl-C")
-    assert time.monotonic() - sent < 10
-    text = log.read_text()
-    errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert process.returncode == 130 and "Traceback" not in text, text
+    returncode, text, errors = ctrl_c_when(cli("-v", "sql", LONG_QUERY, "-w", str(warehouse.root), "-o", str(output)),
+                                           log, "running the query", 0.5, "query")
+    assert returncode == 130 and "Traceback" not in text, text
     assert errors == ["error: interrupted: the query was stopped; nothing was written"], text
     assert not output.exists()
 

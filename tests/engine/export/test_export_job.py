@@ -357,32 +357,14 @@ def test_a_parenthesis_that_escapes_never_selects_another_iteration(small_run, t
 def test_a_ctrl_c_during_a_long_where_stops_the_export_in_one_line(small_run, tmp_path):
     """A real SIGINT while DuckDB runs the selection's query: exit 130 within seconds, one line, no
     folder and no temporary beside it."""
-    import signal
-    import subprocess
-    import time
-
-    from tests.helpers import cli, wait_for
+    from tests.helpers import cli, ctrl_c_when
 
     out, log = tmp_path / "ds", tmp_path / "stderr.txt"
     long_where = "(SELECT sum(hash(a)) FROM range(1000000000000) t(a)) IS NOT NULL"  # hours on any machine
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(cli("-v", "export", "-w", str(small_run / "warehouse"), "--iteration", "0",
-                                       "--format", "sft", "--out", str(out), "--where", long_where),
-                                   stdout=subprocess.DEVNULL, stderr=stderr)
-        wait_for(lambda: "selecting the rollouts" in log.read_text(), 120, process)
-        time.sleep(1.0)  # inside DuckDB's query now
-        process.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            pytest.fail("the export went on after its Ctrl-C")
-    assert time.monotonic() - sent < 10
-    text = log.read_text()
-    errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert process.returncode == 130 and "Traceback" not in text, text
+    returncode, text, errors = ctrl_c_when(cli("-v", "export", "-w", str(small_run / "warehouse"), "--iteration", "0",
+                                               "--format", "sft", "--out", str(out), "--where", long_where),
+                                           log, "selecting the rollouts", 1.0, "export")
+    assert returncode == 130 and "Traceback" not in text, text
     assert errors == [f"error: interrupted: nothing was written ({out} is as it was)"], text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.txt"]
 

@@ -1,8 +1,8 @@
 """Every option of the phase commands and `cleaner run`, declared once (docs/architecture.md §9).
 
-- groups.py: the settings groups (SAAR's, the rollouts'), each field with its check; how a field is declared.
-- settings.py: the frozen config dataclasses (curate's too), holding the groups they use. A field is an option:
-  its type, its default, its invariant (`__post_init__`, or its group's) and its help, which is the flag's.
+- groups.py: how a field is declared and checked; SAAR's settings group.
+- settings.py: the frozen config dataclasses (curate's too), holding the groups they use; the rollouts' group.
+  A field is an option: its type, its default, its check (its class's) and its help, which is the flag's.
 - flags.py: which flags each command takes (one per field), and what a command does otherwise.
 - layers.py: a config from layers of dicts (for `run`: defaults < saved run < TOML file < flags).
 
@@ -14,14 +14,11 @@ here: `from cleaner.config import CollectConfig`.
 from cleaner.config.groups import (
     Edit,
     IsMode,
-    PromptStyle,
     PurifyWhen,
-    RolloutSettings,
     SaarMerge,
     SaarRollback,
     SaarSettings,
     SaarView,
-    Schedule,
     SimilarityOn,
 )
 from cleaner.config.settings import (
@@ -39,8 +36,11 @@ from cleaner.config.settings import (
     DpoCap,
     EvalConfig,
     LossMode,
+    PromptStyle,
     PurifyConfig,
+    RolloutSettings,
     RunConfig,
+    Schedule,
     Shard,
     TrainConfig,
 )

@@ -36,7 +36,7 @@ def _declarations(*folders: str) -> dict[str, list[tuple[str, ast.expr | None]]]
 
 def test_each_saar_setting_is_declared_once_in_its_group():
     declared = _declarations("config", "engine/saar")
-    assert len(SAAR_FIELDS) == 7
+    assert {"gamma", "rollback_prob", "edit", "purify_when"} <= set(SAAR_FIELDS)  # the scan found the group
     for name in SAAR_FIELDS:
         assert len(declared[name]) == 1, (name, [cls for cls, _ in declared[name]])
         assert declared[name][0][0].startswith("Saar"), (name, declared[name][0][0])

@@ -51,8 +51,7 @@ def oracle(rollouts, segments, extra_infos: dict[str, dict], collect_view: str, 
     expected = {}
     for rollout in rollouts:
         mine = sorted((s for s in segments if s.rollout_id == rollout.rollout_id), key=lambda s: s.seq)
-        view = view_for(rollout.rollback_draw, collect_view == "purified", config.gamma, config.rollback_prob,
-                        config.similarity_on)
+        view = view_for(rollout.rollback_draw, collect_view == "purified", config)
         rendered = render(mine, view)
         solution = tokenizer.decode(list(rendered.token_ids[rendered.prompt_len:]), skip_special_tokens=True)
         extra = {**extra_infos[rollout.prompt_id], "num_turns": len(mine), "rollout_reward_scores": {}, "tool_rewards": []}

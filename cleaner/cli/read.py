@@ -23,6 +23,7 @@ from cleaner.cli.common import (
     fail,
     sandbox_app,
 )
+from cleaner.cli.options import Flags, config_flags
 from cleaner.report.inspection import Panels
 
 logger = logging.getLogger(__name__)
@@ -258,12 +259,12 @@ def compact(
 
 
 @app.command()
+@config_flags("show")
 def show(
     rollout_id: Annotated[str, typer.Argument(help="The rollout to print.")],
+    *,
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
-    gamma: Annotated[float, typer.Option(help="SAAR threshold of the purified view.")] = 0.5,
-    similarity_on: Annotated[str, typer.Option(help="code | call.")] = "code",
-    edit: Annotated[str, typer.Option(help="replace (SAAR's sequence) | mask (the raw sequence; what replace drops is marked untrained).")] = "replace",
+    flags: Flags,
     view: Annotated[Panels, typer.Option("--view", help="raw | purified | both.")] = Panels.BOTH,
     tokenizer: Annotated[bool, typer.Option(help="Decode with the collecting policy's tokenizer.")] = True,
 ) -> None:
@@ -281,7 +282,7 @@ def show(
     from cleaner.warehouse import Warehouse, WarehouseError
     from cleaner.warehouse.gate import collected_iteration, findings_of, first_line
 
-    saar = build_config(RenderSettings, purified=True, gamma=gamma, similarity_on=similarity_on, edit=edit)
+    saar = flags.build(RenderSettings, purified=True)
     try:
         store = Warehouse(warehouse)
         connection = store.connect(warn_foreign=False)  # one connection for every read; the gate names them

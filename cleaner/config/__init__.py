@@ -1,7 +1,8 @@
 """Every option of the phase commands and `cleaner run`, declared once (docs/architecture.md §9).
 
-- settings.py: the frozen config dataclasses (curate's too). A field is an option: its type, its default, its
-  invariant (`__post_init__`) and its one-line comment, which is the flag's help.
+- groups.py: how a field is declared and checked; SAAR's settings group.
+- settings.py: the frozen config dataclasses (curate's too), holding the groups they use; the rollouts' group.
+  A field is an option: its type, its default, its check (its class's) and its help, which is the flag's.
 - flags.py: which flags each command takes (one per field), and what a command does otherwise.
 - layers.py: a config from layers of dicts (for `run`: defaults < saved run < TOML file < flags).
 
@@ -10,6 +11,16 @@ cli/options.py turns the flags into typer options. An option takes effect where 
 here: `from cleaner.config import CollectConfig`.
 """
 
+from cleaner.config.groups import (
+    Edit,
+    IsMode,
+    PurifyWhen,
+    SaarMerge,
+    SaarRollback,
+    SaarSettings,
+    SaarView,
+    SimilarityOn,
+)
 from cleaner.config.settings import (
     ASSETS_DIR,
     DEFAULT_POLICY,
@@ -23,22 +34,20 @@ from cleaner.config.settings import (
     CurateConfig,
     DownSample,
     DpoCap,
-    Edit,
     EvalConfig,
-    IsMode,
     LossMode,
     PromptStyle,
     PurifyConfig,
-    PurifyWhen,
+    RolloutSettings,
     RunConfig,
-    SandboxConfig,
     Schedule,
     Shard,
-    SimilarityOn,
     TrainConfig,
 )
+from cleaner.sandbox.config import SandboxConfig
 
 __all__ = ["ASSETS_DIR", "DEFAULT_POLICY", "ENV_POLICY", "GSPO_AGG_MODE", "LOSS_AGG_MODES", "RECOVER_POLICY", "UNSHARDED",
            "AdvEstimator", "CollectConfig", "CurateConfig", "DownSample", "DpoCap",
-           "Edit", "EvalConfig", "IsMode", "LossMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RunConfig", "SandboxConfig",
-           "Schedule", "Shard", "SimilarityOn", "TrainConfig"]
+           "Edit", "EvalConfig", "IsMode", "LossMode", "PromptStyle", "PurifyConfig", "PurifyWhen", "RolloutSettings",
+           "RunConfig", "SaarMerge", "SaarRollback", "SaarSettings", "SaarView", "SandboxConfig", "Schedule", "Shard",
+           "SimilarityOn", "TrainConfig"]

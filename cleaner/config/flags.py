@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cleaner.config.groups import SaarView
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
 from cleaner.config.settings import (
     CollectConfig,
@@ -84,6 +85,8 @@ COMMANDS = {
                          derived={"max_new_tokens": "--max-response-tokens"}),
     # curate takes --iteration N[,M] and --eval ID[,ID] as comma-separated lists
     "curate": CommandFlags(CurateConfig, fixed=("iterations", "evals")),
+    # show renders a rollout purified: the merge and the edit, the IS gate off
+    "show": CommandFlags(SaarView, fixed=("rollback_is_threshold", "rollback_is_mode")),
     # a run collects iteration after iteration
     "run": CommandFlags(RunConfig, fixed=("collect.iteration",),
                         derived={".".join(path): text for path, text in DERIVED.items()}),

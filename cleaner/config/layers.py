@@ -33,6 +33,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
+from cleaner.config.groups import SaarRollback
 from cleaner.config.settings import RunConfig
 from cleaner.errors import CleanerError
 
@@ -209,8 +210,7 @@ def _derived(layer: Mapping) -> dict:
     masking = layer.get("purify", {}).get("edit") == "mask"
     return {
         "collect": {"max_response_tokens": response, **({"collect_view": "raw"} if masking else {})},
-        "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold",
-                                                 "rollback_is_mode") if key in collect},
+        "purify": {item.name: collect[item.name] for item in dataclasses.fields(SaarRollback) if item.name in collect},
         "train": {"max_response_tokens": response, "mini_batch_size": mini,
                   "micro_batch_size": min(16, mini),
                   **{key: collect[key] for key in ("seed", "device") if key in collect}},

@@ -12,15 +12,29 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from cleaner.config.groups import (
+    Edit,
+    Group,
+    SaarMerge,
+    SaarRollback,
+    SaarSettings,
+    _check,
+    _check_choice,
+    _check_numbers,
+    _enum_field,
+    _set,
+    group_values,
+    redeclared,
+    setting,
+)
 from cleaner.plugins import PluginError, split_spec
-from cleaner.records import CollectView, enum_value
+from cleaner.records import CollectView
 from cleaner.sandbox.config import SandboxConfig
 
 # The committed tiny default policy (docs/architecture.md §11): package data (cleaner/assets/), so
@@ -35,11 +49,11 @@ RECOVER_POLICY = ASSETS_DIR / "tiny-policy-recover"
 
 LORA_ALL_LINEAR = "all-linear"  # peft's and verl's name for every linear layer but the output head
 
-REWARD_NAME = "compute_score"  # verl's custom_reward_function.name default: a file alone means it
-
 # The most rollouts one iteration plans (the paper's iterations hold 2,048): what a collection keeps
 # per planned rollout (its id, to resume) must fit in memory.
 MAX_ROLLOUTS_PER_ITERATION = 1_000_000
+
+REWARD_NAME = "compute_score"  # verl's custom_reward_function.name default: a file alone means it
 
 
 def local_path(value: str) -> bool:
@@ -78,49 +92,9 @@ def resolved_specs(specs: str | None) -> str | None:
     return ",".join(resolved_spec(part.strip()) for part in specs.split(",") if part.strip())
 
 
-def _set(config, **values) -> None:
-    for name, value in values.items():
-        object.__setattr__(config, name, value)  # a frozen dataclass's own __post_init__
-
-
 def _digest(fields: dict) -> str:
     """12 hex digits of the sha256 of the fields as sorted JSON."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-# The longest limit a `*_s` option takes: a day. A limit past it is no limit (a run would wait days on
-# a hung call), and clocks and timestamps overflow far beyond it (`inf`, 1e10).
-MAX_SECONDS = 86_400.0
-
-
-def _check_numbers(config: object) -> None:
-    """Every number of a config, before its own checks: a float field finite (`inf` and `nan` pass
-    most comparisons, or none, and would be trained or waited on), a `*_s` field a duration in
-    (0, MAX_SECONDS]. Nested configs check their own."""
-    for item in dataclasses.fields(config):  # type: ignore[arg-type]
-        value = getattr(config, item.name)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        _check(math.isfinite(value), f"{item.name} must be a finite number, got {value}")
-        _check(not item.name.endswith("_s") or 0 < value <= MAX_SECONDS,
-               f"{item.name} must be in (0, {MAX_SECONDS:,.0f}] seconds, got {value}")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
-
-
-def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always", default_factory=dataclasses.MISSING):
-    """A config field with its flag's help and how it counts toward its config's id: `always`;
-    `away-from-default`, a field stored configs predate (at its default, theirs keep their ids);
-    `never`, how something runs, not what it computes (a schedule, a server's address)."""
-    _check_choice("identity", identity, ("always", "away-from-default", "never"))
-    return field(default=default, default_factory=default_factory, metadata={"help": help, "identity": identity})
 
 
 class _Config:
@@ -155,34 +129,6 @@ def _known(cls: type, saved: dict):
     hints = typing.get_type_hints(cls)
     return cls(**{item.name: _known(hints[item.name], saved[item.name]) if dataclasses.is_dataclass(hints[item.name])
                   else saved[item.name] for item in dataclasses.fields(cls) if item.name in saved})
-
-
-class SimilarityOn(StrEnum):
-    """What SAAR compares to choose a shallow or a deep merge (docs/architecture.md §4)."""
-
-    CODE = "code"  # the two calls' code arguments (ours; the default)
-    CALL = "call"  # the decoded call tokens, as the reference does
-
-
-class PurifyWhen(StrEnum):
-    """Which rollouts SAAR may purify."""
-
-    ALWAYS = "always"  # every rollout whose draw is below p (the paper)
-    POSITIVE = "positive"  # only rollouts whose reward is above their group's mean (ours)
-
-
-class Edit(StrEnum):
-    """What a purify config does to the attempts SAAR takes out (docs/architecture.md §4)."""
-
-    REPLACE = "replace"  # CLEANER: the row is SAAR's rendering, the failed attempts spliced out
-    MASK = "mask"  # the row is the raw rendering; what replace drops is not trained (loss mask 0)
-
-
-class IsMode(StrEnum):
-    """How the IS gate aggregates a merge's per-token log-ratios (docs/architecture.md §4)."""
-
-    SUM = "sum"  # IS = exp(sum): the gate as docs/architecture.md §4 defines it, and the reference's first code
-    MEAN = "mean"  # IS = exp(mean): the per-token geometric mean of the reference's later code
 
 
 class DownSample(StrEnum):
@@ -237,17 +183,10 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 GSPO_AGG_MODE = "seq-mean-token-mean"  # what verl's gspo forces on its policy loss
 
 
-def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
-    """Store field `name` of a frozen config as a member of `enum` (ValueError naming the choices)."""
-    object.__setattr__(config, name, enum_value(enum, getattr(config, name), name))
+@dataclass(frozen=True, kw_only=True)
+class RolloutSettings(Group):
+    """How rollouts are prompted, sampled, graded and run: collect's and eval's alike."""
 
-
-
-@dataclass(frozen=True)
-class CollectConfig(_Config):
-    model: str = setting(str(DEFAULT_POLICY), help="the policy: a Hugging Face model directory or hub id, or a "
-        "checkpoint")
-    data: str | None = setting(None, help="a dataset Parquet (verl RL or an eval layout); none: the toy tasks")
     prompt_style: PromptStyle = setting(PromptStyle.REFERENCE, help="prompts of --data: the paper's or the problem "
         "alone")
     reward_fn: str | None = setting(None, identity="away-from-default", help="the reward: PATH.py:NAME, a verl "
@@ -262,27 +201,12 @@ class CollectConfig(_Config):
     max_tool_response_chars: int | None = setting(None, identity="away-from-default", help="a longer tool response "
         "keeps its first and last halves around \"...(truncated)...\" (verl's max_tool_response_length, 256 in its "
         "recipes); none: whole")
-    iteration: int = setting(0, help="the iteration to collect (its number in the warehouse)")
-    n_prompts: int = setting(64, help="prompts per iteration")
-    skip_settled_prompts: int = setting(0, identity="away-from-default", help="a prompt of --data whose last group was "
-        "all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), "
-        "the dataset's next prompts taken instead; 0 = off")
-    group_size: int = setting(8, help="samples per prompt (one GRPO group)")
     max_turns: int = setting(8, help="steps per rollout (tool calls and the answer; retries do not count)")
     max_retries: int = setting(3, help="K: retries per failed tool-call step")
     max_new_tokens: int = setting(160, help="tokens per generation")
     max_response_tokens: int = setting(768, help="token budget for everything after the prompt")
-    truncate_prompts: bool = setting(False, help="a prompt longer than the context minus the budget keeps its end; "
-        "off: an error")
     temperature: float = setting(1.0, help="sampling temperature; greedy never shows errors")
     top_p: float = setting(1.0, help="nucleus sampling")
-    collect_view: CollectView = setting(CollectView.PURIFIED, help="context of later turns: SAAR's (the paper) or raw")
-    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)")
-    rollback_prob: float = setting(1.0, help="p: SAAR applies to a rollout iff its draw u < p")
-    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
-    rollback_is_threshold: float = setting(0.0, help="tau: a merge whose IS < tau keeps its chain raw; 0 = off")
-    rollback_is_mode: IsMode = setting(IsMode.SUM, help="the IS gate over the retry's tokens: sum (its definition) or "
-        "mean (the reference's later code)")
     seed: int = setting(0, help="base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)")
     batch_rollouts: int = setting(64, identity="never", help="finished rollouts committed per part (the unit of "
         "resume; lock step: per batch)")
@@ -302,13 +226,65 @@ class CollectConfig(_Config):
     sglang_mem_fraction: float | None = setting(None, identity="never", help="an SGLang engine on a GPU: its share of "
         "GPU memory for weights and KV cache; none: SGLang's default")
     device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)")
-    rollout_dtype: str | None = setting(None, identity="away-from-default", help="the policy's dtype while it "
-        "generates (torch backend, SGLang engine): float32 | bfloat16 | float16 (the reference's); none: float32, or a "
-        "GPU engine's checkpoint dtype")
     sandbox: SandboxConfig = setting(default_factory=SandboxConfig, help="the python tool's sandbox")
     test_timeout_s: float = setting(4.0, help="per-test limit when grading programs (code data sources)")
     reward_timeout_s: float = setting(60.0, identity="never", help="a reward (the built-in grader's or --reward-fn's) "
-        "past this stops the collection, resumable")
+        "past this stops the collection or evaluation, resumable")
+
+    def _check_group(self) -> None:
+        _set(self, reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
+             tool=resolved_specs(self.tool))
+        _enum_field(self, "prompt_style", PromptStyle)
+        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
+        _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.max_response_tokens >= self.max_new_tokens, "max_response_tokens must be >= max_new_tokens")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.multi_turn or (self.tools is None and self.tool is None),
+               "multi_turn off runs without any tool: drop tools and tool")
+        _check(self.max_tool_response_chars is None or self.max_tool_response_chars >= 2,
+               f"max_tool_response_chars must be >= 2, got {self.max_tool_response_chars}")
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        """The schedule, the backend and its server."""
+        _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
+        _check(self.max_concurrent_rollouts >= 1,
+               f"max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}")
+        _enum_field(self, "schedule", Schedule)
+        _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
+               f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
+        _check_choice("backend", self.backend, ("torch", "sglang"))
+        _check(self.sglang_mem_fraction is None or self.backend == "sglang",
+               f"sglang_mem_fraction is for backend sglang, got backend {self.backend!r}")
+        _check(self.sglang_url is None or self.backend == "sglang",
+               f"sglang_url is for backend sglang, got backend {self.backend!r}")
+        _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
+               f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
+        _check(self.sglang_request_timeout_s is None or self.sglang_url is not None,
+               "sglang_request_timeout_s is for the servers at sglang_url")
+
+
+@dataclass(frozen=True)
+class CollectConfig(_Config, SaarRollback, RolloutSettings):
+    """`cleaner collect`: the rollouts of one iteration; its SAAR builds each rollout's context."""
+
+    model: str = setting(str(DEFAULT_POLICY), help="the policy: a Hugging Face model directory or hub id, or a "
+        "checkpoint")
+    data: str | None = setting(None, help="a dataset Parquet (verl RL or an eval layout); none: the toy tasks")
+    iteration: int = setting(0, help="the iteration to collect (its number in the warehouse)")
+    n_prompts: int = setting(64, help="prompts per iteration")
+    skip_settled_prompts: int = setting(0, identity="away-from-default", help="a prompt of --data whose last group was "
+        "all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), "
+        "the dataset's next prompts taken instead; 0 = off")
+    group_size: int = setting(8, help="samples per prompt (one GRPO group)")
+    truncate_prompts: bool = setting(False, help="a prompt longer than the context minus the budget keeps its end; "
+        "off: an error")
+    collect_view: CollectView = setting(CollectView.PURIFIED, help="context of later turns: SAAR's (the paper) or raw")
+    rollout_dtype: str | None = setting(None, identity="away-from-default", help="the policy's dtype while it "
+        "generates (torch backend, SGLang engine): float32 | bfloat16 | float16 (the reference's); none: float32, or a "
+        "GPU engine's checkpoint dtype")
 
     def differences(self, saved_json: str) -> list[tuple[str, object, object]]:
         """(field, saved value, this config's value) for every field of the identity that differs
@@ -322,9 +298,8 @@ class CollectConfig(_Config):
 
     def __post_init__(self) -> None:
         _check_numbers(self)
-        _set(self, model=resolved_path(self.model, always=False), data=resolved_path(self.data),
-             reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
-             tool=resolved_specs(self.tool))
+        _set(self, model=resolved_path(self.model, always=False), data=resolved_path(self.data))
+        self.check_groups()
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
         _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
         _check(self.skip_settled_prompts >= -1,
@@ -335,54 +310,15 @@ class CollectConfig(_Config):
         _check(self.n_prompts * self.group_size <= MAX_ROLLOUTS_PER_ITERATION,
                f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts, "
                f"got {self.n_prompts:,} x {self.group_size:,}")
-        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
-        _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
-        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _check(self.max_response_tokens >= self.max_new_tokens,
-               "max_response_tokens must be >= max_new_tokens")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _enum_field(self, "collect_view", CollectView)
-        _enum_field(self, "prompt_style", PromptStyle)
-        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
-        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
-        _enum_field(self, "similarity_on", SimilarityOn)
-        _check(self.rollback_is_threshold >= 0,
-               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
-        _enum_field(self, "rollback_is_mode", IsMode)
-        _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
-        _check(self.max_concurrent_rollouts >= 1,
-               f"max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}")
-        _enum_field(self, "schedule", Schedule)
-        _check(self.multi_turn or (self.tools is None and self.tool is None),
-               "multi_turn off runs without any tool: drop tools and tool")
-        _check(self.max_tool_response_chars is None or self.max_tool_response_chars >= 2,
-               f"max_tool_response_chars must be >= 2, got {self.max_tool_response_chars}")
-        _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
-               f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
-        _check_choice("backend", self.backend, ("torch", "sglang"))
-        _check(self.sglang_mem_fraction is None or self.backend == "sglang",
-               f"sglang_mem_fraction is for backend sglang, got backend {self.backend!r}")
         _check(self.rollout_dtype in (None, "float32", "bfloat16", "float16"),
                f"rollout_dtype must be float32, bfloat16, float16 or none, got {self.rollout_dtype!r}")
-        _check(self.sglang_url is None or self.backend == "sglang",
-               f"sglang_url is for backend sglang, got backend {self.backend!r}")
-        _check(self.sglang_url is None or self.sglang_url.startswith(("http://", "https://")),
-               f"sglang_url must start with http:// or https://, got {self.sglang_url!r}")
-        _check(self.sglang_request_timeout_s is None or self.sglang_url is not None,
-               "sglang_request_timeout_s is for the servers at sglang_url")
 
 
 @dataclass(frozen=True)
-class PurifyConfig(_Config):
-    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)")
-    rollback_prob: float = setting(1.0, help="p: SAAR applies to a rollout iff its stored draw u < p")
-    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
-    purify_when: PurifyWhen = setting(PurifyWhen.ALWAYS, help="which rollouts SAAR may purify: all (the paper) or "
-        "positive ones")
-    rollback_is_threshold: float = setting(0.0, help="tau: a merge whose IS < tau keeps its chain raw; 0 = off")
-    rollback_is_mode: IsMode = setting(IsMode.SUM, help="the IS gate over the retry's tokens: sum (its definition) or "
-        "mean (the reference's later code)")
+class PurifyConfig(_Config, SaarSettings):
+    """`cleaner purify`: the rows trained on, rendered under every SAAR setting."""
+
     negative_samples: bool = setting(False, help="pair each fixed failure with its fix, push them apart (the "
         "reference's DPO)")
     dpo_beta: float = setting(0.1, help="beta of the negative-sample term")
@@ -390,8 +326,6 @@ class PurifyConfig(_Config):
     dpo_cap: DpoCap = setting(DpoCap.RELATIVE, help="the cap: relative (x |advantage|) or absolute (the reference's "
         "code)")
     advantage_eps: float = setting(1e-6, help="GRPO: (r - mean) / (std + eps)")
-    edit: Edit = setting(Edit.REPLACE, help="replace (SAAR's sequence) | mask (the raw one, what replace drops "
-        "untrained)")
     down_sample: DownSample = setting(DownSample.NONE, identity="away-from-default", help="the rollouts of a group "
         "trained: all | roc (GRPO-RoC) | uniform (RoC's control); the advantages are the kept rows'")
     down_sample_to: int | None = setting(None, identity="away-from-default", help="rows kept per group with "
@@ -420,19 +354,12 @@ class PurifyConfig(_Config):
 
     def __post_init__(self) -> None:
         _check_numbers(self)
-        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
-        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
-        _enum_field(self, "similarity_on", SimilarityOn)
-        _enum_field(self, "purify_when", PurifyWhen)
-        _enum_field(self, "edit", Edit)
+        self.check_groups()
         # A masked row keeps the failed call in the sequence, untrained; a negative sample trains it
         # in a row of its own, paired with a fix spliced into a purified row that mask never builds.
         _check(not (self.edit == Edit.MASK and self.negative_samples),
                "edit 'mask' does not combine with negative_samples: masking keeps each failed call in "
                "its row untrained, and a negative sample pairs it with a fix in a purified row")
-        _check(self.rollback_is_threshold >= 0,
-               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
-        _enum_field(self, "rollback_is_mode", IsMode)
         _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
         _check(self.dpo_max_adjustment_ratio >= 0,
                f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")
@@ -673,7 +600,7 @@ class RunConfig(_Config):
 
 
 @dataclass(frozen=True)
-class EvalConfig(_Config):
+class EvalConfig(_Config, SaarMerge, RolloutSettings):
     """`cleaner eval`: every model on every dataset under every SAAR setting (docs/architecture.md §12).
 
     Defaults are the reference's evaluation settings (temperature 1, top-p 0.6, 16 turns, 16
@@ -687,55 +614,18 @@ class EvalConfig(_Config):
     saar: tuple[bool, ...] = setting((True,), help="SAAR settings to run: True = purified context (the paper's test "
         "time)")
     n: int = setting(16, help="samples per problem")
-    prompt_style: PromptStyle = setting(PromptStyle.REFERENCE, help="the paper's prompts, or the problem alone")
-    reward_fn: str | None = setting(None, help="the reward: PATH.py:NAME, a verl compute_score(data_source, "
-        "solution_str, ground_truth, extra_info); none: the built-in grader")
-    tools: str | None = setting(None, help="tools beside Python: a verl tool config, PATH.yaml (class_name, config, "
-        "tool_schema)")
-    tool: str | None = setting(None, help="tools beside Python: PATH.py:NAME, a cleaner.tools.Tool or a documented "
-        "function (comma-separated for several)")
-    multi_turn: bool = setting(True, help="tool calls run, turn after turn; off: the reference's no-tool baseline (no "
-        "tool in the template, its no-tool prompts, one generation)")
-    max_tool_response_chars: int | None = setting(None, help="a longer tool response keeps its first and last halves "
-        "(verl's max_tool_response_length); none: whole")
     limit: int | None = setting(None, help="evaluate the first N problems of each dataset; none: all")
-    temperature: float = setting(1.0, help="sampling temperature (the reference's validation setting)")
-    top_p: float = setting(0.6, help="nucleus sampling (the reference's validation setting)")
-    max_turns: int = setting(16, help="steps per rollout (retries do not count)")
-    max_retries: int = setting(3, help="K: retries per failed tool-call step")
-    max_new_tokens: int = setting(20480, help="tokens per generation")
-    max_response_tokens: int = setting(20480, help="token budget for everything after the prompt (the reference's)")
-    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma, in the purified context")
-    similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
-    seed: int = setting(0, help="base seed; per-rollout seeds derive from (prompt_id, sample_index)")
-    batch_rollouts: int = setting(64, help="finished rollouts committed per part (the unit of resume; lock step: per "
-        "batch)")
-    max_concurrent_rollouts: int = setting(1024, help="rollouts in flight, each on its own clock: enough to keep an "
-        "SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools")
-    schedule: Schedule = setting(Schedule.ASYNC, help="async (each rollout on its own clock) | lockstep (a batch turn "
-        "by turn together: debugging, benchmarks)")
-    backend: str = setting("torch", help="torch (this process) | sglang (an engine here, or the server at "
-        "--sglang-url)")
-    sglang_url: str | None = setting(None, help="a running SGLang server or router (with --backend sglang); none: "
-        "in-process")
-    sglang_request_timeout_s: float | None = setting(None, help="a request to an SGLang server unanswered past this is "
-        "tried on another, the server benched; none: 60 s + 0.05 s per token asked for + 0.005 s per prompt token")
-    deterministic_inference: bool = setting(True, help="an SGLang engine on a GPU: batch-invariant kernels, so seeds "
-        "hold whatever the schedule (slower; docs/running.md)")
-    sglang_mem_fraction: float | None = setting(None, help="an SGLang engine on a GPU: its share of GPU memory for "
-        "weights and KV cache; none: SGLang's default")
-    device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)")
-    sandbox: SandboxConfig = setting(default_factory=SandboxConfig, help="the python tool's sandbox")
-    test_timeout_s: float = setting(4.0, help="per-test limit when grading programs (code-judge's default)")
-    reward_timeout_s: float = setting(60.0, help="a reward (the built-in grader's or --reward-fn's) past this stops "
-        "the evaluation, resumable")
+    # the reference's evaluation settings, where they differ from collect's
+    top_p: float = redeclared(RolloutSettings, "top_p", 0.6)
+    max_turns: int = redeclared(RolloutSettings, "max_turns", 16)
+    max_new_tokens: int = redeclared(RolloutSettings, "max_new_tokens", 20480)
+    max_response_tokens: int = redeclared(RolloutSettings, "max_response_tokens", 20480)
 
     def __post_init__(self) -> None:
         _check_numbers(self)
         _set(self, models=tuple(resolved_path(model, always=False) for model in self.models),
-             datasets=tuple((name, resolved_path(path)) for name, path in self.datasets),
-             reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
-             tool=resolved_specs(self.tool))
+             datasets=tuple((name, resolved_path(path)) for name, path in self.datasets))
+        self.check_groups()
         _check(len(self.models) >= 1, "give at least one model")
         _check(len(self.datasets) >= 1, "give at least one dataset as NAME=PATH")
         names = [name for name, _ in self.datasets]
@@ -744,14 +634,12 @@ class EvalConfig(_Config):
                f"saar must hold each setting once, got {self.saar}")
         _check(self.n >= 1, f"n must be >= 1, got {self.n}")
         _check(self.limit is None or self.limit >= 1, f"limit must be >= 1, got {self.limit}")
-        _enum_field(self, "prompt_style", PromptStyle)
         self.collect_config(self.models[0], self.datasets[0][1], self.saar[0], 1)  # checks the rest
 
     def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
         """The collect config of one evaluation: `problems` prompts, n samples each, at iteration 0,
         every field the two configs share as this one's."""
-        collect = {item.name for item in dataclasses.fields(CollectConfig)}
-        shared = {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.name in collect}
+        shared = group_values(self, RolloutSettings) | group_values(self, SaarMerge)
         return CollectConfig(**shared, model=model, data=data, iteration=0, n_prompts=problems, group_size=self.n,
                              collect_view=CollectView.PURIFIED if saar else CollectView.RAW, rollback_prob=1.0)
 

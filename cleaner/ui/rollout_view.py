@@ -147,8 +147,9 @@ def config_view(config: PurifyConfigRow | None, row: PurifiedRow) -> RenderSetti
     if config is None or not row.rolled_back:
         return RAW
     params = _params(config)
-    return RenderSettings(True, config.gamma, config.similarity_on, float(params.get("rollback_is_threshold") or 0.0),
-                          params.get("rollback_is_mode") or "sum")
+    return RenderSettings(True, gamma=config.gamma, similarity_on=config.similarity_on,
+                          rollback_is_threshold=float(params.get("rollback_is_threshold") or 0.0),
+                          rollback_is_mode=params.get("rollback_is_mode") or "sum")
 
 
 def _params(config: PurifyConfigRow) -> dict:

@@ -230,6 +230,12 @@ def test_run_config_of_the_wrong_type_is_one_line(tmp_path, toml, expected):
     (["run", "--prompts", "0"], "invalid option: --prompts must be >= 1, got 0", "n_prompts"),
     (["train", "--config-id", "c", "--policy", ".", "--out", "o", "--mini-batch-size", "4"],
      "invalid option: --mini-batch-size (4) must be >= --micro-batch-size (8)", "micro_batch_size"),
+    # SAAR's checks, the same wherever its group is held (config/groups.py)
+    (["show", "r0", "--gamma", "-1"], "invalid option: --gamma must be >= 0, got -1.0", "no rollout"),
+    (["show", "r0", "--similarity-on", "codes"],
+     "invalid option: --similarity-on must be one of ['code', 'call'], got 'codes'", "similarity_on"),
+    (["eval", "--model", "m", "--dataset", "a=a.parquet", "--gamma", "-1"], "invalid option: --gamma must be >= 0, "
+     "got -1.0", "a.parquet"),
 ])
 def test_errors_name_the_flag_the_user_typed(tmp_path, command, expected, not_expected):
     where = ["--run-dir", str(tmp_path / "r")] if command[0] == "run" else ["-w", str(tmp_path / "w")]

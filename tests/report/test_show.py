@@ -52,7 +52,7 @@ def chain() -> list[Segment]:
     ]
 
 
-SHALLOW_VIEW, DEEP_VIEW = RenderSettings(True, 0.5, "code"), RenderSettings(True, 0.9, "code")
+SHALLOW_VIEW, DEEP_VIEW = RenderSettings(True, gamma=0.5, similarity_on="code"), RenderSettings(True, gamma=0.9, similarity_on="code")
 
 
 def plain(renderable) -> str:

@@ -454,8 +454,7 @@ def test_the_second_tools_chains_have_the_python_tools_steps_and_contexts():
             python = sorted((s for s in python_segments if s.rollout_id == rollout.rollout_id), key=lambda s: s.seq)
             assert [(s.kind, s.step, s.attempt, s.tool_status) for s in mine] == \
                    [(s.kind, s.step, s.attempt, s.tool_status) for s in python]
-            view = view_for(rollout.rollback_draw, collect_view == "purified", config.gamma, config.rollback_prob,
-                            config.similarity_on)
+            view = view_for(rollout.rollback_draw, collect_view == "purified", config)
             assistants = [s for s in mine if s.kind == "assistant"]
             for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
                 before = mine[: assistant.seq]

@@ -66,7 +66,7 @@ def build(root: Path) -> Warehouse:
                for s in make_segments("r2", iteration=1) if s.seq < 3]
     wh.write_rollouts(1, [make_rollout("r2", iteration=1, reward=0.0), make_rollout("r3", iteration=1, n_failed=0)],
                       timeout + clean_segments("r3", 1))
-    view = RenderSettings(True, 0.5)
+    view = RenderSettings(True, gamma=0.5)
     wh.write_purified(0, SHALLOW, [stored_row(SHALLOW, make_segments(r), a, view) for r, a in (("r0", 1.0), ("r1", -1.0))])
     raw_mask = render(make_segments("r0"), RAW).loss_mask  # a_0 (seq 1, tokens 3..5) and its error masked
     masked = tuple(0 if 3 <= i < 6 else m for i, m in enumerate(raw_mask))
@@ -170,7 +170,7 @@ def test_the_is_gate_reads_old_logprobs_from_the_stored_row():
     segments = make_segments("r0")
     config = PurifyConfigRow("cfg-is", 0.5, 1.0, "code", "always",
                              json.dumps({"rollback_is_threshold": 0.01, "rollback_is_mode": "sum"}))
-    row = stored_row(config, segments, 1.0, RenderSettings(True, 0.5))
+    row = stored_row(config, segments, 1.0, RenderSettings(True, gamma=0.5))
     # the shallow merge takes a_1's call tokens [1:3] (2 tokens): old -0.25 each, behaviour -0.5 each
     assert StoredLogprobs(row).logprob_sum(row.token_ids[:4], row.token_ids[4:6]) == -0.5
     pane = purified_pane(segments, row, config, None)
@@ -180,7 +180,7 @@ def test_the_is_gate_reads_old_logprobs_from_the_stored_row():
 
 def test_a_row_that_is_no_re_rendering_is_shown_from_its_own_tokens_and_says_so():
     segments = make_segments("r0")
-    row = dataclasses.replace(stored_row(SHALLOW, segments, 1.0, RenderSettings(True, 0.5)),
+    row = dataclasses.replace(stored_row(SHALLOW, segments, 1.0, RenderSettings(True, gamma=0.5)),
                               token_ids=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
     pane = purified_pane(segments, row, SHALLOW, lambda ids: "".join(chr(96 + i) for i in ids))
     assert "not a re-rendering" in pane.note

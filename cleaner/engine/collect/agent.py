@@ -231,9 +231,7 @@ def plan_rollouts(tasks: Sequence[Task], config: CollectConfig, chat: ChatFormat
                 if rollout_id in skip_rollout_ids:
                     continue
                 draw = rollback_draw(config.seed, config.iteration, task.prompt_id, sample_index)
-                view = view_for(draw, config.collect_view == CollectView.PURIFIED, config.gamma,
-                                config.rollback_prob, config.similarity_on, config.rollback_is_threshold,
-                                config.rollback_is_mode)
+                view = view_for(draw, config.collect_view == CollectView.PURIFIED, config)
                 state = RolloutState(task, config.iteration, sample_index, rollout_id, group_id, draw, view,
                                      index=index)
                 state.add(SegmentKind.PROMPT, prompt_ids, prompt_text, step=None, attempt=None, logprobs=None)

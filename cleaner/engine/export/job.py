@@ -35,7 +35,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from cleaner.config import Edit, PurifyConfig
+from cleaner.config import Edit, PurifyConfig, SaarMerge
+from cleaner.config.groups import group_values
 from cleaner.engine.export import rows as rowing
 from cleaner.engine.export.card import CardFacts, card
 from cleaner.engine.export.folder import (
@@ -219,9 +220,7 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _ExportPl
         which = "no rollout" if request.where is None else f"no rollout for which --where {request.where!r} holds"
         raise JobError(f"iteration(s) {_listed(request.iterations)} hold {which}: nothing to export")
     config = _config(connection, warehouse, request)
-    defaults = PurifyConfig()
-    saar = RenderSettings(purified=True, gamma=config.gamma if config else defaults.gamma,
-                          similarity_on=config.similarity_on if config else defaults.similarity_on)
+    saar = RenderSettings(True, **group_values(config or PurifyConfig(), SaarMerge))  # chain pairs: merge only
     cache: dict = {}
     policies = {i: policy_for(request.policy, warehouse.collect_config(i), i, cache) for i in request.iterations}
     counted = None

@@ -252,8 +252,7 @@ def _plan(
     drafts = []
     for index, (rollout, advantage, fault) in enumerate(zip(rollouts, stage.advantages, faults, strict=True)):
         eligible = config.purify_when == PurifyWhen.ALWAYS or advantage > 0
-        view = view_for(rollout.rollback_draw, eligible, config.gamma, config.rollback_prob,
-                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode, config.edit)
+        view = view_for(rollout.rollback_draw, eligible, config)
         chain = grouped[rollout.rollout_id]
         failed = any(s.kind == SegmentKind.TOOL and s.failed for s in chain)
         key = (rollout.rollout_id, view if failed else RAW, config.negative_samples and failed)

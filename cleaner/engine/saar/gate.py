@@ -1,7 +1,7 @@
 """SAAR's IS gate (docs/architecture.md §4): whether a merge is close enough to on-policy to keep.
 
 Design decisions:
-- The IS gate (the authors' follow-up, "Plan B"; `RenderSettings.is_threshold` tau > 0): a merge takes
+- The IS gate (the authors' follow-up, "Plan B"; `RenderSettings.rollback_is_threshold` tau > 0): a merge takes
   tokens R from a_i (its call tokens for a shallow merge, the whole turn for a deep one). Its
   IS = exp(sum log pi_old(R | the rendered context without the error) - sum log pi_b(R | the
   context R was sampled in)). The behaviour sum comes from the stored log-probs; the old-policy
@@ -10,7 +10,7 @@ Design decisions:
   and retries all kept and trained, fully on-policy); later chains are still purified. An oracle
   that does not know a sum yet returns None: the merge is kept for now and the rendering marked
   provisional, so the caller can score the pending requests and render again.
-- `per_token` (is_mode = mean) divides the log IS by len(R), the per-token geometric mean the
+- `per_token` (rollback_is_mode = mean) divides the log IS by len(R), the per-token geometric mean the
   authors' later code uses: a sum over a whole turn is dominated by its length, so with the sum
   nearly every merge of a retry that reacts to its error text falls below any tau near 1.
 - `ScoreCache` is the oracle the purify pipeline and the agent loop use: renderings ask it, it

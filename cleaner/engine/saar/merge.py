@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-from cleaner.config import SimilarityOn
+from cleaner.config import SaarMerge, SimilarityOn
 from cleaner.engine.saar.gate import Gate
 from cleaner.records import Segment, SegmentKind
 from cleaner.tools.responses import TOOL_NAME
@@ -127,15 +127,15 @@ def raw_chain(chain: Sequence[Segment]) -> ChainResult:
     return ChainResult(tuple(span_of(segment) for segment in chain), 0, 0, Outcome.RAW)
 
 
-def render_chain(chain: Sequence[Segment], similarity_on: SimilarityOn, gamma: float,
-                 decode: Decode | None, prefix: tuple[int, ...], gate: Gate | None) -> ChainResult:
-    """One chain under SAAR; `prefix` is everything rendered before it (the gate's context)."""
+def render_chain(chain: Sequence[Segment], settings: SaarMerge, decode: Decode | None, prefix: tuple[int, ...],
+                 gate: Gate | None) -> ChainResult:
+    """One chain under SAAR's merge `settings`; `prefix` is everything rendered before it (the gate's context)."""
     pairs = _attempts(chain)
     if len(pairs) == 1 and (pairs[0][1] is None or not pairs[0][1].failed):
         return ChainResult(tuple(span_of(segment) for segment in chain), 0, 0, Outcome.CLEAN)  # unchanged
 
     def merge(count: int) -> _Merged:
-        return _merge([a for a, _ in pairs[:count]], similarity_on, gamma, decode, prefix, gate)
+        return _merge([a for a, _ in pairs[:count]], settings, decode, prefix, gate)
 
     for i, (assistant, tool) in enumerate(pairs):
         if i > 0 and not assistant.has_call:  # the retry answered instead of calling
@@ -204,8 +204,8 @@ class _Merged:
     rejected_at: int | None = None  # the attempt whose merge the gate rejected
 
 
-def _merge(attempts: Sequence[Segment], similarity_on: SimilarityOn, gamma: float, decode: Decode | None,
-           prefix: tuple[int, ...], gate: Gate | None) -> _Merged:
+def _merge(attempts: Sequence[Segment], settings: SaarMerge, decode: Decode | None, prefix: tuple[int, ...],
+           gate: Gate | None) -> _Merged:
     """cur = a_0; for each later a_i: shallow (prefix(cur) + call(a_i)) if similar enough, else deep;
     a merge the gate rejects stops the merging there."""
     current = span_of(attempts[0])
@@ -213,8 +213,8 @@ def _merge(attempts: Sequence[Segment], similarity_on: SimilarityOn, gamma: floa
     for index, attempt in enumerate(attempts[1:], start=1):
         following = span_of(attempt)
         both_call = current.call_start is not None and following.call_start is not None
-        similarity = _similarity(current, following, similarity_on, decode) if both_call else None
-        shallow = similarity is not None and similarity >= gamma
+        similarity = _similarity(current, following, settings.similarity_on, decode) if both_call else None
+        shallow = similarity is not None and similarity >= settings.gamma
         kind = Outcome.SHALLOW if shallow else Outcome.DEEP
         log_is = None
         if gate is not None:

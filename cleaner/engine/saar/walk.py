@@ -13,7 +13,7 @@ Design decisions:
   merged(a_0..a_last) + t_last whether retries ran out (the next segment has another step, rendered
   raw) or the retry has simply not been generated yet (nothing follows). Both give the same tokens,
   which is exactly the context the next retry must see during collection.
-- The IS gate (`RenderSettings.is_threshold` > 0) needs an oracle of old-policy log-probs; a rendering that
+- The IS gate (`RenderSettings.rollback_is_threshold` > 0) needs an oracle of old-policy log-probs; a rendering that
   assumed an unknown one is marked `provisional` (see merge.py), so the caller scores and renders
   again until nothing is assumed.
 - Negative samples (`negatives=True`): each failed attempt a_k of a recovered chain, as the turn
@@ -41,7 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from cleaner.config import Edit, IsMode, SimilarityOn
+from cleaner.config import Edit, IsMode, SaarRollback, SaarView, SimilarityOn
+from cleaner.config.groups import group_values
 from cleaner.engine.saar.gate import Gate, LogprobOracle
 from cleaner.engine.saar.merge import (
     ChainResult,
@@ -55,37 +56,23 @@ from cleaner.engine.saar.merge import (
     render_chain,
     span_of,
 )
-from cleaner.records import Segment, SegmentKind, enum_value
+from cleaner.records import Segment, SegmentKind
 
 __all__ = ["RAW", "Decode", "Edit", "KeptTokens", "LogprobOracle", "MergeDecision", "NegativeSample", "Outcome",
            "RenderSettings", "RenderStats", "Rendered", "StepOutcome", "clear_similarity_cache", "explain",
-           "render", "view_for"]
+           "render", "render_settings", "view_for"]
 
 # ----------------------------------------------------------------------------------------------
 # Public records
 
 
 @dataclass(frozen=True)
-class RenderSettings:
-    """How to render: raw, or purified with SAAR at threshold gamma (IS-gated if is_threshold > 0).
+class RenderSettings(SaarView):
+    """How to render: raw, or purified with SAAR's merge, IS gate and edit (SaarView, config/groups.py).
     A rollout's "view" is the one it was rendered in; the settings are named for what they are, apart
     from the warehouse's SQL views and the `collect_view` flag."""
 
     purified: bool
-    gamma: float = 0.5  # shallow merge iff similarity >= gamma (gamma > 1: always deep)
-    similarity_on: SimilarityOn = SimilarityOn.CODE  # what the merge decision compares
-    is_threshold: float = 0.0  # tau of the IS gate; 0 = off (every merge is kept)
-    is_mode: IsMode = IsMode.SUM  # sum or per-token mean of R's log-ratios
-    edit: Edit = Edit.REPLACE  # replace: SAAR's sequence; mask: the raw sequence, dropped tokens untrained
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "similarity_on", enum_value(SimilarityOn, self.similarity_on, "similarity_on"))
-        object.__setattr__(self, "is_mode", enum_value(IsMode, self.is_mode, "is_mode"))
-        object.__setattr__(self, "edit", enum_value(Edit, self.edit, "edit"))
-        if self.gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
-        if self.is_threshold < 0:
-            raise ValueError(f"is_threshold must be >= 0, got {self.is_threshold}")
 
 
 RAW = RenderSettings(purified=False)
@@ -139,15 +126,17 @@ class Rendered:
     provisional: bool = False  # an IS decision was assumed (its oracle did not know it yet)
 
 
-def view_for(
-    rollback_draw: float, purified: bool, gamma: float, rollback_prob: float,
-    similarity_on: SimilarityOn, is_threshold: float = 0.0, is_mode: IsMode = IsMode.SUM,
-    edit: Edit = Edit.REPLACE,
-) -> RenderSettings:
-    """The view of one rollout: purified iff `purified` and its draw u < p, else RAW (docs/architecture.md §4)."""
-    if purified and rollback_draw < rollback_prob:
-        return RenderSettings(purified=True, gamma=gamma, similarity_on=similarity_on,
-                              is_threshold=is_threshold, is_mode=is_mode, edit=edit)
+def render_settings(holder: object, purified: bool = True) -> RenderSettings:
+    """The settings of a view from any holder of SAAR settings (a config, a group): the SaarView
+    fields it has, the others at their defaults."""
+    return RenderSettings(purified, **group_values(holder, SaarView))
+
+
+def view_for(rollback_draw: float, eligible: bool, settings: SaarRollback) -> RenderSettings:
+    """The view of one rollout: purified under `settings` iff `eligible` and its draw u < p, else RAW
+    (docs/architecture.md §4)."""
+    if eligible and rollback_draw < settings.rollback_prob:
+        return render_settings(settings)
     return RAW
 
 
@@ -205,11 +194,11 @@ def _masking(view: RenderSettings) -> bool:
 
 
 def _gate(view: RenderSettings, oracle: LogprobOracle | None) -> Gate | None:
-    if not view.purified or view.is_threshold <= 0:
+    if not view.purified or view.rollback_is_threshold <= 0:
         return None
     if oracle is None:
-        raise ValueError("an IS-gated view (is_threshold > 0) needs an oracle of old-policy log-probs")
-    return Gate(view.is_threshold, oracle, per_token=view.is_mode == IsMode.MEAN)
+        raise ValueError("an IS-gated view (rollback_is_threshold > 0) needs an oracle of old-policy log-probs")
+    return Gate(view.rollback_is_threshold, oracle, per_token=view.rollback_is_mode == IsMode.MEAN)
 
 
 def _assemble(spans: Sequence[Span], prompt_len: int, stats: RenderStats,
@@ -334,7 +323,7 @@ def _walk(
         if raw:
             result = raw_chain(chain)
         else:
-            result = render_chain(chain, view.similarity_on, view.gamma, decode, prefix, gate)
+            result = render_chain(chain, view, decode, prefix, gate)
         raw = raw or result.outcome in (Outcome.UNRECOVERED, Outcome.ANSWERED)  # the rest of the trajectory is raw
         walked.append((chain, result))
         if gate is not None:  # the gate's contexts are the tokens rendered so far

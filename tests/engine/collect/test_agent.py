@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from cleaner.config import PurifyConfig
+from cleaner.config import PurifyConfig, SaarRollback
 from cleaner.engine.collect.agent import CollectedBatch, rollback_draw
 from cleaner.engine.collect.schedule import collect
 from cleaner.engine.collect.tasks import Task
@@ -84,8 +84,7 @@ def test_render_of_stored_segments_reproduces_every_context(collect_view):
     n_purified_differs = 0
     for rollout in batch.rollouts:
         segments = segments_of(batch, rollout.rollout_id)
-        view = view_for(rollout.rollback_draw, collect_view == "purified", config.gamma,
-                        config.rollback_prob, config.similarity_on)
+        view = view_for(rollout.rollback_draw, collect_view == "purified", config)
         assistants = [s for s in segments if s.kind == "assistant"]
         assert len(contexts[rollout.rollout_id]) == len(assistants)
         for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
@@ -108,8 +107,7 @@ def _gated_contexts_hold(config) -> int:
     gated = 0
     for rollout in batch.rollouts:
         segments = segments_of(batch, rollout.rollout_id)
-        view = view_for(rollout.rollback_draw, True, config.gamma, config.rollback_prob,
-                        config.similarity_on, config.rollback_is_threshold)
+        view = view_for(rollout.rollback_draw, True, config)
         assistants = [s for s in segments if s.kind == "assistant"]
         for context, assistant in zip(contexts[rollout.rollout_id], assistants, strict=True):
             cache = ScoreCache()
@@ -568,7 +566,7 @@ def test_malformed_call_is_a_format_error_and_not_run():
 
 
 def test_raw_view_constant_matches_view_for():
-    assert view_for(0.99, True, 0.5, 0.5, "code") == RAW
+    assert view_for(0.99, True, SaarRollback(gamma=0.5, rollback_prob=0.5)) == RAW
 
 
 # ---------------------------------------------------------------------------------------------

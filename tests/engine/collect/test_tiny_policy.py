@@ -59,7 +59,7 @@ def test_stored_segments_reproduce_every_context(backend):
     chat = ChatFormat(backend.tokenizer)
     retried, views = 0, set()
     for rollout, own, end, context in _collect_with_contexts(backend, CONFIG):
-        view = view_for(rollout.rollback_draw, True, CONFIG.gamma, CONFIG.rollback_prob, CONFIG.similarity_on)
+        view = view_for(rollout.rollback_draw, True, CONFIG)
         assert list(render(own[:end], view, chat.decode).token_ids) == context
         retried += own[end].attempt > 0
         views.add(rollout.collect_view)
@@ -77,8 +77,7 @@ def test_is_gated_collection_is_reproduced_by_purify_at_the_collect_config(backe
     chat = ChatFormat(backend.tokenizer)
     cache, gated, merged = ScoreCache(), 0, 0
     for rollout, own, end, context in _collect_with_contexts(backend, config):
-        view = view_for(rollout.rollback_draw, True, config.gamma, config.rollback_prob,
-                        config.similarity_on, config.rollback_is_threshold, config.rollback_is_mode)
+        view = view_for(rollout.rollback_draw, True, config)
         while (rendered := render(own[:end], view, chat.decode, oracle=cache)).provisional:
             cache.fill(backend.scorer(progress=False).score_rows)
         assert list(rendered.token_ids) == context

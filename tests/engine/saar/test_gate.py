@@ -23,7 +23,7 @@ PURIFIED = RenderSettings(purified=True, gamma=0.5)
 
 
 def gated(tau: float) -> RenderSettings:
-    return RenderSettings(purified=True, gamma=0.5, is_threshold=tau)
+    return RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=tau)
 
 
 def test_tau_zero_renders_exactly_the_purified_view():
@@ -112,7 +112,7 @@ def test_the_is_of_a_merge_equals_a_naive_forward_minus_the_behaviour_logprobs()
 
 
 def test_the_per_token_mode_divides_the_log_is_by_the_tokens_of_r():
-    view = RenderSettings(purified=True, gamma=0.5, is_threshold=0.5, is_mode="mean")
+    view = RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=0.5, rollback_is_mode="mean")
     steps = explain(two_chains(), view, oracle=TableOracle(SUMS))
     assert steps[0].merges[0].log_is == pytest.approx(LOG_IS_0 / 2)  # IS 0.62 >= 0.5: kept
     assert steps[1].merges[0].log_is == pytest.approx(LOG_IS_1 / 3)

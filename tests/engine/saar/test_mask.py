@@ -102,15 +102,15 @@ def test_a_retry_that_answers_masks_the_attempts_merged_before_it():
 def test_an_is_gated_chain_masks_nothing_and_a_kept_merge_masks_its_failed_turn():
     # tau 0.5 rejects step 0's merge (IS 0.384): replace renders it raw, so mask masks nothing
     # there; step 1's deep merge is kept (IS 1.023): its failed turn 30 31 32 is masked.
-    gated_replace = RenderSettings(purified=True, gamma=0.5, is_threshold=0.5)
-    gated_mask = RenderSettings(purified=True, gamma=0.5, is_threshold=0.5, edit="mask")
+    gated_replace = RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=0.5)
+    gated_mask = RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=0.5, edit="mask")
     segments = two_chains()
     rendered = render(segments, gated_mask, oracle=TableOracle(SUMS))
     assert rendered.loss_mask == (0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 1)
     assert (rendered.stats.n_gated, rendered.stats.n_deep, rendered.stats.tokens_masked) == (1, 1, 3)
     assert masked_ids(segments, gated_mask, TableOracle(SUMS)) == (30, 31, 32) == dropped_less_success(
         segments, gated_replace, TableOracle(SUMS))
-    everything_gated = RenderSettings(purified=True, gamma=0.5, is_threshold=1e9, edit="mask")
+    everything_gated = RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=1e9, edit="mask")
     assert masked_ids(segments, everything_gated, TableOracle(SUMS)) == ()
 
 

@@ -6,12 +6,14 @@ that travels with the wrong token is caught.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from cleaner.config import CollectConfig, PurifyConfig, SaarRollback
 from cleaner.engine.model.chat import format_call
 from cleaner.engine.saar.walk import (
     RAW,
@@ -20,6 +22,7 @@ from cleaner.engine.saar.walk import (
     RenderSettings,
     explain,
     render,
+    render_settings,
     view_for,
 )
 from cleaner.records import Segment, SegmentKind, ToolStatus
@@ -119,23 +122,23 @@ def measured_chain(first_code: str | None) -> list[Segment]:
 
 def test_code_similarity_is_deep_where_call_similarity_is_shallow():
     segments = measured_chain("import numpy; print(numpy.add(2,2))")
-    by_code = render(segments, RenderSettings(True, 0.5, "code"), decode)
-    by_call = render(segments, RenderSettings(True, 0.5, "call"), decode)
+    by_code = render(segments, RenderSettings(True, gamma=0.5, similarity_on="code"), decode)
+    by_call = render(segments, RenderSettings(True, gamma=0.5, similarity_on="call"), decode)
     assert (by_code.stats.n_deep, by_call.stats.n_shallow) == (1, 1)
     assert decode(by_code.token_ids[1:-1]) == "Again. " + format_call("x=2; print(x+x)")
     assert decode(by_call.token_ids[1:-1]) == "Add. " + format_call("x=2; print(x+x)")
 
 
 def test_code_falls_back_to_call_when_code_is_missing():
-    rendered = render(measured_chain(None), RenderSettings(True, 0.5, "code"), decode)
+    rendered = render(measured_chain(None), RenderSettings(True, gamma=0.5, similarity_on="code"), decode)
     assert rendered.stats.n_shallow == 1
 
 
 def test_call_similarity_without_decode_is_a_clear_error():
     with pytest.raises(ValueError, match="decode"):
-        render(measured_chain(None), RenderSettings(True, 0.5, "call"))
+        render(measured_chain(None), RenderSettings(True, gamma=0.5, similarity_on="call"))
     with pytest.raises(ValueError, match="decode"):
-        render(measured_chain(None), RenderSettings(True, 0.5, "code"))  # fallback needs decode too
+        render(measured_chain(None), RenderSettings(True, gamma=0.5, similarity_on="code"))  # fallback needs decode too
 
 
 def test_malformed_chain_is_rejected():
@@ -146,9 +149,23 @@ def test_malformed_chain_is_rejected():
 
 
 def test_view_for_follows_the_draw():
-    assert view_for(0.3, True, 0.7, 0.5, "call") == RenderSettings(True, 0.7, "call")
-    assert view_for(0.5, True, 0.7, 0.5, "call") == RAW
-    assert view_for(0.0, False, 0.7, 1.0, "code") == RAW
+    assert view_for(0.3, True, SaarRollback(gamma=0.7, rollback_prob=0.5, similarity_on="call")) == \
+        RenderSettings(True, gamma=0.7, similarity_on="call")
+    assert view_for(0.5, True, SaarRollback(gamma=0.7, rollback_prob=0.5, similarity_on="call")) == RAW
+    assert view_for(0.0, False, SaarRollback(gamma=0.7, rollback_prob=1.0, similarity_on="code")) == RAW
+
+
+def test_a_view_holds_how_a_config_renders_and_not_whether_it_purifies():
+    """A purify config's view is its merge, gate and edit; p and purify_when only decide whether a
+    rollout is purified, so configs that differ in them share their renderings (purify's cache key)."""
+    gated = PurifyConfig(gamma=0.7, similarity_on="call", rollback_is_threshold=0.5, rollback_is_mode="mean",
+                         edit="mask")
+    expected = RenderSettings(True, gamma=0.7, similarity_on="call", rollback_is_threshold=0.5,
+                              rollback_is_mode="mean", edit="mask")
+    assert view_for(0.1, True, gated) == render_settings(gated) == expected
+    assert render_settings(PurifyConfig(rollback_prob=0.3, purify_when="positive")) == render_settings(PurifyConfig())
+    collected = CollectConfig(gamma=0.7, similarity_on="call", rollback_is_threshold=0.5, rollback_is_mode="mean")
+    assert view_for(0.1, True, collected) == dataclasses.replace(expected, edit="replace")  # collect has no edit
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,7 +241,7 @@ def processed(plan: Plan) -> list[int]:
 @given(plans(), st.floats(0, 1.2))
 def test_mask_and_logprobs_align_with_tokens(plan, gamma):
     by_seq = {segment.seq: segment for segment in plan.segments}
-    for view in (RAW, RenderSettings(True, gamma, "code")):
+    for view in (RAW, RenderSettings(True, gamma=gamma, similarity_on="code")):
         rendered = render(plan.segments, view)
         assert len(rendered.token_ids) == len(rendered.loss_mask) == len(rendered.behavior_logprobs)
         for token, mask, logprob in zip(rendered.token_ids, rendered.loss_mask,
@@ -239,7 +256,7 @@ def test_mask_and_logprobs_align_with_tokens(plan, gamma):
 @settings(max_examples=100, deadline=None)
 @given(plans(), st.floats(0, 0.999), st.floats(0, 1.5))
 def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
-    view = view_for(draw, True, gamma, 0.0, "code")
+    view = view_for(draw, True, SaarRollback(gamma=gamma, rollback_prob=0.0))
     assert view == RAW
     rendered = render(plan.segments, view)
     assert rendered.token_ids == raw_ids(plan.segments)
@@ -251,15 +268,15 @@ def test_rollback_prob_zero_is_exactly_raw(plan, draw, gamma):
 def test_rollout_without_a_failed_call_renders_raw_under_every_view(plan, gamma, similarity_on):
     # purify renders such a rollout once for every config of an ablation grid, relying on this
     assume(not any(segment.kind == SegmentKind.TOOL and segment.failed for segment in plan.segments))
-    assert render(plan.segments, RenderSettings(True, gamma, similarity_on), decode=str) == render(plan.segments, RAW)
+    assert render(plan.segments, RenderSettings(True, gamma=gamma, similarity_on=similarity_on), decode=str) == render(plan.segments, RAW)
 
 
 @settings(max_examples=150, deadline=None)
 @given(plans())
 def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
     expected_merges = sum(plan.merges[index] for index in processed(plan))
-    shallow = render(plan.segments, RenderSettings(True, 0.0, "code")).stats
-    deep = render(plan.segments, RenderSettings(True, 1.01, "code")).stats
+    shallow = render(plan.segments, RenderSettings(True, gamma=0.0, similarity_on="code")).stats
+    deep = render(plan.segments, RenderSettings(True, gamma=1.01, similarity_on="code")).stats
     assert (shallow.n_shallow, shallow.n_deep) == (expected_merges, 0)
     assert (deep.n_shallow, deep.n_deep) == (0, expected_merges)
     assert shallow.n_unrecovered == deep.n_unrecovered == ("unrecovered" in plan.outcomes)
@@ -268,7 +285,7 @@ def test_gamma_zero_is_all_shallow_and_gamma_above_one_all_deep(plan):
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.floats(0, 1.2))
 def test_recovered_chain_leaves_no_failed_call_or_error(plan, gamma):
-    rendered = set(render(plan.segments, RenderSettings(True, gamma, "code")).token_ids)
+    rendered = set(render(plan.segments, RenderSettings(True, gamma=gamma, similarity_on="code")).token_ids)
     for index in processed(plan):
         if plan.outcomes[index] != "recovered":
             continue
@@ -286,13 +303,13 @@ def test_unrecovered_chain_renders_rest_raw(plan, gamma):
     if "unrecovered" not in plan.outcomes:
         return
     chain = plan.chains[plan.outcomes.index("unrecovered")]
-    rendered = render(plan.segments, RenderSettings(True, gamma, "code"))
+    rendered = render(plan.segments, RenderSettings(True, gamma=gamma, similarity_on="code"))
     last_tool = [segment for segment in chain if segment.kind == SegmentKind.TOOL][-1]
     rest = [segment for segment in plan.segments if segment.seq > last_tool.seq]
     tail = raw_ids([last_tool, *rest])
     assert rendered.token_ids[-len(tail):] == tail
     # Cut right after the last failed call (a retry not generated yet): a prefix of the full render.
-    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], RenderSettings(True, gamma, "code"))
+    partial = render([s for s in plan.segments if s.seq <= last_tool.seq], RenderSettings(True, gamma=gamma, similarity_on="code"))
     assert rendered.token_ids[: len(partial.token_ids)] == partial.token_ids
 
 
@@ -358,7 +375,7 @@ def test_explain_raw_view_removes_nothing():
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.floats(0, 1.2))
 def test_explain_agrees_with_render(plan, gamma):
-    view = RenderSettings(True, gamma, "code")
+    view = RenderSettings(True, gamma=gamma, similarity_on="code")
     rendered = render(plan.segments, view)
     steps = explain(plan.segments, view)
     by_seq = {segment.seq: segment for segment in plan.segments}

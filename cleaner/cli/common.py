@@ -200,13 +200,6 @@ def call_job(job, *args, **kwargs):
         raise fail(str(write_error(exc.filename, exc))) from exc
 
 
-# Where purify and ablate score: the runtime of their job's request, not part of a purify config
-# (collect, eval and run take the same flags from their config's fields).
-DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
-BackendOpt = Annotated[str, typer.Option(
-    "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
-SglangUrlOpt = Annotated[str | None, typer.Option(
-    "--sglang-url", help="A running SGLang server or router, e.g. http://host:30000 (with --backend sglang).")]
 ShardOpt = Annotated[str, typer.Option(
     "--shard", help="i/N: do only the i-th of N disjoint shares (whole prompts) of the iteration.")]
 

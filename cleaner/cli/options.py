@@ -7,7 +7,7 @@ parameter stands (typer reads the generated `__signature__`) and calls the comma
 values as `Flags`, which build the config through `config/layers.py`'s `build`, the same road a
 run's layers take. A bool field is `--name/--no-name`; an enum stays a string whose choices the
 metavar shows (its config names the choices when a value is wrong, exit code 1); a field naming a
-file is a path the parser checks; ablate's grid axes are comma-separated strings; a field whose
+file or a directory is a path the parser checks; ablate's grid axes are comma-separated strings; a field whose
 default follows another flag is optional, its help saying which.
 """
 
@@ -114,8 +114,9 @@ def _parameter(flag: Flag, spec: CommandFlags) -> inspect.Parameter:
     if field in spec.grid:
         hint, default, text = str, spec.grid[field], f"{text}; comma-separated, a config each"
         options.pop("metavar", None)
-    if field in spec.files:
-        hint, options = Path | None, {**options, "exists": True, "dir_okay": False}
+    if field in spec.files or field in spec.directories:
+        kind = "dir_okay" if field in spec.files else "file_okay"
+        hint, options = Path | None, {**options, "exists": True, kind: False}
     notes = [" and ".join(flag.sections)] if len(flag.sections) > 1 else []  # run: sets each table's
     if flag.derived is not None:
         hint, options["show_default"] = hint | None, False

@@ -9,7 +9,8 @@ the fields (settings.py); `--print-config` prints the resolved config as such a 
 Design decisions:
 - Layers merge key by key, so a layer says only what it changes.
 - Values no layer sets are derived, to keep a run self-consistent: purify's SAAR settings follow
-  collect's (purifying at the collect config keeps the purified rows on-policy); with purify's
+  collect's (purifying at the collect config keeps the purified rows on-policy), and so do its
+  backend, server and device (the run scores with the backend it collects with); with purify's
   edit `mask`, collection uses the raw view (a masked row is the raw sequence, on-policy only if
   the agent loop saw it); train's response budget, seed and device follow collect's; the mini
   batch is a quarter of the iteration's trained rows (4 optimiser steps, the reference's 128 / 32;
@@ -33,7 +34,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from cleaner.config.settings import RunConfig
+from cleaner.config.settings import SCORED_AS_COLLECTED, RunConfig
 from cleaner.errors import CleanerError
 
 
@@ -210,7 +211,8 @@ def _derived(layer: Mapping) -> dict:
     return {
         "collect": {"max_response_tokens": response, **({"collect_view": "raw"} if masking else {})},
         "purify": {key: collect[key] for key in ("gamma", "rollback_prob", "similarity_on", "rollback_is_threshold",
-                                                 "rollback_is_mode") if key in collect},
+                                                 "rollback_is_mode") if key in collect}
+                   | {key: collect[key] for key in SCORED_AS_COLLECTED if key in collect},
         "train": {"max_response_tokens": response, "mini_batch_size": mini,
                   "micro_batch_size": min(16, mini),
                   **{key: collect[key] for key in ("seed", "device") if key in collect}},

@@ -34,6 +34,7 @@ from cleaner.config.flags import (
     option_of,
 )
 from cleaner.config.layers import ConfigError, build, merge
+from cleaner.config.settings import SCORED_AS_COLLECTED
 
 CONTEXT = "flags_context"  # the typer context the generated signature adds, to tell given flags from defaults
 PANELS = {"collect": "Collect", "purify": "Purify", "train": "Train"}  # run's help: a section per table
@@ -130,8 +131,10 @@ def _parameter(flag: Flag, spec: CommandFlags) -> inspect.Parameter:
 
 def _panel(flag: Flag) -> str | None:
     """The section of run's help: the table the flag sets; purify's if it sets purify's too (the
-    SAAR settings); none for flags of collect and train alike (seed, device)."""
-    sections = flag.sections
+    SAAR settings), but not for where purify scores, which follows collect's; none for flags of
+    collect and train alike (seed, device)."""
+    sections = tuple(section for section in flag.sections
+                     if section != "purify" or flag.name not in SCORED_AS_COLLECTED)
     if "purify" in sections:
         return PANELS["purify"]
     return PANELS[sections[0]] if len(sections) == 1 else None

@@ -176,3 +176,15 @@ def test_bootstraps_init_from_must_be_a_directory(tmp_path):
     for missing in (tmp_path / "nowhere", tmp_path / "file"):
         result = runner.invoke(app, ["bootstrap", "--out", str(tmp_path / "p"), "--init-from", str(missing)])
         assert result.exit_code == 2 and "--init-from" in result.output
+
+
+def test_runs_help_keeps_where_it_runs_under_collect_and_the_scorer_budget_under_purify():
+    result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "120"})
+    section, found = None, {}
+    for line in result.output.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            section = line[:-1]
+        elif line.strip().startswith("--"):
+            found.setdefault(line.split()[0], section)
+    assert {option: found[option] for option in ("--backend", "--sglang-url", "--device", "--scorer-memory-gb")} == {
+        "--backend": "Collect", "--sglang-url": "Collect", "--device": "Options", "--scorer-memory-gb": "Purify"}

@@ -45,6 +45,7 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         differences,
         resolve_run_config,
     )
+    from cleaner.config.settings import SCORED_AS_COLLECTED
     from cleaner.warehouse import Warehouse
 
     try:
@@ -53,6 +54,8 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         if saved is None:
             return config
         saved_layer = json.loads(saved)
+        for name in SCORED_AS_COLLECTED:  # collect's by construction: the layers above decide them
+            saved_layer.get("purify", {}).pop(name, None)
         config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where, names=names)
         # the saved run resolved alone: a field added since it was saved takes its default there
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)

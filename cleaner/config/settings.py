@@ -680,10 +680,9 @@ class RunConfig(_Config):
     def __post_init__(self) -> None:
         _check_numbers(self)
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
-        for name in SCORED_AS_COLLECTED:  # the run's one backend collects and scores
-            _check(getattr(self.purify, name) == getattr(self.collect, name),
-                   f"purify's {name} must be collect's: a run scores with the backend it collects with, got "
-                   f"{getattr(self.purify, name)!r} and {getattr(self.collect, name)!r}")
+        # the run's one backend collects and scores: purify's are collect's (a layer naming others is refused)
+        _set(self, purify=dataclasses.replace(self.purify, **{name: getattr(self.collect, name)
+                                                              for name in SCORED_AS_COLLECTED}))
         _check(self.purify.down_sample_to is None or self.purify.down_sample_to < self.collect.group_size,
                f"down_sample_to ({self.purify.down_sample_to}) must be smaller than group_size "
                f"({self.collect.group_size}): nothing to choose; GRPO-RoC collects 2N to keep N")

@@ -125,7 +125,7 @@ def test_a_runs_purify_hands_the_scorer_budget_and_the_runs_backend_to_the_job(m
     monkeypatch.setattr(iterations, "collect_job", lambda *args, **kwargs: SimpleNamespace(n_planned=1))
     monkeypatch.setattr(iterations, "purify_job", lambda warehouse, request, **kwargs: requests.append(request))
     config = RunConfig(collect=CollectConfig(device="cuda:1"),
-                       purify=PurifyConfig(device="cuda:1", scorer_memory_gb=3.0))
+                       purify=PurifyConfig(scorer_memory_gb=3.0))  # its device: collect's
     backend = object()
     iterations._collect_and_purify(None, config.collect, config, backend, False, Ranks())
     (request,) = requests
@@ -188,3 +188,19 @@ def test_runs_help_keeps_where_it_runs_under_collect_and_the_scorer_budget_under
             found.setdefault(line.split()[0], section)
     assert {option: found[option] for option in ("--backend", "--sglang-url", "--device", "--scorer-memory-gb")} == {
         "--backend": "Collect", "--sglang-url": "Collect", "--device": "Options", "--scorer-memory-gb": "Purify"}
+
+
+def test_a_resumed_run_scores_at_the_server_address_its_file_gives_now(tmp_path):
+    """A server may come back at another address: a resumed run's file moves collect's sglang_url,
+    and purify's, which the saved run holds as collect's old one, moves with it."""
+    from cleaner.warehouse import Warehouse
+
+    servers = {"backend": "sglang", "sglang_url": "http://127.0.0.1:9"}
+    saved = RunConfig(run_dir=str(tmp_path / "run"), collect=CollectConfig(**servers))
+    assert saved.purify.sglang_url == "http://127.0.0.1:9"
+    Warehouse(tmp_path / "run" / "warehouse").save_config("run", saved.to_json())
+    result = _print_config(tmp_path, '[collect]\nbackend = "sglang"\nsglang_url = "http://127.0.0.1:10"\n', "--run-dir",
+                           str(tmp_path / "run"), "--resume")
+    assert result.exit_code == 0, result.output
+    resolved = tomllib.loads(result.output)
+    assert resolved["collect"]["sglang_url"] == resolved["purify"]["sglang_url"] == "http://127.0.0.1:10"

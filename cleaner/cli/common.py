@@ -156,12 +156,23 @@ def build_config(factory, flags: dict[str, str] | None = None, **kwargs):
 
 def floats(text: str, name: str) -> list[float]:
     """The comma-separated numbers of option `name`: at least one (a grid axis with none would run nothing)."""
+    return _parsed(text, name, float, "comma-separated numbers", "one or more comma-separated numbers")
+
+
+def integers(text: str, name: str) -> list[int]:
+    """The comma-separated iteration numbers of option `name`: at least one."""
+    return _parsed(text, name, int, "comma-separated iteration numbers", "one or more iteration numbers")
+
+
+def _parsed(text: str, name: str, parse, what: str, at_least: str) -> list:
+    """`parse` of each comma-separated value of option `name`; one line saying `what` it takes
+    (`at_least` when it gives none) otherwise."""
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        values = [parse(value) for value in text.split(",") if value.strip()]
     except ValueError as exc:
-        raise fail(f"{name} takes comma-separated numbers, got {text!r}") from exc
+        raise fail(f"{name} takes {what}, got {text!r}") from exc
     if not values:
-        raise fail(f"{name} takes one or more comma-separated numbers, got {text!r}")
+        raise fail(f"{name} takes {at_least}, got {text!r}")
     return values
 
 
@@ -200,13 +211,6 @@ def call_job(job, *args, **kwargs):
         raise fail(str(write_error(exc.filename, exc))) from exc
 
 
-# Where purify and ablate score: the runtime of their job's request, not part of a purify config
-# (collect, eval and run take the same flags from their config's fields).
-DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
-BackendOpt = Annotated[str, typer.Option(
-    "--backend", help="torch (this process) | sglang (an SGLang engine here, or the server at --sglang-url).")]
-SglangUrlOpt = Annotated[str | None, typer.Option(
-    "--sglang-url", help="A running SGLang server or router, e.g. http://host:30000 (with --backend sglang).")]
 ShardOpt = Annotated[str, typer.Option(
     "--shard", help="i/N: do only the i-th of N disjoint shares (whole prompts) of the iteration.")]
 

@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from cleaner.cli.common import DEFAULT_WAREHOUSE, WarehouseOpt, app, call_job, console, fail
+from cleaner.cli.common import (
+    DEFAULT_WAREHOUSE,
+    WarehouseOpt,
+    app,
+    call_job,
+    console,
+    integers,
+    words,
+)
 from cleaner.cli.options import Flags, config_flags
 
 
@@ -34,31 +42,11 @@ def curate(
     from cleaner.warehouse import Warehouse
 
     config = flags.build(CurateConfig, {"iterations": "--iteration", "evals": "--eval"},
-                         iterations=_numbers(iteration), evals=_words(evaluation))
+                         iterations=() if iteration is None else tuple(integers(iteration, "--iteration")),
+                         evals=() if evaluation is None else tuple(words(evaluation, "--eval")))
     outcome = call_job(curate_job, Warehouse(warehouse), config)
     if outcome.stats_page is not None:
         console.print(outcome.stats_page, soft_wrap=True, highlight=False, markup=False)
     if outcome.page is not None:
         console.print(outcome.page, soft_wrap=True, highlight=False, markup=False)
     console.print(f"done in {outcome.seconds:.1f} s", highlight=False)
-
-
-def _numbers(text: str | None) -> tuple[int, ...]:
-    if text is None:
-        return ()
-    try:
-        values = tuple(int(value) for value in text.split(",") if value.strip())
-    except ValueError as error:
-        raise fail(f"--iteration takes comma-separated iteration numbers, got {text!r}") from error
-    if not values:
-        raise fail(f"--iteration takes one or more iteration numbers, got {text!r}")
-    return values
-
-
-def _words(text: str | None) -> tuple[str, ...]:
-    if text is None:
-        return ()
-    values = tuple(value.strip() for value in text.split(",") if value.strip())
-    if not values:
-        raise fail(f"--eval takes one or more eval ids, got {text!r}")
-    return values

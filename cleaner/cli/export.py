@@ -15,7 +15,7 @@ from cleaner.cli.common import (
     build_config,
     call_job,
     console,
-    fail,
+    integers,
 )
 
 
@@ -41,7 +41,7 @@ def export(
     from cleaner.engine.export.job import ExportRequest, export_job
     from cleaner.warehouse import Warehouse
 
-    iterations = _iterations(iteration)
+    iterations = tuple(dict.fromkeys(integers(iteration, "--iteration")))  # a repeated number reads once
     request = build_config(ExportRequest, {"form": "--format", "iterations": "--iteration"}, iterations=iterations,
                            form=form, out=out, view=view, where=where, pairs=pairs, config_id=config_id,
                            policy=policy, rows_per_shard=rows_per_shard, overwrite=overwrite)
@@ -51,13 +51,3 @@ def export(
     console.print(f"{outcome.rows:,} rows from {outcome.rollouts:,} rollouts in {outcome.shards} shard(s)"
                   f"{exact}{counted} ({outcome.seconds:.1f} s)\ndataset -> {outcome.out}", soft_wrap=True,
                   highlight=False)
-
-
-def _iterations(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(dict.fromkeys(int(value) for value in text.split(",") if value.strip()))
-    except ValueError as error:
-        raise fail(f"--iteration takes comma-separated iteration numbers, got {text!r}") from error
-    if not values:
-        raise fail(f"--iteration takes one or more iteration numbers, got {text!r}")
-    return values

@@ -16,7 +16,6 @@ from cleaner.cli.common import (
     WandbOfflineOpt,
     WandbProjectOpt,
     app,
-    build_config,
     call_job,
     console,
     fail,
@@ -46,6 +45,7 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         differences,
         resolve_run_config,
     )
+    from cleaner.config.settings import SCORED_AS_COLLECTED
     from cleaner.warehouse import Warehouse
 
     try:
@@ -54,6 +54,8 @@ def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | Non
         if saved is None:
             return config
         saved_layer = json.loads(saved)
+        for name in SCORED_AS_COLLECTED:  # collect's by construction: the layers above decide them
+            saved_layer.get("purify", {}).pop(name, None)
         config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where, names=names)
         # the saved run resolved alone: a field added since it was saved takes its default there
         saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
@@ -191,20 +193,11 @@ def demo(
 
 
 @app.command()
+@config_flags("bootstrap")
 def bootstrap(
+    *,
     out: Annotated[Path, typer.Option("--out", help="Model directory to write.")] = Path("cleaner/assets/tiny-policy"),
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimiser steps.")] = 2000,
-    seed: Annotated[int, typer.Option("--seed", help="Corpus, init and batch-order seed.")] = 0,
-    corpus_size: Annotated[int, typer.Option("--corpus-size", min=1, help="Synthetic trajectories.")] = 40_000,
-    fail_share: Annotated[float, typer.Option("--fail-share", help="Share of first calls that fail.")] = 0.3,
-    failures: Annotated[str, typer.Option("--failures", help="mixed (typos, wrong approaches) | environment (missing functions only: the second policy).")] = "mixed",
-    slip_share: Annotated[float, typer.Option("--slip-share", help="Share of trajectories that miscopy one digit of the question in every call.")] = 0.0,
-    no_tool_share: Annotated[float, typer.Option("--no-tool-share", help="Share of trajectories that answer with a guess, without calling the tool (the third policy).")] = 0.0,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per step.")] = 32,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Save <out>-checkpoints/step-N every N steps; 0 = off.")] = 0,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 3e-3,
-    init_from: Annotated[Path | None, typer.Option("--init-from", exists=True, file_okay=False, help="Continue from this policy (and its tokenizer): the calibration stage.")] = None,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 2,
+    flags: Flags,
 ) -> None:
     """Train the tiny default policy into cleaner/assets/tiny-policy.
 
@@ -212,17 +205,17 @@ def bootstrap(
     then `cleaner bootstrap --init-from runs/base-checkpoints/step-1250 --fail-share 0.4 --steps 300
     --lr 1e-3 --corpus-size 12000 --seed 1` (both configs are saved next to the model).
     """
+    from cleaner.config.bootstrap import BootstrapConfig
+    from cleaner.toys import sft
     from cleaner.toys.corpus import CorpusConfig
-    from cleaner.toys.sft import BootstrapConfig, bootstrap_policy
 
-    corpus = build_config(CorpusConfig, {"size": "--corpus-size"}, size=corpus_size, seed=seed,
-                          fail_share=fail_share, failures=failures, slip_share=slip_share,
-                          no_tool_share=no_tool_share)
-    config = build_config(BootstrapConfig, corpus=corpus, steps=steps, batch_size=batch_size, seed=seed, lr=lr,
-                          checkpoint_every=checkpoint_every, threads=threads,
-                          init_from=None if init_from is None else str(init_from))
-    result = call_job(bootstrap_policy, config, out)
+    options = flags.build(BootstrapConfig)
+    corpus = CorpusConfig(size=options.corpus_size, seed=options.seed, fail_share=options.fail_share,
+                          failures=options.failures, slip_share=options.slip_share,
+                          no_tool_share=options.no_tool_share)
+    config = sft.BootstrapConfig(corpus=corpus, steps=options.steps, batch_size=options.batch_size,
+                                 seed=options.seed, lr=options.lr, checkpoint_every=options.checkpoint_every,
+                                 threads=options.threads, init_from=options.init_from)
+    result = call_job(sft.bootstrap_policy, config, out)
     console.print(f"wrote {result.out_dir} (final loss {result.final_loss:.4f}, "
                   f"{result.tokens_seen} tokens, {result.wall_s:.0f} s)")
-
-

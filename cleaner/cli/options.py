@@ -7,7 +7,7 @@ parameter stands (typer reads the generated `__signature__`) and calls the comma
 values as `Flags`, which build the config through `config/layers.py`'s `build`, the same road a
 run's layers take. A bool field is `--name/--no-name`; an enum stays a string whose choices the
 metavar shows (its config names the choices when a value is wrong, exit code 1); a field naming a
-file is a path the parser checks; ablate's grid axes are comma-separated strings; a field whose
+file or a directory is a path the parser checks; ablate's grid axes are comma-separated strings; a field whose
 default follows another flag is optional, its help saying which.
 """
 
@@ -34,6 +34,7 @@ from cleaner.config.flags import (
     option_of,
 )
 from cleaner.config.layers import ConfigError, build, merge
+from cleaner.config.settings import SCORED_AS_COLLECTED
 
 CONTEXT = "flags_context"  # the typer context the generated signature adds, to tell given flags from defaults
 PANELS = {"collect": "Collect", "purify": "Purify", "train": "Train"}  # run's help: a section per table
@@ -114,8 +115,9 @@ def _parameter(flag: Flag, spec: CommandFlags) -> inspect.Parameter:
     if field in spec.grid:
         hint, default, text = str, spec.grid[field], f"{text}; comma-separated, a config each"
         options.pop("metavar", None)
-    if field in spec.files:
-        hint, options = Path | None, {**options, "exists": True, "dir_okay": False}
+    if field in spec.files or field in spec.directories:
+        kind = "dir_okay" if field in spec.files else "file_okay"
+        hint, options = Path | None, {**options, "exists": True, kind: False}
     notes = [" and ".join(flag.sections)] if len(flag.sections) > 1 else []  # run: sets each table's
     if flag.derived is not None:
         hint, options["show_default"] = hint | None, False
@@ -129,8 +131,10 @@ def _parameter(flag: Flag, spec: CommandFlags) -> inspect.Parameter:
 
 def _panel(flag: Flag) -> str | None:
     """The section of run's help: the table the flag sets; purify's if it sets purify's too (the
-    SAAR settings); none for flags of collect and train alike (seed, device)."""
-    sections = flag.sections
+    SAAR settings), but not for where purify scores, which follows collect's; none for flags of
+    collect and train alike (seed, device)."""
+    sections = tuple(section for section in flag.sections
+                     if section != "purify" or flag.name not in SCORED_AS_COLLECTED)
     if "purify" in sections:
         return PANELS["purify"]
     return PANELS[sections[0]] if len(sections) == 1 else None

@@ -15,10 +15,7 @@ import typer
 
 from cleaner.cli.common import (
     DEFAULT_WAREHOUSE,
-    BackendOpt,
-    DeviceOpt,
     LogTarget,
-    SglangUrlOpt,
     ShardOpt,
     WandbOfflineOpt,
     WandbProjectOpt,
@@ -133,13 +130,7 @@ def _purify(
     warehouse: WarehouseOpt = DEFAULT_WAREHOUSE,
     iteration: Annotated[int, typer.Option(help="Iteration to purify.")] = 0,
     flags: Flags,
-    backend: BackendOpt = "torch",
-    sglang_url: SglangUrlOpt = None,
-    device: DeviceOpt = "cpu",
     shard: ShardOpt = "0/1",
-    scorer_memory_gb: Annotated[float | None, typer.Option(
-        help="On a GPU, what the torch scorer's caches may take (GB); default: half of a naive forward of the "
-             "longest row, within what is free.")] = None,
 ) -> None:
     """The body of purify (one config from the flags) and ablate (a config per point of the grid)."""
     from cleaner.config import PurifyConfig
@@ -147,8 +138,10 @@ def _purify(
     from cleaner.warehouse import Warehouse
 
     configs = _grid(flags) if flags.command == "ablate" else [flags.build(PurifyConfig)]
-    request = PurifyRequest(iteration, tuple(configs), parse_shard(shard), backend_kind=backend,
-                            sglang_url=sglang_url, device=device, scorer_memory_gb=scorer_memory_gb)
+    scoring = configs[0]  # where it scores: the flags every point of a grid shares
+    request = PurifyRequest(iteration, tuple(configs), parse_shard(shard), backend_kind=scoring.backend,
+                            sglang_url=scoring.sglang_url, device=scoring.device,
+                            scorer_memory_gb=scoring.scorer_memory_gb)
     _print_purify(call_job(purify_job, Warehouse(warehouse), request))
 
 

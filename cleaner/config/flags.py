@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cleaner.config.bootstrap import BootstrapConfig
 from cleaner.config.groups import SaarView
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
 from cleaner.config.settings import (
@@ -68,6 +69,7 @@ class CommandFlags:
     grid: Mapping[str, str] = field(default_factory=dict)  # field -> default list: comma-separated values, one config each
     derived: Mapping[str, str] = field(default_factory=dict)  # field (dotted) -> what its default follows
     files: tuple[str, ...] = ()  # fields naming an existing file, which the parser checks
+    directories: tuple[str, ...] = ()  # fields naming an existing directory, which the parser checks
 
 
 # Ablate's default grid: the paper's gamma and p, around their defaults.
@@ -90,6 +92,7 @@ COMMANDS = {
     # a run collects iteration after iteration
     "run": CommandFlags(RunConfig, fixed=("collect.iteration",),
                         derived={".".join(path): text for path, text in DERIVED.items()}),
+    "bootstrap": CommandFlags(BootstrapConfig, directories=("init_from",)),
 }
 
 

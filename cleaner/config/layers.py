@@ -9,7 +9,9 @@ the fields (settings.py); `--print-config` prints the resolved config as such a 
 Design decisions:
 - Layers merge key by key, so a layer says only what it changes.
 - Values no layer sets are derived, to keep a run self-consistent: purify's SAAR settings follow
-  collect's (purifying at the collect config keeps the purified rows on-policy); with purify's
+  collect's (purifying at the collect config keeps the purified rows on-policy); its backend,
+  server and device are collect's (RunConfig: the run scores with the backend it collects with),
+  and a layer that names others is an error; with purify's
   edit `mask`, collection uses the raw view (a masked row is the raw sequence, on-policy only if
   the agent loop saw it); train's response budget, seed and device follow collect's; the mini
   batch is a quarter of the iteration's trained rows (4 optimiser steps, the reference's 128 / 32;
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cleaner.config.groups import SaarRollback
-from cleaner.config.settings import RunConfig
+from cleaner.config.settings import SCORED_AS_COLLECTED, RunConfig
 from cleaner.errors import CleanerError
 
 
@@ -223,7 +225,12 @@ def resolve_run_config(*layers: Mapping, where: str = "config",
 
     The layers are type-checked before anything is derived from them; `names` as in `build`."""
     merged = typed_layer(RunConfig, merge(*layers), where)
-    return build(RunConfig, merge(_derived(merged), merged), where, names)
+    config = build(RunConfig, merge(_derived(merged), merged), where, names)
+    for name, value in merged.get("purify", {}).items():  # RunConfig made them collect's
+        if name in SCORED_AS_COLLECTED and value != getattr(config.collect, name):
+            raise ConfigError(f"{where}: purify's {name} must be collect's: a run scores with the backend it "
+                              f"collects with, got {value!r} and {getattr(config.collect, name)!r}")
+    return config
 
 
 def differences(before: Mapping, after: Mapping, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:

@@ -345,6 +345,15 @@ class PurifyConfig(_Config, SaarSettings):
         "with --shard)")
     norm_adv_by_std: bool = setting(True, identity="away-from-default", help="grpo divides by the group's std (verl's "
         "norm_adv_by_std_in_grpo); off: Dr.GRPO's r - mean")
+    # How purify scores, not what it computes: outside the id, so a config scored anywhere is one config.
+    # A run scores with the backend it collects with, so there these follow collect's (RunConfig).
+    backend: str = setting("torch", identity="never", help="torch (this process) | sglang (an SGLang engine here, or "
+        "the server at --sglang-url)")
+    sglang_url: str | None = setting(None, identity="never", help="a running SGLang server or router, e.g. "
+        "http://host:30000 (with --backend sglang)")
+    device: str = setting("cpu", identity="never", help="torch device: cpu, cuda, cuda:1, ...")
+    scorer_memory_gb: float | None = setting(None, identity="never", help="on a GPU, what the torch scorer's caches "
+        "may take (GB); none: half of a naive forward of the longest row, within what is free")
 
 
     @property
@@ -583,6 +592,10 @@ class Shard:
 UNSHARDED = Shard()
 
 
+# PurifyConfig's fields that say where it scores, which a run takes from its collect config
+SCORED_AS_COLLECTED = ("backend", "sglang_url", "device")
+
+
 @dataclass(frozen=True)
 class RunConfig(_Config):
     run_dir: str = setting("runs/default", help="holds warehouse/ and checkpoints/")
@@ -594,6 +607,9 @@ class RunConfig(_Config):
     def __post_init__(self) -> None:
         _check_numbers(self)
         _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
+        # the run's one backend collects and scores: purify's are collect's (a layer naming others is refused)
+        _set(self, purify=dataclasses.replace(self.purify, **{name: getattr(self.collect, name)
+                                                              for name in SCORED_AS_COLLECTED}))
         _check(self.purify.down_sample_to is None or self.purify.down_sample_to < self.collect.group_size,
                f"down_sample_to ({self.purify.down_sample_to}) must be smaller than group_size "
                f"({self.collect.group_size}): nothing to choose; GRPO-RoC collects 2N to keep N")

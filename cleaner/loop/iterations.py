@@ -425,9 +425,10 @@ def _collect_and_purify(warehouse: Warehouse, collect_config: CollectConfig, con
                             progress=progress)
     if collected.n_planned == 0:
         return collected, None
-    request = PurifyRequest(collect_config.iteration, (config.purify,), ranks.shard,
-                            backend_kind=collect_config.backend, sglang_url=collect_config.sglang_url,
-                            device=collect_config.device)
+    purify = config.purify  # its backend, server and device are collect's (RunConfig): the backend handed in
+    request = PurifyRequest(collect_config.iteration, (purify,), ranks.shard, backend_kind=purify.backend,
+                            sglang_url=purify.sglang_url, device=purify.device,
+                            scorer_memory_gb=purify.scorer_memory_gb)
     purified = purify_job(warehouse, request, backend=backend, progress=progress)
     return collected, purified
 

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from cleaner.cli import app
 from cleaner.config import DEFAULT_POLICY
+from cleaner.errors import JobError
 from cleaner.warehouse import Warehouse
 from tests.factories import make_rollout, make_segments
 
@@ -321,6 +322,32 @@ def test_a_model_that_cannot_load_leaves_nothing_behind(tmp_path, broken, expect
 ])
 def test_ablate_with_an_empty_grid_axis_is_an_error(tmp_path, option, value, expected):
     _fails_cleanly(["ablate", "-w", str(tmp_path / "w"), option, value], expected)
+
+
+@pytest.mark.parametrize(("command", "value", "expected"), [
+    (["curate", "--stats-out", "s.jsonl"], " , ", "--iteration takes one or more iteration numbers, got ' , '"),
+    (["curate", "--stats-out", "s.jsonl"], "1,x", "--iteration takes comma-separated iteration numbers, got '1,x'"),
+    (["export", "--format", "sft", "--out", "d"], "", "--iteration takes one or more iteration numbers, got ''"),
+    (["export", "--format", "sft", "--out", "d"], "0.5", "--iteration takes comma-separated iteration numbers, got '0.5'"),
+])
+def test_an_iteration_list_without_a_number_is_one_line(tmp_path, command, value, expected):
+    _fails_cleanly([*command, "-w", str(tmp_path / "w"), "--iteration", value], expected)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exports_iteration_list_reads_a_repeated_number_once(monkeypatch, tmp_path):
+    import cleaner.engine.export.job as export
+
+    requests = []
+
+    def export_job(warehouse, request):
+        requests.append(request)
+        raise JobError("stopped before any work")
+
+    monkeypatch.setattr(export, "export_job", export_job)
+    runner.invoke(app, ["export", "-w", str(tmp_path / "w"), "--iteration", "2,0,2", "--format", "sft", "--out",
+                        str(tmp_path / "d")])
+    assert [request.iterations for request in requests] == [(2, 0)]
 
 
 @pytest.mark.parametrize("query", ["", "   ", "/* a comment only */", ";"])

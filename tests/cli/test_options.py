@@ -56,7 +56,7 @@ def _expected_default(command: str, path: tuple[str, ...], default: object) -> o
     return default.value if hasattr(default, "value") else default
 
 
-@pytest.mark.parametrize("command", ["collect", "purify", "ablate", "train", "eval", "run", "curate"])
+@pytest.mark.parametrize("command", ["collect", "purify", "ablate", "train", "eval", "run", "curate", "bootstrap"])
 def test_every_config_field_is_a_flag_with_the_fields_default(command):
     params = {opt: param for param in typer.main.get_command(app).commands[command].params for opt in param.opts}
     checked = 0
@@ -156,7 +156,8 @@ def test_collect_purify_and_train_take_every_setting_of_a_run(monkeypatch, tmp_p
 
     purified = _requests(monkeypatch, "cleaner.engine.purify.job", "purify_job")
     runner.invoke(app, ["purify", *where, *_args(resolved["purify"])])
-    assert [config.to_dict() for config in purified[0].configs] == [resolved["purify"] | {"down_sample_to": None}]
+    assert [config.to_dict() for config in purified[0].configs] == [resolved["purify"] | {
+        "down_sample_to": None, "sglang_url": None, "scorer_memory_gb": None}]
 
     trained = _requests(monkeypatch, "cleaner.engine.train.job", "train_job")
     runner.invoke(app, ["train", *where, "--config-id", "abc", "--policy", str(DEFAULT_POLICY), "--out",

@@ -57,6 +57,16 @@ def test_a_config_at_the_new_fields_defaults_keeps_the_id_it_had():
     assert TrainConfig(loss_mode="vanilla").config_id == MAIN_TRAIN_ID
 
 
+def test_where_purify_scores_is_not_part_of_its_id_and_a_config_stored_without_it_reads_at_the_defaults():
+    elsewhere = PurifyConfig(backend="sglang", sglang_url="http://127.0.0.1:9", device="cuda:1", scorer_memory_gb=2.0)
+    assert elsewhere.config_id == PurifyConfig().config_id == MAIN_PURIFY_IDS["default"]
+    stored = (MAIN_CONFIGS / "purify-iteration=0-config=a8bf93c6f605.json").read_text()
+    assert not {"backend", "sglang_url", "device", "scorer_memory_gb"} & set(json.loads(stored))
+    read = PurifyConfig.from_json(stored)
+    assert (read.backend, read.sglang_url, read.device, read.scorer_memory_gb) == ("torch", None, "cpu", None)
+    assert read.config_id == MAIN_PURIFY_IDS["default"] and PurifyConfig.from_json(elsewhere.to_json()) == elsewhere
+
+
 @pytest.mark.parametrize("changes", [{"adv_estimator": "rloo"}, {"adv_estimator": "reinforce_plus_plus_baseline"},
                                      {"norm_adv_by_std": False}])
 def test_another_estimator_is_another_purify_config(changes):

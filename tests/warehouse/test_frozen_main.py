@@ -46,7 +46,7 @@ _TRAIN = {"--loss-mode": "vanilla", "--loss-agg-mode": None, "--loss-scale-facto
 NEW_OPTIONS = {
     "collect": {"--skip-settled-prompts": 0},
     "sql": {"--allow-write": None},
-    "run": {"--skip-settled-prompts": 0, **_PURIFY, **_TRAIN},
+    "run": {"--skip-settled-prompts": 0, **_PURIFY, **_TRAIN, "--scorer-memory-gb": None},
     "purify": _PURIFY,
     "ablate": {**_SELECTION, "--void-turn-filter": "false", "--adv-estimator": "grpo", "--norm-adv-by-std": "true"},
     "train": _TRAIN,
@@ -59,6 +59,8 @@ NEW_FIELDS = {"collect": {"skip_settled_prompts": 0},
                          "roc_error_ratio": True, "roc_answer_format": True, "void_turn_filter": False,
                          "adv_estimator": "grpo", "norm_adv_by_std": True},
               "train": {"loss_mode": "vanilla", "lora_rank": 0, "lora_alpha": 16, "lora_target_modules": "all-linear"}}
+# ... and purify's backend and device, which follow collect's in a run (its server too, left out as None)
+SCORED_AS_COLLECTED = ("backend", "device")
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,8 @@ def test_each_recipe_resolves_as_on_main_with_this_rounds_fields_at_their_defaul
     assert result.exit_code == 0, result.output
     main = tomllib.loads((FIXTURE / "recipes" / f"{recipe}.toml").read_text().replace(MAIN_ROOT, str(ROOT)))
     now = tomllib.loads(result.output)
+    for name in SCORED_AS_COLLECTED:
+        assert now["purify"].pop(name) == now["collect"][name], name
     for table, fields in NEW_FIELDS.items():
         for name, default in fields.items():
             assert now[table].pop(name) == default, (table, name)

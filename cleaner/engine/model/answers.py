@@ -139,17 +139,18 @@ def refusal(faults: dict[str, str], what: str) -> str | None:
 
 def stored_value_faults(segments: Iterable[Segment], vocab_size: int | None) -> dict[str, str]:
     """{rollout id: its first faulty segment} over stored segments."""
-    faults: dict[str, str] = {}
-    for segment in segments:
-        if segment.rollout_id not in faults and (fault := segment_fault(segment, vocab_size)) is not None:
-            faults[segment.rollout_id] = fault
-    return faults
+    return _first_faults(segments, lambda segment: segment_fault(segment, vocab_size))
 
 
 def row_value_faults(rows: Iterable[PurifiedRow], vocab_size: int | None) -> dict[str, str]:
     """{rollout id: what is wrong} over stored purified rows."""
+    return _first_faults(rows, lambda row: row_fault(row, vocab_size))
+
+
+def _first_faults(records: Iterable[Segment | PurifiedRow], fault_of) -> dict[str, str]:
+    """{rollout id: the first fault `fault_of` finds in its records}, in the records' order."""
     faults: dict[str, str] = {}
-    for row in rows:
-        if row.rollout_id not in faults and (fault := row_fault(row, vocab_size)) is not None:
-            faults[row.rollout_id] = fault
+    for record in records:
+        if record.rollout_id not in faults and (fault := fault_of(record)) is not None:
+            faults[record.rollout_id] = fault
     return faults

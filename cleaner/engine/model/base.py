@@ -100,6 +100,22 @@ class RowScorer(Protocol):
 # ---------------------------------------------------------------------------- backends
 
 
+class ServedCheckpoint:
+    """Mixin: a backend's `model_path` and `policy_version`, read from what it set when it loaded
+    or adopted a checkpoint (`_model_path`, `_policy_version`)."""
+
+    _model_path: Path
+    _policy_version: str
+
+    @property
+    def model_path(self) -> Path:
+        return self._model_path
+
+    @property
+    def policy_version(self) -> str:
+        return self._policy_version
+
+
 class Backend(Protocol):
     """What the agent loop, purify and the run loop need from a model."""
 

@@ -18,6 +18,7 @@ from cleaner.engine.model.backend_scorer import BackendScorer
 from cleaner.engine.model.base import (
     Generation,
     SamplingParams,
+    ServedCheckpoint,
     check_generate_inputs,
     check_score_inputs,
 )
@@ -36,15 +37,13 @@ from cleaner.engine.model.sglang_wire import (
 )
 
 
-class SGLangRequests:
+class SGLangRequests(ServedCheckpoint):
     """A policy served by SGLang: `_read_checkpoint` before the serving starts, `_serve` once it
     serves a checkpoint (and after each `adopt`), `_send` the bodies' responses in order."""
 
     tokenizer: object | None
     vocab_size: int | None  # the checkpoint's: every id it answers is checked against it (answers.py)
     tokens_computed: int  # over every `score` request: prompt tokens minus cached ones
-    _model_path: Path
-    _policy_version: str
     _context_length: int | None
 
     def _read_checkpoint(self, model_path: str | Path) -> None:
@@ -83,14 +82,6 @@ class SGLangRequests:
 
     def resume_memory(self) -> None:
         """See `release_memory`."""
-
-    @property
-    def model_path(self) -> Path:
-        return self._model_path
-
-    @property
-    def policy_version(self) -> str:
-        return self._policy_version
 
     @property
     def context_length(self) -> int | None:

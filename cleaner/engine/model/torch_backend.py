@@ -40,6 +40,7 @@ from cleaner.engine.model.answers import checked_generation, checked_score_rows
 from cleaner.engine.model.base import (
     Generation,
     SamplingParams,
+    ServedCheckpoint,
     check_generate_inputs,
     check_score_inputs,
 )
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- backend
 
 
-class TorchBackend:
+class TorchBackend(ServedCheckpoint):
     """The Backend protocol (base.py) on a transformers causal LM."""
 
     def __init__(
@@ -88,14 +89,6 @@ class TorchBackend:
         self._trained_in_place = False  # train_in_place() handed the model out since the last adopt
         self.reload(model_path)
         self._server = DecodeServer(self._new_batch, max_running_rows, max_running_tokens)
-
-    @property
-    def model_path(self) -> Path:
-        return self._model_path
-
-    @property
-    def policy_version(self) -> str:
-        return self._policy_version
 
     @property
     def context_length(self) -> int | None:

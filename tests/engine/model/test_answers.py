@@ -89,6 +89,13 @@ def test_a_stored_id_past_the_vocabulary_is_refused_in_any_segment_kind():
         "r0": "seq 0: token id -1 at position 2 is outside the vocabulary [0, 13)"}
 
 
+def test_each_rollout_is_named_once_by_its_first_faulty_segment():
+    segments = [dataclasses.replace(s, token_ids=(13,)) if s.seq in (0, 2) else s for s in make_segments("r0")]
+    clean = make_segments("r1")
+    assert stored_value_faults([*segments, *clean], vocab_size=13) == {
+        "r0": "seq 0: token id 13 at position 0 is outside the vocabulary [0, 13)"}
+
+
 def test_a_stored_assistant_turn_needs_its_log_probs_and_a_token():
     """An assistant turn without behaviour log-probs, with one above 0, or without a token is no
     policy's; a turn's bad id is named before its log-probs, and a rollout's first faulty segment."""

@@ -44,7 +44,7 @@ BY_CALL = RenderSettings(purified=True, gamma=0.5, similarity_on="call")
 
 
 def gated(tau: float) -> RenderSettings:
-    return RenderSettings(purified=True, gamma=0.5, is_threshold=tau)
+    return RenderSettings(purified=True, gamma=0.5, rollback_is_threshold=tau)
 
 
 def named(segment, tool_name: str | None):

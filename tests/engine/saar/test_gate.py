@@ -7,12 +7,13 @@ decision can be computed by hand: log IS = oracle(R) - sum(-id / 1000 for id in 
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
 
-from cleaner.engine.saar.gate import ScoreCache
+from cleaner.engine.saar.gate import Gate, ScoreCache
 from cleaner.engine.saar.walk import RAW, Outcome, RenderSettings, explain, render
 from tests.factories import SUMS, TableOracle, lp, two_chains
 from tests.helpers import assert_rendered
@@ -117,3 +118,46 @@ def test_the_per_token_mode_divides_the_log_is_by_the_tokens_of_r():
     assert steps[0].merges[0].log_is == pytest.approx(LOG_IS_0 / 2)  # IS 0.62 >= 0.5: kept
     assert steps[1].merges[0].log_is == pytest.approx(LOG_IS_1 / 3)
     assert render(two_chains(), view, oracle=TableOracle(SUMS)).token_ids == render(two_chains(), PURIFIED).token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# The saar batch's survivors (docs/mutants.md): the gate's edges and the cache's bookkeeping
+
+
+def test_a_one_token_r_is_its_own_per_token_mean_and_an_is_exactly_at_tau_is_kept():
+    gate = Gate(0.5, TableOracle({(21,): -0.5}), per_token=True)
+    assert gate.log_is((1, 2), (21,), [lp(21)]) == pytest.approx(-0.5 + 0.021)  # / 1 token
+    assert (gate.rejects(math.log(0.5)), gate.rejects(math.nextafter(math.log(0.5), -1.0))) == (False, True)
+    assert gate.rejects(None) is False and gate.provisional is False
+
+
+def test_filling_the_cache_empties_what_is_pending_and_a_bad_scorer_is_refused_in_full():
+    cache = ScoreCache()
+    assert cache.get((1, 2, 3), 1) is None and list(cache.pending) == [((1, 2, 3), 1)]
+    assert cache.fill(lambda sequences, starts: [[-0.25, -0.5]]) == 1
+    assert (cache.scores, cache.pending) == ({((1, 2, 3), 1): (-0.25, -0.5)}, {})
+    assert cache.logprob_sum((1,), (2, 3)) == -0.75 and cache.fill(lambda sequences, starts: []) == 0
+    cache.get((4, 5, 6), 1)
+    with pytest.raises(ValueError) as refused:
+        cache.fill(lambda sequences, starts: [])
+    assert str(refused.value) == "scorer returned 0 results for 1 sequences"
+    with pytest.raises(ValueError) as refused:
+        cache.fill(lambda sequences, starts: [[-0.25]])
+    assert str(refused.value) == "scorer returned 1 logprobs for 2 tokens after position 1"
+    assert list(cache.pending) == [((4, 5, 6), 1)]  # still wanted
+
+
+def test_the_async_fill_scores_every_pending_request_in_one_awaited_call():
+    cache = ScoreCache()
+    cache.get((1, 2, 3), 1)
+    cache.get((1, 2, 3, 4), 3)
+    calls = []
+
+    async def score(sequences, starts):
+        calls.append((list(sequences), list(starts)))
+        return [[-0.25, -0.5], [-1.0]]
+
+    assert asyncio.run(cache.fill_async(score)) == 2
+    assert calls == [([(1, 2, 3), (1, 2, 3, 4)], [1, 3])]
+    assert cache.scores == {((1, 2, 3), 1): (-0.25, -0.5), ((1, 2, 3, 4), 3): (-1.0,)} and cache.pending == {}
+    assert asyncio.run(cache.fill_async(score)) == 0 and len(calls) == 1  # nothing pending: no call

@@ -113,3 +113,35 @@ def test_the_credit_of_failed_calls_against_hand_values():
     assert stats.premise.recovered.mean_advantage == pytest.approx(a, rel=1e-6)
     none = premise_stats(rollouts[:1], [RolloutClass.CLEAN], [0.0], [0])
     assert (none.credit.tokens, none.credit.mean_advantage, none.credit.positive_share) == (0, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The saar batch's survivors (docs/mutants.md)
+
+
+def test_a_rollout_read_backwards_takes_each_steps_last_attempt():
+    # three_attempts_chain backwards: attempt 2 (ok) is met first; attempts 1 and 0 (errors) are
+    # earlier attempts and do not replace it
+    assert classify(list(reversed(three_attempts_chain()))) == RolloutClass.RECOVERED
+
+
+def test_class_means_are_means_of_the_float32_advantages():
+    rollouts = [iteration_rollout(i, "g", 1.0, 0.5) for i in range(3)]
+    stats = premise_stats(rollouts, [RolloutClass.RECOVERED, RolloutClass.RECOVERED, RolloutClass.CLEAN],
+                          [0.5, 0.25, 0.1])
+    assert stats.recovered == ClassStats(2, 1.0, 0.375)
+    assert stats.clean.mean_advantage == 0.10000000149011612  # float32(0.1), not 0.1
+
+
+def test_a_failed_call_in_a_rollout_of_advantage_zero_is_not_positive_credit():
+    rollouts = [iteration_rollout(i, "g", 1.0, 0.5) for i in range(2)]
+    credit = premise_stats(rollouts, [RolloutClass.RECOVERED] * 2, [0.0, 1.0], [3, 1]).credit
+    assert (credit.tokens, credit.mean_advantage, credit.positive_share) == (4, 0.25, 0.25)
+
+
+def test_per_rollout_inputs_of_different_lengths_are_refused():
+    rollouts = [iteration_rollout(i, "g", 1.0, 0.5) for i in range(2)]
+    with pytest.raises(ValueError, match=r"zip\(\) argument"):
+        premise_stats(rollouts, [RolloutClass.CLEAN], [0.0, 0.0])
+    with pytest.raises(ValueError, match=r"zip\(\) argument"):
+        premise_stats(rollouts, [RolloutClass.CLEAN] * 2, [0.0, 0.0], [1])

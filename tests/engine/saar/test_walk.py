@@ -13,8 +13,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cleaner.config import CollectConfig, PurifyConfig, SaarRollback
+from cleaner.config import CollectConfig, Edit, IsMode, PurifyConfig, SaarRollback, SimilarityOn
 from cleaner.engine.model.chat import format_call
+from cleaner.engine.saar.gate import ScoreCache
 from cleaner.engine.saar.walk import (
     RAW,
     KeptTokens,
@@ -37,6 +38,7 @@ from tests.factories import (
     prompt,
     three_attempts_chain,
     tool,
+    two_chains,
 )
 from tests.helpers import assert_rendered
 
@@ -387,3 +389,85 @@ def test_explain_agrees_with_render(plan, gamma):
     assert (merges.count("shallow"), merges.count("deep")) == (rendered.stats.n_shallow, rendered.stats.n_deep)
     assert sum(s.outcome in ("unrecovered", "answered") for s in steps) == rendered.stats.n_unrecovered
     assert all((m.kind == "shallow") == (m.similarity >= gamma) for s in steps for m in s.merges)
+
+
+# ----------------------------------------------------------------------------------------------
+# The saar batch's survivors (docs/mutants.md): settings, errors, edit mask's row and ranges, negatives
+
+
+def test_settings_hold_their_enums_and_name_the_field_they_refuse():
+    view = RenderSettings(True, 0.5, "call", 0.8, "mean", "mask")
+    assert (view.similarity_on, view.is_mode, view.edit) == ("call", "mean", "mask")
+    assert (type(view.similarity_on), type(view.is_mode), type(view.edit)) == (SimilarityOn, IsMode, Edit)
+    for field, value, choices in (("similarity_on", "diff", "['code', 'call']"), ("is_mode", "max", "['sum', 'mean']"),
+                                  ("edit", "drop", "['replace', 'mask']")):
+        with pytest.raises(ValueError) as refused:
+            RenderSettings(True, **{field: value})
+        assert str(refused.value) == f"{field} must be one of {choices}, got '{value}'"
+    with pytest.raises(ValueError) as refused:
+        RenderSettings(True, gamma=-0.25)
+    assert str(refused.value) == "gamma must be >= 0, got -0.25"
+    with pytest.raises(ValueError) as refused:
+        RenderSettings(True, is_threshold=-0.5)
+    assert str(refused.value) == "is_threshold must be >= 0, got -0.5"
+
+
+def test_view_for_passes_the_gate_and_the_edit_on():
+    view = view_for(0.3, True, 0.7, 0.5, "call", is_threshold=0.8, is_mode="mean", edit="mask")
+    assert (view.purified, view.gamma, view.similarity_on) == (True, 0.7, "call")
+    assert (view.is_threshold, view.is_mode, view.edit) == (0.8, "mean", "mask")
+
+
+def test_negatives_under_edit_mask_are_refused_in_full():
+    with pytest.raises(ValueError) as refused:
+        render(one_retry(SIMILAR), RenderSettings(True, 0.5, edit="mask"), negatives=True)
+    assert str(refused.value) == ("negative samples pair a failed call with a fix spliced into a purified row; "
+                                  "edit 'mask' builds none")
+
+
+def test_an_edit_mask_row_keeps_its_prompt_length_and_provisional_flag_and_has_no_negatives():
+    masked = render(exhausted_chain(), RenderSettings(True, 0.5, edit="mask"))
+    assert (masked.prompt_len, masked.negatives) == (1, ()) and masked.provisional is False
+    # IS-gated with an oracle that knows nothing yet: both merges of two_chains kept for now
+    pending = render(two_chains(), RenderSettings(True, 0.5, is_threshold=0.5, edit="mask"), oracle=ScoreCache())
+    assert (pending.prompt_len, pending.negatives, pending.provisional) == (2, (), True)
+    assert pending.token_ids == render(two_chains(), RAW).token_ids
+
+
+def test_explain_lists_a_masked_range_before_a_kept_call_and_none_for_a_whole_attempt():
+    # Step 0 exhausted: merged(a_0, a_1) = 10 | 21 (shallow): a_0's call [1, 2) and a_1's reasoning
+    # [0, 1) masked, neither attempt succeeded. Step 1 raw: its failed a_0 (seq 5) kept whole, no range.
+    first, second = explain(exhausted_chain(), RenderSettings(True, 0.5, edit="mask"))
+    assert first.masked == kept((1, 1, 2), (3, 0, 1))
+    assert second.masked == ()
+
+
+def test_explain_by_call_similarity_decodes_the_calls():
+    # by call, "Add. " + call(numpy) and "Again. " + call(plain) are alike: shallow, a_0's reasoning kept
+    (step,) = explain(measured_chain("import numpy; print(numpy.add(2,2))"), RenderSettings(True, 0.5, "call"),
+                      decode)
+    retry = len("Again. " + format_call("x=2; print(x+x)"))
+    assert (step.outcome, [m.kind for m in step.merges]) == ("shallow", ["shallow"])
+    assert step.kept == kept((1, 0, len("Add. ")), (3, len("Again. "), retry), (4, 0, 1))
+
+
+def test_negative_samples_are_each_failed_turn_after_the_rendered_context_with_the_fix_located():
+    # two_chains: step 0's a_0 = 10 11 | 12 13 (shallow fix 10 11 | 21 22 at [4, 6) of the row
+    # 1 2 10 11 21 22 23 40 41 42 43 50 51); step 1's a_0 = 30 | 31 32 after the 7 tokens rendered
+    # before it (deep fix 40 41 | 42 at [9, 10)).
+    rendered = render(two_chains(), PURIFIED, negatives=True)
+    assert rendered.token_ids == (1, 2, 10, 11, 21, 22, 23, 40, 41, 42, 43, 50, 51)
+    first, second = rendered.negatives
+    assert (first.seq, first.token_ids, first.call_start, first.fix_start, first.fix_end) == (
+        1, (1, 2, 10, 11, 12, 13), 4, 4, 6)
+    assert first.behavior_logprobs == pytest.approx((0.0, 0.0, lp(10), lp(11), lp(12), lp(13)))
+    assert (second.seq, second.token_ids, second.call_start, second.fix_start, second.fix_end) == (
+        5, (1, 2, 10, 11, 21, 22, 23, 30, 31, 32), 8, 9, 10)
+    assert second.behavior_logprobs == pytest.approx((0.0,) * 7 + (lp(30), lp(31), lp(32)))
+    # three attempts: a_0 (10 | 11) and the deep turn a_1 (20 21 | 22) each after the prompt; the
+    # fix 20 21 | 31 32 is at [3, 5); the clean step 1 has none
+    negatives = render(three_attempts_chain(), PURIFIED, negatives=True).negatives
+    assert [(n.seq, n.token_ids, n.call_start, n.fix_start, n.fix_end) for n in negatives] == [
+        (1, (1, 10, 11), 2, 3, 5), (3, (1, 20, 21, 22), 3, 3, 5)]
+    assert render(two_chains(), PURIFIED).negatives == ()
+    assert render(exhausted_chain(), PURIFIED, negatives=True).negatives == ()  # no chain recovered by a merge

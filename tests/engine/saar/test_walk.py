@@ -471,3 +471,18 @@ def test_negative_samples_are_each_failed_turn_after_the_rendered_context_with_t
         (1, (1, 10, 11), 2, 3, 5), (3, (1, 20, 21, 22), 3, 3, 5)]
     assert render(two_chains(), PURIFIED).negatives == ()
     assert render(exhausted_chain(), PURIFIED, negatives=True).negatives == ()  # no chain recovered by a merge
+
+
+def test_a_failed_attempt_without_a_located_call_gives_no_negative_and_the_next_still_does():
+    # a_0 = 10 11 has no call_start (its call was not located) yet its tool answered with an error;
+    # a_1 = 20 | 21 (deep: a_0 has no call to compare) fails; a_2 = 30 | 31, like a_1, succeeds:
+    # the row is 1, 20 | 31, 32, the fix at [2, 3); only a_1 is a negative sample
+    segments = [prompt(0, (1,)), assistant(1, 0, 0, (10, 11)), tool(2, 0, 0, (12,), ToolStatus.ERROR),
+                assistant(3, 0, 1, (20,), (21,), code="print(1+1)"), tool(4, 0, 1, (22,), ToolStatus.ERROR),
+                assistant(5, 0, 2, (30,), (31,), code="print(1+2)"), tool(6, 0, 2, (32,))]
+    rendered = render(segments, PURIFIED, negatives=True)
+    assert rendered.token_ids == (1, 20, 31, 32)
+    (negative,) = rendered.negatives
+    assert (negative.seq, negative.token_ids, negative.call_start, negative.fix_start, negative.fix_end) == (
+        3, (1, 20, 21), 2, 2, 3)
+    assert negative.behavior_logprobs == pytest.approx((0.0, lp(20), lp(21)))

@@ -486,3 +486,20 @@ def test_a_failed_attempt_without_a_located_call_gives_no_negative_and_the_next_
     assert (negative.seq, negative.token_ids, negative.call_start, negative.fix_start, negative.fix_end) == (
         3, (1, 20, 21), 2, 2, 3)
     assert negative.behavior_logprobs == pytest.approx((0.0, lp(20), lp(21)))
+
+
+def test_bad_input_is_refused_in_full():
+    other = dataclasses.replace(one_retry(SIMILAR)[1], rollout_id="q")
+    refusals = [
+        ([], RAW, "render needs at least one segment"),
+        ([*one_retry(SIMILAR), other], RAW, "render takes the segments of one rollout; got several rollout_ids"),
+        ([assistant(0, 0, 0, (10,)), prompt(1, (1,))], RAW, "rollout r: prompt segments must come first"),
+        (measured_chain(None), RenderSettings(True, 0.5, "call"),
+         "similarity_on='call' needs a decode function (token ids -> text)"),
+        (two_chains(), RenderSettings(True, 0.5, is_threshold=0.5),
+         "an IS-gated view (is_threshold > 0) needs an oracle of old-policy log-probs"),
+    ]
+    for segments, view, message in refusals:
+        with pytest.raises(ValueError) as refused:
+            render(segments, view)
+        assert str(refused.value) == message

@@ -396,10 +396,11 @@ def test_explain_agrees_with_render(plan, gamma):
 
 
 def test_settings_hold_their_enums_and_name_the_field_they_refuse():
-    view = RenderSettings(True, 0.5, "call", 0.8, "mean", "mask")
-    assert (view.similarity_on, view.is_mode, view.edit) == ("call", "mean", "mask")
-    assert (type(view.similarity_on), type(view.is_mode), type(view.edit)) == (SimilarityOn, IsMode, Edit)
-    for field, value, choices in (("similarity_on", "diff", "['code', 'call']"), ("is_mode", "max", "['sum', 'mean']"),
+    view = RenderSettings(True, gamma=0.5, similarity_on="call", rollback_is_threshold=0.8,
+                          rollback_is_mode="mean", edit="mask")
+    assert (view.similarity_on, view.rollback_is_mode, view.edit) == ("call", "mean", "mask")
+    assert (type(view.similarity_on), type(view.rollback_is_mode), type(view.edit)) == (SimilarityOn, IsMode, Edit)
+    for field, value, choices in (("similarity_on", "diff", "['code', 'call']"), ("rollback_is_mode", "max", "['sum', 'mean']"),
                                   ("edit", "drop", "['replace', 'mask']")):
         with pytest.raises(ValueError) as refused:
             RenderSettings(True, **{field: value})
@@ -408,28 +409,29 @@ def test_settings_hold_their_enums_and_name_the_field_they_refuse():
         RenderSettings(True, gamma=-0.25)
     assert str(refused.value) == "gamma must be >= 0, got -0.25"
     with pytest.raises(ValueError) as refused:
-        RenderSettings(True, is_threshold=-0.5)
-    assert str(refused.value) == "is_threshold must be >= 0, got -0.5"
+        RenderSettings(True, rollback_is_threshold=-0.5)
+    assert str(refused.value) == "rollback_is_threshold must be >= 0, got -0.5"
 
 
 def test_view_for_passes_the_gate_and_the_edit_on():
-    view = view_for(0.3, True, 0.7, 0.5, "call", is_threshold=0.8, is_mode="mean", edit="mask")
+    view = view_for(0.3, True, PurifyConfig(gamma=0.7, rollback_prob=0.5, similarity_on="call", rollback_is_threshold=0.8,
+                                          rollback_is_mode="mean", edit="mask"))
     assert (view.purified, view.gamma, view.similarity_on) == (True, 0.7, "call")
-    assert (view.is_threshold, view.is_mode, view.edit) == (0.8, "mean", "mask")
+    assert (view.rollback_is_threshold, view.rollback_is_mode, view.edit) == (0.8, "mean", "mask")
 
 
 def test_negatives_under_edit_mask_are_refused_in_full():
     with pytest.raises(ValueError) as refused:
-        render(one_retry(SIMILAR), RenderSettings(True, 0.5, edit="mask"), negatives=True)
+        render(one_retry(SIMILAR), RenderSettings(True, gamma=0.5, edit="mask"), negatives=True)
     assert str(refused.value) == ("negative samples pair a failed call with a fix spliced into a purified row; "
                                   "edit 'mask' builds none")
 
 
 def test_an_edit_mask_row_keeps_its_prompt_length_and_provisional_flag_and_has_no_negatives():
-    masked = render(exhausted_chain(), RenderSettings(True, 0.5, edit="mask"))
+    masked = render(exhausted_chain(), RenderSettings(True, gamma=0.5, edit="mask"))
     assert (masked.prompt_len, masked.negatives) == (1, ()) and masked.provisional is False
     # IS-gated with an oracle that knows nothing yet: both merges of two_chains kept for now
-    pending = render(two_chains(), RenderSettings(True, 0.5, is_threshold=0.5, edit="mask"), oracle=ScoreCache())
+    pending = render(two_chains(), RenderSettings(True, gamma=0.5, rollback_is_threshold=0.5, edit="mask"), oracle=ScoreCache())
     assert (pending.prompt_len, pending.negatives, pending.provisional) == (2, (), True)
     assert pending.token_ids == render(two_chains(), RAW).token_ids
 
@@ -437,14 +439,14 @@ def test_an_edit_mask_row_keeps_its_prompt_length_and_provisional_flag_and_has_n
 def test_explain_lists_a_masked_range_before_a_kept_call_and_none_for_a_whole_attempt():
     # Step 0 exhausted: merged(a_0, a_1) = 10 | 21 (shallow): a_0's call [1, 2) and a_1's reasoning
     # [0, 1) masked, neither attempt succeeded. Step 1 raw: its failed a_0 (seq 5) kept whole, no range.
-    first, second = explain(exhausted_chain(), RenderSettings(True, 0.5, edit="mask"))
+    first, second = explain(exhausted_chain(), RenderSettings(True, gamma=0.5, edit="mask"))
     assert first.masked == kept((1, 1, 2), (3, 0, 1))
     assert second.masked == ()
 
 
 def test_explain_by_call_similarity_decodes_the_calls():
     # by call, "Add. " + call(numpy) and "Again. " + call(plain) are alike: shallow, a_0's reasoning kept
-    (step,) = explain(measured_chain("import numpy; print(numpy.add(2,2))"), RenderSettings(True, 0.5, "call"),
+    (step,) = explain(measured_chain("import numpy; print(numpy.add(2,2))"), RenderSettings(True, gamma=0.5, similarity_on="call"),
                       decode)
     retry = len("Again. " + format_call("x=2; print(x+x)"))
     assert (step.outcome, [m.kind for m in step.merges]) == ("shallow", ["shallow"])
@@ -494,10 +496,10 @@ def test_bad_input_is_refused_in_full():
         ([], RAW, "render needs at least one segment"),
         ([*one_retry(SIMILAR), other], RAW, "render takes the segments of one rollout; got several rollout_ids"),
         ([assistant(0, 0, 0, (10,)), prompt(1, (1,))], RAW, "rollout r: prompt segments must come first"),
-        (measured_chain(None), RenderSettings(True, 0.5, "call"),
+        (measured_chain(None), RenderSettings(True, gamma=0.5, similarity_on="call"),
          "similarity_on='call' needs a decode function (token ids -> text)"),
-        (two_chains(), RenderSettings(True, 0.5, is_threshold=0.5),
-         "an IS-gated view (is_threshold > 0) needs an oracle of old-policy log-probs"),
+        (two_chains(), RenderSettings(True, gamma=0.5, rollback_is_threshold=0.5),
+         "an IS-gated view (rollback_is_threshold > 0) needs an oracle of old-policy log-probs"),
     ]
     for segments, view, message in refusals:
         with pytest.raises(ValueError) as refused:

@@ -173,6 +173,8 @@ def demo(
     resume: Annotated[bool, typer.Option(help="Continue an interrupted demo.")] = False,
     lora_rank: Annotated[int, typer.Option(help="Train rank-R LoRA adapters instead of the weights (0 = off).")] = 0,
     lr: Annotated[float | None, typer.Option(help="Learning rate (unset: run's, 1e-4).")] = None,
+    model: Annotated[str | None, typer.Option(help="The policy (unset: the tiny default policy; the other toys' "
+                                              "are cleaner/assets/tiny-policy-env and tiny-policy-recover).")] = None,
 ) -> None:
     """Run the whole loop on the tiny default policy and the toy task (a few minutes on two cores)."""
     from cleaner.report.job import report_job
@@ -182,7 +184,7 @@ def demo(
     if lr is not None:
         train["lr"] = lr
     config = _resolve_run([{"run_dir": str(run_dir), "iterations": iterations,
-                            "collect": {"n_prompts": prompts, "group_size": 8},
+                            "collect": {"n_prompts": prompts, "group_size": 8, **({"model": model} if model else {})},
                             **({"train": train} if train else {})}], "demo", resume)
     _run_and_report(config, resume, fresh=not resume)  # the demo starts clean unless asked to resume
     warehouse = run_dir / "warehouse"

@@ -15,34 +15,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cleaner.config.groups import _check, _check_choice, _check_numbers, setting
+from cleaner.config.groups import _check, _check_fields, setting
 
 FAILURE_MIXES = ("mixed", "environment")  # cleaner/toys/corpus.py's FAILURE_SETS
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    steps: int = setting(2000, help="optimiser steps")
+    steps: int = setting(2000, check=">= 1", help="optimiser steps")
     seed: int = setting(0, help="corpus, init and batch-order seed")
-    corpus_size: int = setting(40_000, help="synthetic trajectories")
-    fail_share: float = setting(0.3, help="share of first calls that fail")
-    failures: str = setting("mixed", help="mixed (typos, wrong approaches) | environment (missing functions only: "
-        "the second policy)")
-    slip_share: float = setting(0.0, help="share of trajectories that miscopy one digit of the question in every call")
-    no_tool_share: float = setting(0.0, help="share of trajectories that answer with a guess, without calling the "
-        "tool (the third policy)")
-    batch_size: int = setting(32, help="sequences per step")
+    corpus_size: int = setting(40_000, check=">= 1", help="synthetic trajectories")
+    fail_share: float = setting(0.3, check="in [0, 1]", help="share of first calls that fail")
+    failures: str = setting("mixed", choices=FAILURE_MIXES, help="mixed (typos, wrong approaches) | environment "
+        "(missing functions only: the second policy)")
+    slip_share: float = setting(0.0, check="in [0, 1]", help="share of trajectories that miscopy one digit of the "
+        "question in every call")
+    no_tool_share: float = setting(0.0, check="in [0, 1]", help="share of trajectories that answer with a guess, "
+        "without calling the tool (the third policy)")
+    batch_size: int = setting(32, check=">= 1", help="sequences per step")
     checkpoint_every: int = setting(0, identity="never", help="save <out>-checkpoints/step-N every N steps; 0 = off")
-    lr: float = setting(3e-3, help="peak learning rate")
+    lr: float = setting(3e-3, check="> 0", help="peak learning rate")
     init_from: str | None = setting(None, help="continue from this policy (and its tokenizer): the calibration stage")
-    threads: int = setting(2, identity="never", help="torch CPU threads")
+    threads: int = setting(2, identity="never", check=">= 1", help="torch CPU threads")
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        for name in ("steps", "corpus_size", "batch_size", "threads"):
-            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_fields(self)
         _check(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 (0 = off), got {self.checkpoint_every}")
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        _check_choice("failures", self.failures, FAILURE_MIXES)
-        for name in ("fail_share", "slip_share", "no_tool_share"):
-            _check(0.0 <= getattr(self, name) <= 1.0, f"{name} must be in [0, 1], got {getattr(self, name)}")

@@ -52,25 +52,57 @@ def _enum_field(config: object, name: str, enum: type[StrEnum]) -> None:
     object.__setattr__(config, name, enum_value(enum, getattr(config, name), name))
 
 
-def _check_numbers(config: object) -> None:
-    """Every number of a config, before its own checks: a float field finite (`inf` and `nan` pass
-    most comparisons, or none, and would be trained or waited on), a `*_s` field a duration in
-    (0, MAX_SECONDS]. Nested configs check their own."""
+def _holds(value: float, bound: str) -> bool:
+    """Whether `value` holds `bound`, written as its error says it: `>= 1`, `> 0`, `<= 1`, `< 1`,
+    `in [0, 1]`, `in (0, 1]`, `in [0, 1)`, `in (0, 1)`."""
+    op, _, limits = bound.partition(" ")
+    if op == "in":
+        low, high = (float(limit) for limit in limits[1:-1].split(", "))
+        return (low < value if limits[0] == "(" else low <= value) and (value < high if limits[-1] == ")"
+                                                                        else value <= high)
+    return {">=": value >= float(limits), ">": value > float(limits), "<=": value <= float(limits),
+            "<": value < float(limits)}[op]
+
+
+def _check_fields(config: object) -> None:
+    """Every field's declared checks, before the config's own (a nested config checks its own): an
+    enum field stored as its member (ValueError naming the choices), a string one of its `choices`,
+    a number finite (`inf` and `nan` pass most comparisons, or none, and would be trained or waited
+    on), a `*_s` number a duration in (0, MAX_SECONDS], and within its `check` bound unless None."""
     for item in dataclasses.fields(config):  # type: ignore[arg-type]
-        value = getattr(config, item.name)
+        value, declared = getattr(config, item.name), item.metadata
+        if "enum" in declared:
+            _enum_field(config, item.name, declared["enum"])
+        elif "choices" in declared and value is not None:
+            _check_choice(item.name, value, declared["choices"])
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
         _check(math.isfinite(value), f"{item.name} must be a finite number, got {value}")
         _check(not item.name.endswith("_s") or 0 < value <= MAX_SECONDS,
                f"{item.name} must be in (0, {MAX_SECONDS:,.0f}] seconds, got {value}")
+        _check("check" not in declared or _holds(value, declared["check"]),
+               f"{item.name} must be {declared.get('check')}, got {value}")
 
 
-def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always", default_factory=dataclasses.MISSING):
-    """A config field with its flag's help and how it counts toward its config's id: `always`;
-    `away-from-default`, a field stored configs predate (at its default, theirs keep their ids);
-    `never`, how something runs, not what it computes (a schedule, a server's address)."""
+def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always", check: str | None = None,
+            choices: tuple[str, ...] | None = None, default_factory=dataclasses.MISSING):
+    """A config field with its flag's help, its checks and how it counts toward its config's id.
+
+    identity: `always`; `away-from-default`, a field stored configs predate (at its default, theirs
+    keep their ids); `never`, how something runs, not what it computes (a schedule, a server's
+    address). check: a bound its value holds unless None, as the error says it (`>= 1`, `in (0, 1]`:
+    `_holds`); choices: the strings it takes. A field whose default is an enum member takes that
+    enum's values. `_check_fields` checks them all; what relates two fields is the config's own."""
     _check_choice("identity", identity, ("always", "away-from-default", "never"))
-    return field(default=default, default_factory=default_factory, metadata={"help": help, "identity": identity})
+    metadata: dict = {"help": help, "identity": identity}
+    if check is not None:
+        _holds(0, check)  # a bound that does not parse fails where it is declared
+        metadata["check"] = check
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, StrEnum):
+        metadata["enum"] = type(default)
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def redeclared(group: type, name: str, default: object):
@@ -88,6 +120,7 @@ class Group:
     runs them on construction; a config runs them from its own `__post_init__`)."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         self.check_groups()
 
     def check_groups(self) -> None:
@@ -133,26 +166,19 @@ class IsMode(StrEnum):
 class SaarMerge(Group):
     """How SAAR merges a failed attempt with its retry."""
 
-    gamma: float = setting(0.5, help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always deep)")
+    gamma: float = setting(0.5, check=">= 0", help="SAAR: shallow merge iff similarity >= gamma (gamma > 1: always "
+        "deep)")
     similarity_on: SimilarityOn = setting(SimilarityOn.CODE, help="what SAAR compares")
-
-    def _check_group(self) -> None:
-        _check(self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}")
-        _enum_field(self, "similarity_on", SimilarityOn)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaarGate(Group):
     """The IS gate over each merge (docs/architecture.md §4)."""
 
-    rollback_is_threshold: float = setting(0.0, help="tau: a merge whose IS < tau keeps its chain raw; 0 = off")
+    rollback_is_threshold: float = setting(0.0, check=">= 0", help="tau: a merge whose IS < tau keeps its chain raw; 0 "
+        "= off")
     rollback_is_mode: IsMode = setting(IsMode.SUM, help="the IS gate over the retry's tokens: sum (its definition) or "
         "mean (the reference's later code)")
-
-    def _check_group(self) -> None:
-        _check(self.rollback_is_threshold >= 0,
-               f"rollback_is_threshold must be >= 0, got {self.rollback_is_threshold}")
-        _enum_field(self, "rollback_is_mode", IsMode)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,9 +187,6 @@ class SaarEdit(Group):
 
     edit: Edit = setting(Edit.REPLACE, help="replace (SAAR's sequence) | mask (the raw one, what replace drops "
         "untrained)")
-
-    def _check_group(self) -> None:
-        _enum_field(self, "edit", Edit)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,10 +198,8 @@ class SaarView(SaarEdit, SaarGate, SaarMerge):
 class SaarRollback(SaarGate, SaarMerge):
     """SAAR during collection: the merge, the gate, and p."""
 
-    rollback_prob: float = setting(1.0, help="p: SAAR applies to a rollout iff its stored draw u < p")
-
-    def _check_group(self) -> None:
-        _check(0 <= self.rollback_prob <= 1, f"rollback_prob must be in [0, 1], got {self.rollback_prob}")
+    rollback_prob: float = setting(1.0, check="in [0, 1]", help="p: SAAR applies to a rollout iff its stored draw u < "
+        "p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +208,3 @@ class SaarSettings(SaarEdit, SaarRollback):
 
     purify_when: PurifyWhen = setting(PurifyWhen.ALWAYS, help="which rollouts SAAR may purify: all (the paper) or "
         "positive ones")
-
-    def _check_group(self) -> None:
-        _enum_field(self, "purify_when", PurifyWhen)

@@ -25,9 +25,7 @@ from cleaner.config.groups import (
     SaarRollback,
     SaarSettings,
     _check,
-    _check_choice,
-    _check_numbers,
-    _enum_field,
+    _check_fields,
     _set,
     group_values,
     redeclared,
@@ -166,7 +164,8 @@ class AdvEstimator(StrEnum):
 
     GRPO = "grpo"  # (r - the group's mean) / (its std + eps); without the std: Dr.GRPO
     RLOO = "rloo"  # r - the mean of the group's other rewards
-    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"  # r - the group's mean, whitened over the iteration's loss tokens
+    # r - the group's mean, whitened over the iteration's loss tokens
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
 
 
 class LossMode(StrEnum):
@@ -198,24 +197,26 @@ class RolloutSettings(Group):
     multi_turn: bool = setting(True, identity="away-from-default", help="tool calls run, turn after turn; off: verl's "
         "multi_turn.enable=False, the reference's no-tool baseline (no tool in the template, its no-tool prompts, one "
         "generation)")
-    max_tool_response_chars: int | None = setting(None, identity="away-from-default", help="a longer tool response "
-        "keeps its first and last halves around \"...(truncated)...\" (verl's max_tool_response_length, 256 in its "
-        "recipes); none: whole")
-    max_turns: int = setting(8, help="steps per rollout (tool calls and the answer; retries do not count)")
-    max_retries: int = setting(3, help="K: retries per failed tool-call step")
-    max_new_tokens: int = setting(160, help="tokens per generation")
+    max_tool_response_chars: int | None = setting(None, identity="away-from-default", check=">= 2", help="a longer "
+        "tool response keeps its first and last halves around \"...(truncated)...\" (verl's max_tool_response_length, "
+        "256 in its recipes); none: whole")
+    max_turns: int = setting(8, check=">= 1", help="steps per rollout (tool calls and the answer; retries do not "
+        "count)")
+    max_retries: int = setting(3, check=">= 0", help="K: retries per failed tool-call step")
+    max_new_tokens: int = setting(160, check=">= 1", help="tokens per generation")
     max_response_tokens: int = setting(768, help="token budget for everything after the prompt")
-    temperature: float = setting(1.0, help="sampling temperature; greedy never shows errors")
-    top_p: float = setting(1.0, help="nucleus sampling")
+    temperature: float = setting(1.0, check=">= 0", help="sampling temperature; greedy never shows errors")
+    top_p: float = setting(1.0, check="in (0, 1]", help="nucleus sampling")
     seed: int = setting(0, help="base seed; per-rollout seeds derive from (iteration, prompt_id, sample_index)")
-    batch_rollouts: int = setting(64, identity="never", help="finished rollouts committed per part (the unit of "
-        "resume; lock step: per batch)")
-    max_concurrent_rollouts: int = setting(1024, identity="never", help="rollouts in flight, each on its own clock: "
-        "enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on tools")
+    batch_rollouts: int = setting(64, identity="never", check=">= 1", help="finished rollouts committed per part (the "
+        "unit of resume; lock step: per batch)")
+    max_concurrent_rollouts: int = setting(1024, identity="never", check=">= 1", help="rollouts in flight, each on its "
+        "own clock: enough to keep an SGLang engine's running batch (a few hundred on a GPU) full while others wait on "
+        "tools")
     schedule: Schedule = setting(Schedule.ASYNC, identity="never", help="async (each rollout on its own clock) | "
         "lockstep (a batch turn by turn together: debugging, benchmarks)")
-    backend: str = setting("torch", help="torch (this process) | sglang (an engine here, or the server at "
-        "--sglang-url)")
+    backend: str = setting("torch", choices=("torch", "sglang"), help="torch (this process) | sglang (an engine here, "
+        "or the server at --sglang-url)")
     sglang_url: str | None = setting(None, identity="never", help="a running SGLang server or router (with --backend "
         "sglang); none: in-process")
     sglang_request_timeout_s: float | None = setting(None, identity="never", help="a request to an SGLang server "
@@ -223,8 +224,8 @@ class RolloutSettings(Group):
         "s per prompt token")
     deterministic_inference: bool = setting(True, identity="away-from-default", help="an SGLang engine on a GPU: "
         "batch-invariant kernels, so seeds hold whatever the schedule (slower; docs/running.md)")
-    sglang_mem_fraction: float | None = setting(None, identity="never", help="an SGLang engine on a GPU: its share of "
-        "GPU memory for weights and KV cache; none: SGLang's default")
+    sglang_mem_fraction: float | None = setting(None, identity="never", check="in (0, 1)", help="an SGLang engine on a "
+        "GPU: its share of GPU memory for weights and KV cache; none: SGLang's default")
     device: str = setting("cpu", help="torch device: cpu, cuda, cuda:1, ... (an SGLang engine's first GPU)")
     sandbox: SandboxConfig = setting(default_factory=SandboxConfig, help="the python tool's sandbox")
     test_timeout_s: float = setting(4.0, help="per-test limit when grading programs (code data sources)")
@@ -234,28 +235,13 @@ class RolloutSettings(Group):
     def _check_group(self) -> None:
         _set(self, reward_fn=resolved_spec(self.reward_fn, REWARD_NAME), tools=resolved_path(self.tools),
              tool=resolved_specs(self.tool))
-        _enum_field(self, "prompt_style", PromptStyle)
-        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
-        _check(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
-        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.max_response_tokens >= self.max_new_tokens, "max_response_tokens must be >= max_new_tokens")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.multi_turn or (self.tools is None and self.tool is None),
                "multi_turn off runs without any tool: drop tools and tool")
-        _check(self.max_tool_response_chars is None or self.max_tool_response_chars >= 2,
-               f"max_tool_response_chars must be >= 2, got {self.max_tool_response_chars}")
         self._check_engine()
 
     def _check_engine(self) -> None:
         """The schedule, the backend and its server."""
-        _check(self.batch_rollouts >= 1, f"batch_rollouts must be >= 1, got {self.batch_rollouts}")
-        _check(self.max_concurrent_rollouts >= 1,
-               f"max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}")
-        _enum_field(self, "schedule", Schedule)
-        _check(self.sglang_mem_fraction is None or 0 < self.sglang_mem_fraction < 1,
-               f"sglang_mem_fraction must be in (0, 1), got {self.sglang_mem_fraction}")
-        _check_choice("backend", self.backend, ("torch", "sglang"))
         _check(self.sglang_mem_fraction is None or self.backend == "sglang",
                f"sglang_mem_fraction is for backend sglang, got backend {self.backend!r}")
         _check(self.sglang_url is None or self.backend == "sglang",
@@ -273,12 +259,12 @@ class CollectConfig(_Config, SaarRollback, RolloutSettings):
     model: str = setting(str(DEFAULT_POLICY), help="the policy: a Hugging Face model directory or hub id, or a "
         "checkpoint")
     data: str | None = setting(None, help="a dataset Parquet (verl RL or an eval layout); none: the toy tasks")
-    iteration: int = setting(0, help="the iteration to collect (its number in the warehouse)")
-    n_prompts: int = setting(64, help="prompts per iteration")
+    iteration: int = setting(0, check=">= 0", help="the iteration to collect (its number in the warehouse)")
+    n_prompts: int = setting(64, check=">= 1", help="prompts per iteration")
     skip_settled_prompts: int = setting(0, identity="away-from-default", help="a prompt of --data whose last group was "
         "all correct or all wrong is not collected for this many iterations after it (-1: for the rest of the run), "
         "the dataset's next prompts taken instead; 0 = off")
-    group_size: int = setting(8, help="samples per prompt (one GRPO group)")
+    group_size: int = setting(8, check=">= 1", help="samples per prompt (one GRPO group)")
     truncate_prompts: bool = setting(False, help="a prompt longer than the context minus the budget keeps its end; "
         "off: an error")
     collect_view: CollectView = setting(CollectView.PURIFIED, help="context of later turns: SAAR's (the paper) or raw")
@@ -297,20 +283,16 @@ class CollectConfig(_Config, SaarRollback, RolloutSettings):
                 if saved.get(name) != mine.get(name)]
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _set(self, model=resolved_path(self.model, always=False), data=resolved_path(self.data))
         self.check_groups()
-        _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
-        _check(self.n_prompts >= 1, f"n_prompts must be >= 1, got {self.n_prompts}")
         _check(self.skip_settled_prompts >= -1,
                f"skip_settled_prompts must be >= 0, or -1 for the rest of the run, got {self.skip_settled_prompts}")
         _check(self.skip_settled_prompts == 0 or self.data is not None,
                "skip_settled_prompts needs --data: the toy tasks are new prompts every iteration")
-        _check(self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}")
         _check(self.n_prompts * self.group_size <= MAX_ROLLOUTS_PER_ITERATION,
                f"n_prompts x group_size must be at most {MAX_ROLLOUTS_PER_ITERATION:,} rollouts, "
                f"got {self.n_prompts:,} x {self.group_size:,}")
-        _enum_field(self, "collect_view", CollectView)
         _check(self.rollout_dtype in (None, "float32", "bfloat16", "float16"),
                f"rollout_dtype must be float32, bfloat16, float16 or none, got {self.rollout_dtype!r}")
 
@@ -321,15 +303,16 @@ class PurifyConfig(_Config, SaarSettings):
 
     negative_samples: bool = setting(False, help="pair each fixed failure with its fix, push them apart (the "
         "reference's DPO)")
-    dpo_beta: float = setting(0.1, help="beta of the negative-sample term")
-    dpo_max_adjustment_ratio: float = setting(0.1, help="cap of the negative-sample push per token (see --dpo-cap)")
+    dpo_beta: float = setting(0.1, check="> 0", help="beta of the negative-sample term")
+    dpo_max_adjustment_ratio: float = setting(0.1, check=">= 0", help="cap of the negative-sample push per token (see "
+        "--dpo-cap)")
     dpo_cap: DpoCap = setting(DpoCap.RELATIVE, help="the cap: relative (x |advantage|) or absolute (the reference's "
         "code)")
-    advantage_eps: float = setting(1e-6, help="GRPO: (r - mean) / (std + eps)")
+    advantage_eps: float = setting(1e-6, check="> 0", help="GRPO: (r - mean) / (std + eps)")
     down_sample: DownSample = setting(DownSample.NONE, identity="away-from-default", help="the rollouts of a group "
         "trained: all | roc (GRPO-RoC) | uniform (RoC's control); the advantages are the kept rows'")
-    down_sample_to: int | None = setting(None, identity="away-from-default", help="rows kept per group with "
-        "--down-sample (rStar's down_sample_to_n): fewer than the iteration's group size")
+    down_sample_to: int | None = setting(None, identity="away-from-default", check=">= 1", help="rows kept per group "
+        "with --down-sample (rStar's down_sample_to_n): fewer than the iteration's group size")
     roc_min_negatives: int = setting(2, identity="away-from-default", help="RoC keeps at least this many negatives "
         "(reward <= 0) where the group has them (rStar's min_zero_reward_trace_num)")
     roc_min_positives: int = setting(2, identity="away-from-default", help="RoC keeps at least this many positives "
@@ -362,30 +345,21 @@ class PurifyConfig(_Config, SaarSettings):
         return self.adv_estimator == AdvEstimator.REINFORCE_PLUS_PLUS_BASELINE
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         self.check_groups()
         # A masked row keeps the failed call in the sequence, untrained; a negative sample trains it
         # in a row of its own, paired with a fix spliced into a purified row that mask never builds.
         _check(not (self.edit == Edit.MASK and self.negative_samples),
                "edit 'mask' does not combine with negative_samples: masking keeps each failed call in "
                "its row untrained, and a negative sample pairs it with a fix in a purified row")
-        _check(self.dpo_beta > 0, f"dpo_beta must be > 0, got {self.dpo_beta}")
-        _check(self.dpo_max_adjustment_ratio >= 0,
-               f"dpo_max_adjustment_ratio must be >= 0, got {self.dpo_max_adjustment_ratio}")
-        _enum_field(self, "dpo_cap", DpoCap)
-        _check(self.advantage_eps > 0, f"advantage_eps must be > 0, got {self.advantage_eps}")
-        _enum_field(self, "down_sample", DownSample)
         _check((self.down_sample == DownSample.NONE) == (self.down_sample_to is None),
                "down_sample_to is the group size down_sample (roc or uniform) keeps: give both or neither")
-        _check(self.down_sample_to is None or self.down_sample_to >= 1,
-               f"down_sample_to must be >= 1, got {self.down_sample_to}")
         _check(self.roc_min_negatives >= 0 and self.roc_min_positives >= 0,
                f"roc_min_negatives and roc_min_positives must be >= 0, got {self.roc_min_negatives} and "
                f"{self.roc_min_positives}")
         _check(self.down_sample != DownSample.ROC or self.roc_min_negatives + self.roc_min_positives
                <= self.down_sample_to, f"roc_min_negatives + roc_min_positives must be <= down_sample_to "
                f"({self.down_sample_to}), got {self.roc_min_negatives} + {self.roc_min_positives}")
-        _enum_field(self, "adv_estimator", AdvEstimator)
         _check(self.norm_adv_by_std or self.adv_estimator == AdvEstimator.GRPO,
                f"norm_adv_by_std off is GRPO's (verl's norm_adv_by_std_in_grpo), and {self.adv_estimator.value} "
                "divides by no std: drop it, or use adv_estimator grpo")
@@ -393,52 +367,56 @@ class PurifyConfig(_Config, SaarSettings):
 
 @dataclass(frozen=True)
 class TrainConfig(_Config):
-    lr: float = setting(1e-6, help="AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: 1e-4)")
-    warmup_steps: int = setting(0, help="linear warmup from 0 over this many optimiser steps; 0 = constant lr")
-    weight_decay: float = setting(0.0, help="AdamW weight decay")
-    clip_eps_low: float = setting(0.2, help="DAPO lower clip")
-    clip_eps_high: float = setting(0.28, help="DAPO upper clip (clip-higher)")
+    lr: float = setting(1e-6, check="> 0", help="AdamW learning rate (the reference: 2e-6 for 4B; the tiny policy: "
+        "1e-4)")
+    warmup_steps: int = setting(0, check=">= 0", help="linear warmup from 0 over this many optimiser steps; 0 = "
+        "constant lr")
+    weight_decay: float = setting(0.0, check=">= 0", help="AdamW weight decay")
+    clip_eps_low: float = setting(0.2, check="in [0, 1)", help="DAPO lower clip")
+    clip_eps_high: float = setting(0.28, check=">= 0", help="DAPO upper clip (clip-higher)")
     clip_ratio_c: float = setting(10.0, help="dual clip for negative advantages (the reference script's); 0 = off")
-    kl_coef: float = setting(0.0, help="KL to the reference policy; 0 = off (DAPO)")
-    entropy_coef: float = setting(0.0, help="entropy bonus: minus this x the entropy (aggregated as the loss) in the "
-        "loss; 0 = off")
+    kl_coef: float = setting(0.0, check=">= 0", help="KL to the reference policy; 0 = off (DAPO)")
+    entropy_coef: float = setting(0.0, check=">= 0", help="entropy bonus: minus this x the entropy (aggregated as the "
+        "loss) in the loss; 0 = off")
     loss_mode: LossMode = setting(LossMode.VANILLA, identity="away-from-default", help="the policy loss (verl's "
         "policy_loss.loss_mode): vanilla | gspo | cispo | geo_mean")
-    loss_agg_mode: str | None = setting(None, identity="away-from-default", help="verl's loss_agg_mode for the policy, "
-        "KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; none: "
-        "the loss mode's (gspo: seq-mean-token-mean, else token-mean)")
-    loss_scale_factor: int | None = setting(None, identity="away-from-default", help="seq-mean-token-sum-norm divides "
-        "each row's token sum by this constant (verl's loss_scale_factor); none: max_response_tokens")
+    loss_agg_mode: str | None = setting(None, identity="away-from-default", choices=LOSS_AGG_MODES, help="verl's "
+        "loss_agg_mode for the policy, KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+        "seq-mean-token-sum-norm; none: the loss mode's (gspo: seq-mean-token-mean, else token-mean)")
+    loss_scale_factor: int | None = setting(None, identity="away-from-default", check="> 0", help=""
+        "seq-mean-token-sum-norm divides each row's token sum by this constant (verl's loss_scale_factor); none: "
+        "max_response_tokens")
     rollout_is: str | None = setting(None, help="verl's rollout correction: importance weights old/behaviour per token "
         "or sequence, truncated; none: off (CLEANER: off)")
-    rollout_is_threshold: float = setting(2.0, help="the IS weights' truncation (above only)")
+    rollout_is_threshold: float = setting(2.0, check="> 0", help="the IS weights' truncation (above only)")
     rollout_is_batch_normalize: bool = setting(False, help="divide the truncated IS weights by their mean over the "
         "iteration")
     rollout_rs: str | None = setting(None, help="rejection sampling by the old/behaviour ratio: token | sequence | "
         "geometric; none: off")
     rollout_rs_threshold: float | None = setting(None, help="rejection's upper bound on the ratio")
     rollout_rs_threshold_lower: float | None = setting(None, help="rejection's lower bound; none: 1 / the upper")
-    rollout_token_veto_threshold: float | None = setting(None, help="reject a row with any token whose ratio is below "
-        "this; none: off")
+    rollout_token_veto_threshold: float | None = setting(None, check="in (0, 1)", help="reject a row with any token "
+        "whose ratio is below this; none: off")
     dynamic_sampling: bool = setting(False, help="drop groups whose rewards are all equal")
-    overlong_buffer: int = setting(0, help="DAPO overlong shaping buffer in tokens; 0 = off")
+    overlong_buffer: int = setting(0, check=">= 0", help="DAPO overlong shaping buffer in tokens; 0 = off")
     max_response_tokens: int = setting(768, help="DAPO overlong: the response length the buffer counts back from")
-    mini_batch_size: int = setting(64, help="sequences per optimiser step")
-    micro_batch_size: int = setting(8, help="sequences per forward/backward (gradient accumulation)")
-    max_tokens_per_micro_batch: int | None = setting(None, help="pack micro batches by tokens, at most this many (a "
-        "longer row alone); replaces micro_batch_size")
-    logits_chunk_tokens: int = setting(512, help="tokens per lm_head chunk: the step never holds more logits than this "
-        "x vocabulary")
+    mini_batch_size: int = setting(64, check=">= 1", help="sequences per optimiser step")
+    micro_batch_size: int = setting(8, check=">= 1", help="sequences per forward/backward (gradient accumulation)")
+    max_tokens_per_micro_batch: int | None = setting(None, check=">= 1", help="pack micro batches by tokens, at most "
+        "this many (a longer row alone); replaces micro_batch_size")
+    logits_chunk_tokens: int = setting(512, check=">= 1", help="tokens per lm_head chunk: the step never holds more "
+        "logits than this x vocabulary")
     gradient_checkpointing: bool = setting(False, help="recompute each decoder layer in backward (non-reentrant): "
         "activations grow with layers x tokens x hidden only")
-    compute_dtype: str = setting("auto", help="auto (bfloat16 on a GPU, as verl; float32 on the CPU) | float32 | "
-        "bfloat16 | float16 (with dynamic loss scaling: the reference's): autocast compute; weights, optimiser and "
-        "log-softmax stay float32")
-    save_dtype: str = setting("float32", help="float32 | bfloat16 | float16: the checkpoint's weights (what a backend "
-        "reloads); the optimiser state stays float32")
-    epochs: int = setting(1, help="passes over the iteration's rows")
-    max_grad_norm: float = setting(1.0, help="gradient clipping")
-    engine: str = setting("torch", help="torch | deepspeed (ZeRO over the ranks torchrun starts)")
+    compute_dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto (bfloat16 on a "
+        "GPU, as verl; float32 on the CPU) | float32 | bfloat16 | float16 (with dynamic loss scaling: the "
+        "reference's): autocast compute; weights, optimiser and log-softmax stay float32")
+    save_dtype: str = setting("float32", choices=("float32", "bfloat16", "float16"), help="float32 | bfloat16 | "
+        "float16: the checkpoint's weights (what a backend reloads); the optimiser state stays float32")
+    epochs: int = setting(1, check=">= 1", help="passes over the iteration's rows")
+    max_grad_norm: float = setting(1.0, check="> 0", help="gradient clipping")
+    engine: str = setting("torch", choices=("torch", "deepspeed"), help="torch | deepspeed (ZeRO over the ranks "
+        "torchrun starts)")
     deepspeed_config: str | None = setting(None, help="DeepSpeed JSON (ZeRO stage, offload, precision) for --engine "
         "deepspeed")
     device: str = setting("cpu", help="torch device")
@@ -472,62 +450,37 @@ class TrainConfig(_Config):
         return "bfloat16" if device_type == "cuda" else "float32"
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        _check(0 <= self.clip_eps_low < 1, f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
-        _check(self.clip_eps_high >= 0, f"clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        _check_fields(self)
         _check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
                f"clip_ratio_c must be > 1, or 0 for off, got {self.clip_ratio_c}")
-        _check(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         self._check_objective()
         _check(self.rollout_is in (None, "token", "sequence"),
                f"rollout_is must be token, sequence or none, got {self.rollout_is!r}")
-        _check(self.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
         _check(self.rollout_rs in (None, "token", "sequence", "geometric"),
                f"rollout_rs must be token, sequence, geometric or none, got {self.rollout_rs!r}")
         _check(self.rollout_rs is None or (self.rollout_rs_threshold or 0) > 0,
                "rollout_rs needs rollout_rs_threshold > 0")
-        _check(self.rollout_rs is not None or (self.rollout_rs_threshold is None and self.rollout_rs_threshold_lower is None),
+        _check(self.rollout_rs is not None or self.rollout_rs_threshold is self.rollout_rs_threshold_lower is None,
                "rollout_rs_threshold and rollout_rs_threshold_lower bound rejection sampling: set rollout_rs "
                "(token, sequence or geometric) too, or drop them")
         _check(self.rollout_is is not None or not self.rollout_is_batch_normalize,
                "rollout_is_batch_normalize normalises the IS weights: set rollout_is (token or sequence) too")
         _check(self.rollout_rs_threshold_lower is None or 0 < self.rollout_rs_threshold_lower <= (
-            self.rollout_rs_threshold or float("inf")), "rollout_rs_threshold_lower must be in (0, rollout_rs_threshold]")
-        _check(self.rollout_token_veto_threshold is None or 0 < self.rollout_token_veto_threshold < 1,
-               f"rollout_token_veto_threshold must be in (0, 1), got {self.rollout_token_veto_threshold}")
-        _check(self.overlong_buffer >= 0, f"overlong_buffer must be >= 0, got {self.overlong_buffer}")
+            self.rollout_rs_threshold or float("inf")),
+            "rollout_rs_threshold_lower must be in (0, rollout_rs_threshold]")
         _check(self.overlong_buffer <= self.max_response_tokens,
                "overlong_buffer must be <= max_response_tokens")
-        _check(self.mini_batch_size >= 1, f"mini_batch_size must be >= 1, got {self.mini_batch_size}")
-        _check(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _check(self.max_tokens_per_micro_batch is not None or self.mini_batch_size >= self.micro_batch_size,
                f"mini_batch_size ({self.mini_batch_size}) must be >= micro_batch_size ({self.micro_batch_size})")
-        _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
-        _check(self.entropy_coef >= 0, f"entropy_coef must be >= 0, got {self.entropy_coef}")
-        _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
-               f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
-        _check(self.logits_chunk_tokens >= 1, f"logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
-        _check_choice("compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16", "float16"))
-        _check_choice("save_dtype", self.save_dtype, ("float32", "bfloat16", "float16"))
-        _check(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        _check_choice("engine", self.engine, ("torch", "deepspeed"))
         _check(self.engine != "deepspeed" or self.deepspeed_config is not None,
                "engine deepspeed needs deepspeed_config")
         _check_lora(self)
 
     def _check_objective(self) -> None:
         """The loss mode, its aggregation and the aggregation's constant."""
-        _enum_field(self, "loss_mode", LossMode)
-        if self.loss_agg_mode is not None:
-            _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check(self.loss_mode != LossMode.GSPO or self.loss_agg_mode in (None, GSPO_AGG_MODE),
                f"loss_mode gspo aggregates its policy loss {GSPO_AGG_MODE}, as verl forces it whatever "
                f"loss_agg_mode says: drop loss_agg_mode {self.loss_agg_mode!r}, or set it to {GSPO_AGG_MODE}")
-        _check(self.loss_scale_factor is None or self.loss_scale_factor > 0,
-               f"loss_scale_factor must be > 0, got {self.loss_scale_factor}")
         _check(self.loss_scale_factor is None or self.aggregation == "seq-mean-token-sum-norm",
                "loss_scale_factor is the constant of loss_agg_mode seq-mean-token-sum-norm: set that mode too, "
                "or drop it")
@@ -599,14 +552,13 @@ SCORED_AS_COLLECTED = ("backend", "sglang_url", "device")
 @dataclass(frozen=True)
 class RunConfig(_Config):
     run_dir: str = setting("runs/default", help="holds warehouse/ and checkpoints/")
-    iterations: int = setting(3, help="collect -> purify -> train iterations to run")
+    iterations: int = setting(3, check=">= 1", help="collect -> purify -> train iterations to run")
     collect: CollectConfig = setting(default_factory=CollectConfig, help="iteration and model are set per iteration")
     purify: PurifyConfig = setting(default_factory=PurifyConfig, help="the config trained on")
     train: TrainConfig = setting(default_factory=TrainConfig, help="the training of each iteration")
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        _check(self.iterations >= 1, f"iterations must be >= 1, got {self.iterations}")
+        _check_fields(self)
         # the run's one backend collects and scores: purify's are collect's (a layer naming others is refused)
         _set(self, purify=dataclasses.replace(self.purify, **{name: getattr(self.collect, name)
                                                               for name in SCORED_AS_COLLECTED}))
@@ -629,8 +581,8 @@ class EvalConfig(_Config, SaarMerge, RolloutSettings):
     datasets: tuple[tuple[str, str], ...] = setting((), help="(name, Parquet path) in any layout of datasets.py")
     saar: tuple[bool, ...] = setting((True,), help="SAAR settings to run: True = purified context (the paper's test "
         "time)")
-    n: int = setting(16, help="samples per problem")
-    limit: int | None = setting(None, help="evaluate the first N problems of each dataset; none: all")
+    n: int = setting(16, check=">= 1", help="samples per problem")
+    limit: int | None = setting(None, check=">= 1", help="evaluate the first N problems of each dataset; none: all")
     # the reference's evaluation settings, where they differ from collect's
     top_p: float = redeclared(RolloutSettings, "top_p", 0.6)
     max_turns: int = redeclared(RolloutSettings, "max_turns", 16)
@@ -638,7 +590,7 @@ class EvalConfig(_Config, SaarMerge, RolloutSettings):
     max_response_tokens: int = redeclared(RolloutSettings, "max_response_tokens", 20480)
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _set(self, models=tuple(resolved_path(model, always=False) for model in self.models),
              datasets=tuple((name, resolved_path(path)) for name, path in self.datasets))
         self.check_groups()
@@ -648,8 +600,6 @@ class EvalConfig(_Config, SaarMerge, RolloutSettings):
         _check(len(set(names)) == len(names), f"dataset names must differ, got {names}")
         _check(len(self.saar) >= 1 and len(set(self.saar)) == len(self.saar),
                f"saar must hold each setting once, got {self.saar}")
-        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
-        _check(self.limit is None or self.limit >= 1, f"limit must be >= 1, got {self.limit}")
         self.collect_config(self.models[0], self.datasets[0][1], self.saar[0], 1)  # checks the rest
 
     def collect_config(self, model: str, data: str, saar: bool, problems: int) -> CollectConfig:
@@ -687,7 +637,7 @@ class CurateConfig(_Config):
     overwrite: bool = setting(False, help="replace an --out (or --stats-out) that curate wrote")
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        _check_fields(self)
         _set(self, iterations=tuple(self.iterations), evals=tuple(self.evals), stats=resolved_path(self.stats),
              stats_out=resolved_path(self.stats_out), data=resolved_path(self.data), out=resolved_path(self.out))
         warehouse = bool(self.iterations or self.evals)
@@ -700,7 +650,7 @@ class CurateConfig(_Config):
         _check(self.out is None or self.data is not None, "out needs data: the dataset to filter")
         _check(self.out is None or warehouse or self.stats, "out needs statistics: a stats file, or iterations "
                "or evals of the warehouse")
-        _check(self.out is not None or (self.data is None and self.success_rate_ratios is None and not self.retain_code),
+        _check(self.out is not None or (self.data is self.success_rate_ratios is None and not self.retain_code),
                "data, success_rate_ratios and retain_code filter a dataset: give out too")
         _check(len(set(self.iterations)) == len(self.iterations) and all(i >= 0 for i in self.iterations),
                f"iterations must be distinct and >= 0, got {list(self.iterations)}")

@@ -1,5 +1,6 @@
 """The settings groups (config/groups.py): each SAAR setting is declared once, in its group; a
-group's check runs once per config and says the same thing whichever config holds it; eval's
+field's declared check and a group's own check run once per config and say the same thing whichever
+config holds them; eval's
 collect config takes every setting the two share from the groups."""
 
 from __future__ import annotations
@@ -78,10 +79,18 @@ def test_a_group_check_says_the_same_for_every_holder(holder, saar, message):
 @pytest.mark.parametrize(("holder", "expected"), [("collect", {"CollectConfig": 1}), ("purify", {"PurifyConfig": 1}),
                                                   ("eval", {"EvalConfig": 1, "CollectConfig": 1}),
                                                   ("view", {"RenderSettings": 1})])
-def test_a_group_check_runs_once_per_config(monkeypatch, holder, expected):
-    """SaarSettings reaches SaarMerge by two paths; each group's check still runs once per config
-    (eval's builds one collect config, which runs its own)."""
+def test_the_declared_checks_and_each_group_check_run_once_per_config(monkeypatch, holder, expected):
+    """SaarSettings reaches SaarMerge by two paths; the fields' declared checks (`_check_fields`)
+    and each group's own check still run once per config (eval's builds one collect config, which
+    runs its own)."""
+    from cleaner.config import groups, settings
+
     runs: collections.Counter = collections.Counter()
+    fields = groups._check_fields
+
+    def counted_fields(config) -> None:
+        runs[type(config).__name__, "fields"] += 1
+        fields(config)
 
     def counting(group: type):
         check = vars(group)["_check_group"]
@@ -91,11 +100,37 @@ def test_a_group_check_runs_once_per_config(monkeypatch, holder, expected):
             check(self)
         return counted
 
+    for module in (groups, settings):
+        monkeypatch.setattr(module, "_check_fields", counted_fields)
     for group in GROUPS:
-        monkeypatch.setattr(group, "_check_group", counting(group))
+        if "_check_group" in vars(group):
+            monkeypatch.setattr(group, "_check_group", counting(group))
     HOLDERS[holder](gamma=0.7)
     assert set(runs.values()) == {1}
-    assert collections.Counter(name for name, group in runs if group == "SaarMerge") == expected
+    assert collections.Counter(name for name, check in runs if check == "fields") == expected
+    holds_rollouts = holder in ("collect", "eval")
+    assert collections.Counter(name for name, check in runs if check == "RolloutSettings") == (
+        {"CollectConfig": 1} | ({"EvalConfig": 1} if holder == "eval" else {}) if holds_rollouts else {})
+
+
+def test_a_bound_is_checked_as_declared_and_its_error_says_it():
+    """`setting(check=...)`: each form of bound, at its edges, and None passes; a bound that does
+    not parse fails where it is declared."""
+    from cleaner.config.groups import _holds, setting
+
+    cases = {">= 1": [(1, True), (0.999, False)], "> 0": [(1e-9, True), (0, False)], "<= 1": [(1, True), (1.5, False)],
+             "< 1": [(0.999, True), (1, False)], "in [0, 1]": [(0, True), (1, True), (-0.1, False), (1.1, False)],
+             "in (0, 1]": [(0, False), (1, True)], "in [0, 1)": [(0, True), (1, False)],
+             "in (0, 1)": [(0, False), (0.5, True), (1, False)]}
+    for bound, values in cases.items():
+        for value, holds in values:
+            assert _holds(value, bound) is holds, (bound, value)
+    with pytest.raises((ValueError, KeyError, IndexError)):
+        setting(1, check="at least 1", help="x")
+    assert CollectConfig(max_tool_response_chars=None).max_tool_response_chars is None  # None is no value to bound
+    with pytest.raises(ValueError) as error:
+        CollectConfig(max_tool_response_chars=1)
+    assert str(error.value) == "max_tool_response_chars must be >= 2, got 1"
 
 
 def test_evals_collect_config_takes_every_setting_the_two_share():

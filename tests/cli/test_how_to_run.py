@@ -204,3 +204,26 @@ def test_a_resumed_run_scores_at_the_server_address_its_file_gives_now(tmp_path)
     assert result.exit_code == 0, result.output
     resolved = tomllib.loads(result.output)
     assert resolved["collect"]["sglang_url"] == resolved["purify"]["sglang_url"] == "http://127.0.0.1:10"
+
+
+def test_the_demos_own_flags_reach_the_run_it_resolves(monkeypatch, tmp_path):
+    """`cleaner demo --model M --lora-rank 8 --lr 1e-3`: the run the demo starts collects from M
+    and trains rank-8 adapters at 1e-3 (docs/running.md's LoRA table was run so); unset, the
+    tiny default policy, no adapters and run's learning rate."""
+    from cleaner.cli import loop
+    from cleaner.config import DEFAULT_POLICY, RECOVER_POLICY
+
+    started = []
+
+    def stop(config, resume, fresh):
+        started.append(config)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(loop, "_run_and_report", stop)
+    for args in ([], ["--model", str(RECOVER_POLICY), "--lora-rank", "8", "--lr", "1e-3"]):
+        result = runner.invoke(app, ["demo", "--run-dir", str(tmp_path / "demo"), *args])
+        assert result.exit_code == 0, result.output
+    default, given = started
+    assert (default.collect.model, default.train.lora_rank, default.train.lr) == (str(DEFAULT_POLICY), 0, 1e-4)
+    assert (given.collect.model, given.train.lora_rank, given.train.lr) == (str(RECOVER_POLICY), 8, 1e-3)
+    assert (given.collect.n_prompts, given.collect.group_size, given.iterations) == (32, 8, 6)

@@ -50,7 +50,7 @@ NEW_OPTIONS = {
     "purify": _PURIFY,
     "ablate": {**_SELECTION, "--void-turn-filter": "false", "--adv-estimator": "grpo", "--norm-adv-by-std": "true"},
     "train": _TRAIN,
-    "demo": {"--lora-rank": 0, "--lr": None},
+    "demo": {"--lora-rank": 0, "--lr": None, "--model": None},
 }
 NEW_COMMANDS = {"curate", "warehouse"}
 # This round's new fields, at their defaults, in each table of a resolved run config (None: left out)

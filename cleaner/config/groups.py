@@ -1,7 +1,7 @@
 """Settings groups: each setting declared once, its check beside it (docs/architecture.md §9).
 
-A group is a frozen dataclass base whose fields are `setting`s and whose `_check_group` checks
-them; a config holds the groups it uses by inheriting them, so its fields stay flat (the flags,
+A group is a frozen dataclass base whose fields are `setting`s, each declaring its own bound,
+choices or enum (`_check_fields` checks them), and whose `_check_group` checks what relates them; a config holds the groups it uses by inheriting them, so its fields stay flat (the flags,
 TOML keys, stored JSON and ids are the fields' names; `CollectConfig(gamma=0.7)` builds as before).
 
 Design decisions:

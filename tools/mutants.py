@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def prepare(work: Path, modules: list[str], tests: list[str], timeout_multiplier: float,
-            timeout_constant: float) -> None:
+            timeout_constant: float, deselect: tuple[str, ...] = ()) -> None:
     """The scratch directory: links to cleaner/, tests/, examples/ (the tool tests load its units
     example), pyproject.toml, and mutmut's config."""
     work.mkdir(parents=True, exist_ok=True)
@@ -46,8 +46,9 @@ def prepare(work: Path, modules: list[str], tests: list[str], timeout_multiplier
             link.symlink_to(ROOT / name)
     lines = ["[mutmut]", "source_paths = cleaner", "also_copy =", "    examples", "only_mutate ="] + [f"    {m}" for m in modules]
     lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
-    lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -q",
-              "process_isolation = forkserver", "use_git_change_detection = false",
+    lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -q"]
+    lines += [f"    {part}" for test in deselect for part in ("--deselect", test)]
+    lines += ["process_isolation = forkserver", "use_git_change_detection = false",
               f"timeout_multiplier = {timeout_multiplier:g}", f"timeout_constant = {timeout_constant:g}", ""]
     (work / "setup.cfg").write_text("\n".join(lines))
 
@@ -95,12 +96,15 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="reuse build/mutants/NAME/mutants (mutmut's cache)")
     parser.add_argument("--mutant", action="append", default=[],
                         help="run only this mutant again (repeatable; a name or a glob, as mutmut takes them; with --keep)")
+    parser.add_argument("--deselect", action="append", default=[],
+                        help="a test node id left out of every run of the batch, its stats run included (repeatable): "
+                             "one that trampolines slow past any timeout")
     parser.add_argument("--out", help="the report (default build/mutants-NAME.json)")
     args = parser.parse_args()
     if args.mutant and not args.keep:
         parser.error("--mutant runs mutants of a kept cache again: add --keep")
     work = ROOT / "build" / "mutants" / args.name
-    prepare(work, args.module, args.tests, args.timeout_multiplier, args.timeout_constant)
+    prepare(work, args.module, args.tests, args.timeout_multiplier, args.timeout_constant, tuple(args.deselect))
     run(work, args.jobs, fresh=not args.keep, mutants=args.mutant)
     stats = json.loads((work / "mutants" / "mutmut-cicd-stats.json").read_text())
     report = {"modules": args.module, "tests": args.tests, "stats": stats, "survivors": survivors(work)}

@@ -104,7 +104,8 @@ MUTANTS_MODULES_model := cleaner/engine/model/answers.py cleaner/engine/model/tr
 	cleaner/engine/train/packing.py
 MUTANTS_TESTS_model := tests/engine/model/test_answers.py tests/engine/model/test_sglang_wire.py \
 	tests/engine/model/test_torch_backend.py::test_a_forward_that_overflows_into_nan_is_a_bad_answer_never_a_generation \
-	tests/engine/model/test_trie_scorer.py tests/engine/model/test_backend_scorer.py tests/engine/train/test_train_step.py
+	tests/engine/model/test_trie_scorer.py tests/engine/model/test_backend_scorer.py tests/engine/train/test_train_step.py \
+	tests/engine/train/test_packing.py
 MUTANTS_TIMEOUT_model := 4 15
 MUTANTS_MODULES_saar := $(wildcard cleaner/engine/saar/*.py)
 MUTANTS_TESTS_saar := tests/engine/saar

@@ -248,8 +248,8 @@ def test_a_gpu_scorer_sizes_its_batches_from_a_memory_budget(backend, monkeypatc
     2,560 bytes of budget."""
     scorer = PrefixTrieScorer(backend.model, device="cpu")
     assert scorer.geometry == (2, 2, 8) and scorer.window_batches == 4
-    free = {"bytes": 10**12}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 10**12))
+    free, asked = {"bytes": 10**12}, []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (free["bytes"], 10**12))
     # 20,480 x 512 / 2 = 5,242,880 bytes: 2,048 tokens exactly
     assert scorer._sizes(20_480) == (2048, 2048)
     # 15,000 x 512 / 2 = 3,840,000 bytes: 1,500 tokens, rounded down to 1,280
@@ -263,6 +263,9 @@ def test_a_gpu_scorer_sizes_its_batches_from_a_memory_budget(backend, monkeypatc
     assert scorer._sizes(400_000) == (1024, 1024)
     free["bytes"] = 0  # nothing free: the smallest batch
     assert scorer._sizes(400_000) == (512, 512)
+    assert asked == [scorer.device] * 6  # the scorer's own device's free memory, not the current device's
+    scorer.memory_bytes, free["bytes"] = None, 10**12  # token counts, as range() and slicing take them: ints
+    assert all(type(size) is int for longest in (15_000, 20_480, 400_000) for size in scorer._sizes(longest))
 
 
 def test_a_scorer_for_a_gpu_takes_the_gpu_sizes_unless_it_is_given_sizes(backend):

@@ -71,6 +71,17 @@ def test_scores_are_one_log_prob_per_token_asked_for():
         checked_score_rows(((-1.0,), (-0.5, -0.25)), [[1, 2], [1, 2, 3]], [1, 2])
     with pytest.raises(BadAnswer, match="^the engine answered 1 score rows to 2 asked$"):
         checked_score_rows(((-1.0,),), [[1, 2], [1, 2, 3]], [1, 1])
+    with pytest.raises(ValueError, match="zip"):  # a caller's starts that miss a row: refused, never cut short
+        checked_score_rows(((-1.0,), (-0.5, -0.25)), [[1, 2], [1, 2, 3]], [1])
+
+
+def test_a_fault_names_the_first_value_outside_the_rules_not_an_edge_before_it():
+    """The first offending id or log-prob is named, past values on the rules' edges (id 0, a log-prob
+    of exactly the slack) that a stricter bound would name instead."""
+    ids = Generation((0, 5, 99), (-0.5,) * 3, STOP)
+    assert generation_fault(ids, 8, 10) == "token id 99 at position 2 is outside the vocabulary [0, 10)"
+    logprobs = Generation((4, 5), (LOGPROB_SLACK, math.nan), STOP)
+    assert generation_fault(logprobs, 8, 10) == "log-prob nan at position 1 is not a finite number <= 0"
 
 
 # ---------------------------------------------------------------------------- stored values

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cleaner.engine.train.packing import rank_share
+from cleaner.engine.train.packing import loss_token_count, micro_batches, rank_share
 from tests.factories import make_purified
 
 
@@ -50,3 +50,25 @@ def test_the_shares_of_all_ranks_hold_every_row_once(balance):
     if balance:  # 9, 7, 6 open the ranks; 4 to rank 2 (6), 4 to rank 1 (7), 3 to rank 0 (9), 2 to rank 2 (10),
         # 1 to rank 1 (11 < 12): 12 tokens each
         assert shares == [["r4", "r7"], ["r0", "r3", "r1"], ["r6", "r2", "r5"]]
+
+
+def test_micro_batches_without_a_budget_are_consecutive_chunks():
+    assert [_ids(batch) for batch in micro_batches(_rows([5, 3, 8, 1, 4]), 2, None)] == [
+        ["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_a_token_budget_packs_first_fit_decreasing():
+    """Budget 9, lengths 5, 3, 8, 1, 4 longest first: r2 (8) opens a batch (1 left), r0 (5) a
+    second (4 left), r4 (4) fills it exactly, r1 (3) opens a third, r3 (1) fills the first."""
+    assert [_ids(batch) for batch in micro_batches(_rows([5, 3, 8, 1, 4]), 2, 9)] == [
+        ["r2", "r3"], ["r0", "r4"], ["r1"]]
+
+
+def test_a_row_past_the_budget_is_a_micro_batch_alone_and_ties_keep_their_order():
+    assert [_ids(batch) for batch in micro_batches(_rows([2, 12]), 2, 9)] == [["r1"], ["r0"]]
+    assert [_ids(batch) for batch in micro_batches(_rows([2, 2, 2]), 2, 4)] == [["r0", "r1"], ["r2"]]
+
+
+def test_a_rows_trained_tokens_never_count_its_first():
+    row = dataclasses.replace(_rows([4])[0], loss_mask=(1, 1, 0, 1))
+    assert loss_token_count(row) == 2

@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def prepare(work: Path, modules: list[str], tests: list[str], timeout_multiplier: float,
             timeout_constant: float, deselect: tuple[str, ...] = ()) -> None:
     """The scratch directory: links to cleaner/, tests/, examples/ (the tool tests load its units
-    example), pyproject.toml, and mutmut's config."""
+    example), recipes/ (the frozen warehouse's tests resolve them), pyproject.toml, and mutmut's config."""
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("cleaner", "tests", "examples", "pyproject.toml"):
+    for name in ("cleaner", "tests", "examples", "recipes", "pyproject.toml"):
         link = work / name
         if not link.exists():
             link.symlink_to(ROOT / name)
-    lines = ["[mutmut]", "source_paths = cleaner", "also_copy =", "    examples", "only_mutate ="] + [f"    {m}" for m in modules]
+    lines = ["[mutmut]", "source_paths = cleaner", "also_copy =", "    examples", "    recipes", "only_mutate ="] + [f"    {m}" for m in modules]
     lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
     lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -q"]
     lines += [f"    {part}" for test in deselect for part in ("--deselect", test)]

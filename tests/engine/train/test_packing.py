@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
-from cleaner.engine.train.packing import loss_token_count, micro_batches, rank_share
+from cleaner.engine.train.packing import loss_token_count, micro_batches, pack_rows, rank_share
 from tests.factories import make_purified
 
 
@@ -72,3 +73,36 @@ def test_a_row_past_the_budget_is_a_micro_batch_alone_and_ties_keep_their_order(
 def test_a_rows_trained_tokens_never_count_its_first():
     row = dataclasses.replace(_rows([4])[0], loss_mask=(1, 1, 0, 1))
     assert loss_token_count(row) == 2
+
+
+def test_two_rows_pack_end_to_end_with_the_loss_inputs_at_their_loss_tokens():
+    """Worked by hand: rows of 3 and 2 tokens, the second's first token marked but never predicted.
+    The flat loss tokens are 1, 2 and 4, each predicted from the position before; the bounds that
+    varlen attention reads on a GPU (`cu_seq_lens`, int32) equal the rows' (what the CPU can see of
+    flash attention's path)."""
+    base = make_purified("c")
+    first = dataclasses.replace(base, token_ids=(10, 11, 12), loss_mask=(0, 1, 1), old_logprobs=(0.0, -0.1, -0.2),
+                                behavior_logprobs=(0.0, -0.3, -0.4), advantage=0.5)
+    second = dataclasses.replace(base, rollout_id="r1", token_ids=(20, 21), loss_mask=(1, 1), old_logprobs=(0.0, -0.5),
+                                 behavior_logprobs=(0.0, -0.6), advantage=0.1, token_advantages=(0.7, 0.8))
+    batch = pack_rows([first, second])
+    assert batch.token_ids.tolist() == [10, 11, 12, 20, 21] and batch.token_ids.dtype == torch.int64
+    assert batch.position_ids.tolist() == [0, 1, 2, 0, 1]
+    assert batch.row_lengths == (3, 2) and batch.row_count == 2 and batch.row_bounds == (0, 3, 5)
+    assert batch.cu_seq_lens.tolist() == [0, 3, 5] and batch.cu_seq_lens.dtype == torch.int32
+    assert batch.predictor_index.tolist() == [0, 1, 3] and batch.target_ids.tolist() == [11, 12, 21]
+    assert batch.row_index.tolist() == [0, 0, 1]
+    torch.testing.assert_close(batch.old_log_probs, torch.tensor([-0.1, -0.2, -0.5]))
+    torch.testing.assert_close(batch.behavior_log_probs, torch.tensor([-0.3, -0.4, -0.6]))
+    torch.testing.assert_close(batch.advantages, torch.tensor([0.5, 0.5, 0.8]))  # the row's, or its per-token one
+    assert batch.is_weights is None
+
+
+def test_a_packed_batch_moves_every_tensor_to_the_device_and_keeps_the_rest():
+    batch = pack_rows(_rows([3, 2]), is_weights=None)
+    moved = batch.to("meta")  # a device every machine has, which no tensor starts on
+    for item in dataclasses.fields(moved):
+        value = getattr(moved, item.name)
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "meta", item.name
+    assert moved.row_lengths == batch.row_lengths and moved.is_weights is None

@@ -106,3 +106,4 @@ def test_a_packed_batch_moves_every_tensor_to_the_device_and_keeps_the_rest():
         if isinstance(value, torch.Tensor):
             assert value.device.type == "meta", item.name
     assert moved.row_lengths == batch.row_lengths and moved.is_weights is None
+    assert pack_rows(_rows([3, 2]), "meta").token_ids.device.type == "meta"  # packed for the device asked

@@ -100,6 +100,20 @@ def test_trie_forwards_each_distinct_position_once(backend):
     assert scorer.stats.n_prefix_groups == 2  # the prompt node and the [3, 4] node
 
 
+def test_each_attention_batchs_buffers_are_made_on_the_scorers_device(backend, monkeypatch):
+    """What the CPU can see of the GPU path: every attention batch of every forward is built for
+    the scorer's own device (on a GPU, a batch built elsewhere would meet its keys on the wrong device)."""
+    from cleaner.engine.model.trie_attention import AttentionBatch
+
+    built, original = [], AttentionBatch.of
+    monkeypatch.setattr(AttentionBatch, "of", staticmethod(
+        lambda items, first, geometry, dtype, device: built.append(device) or original(items, first, geometry, dtype,
+                                                                                       device)))
+    scorer = PrefixTrieScorer(backend.model)
+    scorer.score_rows([SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [9, 10]], [8, 8])
+    assert built and built == [scorer.device] * len(built)
+
+
 def test_edges_of_different_parents_and_depths_share_one_forward(backend):
     # root -> SCORED_PROMPT -> {[3..7] -> {a, b}, [9] -> {c, d}}: the four leaves hang at depths 13 and 9
     sequences = [SCORED_PROMPT + [3, 4, 5, 6, 7, 20, 21], SCORED_PROMPT + [3, 4, 5, 6, 7, 22, 23],

@@ -107,3 +107,10 @@ def test_a_packed_batch_moves_every_tensor_to_the_device_and_keeps_the_rest():
             assert value.device.type == "meta", item.name
     assert moved.row_lengths == batch.row_lengths and moved.is_weights is None
     assert pack_rows(_rows([3, 2]), "meta").token_ids.device.type == "meta"  # packed for the device asked
+
+
+def test_rollout_correction_weights_are_gathered_at_the_loss_tokens_and_a_row_without_them_weighs_one():
+    first, second = _rows([3, 2])
+    batch = pack_rows([first, second], is_weights={id(first): (9.0, 0.5, 2.0)})  # loss tokens: 1, 2 and 4
+    torch.testing.assert_close(batch.is_weights, torch.tensor([0.5, 2.0, 1.0]))
+    assert pack_rows([first, second], is_weights={id(object()): (1.0,)}).is_weights is None  # none of these rows'

@@ -102,16 +102,24 @@ def test_trie_forwards_each_distinct_position_once(backend):
 
 def test_each_attention_batchs_buffers_are_made_on_the_scorers_device(backend, monkeypatch):
     """What the CPU can see of the GPU path: every attention batch of every forward is built for
-    the scorer's own device (on a GPU, a batch built elsewhere would meet its keys on the wrong device)."""
+    the scorer's own device (on a GPU, a batch built elsewhere would meet its keys on the wrong device),
+    and attends with the scorer's choice of grouped-query kernels (repeating K/V gives the same
+    values, at a head-count times the memory)."""
+    from cleaner.engine.model import trie_scorer
     from cleaner.engine.model.trie_attention import AttentionBatch
 
-    built, original = [], AttentionBatch.of
+    built, grouped, original, attention = [], [], AttentionBatch.of, trie_scorer.packed_attention
     monkeypatch.setattr(AttentionBatch, "of", staticmethod(
         lambda items, first, geometry, dtype, device: built.append(device) or original(items, first, geometry, dtype,
                                                                                        device)))
-    scorer = PrefixTrieScorer(backend.model)
-    scorer.score_rows([SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [9, 10]], [8, 8])
+    monkeypatch.setattr(trie_scorer, "packed_attention",
+                        lambda model, groups, gqa: grouped.append(gqa) or attention(model, groups, gqa))
+    for gqa in (True, False):
+        scorer = PrefixTrieScorer(backend.model)
+        scorer.grouped_query = gqa
+        scorer.score_rows([SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [9, 10]], [8, 8])
     assert built and built == [scorer.device] * len(built)
+    assert grouped[0] is True and grouped[-1] is False and set(grouped) == {True, False}
 
 
 def test_edges_of_different_parents_and_depths_share_one_forward(backend):

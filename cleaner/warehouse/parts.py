@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cleaner.errors import CleanerError, write_error, writer_gone
@@ -288,10 +289,32 @@ def verify_content(path: Path, content: bytes, dataset: Dataset) -> Footer:
     check_schema(path, schema, dataset)
     try:
         for index in range(parquet.num_row_groups):  # one row group in memory at a time
-            parquet.read_row_group(index)
+            _check_statistics(path, parquet.read_row_group(index), parquet.metadata.row_group(index))
     except _READ_ERRORS as exc:
         raise WarehouseError(f"{path}: cannot read data pages ({exc})") from exc
     return Footer(_replaces(path, schema), (schema.metadata or {}).get(STAMP_KEY))
+
+
+def _check_statistics(path: Path, table: pa.Table, row_group: pq.RowGroupMetaData) -> None:
+    """A row group's decoded flat columns against the statistics its footer holds (null count, and
+    an integer column's min and max). A page checksum covers a page's data, not its header: a byte
+    flipped in the header's levels or encodings can decode, checksum intact, to other values, which
+    the writer's statistics then contradict."""
+    for index in range(row_group.num_columns):
+        chunk = row_group.column(index)
+        name, stats = chunk.path_in_schema, chunk.statistics
+        if stats is None or "." in name or name not in table.column_names:
+            continue  # no statistics written; a nested column's leaves
+        column = table.column(name)
+        if stats.has_null_count and column.null_count != stats.null_count:
+            raise WarehouseError(f"{path}: cannot read data pages (column {name} decodes {column.null_count} "
+                                 f"null(s) where its footer counts {stats.null_count})")
+        if stats.has_min_max and chunk.physical_type in ("INT32", "INT64") and stats.logical_type.type == "NONE":
+            found = pc.min_max(column)
+            low, high = found["min"].as_py(), found["max"].as_py()
+            if (low, high) != (stats.min, stats.max):
+                raise WarehouseError(f"{path}: cannot read data pages (column {name} decodes values in "
+                                     f"[{low}, {high}] where its footer says [{stats.min}, {stats.max}])")
 
 
 def stamp_of(path: Path) -> bytes | None:

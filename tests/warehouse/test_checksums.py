@@ -119,6 +119,41 @@ def test_a_flipped_logprob_byte_is_named_by_sql_and_purify(tmp_path, read_before
     _assert_named_by_sql_and_purify(wh, part)
 
 
+def header_flip(path: Path, column: str) -> tuple[int, int]:
+    """A byte of `column`'s pages and a mask that leave every page checksum intact and decode to
+    other values: a page header's levels or encodings, which the checksum does not cover."""
+    content = path.read_bytes()
+    original = pq.read_table(pa.BufferReader(content), partitioning=None)
+    start, end = column_chunk(path, column)
+    for offset in range(start, end):
+        for mask in range(1, 256):
+            flipped = bytearray(content)
+            flipped[offset] ^= mask
+            try:
+                table = pq.read_table(pa.BufferReader(bytes(flipped)), partitioning=None,
+                                      page_checksum_verification=True)
+            except (pa.ArrowException, OSError):
+                continue
+            if not table.equals(original):
+                return offset, mask
+    raise AssertionError(f"no flip in {column}'s page headers decodes past the checksums in {path}")
+
+
+def test_a_flip_in_a_page_header_that_decodes_past_the_checksums_is_named(tmp_path):
+    """Found by the property test below: in a part never read (no manifest entry), a byte of the
+    `iteration` column's page header flipped so that its values decode as nulls and garbage, every
+    page checksum intact. The footer's statistics (null count, min, max) contradict what decodes,
+    so the stages' read and `cleaner sql` name the part."""
+    wh = _collected(tmp_path)
+    assert not (wh.root / MANIFEST_DIR).exists()  # nothing read it yet
+    part = list_parts(wh.root, schema.ROLLOUTS)[0]
+    flip_in_place(part, *header_flip(part, "iteration"))
+    with pytest.raises(WarehouseError, match=f"^{part}: cannot read data pages \\(column iteration decodes"):
+        Warehouse(wh.root).read_rollouts(0)
+    result = runner.invoke(app, ["sql", "SELECT count(*) FROM rollouts", "-w", str(wh.root)])
+    assert result.exit_code == 1 and str(part) in result.output, result.output
+
+
 def _pretend_unchanged(root: Path, part: Path) -> None:
     """Enter the part's present size, times and inode in the manifest, as if its bytes had changed
     beneath the file system (a failing disk), which leaves them as they were."""

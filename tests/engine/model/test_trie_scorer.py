@@ -122,6 +122,18 @@ def test_each_attention_batchs_buffers_are_made_on_the_scorers_device(backend, m
     assert grouped[0] is True and grouped[-1] is False and set(grouped) == {True, False}
 
 
+def test_a_forward_of_few_parents_among_leaves_copies_the_parents_caches_out(backend):
+    """root -> SCORED_PROMPT -> {[3, 4, 5] -> {a, b}, two leaves}: the second forward holds one
+    parent among three edges, so its cache rows are copied out of the batch's buffer (the leaves'
+    share freed) and its children read their prefix from the copy: the naive forward's values."""
+    sequences = [SCORED_PROMPT + [3, 4, 5, 20, 21], SCORED_PROMPT + [3, 4, 5, 22, 23],
+                 SCORED_PROMPT + [9, 11, 12], SCORED_PROMPT + [10, 13, 14]]
+    scorer = PrefixTrieScorer(backend.model)
+    got = scorer.score_rows(sequences, [8, 8, 8, 8])
+    assert scorer.stats.n_forwards == 3 and scorer.stats.n_prefix_groups == 2  # the prompt and [3, 4, 5]
+    assert_rows_close(got, [unpadded_reference(backend.model, s, 8) for s in sequences])
+
+
 def test_edges_of_different_parents_and_depths_share_one_forward(backend):
     # root -> SCORED_PROMPT -> {[3..7] -> {a, b}, [9] -> {c, d}}: the four leaves hang at depths 13 and 9
     sequences = [SCORED_PROMPT + [3, 4, 5, 6, 7, 20, 21], SCORED_PROMPT + [3, 4, 5, 6, 7, 22, 23],
@@ -305,6 +317,13 @@ def test_a_scorer_for_a_gpu_takes_the_gpu_sizes_unless_it_is_given_sizes(backend
     cpu = PrefixTrieScorer(backend.model)
     assert (cpu.max_batch_tokens, cpu.max_edge_tokens, cpu.budgeted, cpu.grouped_query) == (2048, 64, False, TORCH_GQA)
     assert cpu.memory_bytes is None and cpu.device == torch.device("cpu") and cpu.dtype == torch.float32
+
+
+def test_a_scorers_index_tensors_are_made_on_its_device(backend):
+    """The positions, ids and picks a forward indexes with go to the scorer's device (on a GPU, CPU
+    indices would fail the forward): on the meta device, which every machine has."""
+    assert PrefixTrieScorer(backend.model, device="meta")._long([3, 1, 2]).device.type == "meta"
+    assert PrefixTrieScorer(backend.model)._long(iter([3, 1, 2])).tolist() == [3, 1, 2]
 
 
 def test_sizes_that_cannot_hold_a_piece_are_refused(backend):

@@ -319,6 +319,22 @@ def test_a_scorer_for_a_gpu_takes_the_gpu_sizes_unless_it_is_given_sizes(backend
     assert cpu.memory_bytes is None and cpu.device == torch.device("cpu") and cpu.dtype == torch.float32
 
 
+def test_a_head_with_a_bias_is_scored_with_it(backend):
+    """An output head with a bias (a plain Linear, as some architectures have) scores as the model's
+    own forward does, bias included."""
+    import copy
+
+    model = copy.deepcopy(backend.model)
+    weight = model.lm_head.weight
+    model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weight)
+        model.lm_head.bias.copy_(torch.linspace(-2.0, 2.0, weight.shape[0]))
+    sequences = [SCORED_PROMPT + [3, 4, 5], SCORED_PROMPT + [9, 10]]
+    got = PrefixTrieScorer(model).score_rows(sequences, [8, 8])
+    assert_rows_close(got, [unpadded_reference(model, s, 8) for s in sequences])
+
+
 def test_a_scorers_index_tensors_are_made_on_its_device(backend):
     """The positions, ids and picks a forward indexes with go to the scorer's device (on a GPU, CPU
     indices would fail the forward): on the meta device, which every machine has."""

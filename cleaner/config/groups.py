@@ -68,14 +68,18 @@ def _check_fields(config: object) -> None:
     """Every field's declared checks, before the config's own (a nested config checks its own): an
     enum field stored as its member (ValueError naming the choices), a string one of its `choices`,
     a number finite (`inf` and `nan` pass most comparisons, or none, and would be trained or waited
-    on), a `*_s` number a duration in (0, MAX_SECONDS], and within its `check` bound unless None."""
+    on), a `*_s` number a duration in (0, MAX_SECONDS], and within its `check` bound. None passes
+    only a field whose default is None."""
     for item in dataclasses.fields(config):  # type: ignore[arg-type]
         value, declared = getattr(config, item.name), item.metadata
+        if value is None and item.default is None:
+            continue  # an optional field left unset (None is no value to bound or choose)
         if "enum" in declared:
             _enum_field(config, item.name, declared["enum"])
-        elif "choices" in declared and value is not None:
+        elif "choices" in declared:
             _check_choice(item.name, value, declared["choices"])
         if isinstance(value, bool) or not isinstance(value, int | float):
+            _check("check" not in declared, f"{item.name} must be {declared.get('check')}, got {value!r}")
             continue
         _check(math.isfinite(value), f"{item.name} must be a finite number, got {value}")
         _check(not item.name.endswith("_s") or 0 < value <= MAX_SECONDS,

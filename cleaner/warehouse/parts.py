@@ -303,13 +303,14 @@ def _check_statistics(path: Path, table: pa.Table, row_group: pq.RowGroupMetaDat
     for index in range(row_group.num_columns):
         chunk = row_group.column(index)
         name, stats = chunk.path_in_schema, chunk.statistics
-        if stats is None or "." in name or name not in table.column_names:
-            continue  # no statistics written; a nested column's leaves
+        if stats is None or "." in name or table.schema.get_field_index(name) < 0:
+            continue  # no statistics written; a nested column's leaves; a name not there once
         column = table.column(name)
         if stats.has_null_count and column.null_count != stats.null_count:
             raise WarehouseError(f"{path}: cannot read data pages (column {name} decodes {column.null_count} "
                                  f"null(s) where its footer counts {stats.null_count})")
-        if stats.has_min_max and chunk.physical_type in ("INT32", "INT64") and stats.logical_type.type == "NONE":
+        if (stats.has_min_max and chunk.physical_type in ("INT32", "INT64") and stats.logical_type.type == "NONE"
+                and pa.types.is_integer(column.type)):  # not a duration, which is INT64 without a logical type
             found = pc.min_max(column)
             low, high = found["min"].as_py(), found["max"].as_py()
             if (low, high) != (stats.min, stats.max):

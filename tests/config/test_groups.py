@@ -128,6 +128,12 @@ def test_a_bound_is_checked_as_declared_and_its_error_says_it():
     with pytest.raises((ValueError, KeyError, IndexError)):
         setting(1, check="at least 1", help="x")
     assert CollectConfig(max_tool_response_chars=None).max_tool_response_chars is None  # None is no value to bound
+    for values, message in (({"max_turns": None}, "max_turns must be >= 1, got None"),  # not optional: refused
+                            ({"max_turns": "3"}, "max_turns must be >= 1, got '3'"),
+                            ({"backend": None}, "backend must be one of ('torch', 'sglang'), got None")):
+        with pytest.raises(ValueError) as refused:
+            CollectConfig(**values)
+        assert str(refused.value) == message
     with pytest.raises(ValueError) as error:
         CollectConfig(max_tool_response_chars=1)
     assert str(error.value) == "max_tool_response_chars must be >= 2, got 1"

@@ -154,6 +154,18 @@ def test_a_flip_in_a_page_header_that_decodes_past_the_checksums_is_named(tmp_pa
     assert result.exit_code == 1 and str(part) in result.output, result.output
 
 
+def test_the_statistics_check_passes_valid_columns_it_cannot_compare(tmp_path):
+    """An INT64 column read back as a duration, and a name written twice (extra columns a foreign
+    writer may add): valid files, which the statistics check passes."""
+    from cleaner.warehouse.parts import _check_statistics
+
+    for name, table in (("duration", pa.table({"d": pa.array([1, 2], pa.duration("s"))})),
+                        ("twice", pa.Table.from_arrays([pa.array([1, 2], pa.int32())] * 2, names=["a", "a"]))):
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        parquet = pq.ParquetFile(tmp_path / f"{name}.parquet")
+        _check_statistics(tmp_path / f"{name}.parquet", parquet.read_row_group(0), parquet.metadata.row_group(0))
+
+
 def _pretend_unchanged(root: Path, part: Path) -> None:
     """Enter the part's present size, times and inode in the manifest, as if its bytes had changed
     beneath the file system (a failing disk), which leaves them as they were."""

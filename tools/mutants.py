@@ -65,14 +65,15 @@ def run(work: Path, jobs: int, fresh: bool, mutants: list[str]) -> None:
 
 
 def survivors(work: Path) -> list[dict]:
-    """Every mutant not killed: its name, status and diff (mutmut's own words)."""
+    """Every mutant a run found not killed (survived, no tests, timeout, ...): its name, status and
+    diff (mutmut's own words); one a stopped run never reached is not among them."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work, env=env,
                             capture_output=True, text=True, check=True).stdout
     found = []
     for line in listed.splitlines():
         name, _, status = line.strip().partition(": ")
-        if not name or status in ("killed", "caught by type check"):
+        if not name or status in ("killed", "caught by type check", "not checked"):  # not checked: never run
             continue
         diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, env=env,
                               capture_output=True, text=True).stdout

@@ -1,8 +1,9 @@
 """Settings groups: each setting declared once, its check beside it (docs/architecture.md §9).
 
 A group is a frozen dataclass base whose fields are `setting`s, each declaring its own bound,
-choices or enum (`_check_fields` checks them), and whose `_check_group` checks what relates them; a config holds the groups it uses by inheriting them, so its fields stay flat (the flags,
-TOML keys, stored JSON and ids are the fields' names; `CollectConfig(gamma=0.7)` builds as before).
+choices or enum (`_check_fields` checks them), and whose `_check_group` checks what relates them;
+a config holds the groups it uses by inheriting them, so its fields stay flat (the flags, TOML
+keys, stored JSON and ids are the fields' names; `CollectConfig(gamma=0.7)` builds as before).
 
 Design decisions:
 - Inheritance, not nesting: a nested group would rename every flag and key (`--saar-gamma`) and
@@ -88,15 +89,17 @@ def _check_fields(config: object) -> None:
                f"{item.name} must be {declared.get('check')}, got {value}")
 
 
-def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always", check: str | None = None,
-            choices: tuple[str, ...] | None = None, default_factory=dataclasses.MISSING):
+def setting(default=dataclasses.MISSING, *, help: str, identity: str = "always",
+            check: str | None = None, choices: tuple[str, ...] | None = None,
+            default_factory=dataclasses.MISSING):
     """A config field with its flag's help, its checks and how it counts toward its config's id.
 
     identity: `always`; `away-from-default`, a field stored configs predate (at its default, theirs
     keep their ids); `never`, how something runs, not what it computes (a schedule, a server's
-    address). check: a bound its value holds unless None, as the error says it (`>= 1`, `in (0, 1]`:
-    `_holds`); choices: the strings it takes. A field whose default is an enum member takes that
-    enum's values. `_check_fields` checks them all; what relates two fields is the config's own."""
+    address). check: a bound its value holds, as the error says it (`>= 1`, `in (0, 1]`: `_holds`);
+    choices: the strings it takes; either lets None through only where the default is None. A
+    field whose default is an enum member takes that enum's values. `_check_fields` checks them
+    all; what relates two fields is the config's own."""
     _check_choice("identity", identity, ("always", "away-from-default", "never"))
     metadata: dict = {"help": help, "identity": identity}
     if check is not None:

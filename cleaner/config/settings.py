@@ -383,9 +383,9 @@ class TrainConfig(_Config):
     loss_agg_mode: str | None = setting(None, identity="away-from-default", choices=LOSS_AGG_MODES, help="verl's "
         "loss_agg_mode for the policy, KL and entropy terms: token-mean | seq-mean-token-sum | seq-mean-token-mean | "
         "seq-mean-token-sum-norm; none: the loss mode's (gspo: seq-mean-token-mean, else token-mean)")
-    loss_scale_factor: int | None = setting(None, identity="away-from-default", check="> 0", help=""
-        "seq-mean-token-sum-norm divides each row's token sum by this constant (verl's loss_scale_factor); none: "
-        "max_response_tokens")
+    loss_scale_factor: int | None = setting(None, identity="away-from-default", check="> 0",
+                                            help="seq-mean-token-sum-norm divides each row's token sum by this "
+                                            "constant (verl's loss_scale_factor); none: max_response_tokens")
     rollout_is: str | None = setting(None, help="verl's rollout correction: importance weights old/behaviour per token "
         "or sequence, truncated; none: off (CLEANER: off)")
     rollout_is_threshold: float = setting(2.0, check="> 0", help="the IS weights' truncation (above only)")
@@ -460,7 +460,8 @@ class TrainConfig(_Config):
                f"rollout_rs must be token, sequence, geometric or none, got {self.rollout_rs!r}")
         _check(self.rollout_rs is None or (self.rollout_rs_threshold or 0) > 0,
                "rollout_rs needs rollout_rs_threshold > 0")
-        _check(self.rollout_rs is not None or self.rollout_rs_threshold is self.rollout_rs_threshold_lower is None,
+        _check(self.rollout_rs is not None
+               or (self.rollout_rs_threshold is None and self.rollout_rs_threshold_lower is None),
                "rollout_rs_threshold and rollout_rs_threshold_lower bound rejection sampling: set rollout_rs "
                "(token, sequence or geometric) too, or drop them")
         _check(self.rollout_is is not None or not self.rollout_is_batch_normalize,
@@ -650,7 +651,8 @@ class CurateConfig(_Config):
         _check(self.out is None or self.data is not None, "out needs data: the dataset to filter")
         _check(self.out is None or warehouse or self.stats, "out needs statistics: a stats file, or iterations "
                "or evals of the warehouse")
-        _check(self.out is not None or (self.data is self.success_rate_ratios is None and not self.retain_code),
+        _check(self.out is not None
+               or (self.data is None and self.success_rate_ratios is None and not self.retain_code),
                "data, success_rate_ratios and retain_code filter a dataset: give out too")
         _check(len(set(self.iterations)) == len(self.iterations) and all(i >= 0 for i in self.iterations),
                f"iterations must be distinct and >= 0, got {list(self.iterations)}")

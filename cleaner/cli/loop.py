@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -36,39 +34,14 @@ def _fail_job(message: str) -> typer.Exit:
 
 
 def _resolve_run(layers: list[dict], where: str, resume: bool, names: dict | None = None):
-    """The RunConfig of the layers; on resume, the saved run's config is the layer beneath them,
-    and nothing but `iterations` and the fields that never count toward an id may differ from it. `names`: the
-    flag of each field a flag set."""
-    from cleaner.config.layers import (
-        RUN_BASE_LAYER,
-        ConfigError,
-        differences,
-        resolve_run_config,
-    )
-    from cleaner.config.settings import SCORED_AS_COLLECTED
-    from cleaner.warehouse import Warehouse
+    """loop/resume.py's config of the layers (on resume, over the saved run's); an error every rank meets alike."""
+    from cleaner.config.layers import ConfigError
+    from cleaner.loop.resume import resolved_run
 
     try:
-        config = resolve_run_config(RUN_BASE_LAYER, *layers, where=where, names=names)
-        saved = Warehouse(Path(config.run_dir) / "warehouse").load_config("run") if resume else None
-        if saved is None:
-            return config
-        saved_layer = json.loads(saved)
-        for name in SCORED_AS_COLLECTED:  # collect's by construction: the layers above decide them
-            saved_layer.get("purify", {}).pop(name, None)
-        config = resolve_run_config(RUN_BASE_LAYER, saved_layer, *layers, where=where, names=names)
-        # the saved run resolved alone: a field added since it was saved takes its default there
-        saved_config = resolve_run_config(RUN_BASE_LAYER, saved_layer, where=where, names=names)
+        return resolved_run(layers, where, resume, names)
     except ConfigError as error:
         raise _fail_job(str(error)) from error
-    free = ("iterations", *(f"{table}.{item.name}" for table in ("collect", "purify", "train")  # not what is computed
-                            for item in dataclasses.fields(getattr(config, table)) if item.metadata["identity"] == "never"))
-    changed = differences(json.loads(saved_config.to_json()), json.loads(config.to_json()), ignore=free)
-    if changed:
-        raise _fail_job(f"{config.run_dir} was started with another config; --resume continues it as it "
-                        f"was (only --iterations and how rollouts are scheduled may change). Differs: "
-                        f"{'; '.join(changed)}")
-    return config
 
 
 def _run_and_report(config, resume: bool, metrics=None, fresh: bool = False) -> list:

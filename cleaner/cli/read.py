@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import logging
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from cleaner.cli.common import (
     DEFAULT_WAREHOUSE,
@@ -26,7 +24,11 @@ from cleaner.cli.common import (
 from cleaner.cli.options import Flags, config_flags
 from cleaner.report.inspection import Panels
 
-logger = logging.getLogger(__name__)
+
+class OutputFormat(StrEnum):
+    table = "table"
+    csv = "csv"
+    json = "json"
 
 
 @app.command()
@@ -100,12 +102,6 @@ def sandbox_run(
 # Warehouse commands
 
 
-class OutputFormat(StrEnum):
-    table = "table"
-    csv = "csv"
-    json = "json"
-
-
 @app.command()
 def sql(
     query: Annotated[str, typer.Argument(help="DuckDB SQL over the views: rollouts, segments, attempts, ...")],
@@ -128,104 +124,15 @@ def sql(
     eval_segments, eval_runs, and the convenience views attempts (assistant segments with the outcome
     of their call) and failures.
     """
-    import tempfile
+    from cleaner.report.query import SqlRequest, sql_job
+    from cleaner.warehouse import Warehouse
 
-    import duckdb
-
-    from cleaner.errors import CleanerError
-    from cleaner.interrupts import QueryStop
-    from cleaner.warehouse import Warehouse, WarehouseError
-
-    store = Warehouse(warehouse)
-    try:
-        _check_sql(query, store, output, allow_write)
-        with tempfile.TemporaryDirectory(prefix="cleaner-sql-") as spill:
-            stop = QueryStop("interrupting the query", "the query was stopped; nothing was written")
-            with stop:
-                table = _run_sql(store, query, Path(spill), allow_write, verify)
-            if table is not None:
-                _print_sql(table, output_format, output)
-    except (WarehouseError, CleanerError) as exc:
-        raise fail(str(exc), exc.exit_code) from exc
-    except duckdb.PermissionException as exc:
-        reach = (f"with --allow-write, files under {allow_write} only" if allow_write is not None
-                 else "without --allow-write, files under the warehouse only")
-        raise fail(f"query failed: {exc} (cleaner sql reaches {reach})") from exc
-    except duckdb.Error as exc:
-        raise fail(f"query failed: {exc}") from exc
-
-
-def _check_sql(query: str, store, output: Path | None, allow_write: Path | None) -> None:
-    """Everything `cleaner sql` refuses before it opens the warehouse."""
-    import duckdb
-
-    from cleaner.outputs import check_outside
-    from cleaner.warehouse.readonly import check_reads, check_write_dir, statements_of
-
-    try:
-        empty = not statements_of(query)  # empty, blank or comments only
-    except (duckdb.Error, ValueError):
-        empty = False  # check_reads says what is wrong with it
-    if empty:
-        raise fail(f"the query {query!r} holds no SQL statement; e.g. cleaner sql 'FROM rollouts LIMIT 5'")
-    if output is not None:
-        check_outside(output, store.root, "--output")
-    if allow_write is None:
-        check_reads(query)
-    else:
-        check_write_dir(allow_write, store.root)
-
-
-def _run_sql(store, query: str, spill: Path, allow_write: Path | None, verify: bool):
-    """The last statement's result as an Arrow table (None for a statement that returns nothing)."""
-    from cleaner.interrupts import watched
-    from cleaner.warehouse.readonly import sql_connection
-
-    logger.debug("opening %s for a query", store.root)
-    connection = sql_connection(store, spill, allow_write, verify_content=verify)
-    try:
-        with watched(connection):
-            logger.debug("running the query")
-            relation = connection.sql(query)  # None for statements that return nothing
-            return relation.to_arrow_table() if relation is not None else None
-    finally:
-        connection.close()
-
-
-def _print_sql(table, output_format: OutputFormat, output: Path | None) -> None:
-    import polars as pl
-
-    from cleaner.errors import WriteError
-    from cleaner.outputs import write_file_atomically
-    from cleaner.report.tables import json_cells, result_table
-
-    if output_format is OutputFormat.table:
-        if output is None:
-            console.print(result_table(table))
-            return
-        text = _rendered(result_table(table))
-    else:
-        csv = output_format is OutputFormat.csv
-        frame = pl.from_arrow(json_cells(table) if csv else table)  # CSV holds nested cells as JSON text
-        text = frame.write_csv() if csv else frame.write_json()
-    if output is None:
-        typer.echo(text, nl=False)
-        return
-    if not output.parent.is_dir():  # a mistyped folder is refused, never made
-        raise fail(f"--output {output}: cannot write the result (No such file or directory: {output.parent})")
-    try:
-        write_file_atomically(output, text)
-    except WriteError as exc:  # the file, why, and for a full disk what to free
-        raise fail(f"--output {exc}") from exc
-
-
-def _rendered(renderable) -> str:
-    """What rich prints for `renderable` into a 200-column file."""
-    import io
-
-    sink = io.StringIO()
-    Console(file=sink, width=200).print(renderable)
-    return sink.getvalue()
+    request = SqlRequest(query, output_format.value, output, allow_write, verify)
+    result = call_job(sql_job, Warehouse(warehouse), request)
+    if isinstance(result, str):
+        typer.echo(result, nl=False)
+    elif result is not None:
+        console.print(result)
 
 
 @app.command()

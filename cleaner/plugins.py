@@ -11,6 +11,9 @@ directory). Every way it can fail, a missing file, a file that does not import (
 an import it needs, an exception at import time) or a missing name, is one `PluginError` line
 naming the spec and what to fix, raised before any model is loaded; a missing `verl` says how to
 install it.
+
+A config stores the user's files and specs absolute (`resolved_path`, `resolved_spec`), so a
+warehouse's configs name the same files wherever it is read from.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -132,3 +136,43 @@ def _import_file(path: Path, spec: str, what: str):
         raise PluginError(f"{what} {spec!r}: importing {path} failed{where}: "
                           f"{type(error).__name__}: {error}{_verl_hint(error)}") from error
     return module
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's files as a config names them: absolute, so a stored config names the same files anywhere
+
+
+def local_path(value: str) -> bool:
+    """Whether a model, dataset or file argument names a local path (a hub id such as
+    Qwen/Qwen3-4B does not): one that exists, or is spelt as a path."""
+    return Path(value).expanduser().exists() or value.startswith((os.sep, "./", "../", "~"))
+
+
+def resolved_path(value: str | None, always: bool = True) -> str | None:
+    """A path made absolute (from the working directory, `~` expanded): a config stored in a
+    warehouse names the same files wherever it is read from. Without `always`, only a local one
+    (a model argument may be a hub id)."""
+    if value is None or not (always or local_path(value)):
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def resolved_spec(spec: str | None, default_name: str | None = None) -> str | None:
+    """A `PATH.py[:NAME]` spec with its file made absolute and its name written out (so equivalent
+    spellings are one spec); a module's spec, or one that does not parse, as it is."""
+    if spec is None:
+        return None
+    try:
+        where, name = split_spec(spec, default_name)
+    except PluginError:
+        return spec  # its loader says what is wrong with it
+    if not (where.endswith(".py") or "/" in where):
+        return spec
+    return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
+
+
+def resolved_specs(specs: str | None) -> str | None:
+    """Comma-separated `PATH.py:NAME` specs (`--tool`), each resolved."""
+    if specs is None:
+        return None
+    return ",".join(resolved_spec(part.strip()) for part in specs.split(",") if part.strip())

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import typing
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,7 +30,7 @@ from cleaner.config.groups import (
     redeclared,
     setting,
 )
-from cleaner.plugins import PluginError, split_spec
+from cleaner.plugins import resolved_path, resolved_spec, resolved_specs
 from cleaner.records import CollectView
 from cleaner.sandbox.config import SandboxConfig
 
@@ -52,42 +51,6 @@ LORA_ALL_LINEAR = "all-linear"  # peft's and verl's name for every linear layer 
 MAX_ROLLOUTS_PER_ITERATION = 1_000_000
 
 REWARD_NAME = "compute_score"  # verl's custom_reward_function.name default: a file alone means it
-
-
-def local_path(value: str) -> bool:
-    """Whether a model, dataset or file argument names a local path (a hub id such as
-    Qwen/Qwen3-4B does not): one that exists, or is spelt as a path."""
-    return Path(value).expanduser().exists() or value.startswith((os.sep, "./", "../", "~"))
-
-
-def resolved_path(value: str | None, always: bool = True) -> str | None:
-    """A path made absolute (from the working directory, `~` expanded): a config stored in a
-    warehouse names the same files wherever it is read from. Without `always`, only a local one
-    (a model argument may be a hub id)."""
-    if value is None or not (always or local_path(value)):
-        return value
-    return os.path.abspath(os.path.expanduser(value))
-
-
-def resolved_spec(spec: str | None, default_name: str | None = None) -> str | None:
-    """A `PATH.py[:NAME]` spec with its file made absolute and its name written out (so equivalent
-    spellings are one spec); a module's spec, or one that does not parse, as it is."""
-    if spec is None:
-        return None
-    try:
-        where, name = split_spec(spec, default_name)
-    except PluginError:
-        return spec  # its loader says what is wrong with it
-    if not (where.endswith(".py") or "/" in where):
-        return spec
-    return f"{os.path.abspath(os.path.expanduser(where))}:{name}"
-
-
-def resolved_specs(specs: str | None) -> str | None:
-    """Comma-separated `PATH.py:NAME` specs (`--tool`), each resolved."""
-    if specs is None:
-        return None
-    return ",".join(resolved_spec(part.strip()) for part in specs.split(",") if part.strip())
 
 
 def _digest(fields: dict) -> str:

@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 
 from cleaner.config import TrainConfig
-from cleaner.config.settings import LORA_ALL_LINEAR, resolved_path
+from cleaner.config.settings import LORA_ALL_LINEAR
 from cleaner.engine.model.loading import check_model_path, load_policy
 from cleaner.engine.train.checkpoint import save_pretrained_as
 from cleaner.errors import CleanerError
+from cleaner.plugins import resolved_path
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint: the adapter in peft's layout
 ADAPTER_CONFIG = "adapter_config.json"

@@ -180,11 +180,11 @@ def bootstrap(
     then `cleaner bootstrap --init-from runs/base-checkpoints/step-1250 --fail-share 0.4 --steps 300
     --lr 1e-3 --corpus-size 12000 --seed 1` (both configs are saved next to the model).
     """
-    from cleaner.config.bootstrap import BootstrapConfig
+    from cleaner.config.bootstrap import BootstrapOptions
     from cleaner.toys import sft
     from cleaner.toys.corpus import CorpusConfig
 
-    options = flags.build(BootstrapConfig)
+    options = flags.build(BootstrapOptions)
     corpus = CorpusConfig(size=options.corpus_size, seed=options.seed, fail_share=options.fail_share,
                           failures=options.failures, slip_share=options.slip_share,
                           no_tool_share=options.no_tool_share)

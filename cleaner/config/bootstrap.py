@@ -21,7 +21,7 @@ FAILURE_MIXES = ("mixed", "environment")  # cleaner/toys/corpus.py's FAILURE_SET
 
 
 @dataclass(frozen=True)
-class BootstrapConfig:
+class BootstrapOptions:
     steps: int = setting(2000, check=">= 1", help="optimiser steps")
     seed: int = setting(0, help="corpus, init and batch-order seed")
     corpus_size: int = setting(40_000, check=">= 1", help="synthetic trajectories")

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleaner.config.bootstrap import BootstrapConfig
+from cleaner.config.bootstrap import BootstrapOptions
 from cleaner.config.groups import SaarView
 from cleaner.config.layers import DERIVED, RUN_BASE_LAYER
 from cleaner.config.settings import (
@@ -92,7 +92,7 @@ COMMANDS = {
     # a run collects iteration after iteration
     "run": CommandFlags(RunConfig, fixed=("collect.iteration",),
                         derived={".".join(path): text for path, text in DERIVED.items()}),
-    "bootstrap": CommandFlags(BootstrapConfig, directories=("init_from",)),
+    "bootstrap": CommandFlags(BootstrapOptions, directories=("init_from",)),
 }
 
 

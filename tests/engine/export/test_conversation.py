@@ -143,6 +143,34 @@ def test_a_tiny_policy_rollout_renders_back_to_its_tokens(tiny):
     cut = segments[:-1] + [Segment("r", 0, 5, SegmentKind.ASSISTANT, 2, 0, segments[-1].token_ids[:-1],
                                    segments[-1].logprobs[:-1], "So \\boxed{42}.")]
     assert not raw_conversation(cut, tiny).exact  # the template closes a turn the budget cut
+    # stopped after a tool answer (max_turns): its segment ends opening the next assistant turn,
+    # as the template's generation prompt does
+    assert raw_conversation(segments[:-1], tiny).exact
+
+
+class _BosTokenizer:
+    """The tiny policy's tokenizer, but its `encode` adds a BOS token unless told not to, as
+    Llama's does (a chat template's text holds the special tokens it wants)."""
+
+    def __init__(self, tokenizer, bos_id: int) -> None:
+        self._tokenizer, self._bos_id = tokenizer, bos_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return [self._bos_id, *ids] if add_special_tokens else ids
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+
+def test_the_exactness_check_tokenises_the_rendering_without_adding_special_tokens(tiny):
+    """A tokenizer that adds a BOS on encode (Llama's) renders exact all the same: the stored ids
+    are the template's text alone."""
+    bos = _BosTokenizer(tiny.tokenizer, tiny.im_end_id)  # any id the rendering does not start with
+    template = Template(bos, tiny.tools)
+    prompt = template.render([{"role": "user", "content": "What is 6 * 7?"}], generation_prompt=True)
+    segments = _segments(tiny.tokenizer, prompt, [(SegmentKind.ASSISTANT, "So \\boxed{42}.<|im_end|>")])
+    assert raw_conversation(segments, template).exact
 
 
 # ---------------------------------------------------------------------------------------------

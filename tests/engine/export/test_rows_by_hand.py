@@ -15,9 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from cleaner.config import DEFAULT_POLICY
+from cleaner.config import DEFAULT_POLICY, SimilarityOn
+from cleaner.engine.export.conversation import Template
 from cleaner.engine.export.job import ExportRequest, export_job
+from cleaner.engine.export.rows import chain_pairs
 from cleaner.engine.model.chat import format_call, tool_response_text
+from cleaner.engine.saar.walk import RenderSettings
 from cleaner.records import FinishReason, Segment, SegmentKind, ToolStatus
 from cleaner.warehouse import Warehouse
 from tests.factories import make_rollout
@@ -38,8 +41,8 @@ def _prompt(tokenizer, question: str) -> str:
 
 def _segments(tokenizer, rollout_id: str, question: str, steps, answer: str | None) -> list[Segment]:
     """A rollout's segments as the collection stores them: the prompt; per step, each attempt as
-    (reasoning, code, status, error_type), an assistant call and its tool answer; the final answer
-    (None: the rollout stops after its calls)."""
+    (reasoning, code, status, error_type), an assistant call and its tool answer (reasoning None: the
+    turn is the call alone); the final answer (None: the rollout stops after its calls)."""
     def segment(seq, kind, step, attempt, text, status=None, code=None, error_type=None):
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         assistant = kind == SegmentKind.ASSISTANT
@@ -51,8 +54,8 @@ def _segments(tokenizer, rollout_id: str, question: str, steps, answer: str | No
     own = [segment(0, SegmentKind.PROMPT, None, None, _prompt(tokenizer, question))]
     for step, attempts in enumerate(steps):
         for attempt, (reasoning, code, status, error_type) in enumerate(attempts):
-            own.append(segment(len(own), SegmentKind.ASSISTANT, step, attempt, f"{reasoning}\n{format_call(code)}",
-                               code=code))
+            text = format_call(code) if reasoning is None else f"{reasoning}\n{format_call(code)}"
+            own.append(segment(len(own), SegmentKind.ASSISTANT, step, attempt, text, code=code))
             response = "Tool call success\nstdout: 42\n" if status == OK else f"Tool call failure\nreason: {status}"
             own.append(segment(len(own), SegmentKind.TOOL, step, attempt, tool_response_text(response), status,
                                code=code, error_type=error_type))
@@ -128,6 +131,53 @@ def test_a_chain_pair_rejects_the_first_attempt_and_names_its_error(tmp_path, to
     for line in ("- pairs deep: 1", "- pairs shallow: 1", "- pairs failing with NameError: 1",
                  "- pairs failing with timeout: 1", "- pairs by the warehouse's SQL count: 2 (rows: 2)"):
         assert f"\n{line}\n" in card, line
+
+
+def _stored_apart(segments: list[Segment]) -> list[Segment]:
+    """The segments with each assistant turn's stored text unlike its tokens' decoding ("Stored "
+    before it), so a row shows which of the two it took."""
+    return [dataclasses.replace(s, text="Stored " + s.text) if s.kind == SegmentKind.ASSISTANT else s
+            for s in segments]
+
+
+def _message(role: str, content: str, code: str | None = None) -> dict:
+    """A message as rows.py builds it (arguments as a dict, before the Parquet row's JSON text)."""
+    calls = [{"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": code}}}]
+    return {"role": role, "content": content, **({"tool_calls": calls} if code is not None else {})}
+
+
+def test_a_pairs_context_keeps_whole_turns_stored_text_and_decodes_what_saar_spliced(tokenizer):
+    """A chain at step 1 after a clean step 0: the pair's prompt holds step 0's turns with their
+    roles, each whole segment as stored; `chosen`, the shallow merge spliced from two attempts, is
+    decoded from its tokens; `rejected` is the first attempt as stored. A merge whose earlier
+    reasoning is empty keeps one piece of the fix, its call alone, decoded, never the fix's whole
+    stored turn (its own reasoning included)."""
+    question, ok_step = "What is 6 * 7?", [("Look.", "print(1)", OK, None)]
+    context = [_message("user", question), _message("assistant", "Stored Look.", "print(1)"),
+               _message("tool", "Tool call success\nstdout: 42\n")]
+    chain = [("Compute.", "print(6 * 7)", ERROR, "NameError"), ("Retry.", "print(6 * 8)", OK, None)]
+    segments = _stored_apart(_segments(tokenizer, "C", question, [ok_step, chain], "42"))
+    [pair] = chain_pairs(segments, RenderSettings(True), Template(tokenizer, []), tokenizer.decode)
+    assert pair.prompt == context
+    assert pair.chosen == [_message("assistant", "Compute.", "print(6 * 8)")]
+    assert pair.rejected == [_message("assistant", "Stored Compute.", "print(6 * 7)")]
+    assert (pair.step, pair.depth, pair.error_type) == (1, "shallow", "NameError")
+
+    bare = [(None, "print(6 * 7)", ERROR, "NameError"), chain[1]]
+    segments = _stored_apart(_segments(tokenizer, "B", question, [ok_step, bare], "42"))
+    assert segments[3].call_start == 0  # the failed turn is its call alone: SAAR keeps none of it
+    [pair] = chain_pairs(segments, RenderSettings(True), Template(tokenizer, []), tokenizer.decode)
+    assert pair.chosen == [_message("assistant", "", "print(6 * 8)")]
+
+
+def test_chain_pairs_compare_calls_by_their_tokens_with_the_policys_decoding(tokenizer):
+    """similarity_on call decodes the two calls' tokens (SAAR refuses it without a decode
+    function): the export hands its decoding to the walk, and the pair comes out as with code."""
+    chain = [("Compute.", "print(6 * 7)", ERROR, "NameError"), ("Retry.", "print(6 * 8)", OK, None)]
+    segments = _segments(tokenizer, "C", "What is 6 * 7?", [chain], "42")
+    view = RenderSettings(True, similarity_on=SimilarityOn.CALL)
+    [pair] = chain_pairs(segments, view, Template(tokenizer, []), tokenizer.decode)
+    assert (pair.depth, pair.chosen) == ("shallow", [_message("assistant", "Compute.", "print(6 * 8)")])
 
 
 def test_where_narrows_the_pairs_and_the_sql_count_alike(tmp_path, tokenizer):

@@ -74,6 +74,12 @@ def test_pieces_grow_with_depth_so_copying_prefixes_stays_about_linear():
     assert sum(size for _, size in pieces) == 3000
     copied = sum(depth for depth, _ in pieces)
     assert copied < 562_000 / 5
+    capped = build_radix_tree([list(range(3000))], max_edge_tokens=8, max_piece_tokens=20)  # a GPU's budget
+    sizes, node = [], capped
+    while node.children:
+        (node,) = node.children
+        sizes.append(len(node.edge))
+    assert max(sizes) == 20 and sum(sizes) == 3000
 
 
 # ---------------------------------------------------------------------------- equivalence

@@ -42,8 +42,16 @@ def test_an_answer_drops_its_end_of_turn_and_a_call_that_is_not_json_stays_text(
 
 
 def test_a_tool_turn_is_the_response_between_its_tags():
+    """The response between the tags, an empty one included; a text not in the tool turn's shape
+    (no tags, one of them, a head and tail that overlap, a long text) is kept whole."""
     assert tool_message(tool_response_text("Tool call success\nstdout: 42\n")) == {
         "role": "tool", "content": "Tool call success\nstdout: 42\n"}
+    head, tail = tool_response_text("\x00").split("\x00")
+    assert tool_message(head + tail) == {"role": "tool", "content": ""}
+    assert head.endswith("\n") and tail.startswith("\n")  # so head + tail[1:] starts with one, ends with the other
+    for text in ("free text", head + "a response cut off " * 9, "a response cut off " * 9 + tail, head + tail[1:],
+                 "x" * 500):
+        assert tool_message(text) == {"role": "tool", "content": text}
 
 
 def test_openai_messages_number_the_calls_and_a_tool_answer_names_the_call_it_answers():
@@ -148,29 +156,42 @@ def test_a_tiny_policy_rollout_renders_back_to_its_tokens(tiny):
     assert raw_conversation(segments[:-1], tiny).exact
 
 
-class _BosTokenizer:
-    """The tiny policy's tokenizer, but its `encode` adds a BOS token unless told not to, as
-    Llama's does (a chat template's text holds the special tokens it wants)."""
+class _OtherTokenizer:
+    """The tiny policy's tokenizer with one thing changed, as another model's has it: `encode` adds
+    a BOS token unless told not to (Llama's), the chat template appends `after` to a finished
+    conversation (one rendered without a generation prompt), or it cannot render one at all."""
 
-    def __init__(self, tokenizer, bos_id: int) -> None:
-        self._tokenizer, self._bos_id = tokenizer, bos_id
+    def __init__(self, tokenizer, bos_id: int | None = None, after: str = "", fails: bool = False) -> None:
+        self._tokenizer, self._bos_id, self._after, self._fails = tokenizer, bos_id, after, fails
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False)
-        return [self._bos_id, *ids] if add_special_tokens else ids
+        return [self._bos_id, *ids] if add_special_tokens and self._bos_id is not None else ids
+
+    def apply_chat_template(self, *args, **kwargs) -> str:
+        if self._fails:
+            raise ValueError("this template cannot render the conversation")
+        finished = not kwargs.get("add_generation_prompt")
+        return self._tokenizer.apply_chat_template(*args, **kwargs) + (self._after if finished else "")
 
     def __getattr__(self, name: str):
         return getattr(self._tokenizer, name)
 
 
-def test_the_exactness_check_tokenises_the_rendering_without_adding_special_tokens(tiny):
-    """A tokenizer that adds a BOS on encode (Llama's) renders exact all the same: the stored ids
-    are the template's text alone."""
-    bos = _BosTokenizer(tiny.tokenizer, tiny.im_end_id)  # any id the rendering does not start with
-    template = Template(bos, tiny.tools)
-    prompt = template.render([{"role": "user", "content": "What is 6 * 7?"}], generation_prompt=True)
+def test_exactness_with_another_models_tokenizer(tiny):
+    """A tokenizer that adds a BOS on encode (Llama's) renders exact all the same: the stored ids are
+    the template's text alone. A template that renders more than whitespace past the stored end of
+    turn (an EOS the stream lacks), or that cannot render the conversation, is not exact."""
+    prompt = tiny.render([{"role": "user", "content": "What is 6 * 7?"}], generation_prompt=True)
     segments = _segments(tiny.tokenizer, prompt, [(SegmentKind.ASSISTANT, "So \\boxed{42}.<|im_end|>")])
-    assert raw_conversation(segments, template).exact
+    bos = _OtherTokenizer(tiny.tokenizer, bos_id=tiny.im_end_id)  # any id the rendering does not start with
+    assert raw_conversation(segments, Template(bos, tiny.tools)).exact
+    assert raw_conversation(segments, Template(_OtherTokenizer(tiny.tokenizer, after="\n \n"), tiny.tools)).exact
+    assert not raw_conversation(segments, Template(_OtherTokenizer(tiny.tokenizer, after="EOS"), tiny.tools)).exact
+    conversation = raw_conversation(segments, tiny)
+    ids = [t for segment in segments for t in segment.token_ids]
+    assert tiny.exact(conversation.messages, ids)
+    assert not Template(_OtherTokenizer(tiny.tokenizer, fails=True), tiny.tools).exact(conversation.messages, ids)
 
 
 # ---------------------------------------------------------------------------------------------

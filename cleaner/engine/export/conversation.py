@@ -52,7 +52,6 @@ ASSISTANT, TOOL, USER, SYSTEM = "assistant", "tool", "user", "system"
 PROMPT_SHAPES = ((USER,), (SYSTEM, USER), (USER, ASSISTANT, USER), (SYSTEM, USER, ASSISTANT, USER))
 _SENTINEL = "\x00cleaner-export-{}\x00"
 _RESPONSE_HEAD, _RESPONSE_TAIL = tool_response_text("\x00").split("\x00")
-_CANONICAL_CALL = re.compile(r'\n\{"name": "([^"\\]*)", "arguments": (.*)\}\n', re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -78,15 +77,11 @@ def assistant_message(text: str) -> dict:
 def _call_of(inside: str) -> dict | None:
     """{"type": "function", "function": {name, arguments}} of the text between the call tags, or
     None if it is not a JSON object naming a tool, with an object of arguments."""
-    canonical = _CANONICAL_CALL.fullmatch(inside)
-    try:
-        if canonical is not None:
-            name, arguments = canonical.group(1), json.loads(canonical.group(2))
-        else:
-            payload = json.loads(inside)
-            name, arguments = payload.get("name"), payload.get("arguments")
-            if isinstance(arguments, str):  # some models double-encode the arguments
-                arguments = json.loads(arguments)
+    try:  # read as the collection read it (model/chat.py's parse_tool_call), so the call is the one that ran
+        payload = json.loads(inside)
+        name, arguments = payload.get("name"), payload.get("arguments")
+        if isinstance(arguments, str):  # some models double-encode the arguments
+            arguments = json.loads(arguments)
     except (ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(name, str) or not isinstance(arguments, dict):

@@ -17,7 +17,12 @@ from cleaner.engine.export.conversation import Template, assistant_message, tool
 from cleaner.engine.export.folder import openai_messages
 from cleaner.engine.export.policy import policy_for
 from cleaner.engine.export.rows import raw_conversation
-from cleaner.engine.model.chat import format_call, format_tool_call, tool_response_text
+from cleaner.engine.model.chat import (
+    format_call,
+    format_tool_call,
+    parse_tool_call,
+    tool_response_text,
+)
 from cleaner.records import Segment, SegmentKind, ToolStatus
 from cleaner.tools.responses import TOOL_SCHEMA
 
@@ -39,6 +44,17 @@ def test_an_answer_drops_its_end_of_turn_and_a_call_that_is_not_json_stays_text(
     broken = 'Try.\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"\n</tool_call>'
     assert assistant_message(broken) == {"role": "assistant", "content": broken}
     assert assistant_message("cut by the bud") == {"role": "assistant", "content": "cut by the bud"}
+
+
+def test_a_call_is_read_as_the_collection_read_it_and_a_turn_not_ending_in_one_call_stays_text():
+    """Arguments double-encoded as a JSON string are the call's (the collection ran it so); a turn
+    with two calls, or a closing tag without its opening one, is text."""
+    double = '<tool_call>\n{"name": "code_interpreter", "arguments": "{\\"code\\": \\"print(6 * 7)\\"}"}\n</tool_call>'
+    assert parse_tool_call(double).code == "print(6 * 7)"
+    assert assistant_message("Go.\n" + double) == {"role": "assistant", "content": "Go.", "tool_calls": [INTERPRETER_CALL]}
+    payload = '{"name": "code_interpreter", "arguments": {"code": "1"}}'
+    for text in ("Two.\n" + CALL + "\n" + CALL, "0123456789" + payload + "</tool_call>", "0123456789" + payload + "x" * 12):
+        assert assistant_message(text) == {"role": "assistant", "content": text}
 
 
 def test_a_tool_turn_is_the_response_between_its_tags():

@@ -75,13 +75,27 @@ def test_a_whole_batch_estimator_whitens_over_each_configs_own_renderings():
     nothing = dataclasses.replace(WHITENED, rollback_prob=0.0)
     for config in (WHITENED, nothing):
         rows, _ = render_iteration(ROLLOUTS, SEGMENTS, config, decode=None)
-        tokens = [sum(row.loss_mask[1:]) for row in rows]
+        tokens = [sum(row.loss_mask) for row in rows]
         assert [row.advantage for row in rows] == pytest.approx(advantages(
             config, [r.group_id for r in ROLLOUTS], [r.reward for r in ROLLOUTS], tokens), rel=1e-12)
         assert rows[2].advantage == rows[3].advantage == 0.0
     purified, raw_rows = (render_iteration(ROLLOUTS, SEGMENTS, c, decode=None)[0] for c in (WHITENED, nothing))
     assert sum(purified[0].loss_mask) == 5 and sum(raw_rows[0].loss_mask) == 7
     assert purified[0].advantage != pytest.approx(raw_rows[0].advantage)
+
+
+def test_whitening_counts_every_loss_token_after_a_one_token_prompt_too():
+    """The first token after the prompt is a loss token wherever the prompt ends, at position 1 too."""
+    from cleaner.engine.purify.advantages import advantages
+    from cleaner.records import SegmentKind
+
+    short = [dataclasses.replace(s, token_ids=s.token_ids[:1]) if s.kind == SegmentKind.PROMPT else s
+             for s in SEGMENTS]
+    rows, _ = render_iteration(ROLLOUTS, short, WHITENED, decode=None)
+    assert {row.prompt_len for row in rows} == {1} and all(row.loss_mask[1] == 1 for row in rows)
+    tokens = [sum(row.loss_mask) for row in rows]
+    assert [row.advantage for row in rows] == pytest.approx(advantages(
+        WHITENED, [r.group_id for r in ROLLOUTS], [r.reward for r in ROLLOUTS], tokens), rel=1e-12)
 
 
 def test_a_whole_batch_estimators_positive_rollouts_are_those_above_their_groups_mean():
@@ -102,6 +116,29 @@ def test_negative_sample_pushes_go_on_the_whitened_advantage():
 def test_rollout_without_segments_is_an_error():
     with pytest.raises(ValueError, match="r4"):
         render_iteration(ROLLOUTS, SEGMENTS[:-6], HALF, decode=None)
+
+
+@pytest.mark.parametrize("config", [PurifyConfig(negative_samples=True), PurifyConfig(rollback_is_threshold=0.5)])
+def test_render_iteration_refuses_what_needs_old_log_probs(config):
+    with pytest.raises(ValueError, match=r"^IS gating and negative samples need old log-probs: use purify_iteration$"):
+        render_iteration(ROLLOUTS, SEGMENTS, config, decode=None)
+
+
+def test_render_iteration_renders_what_purify_iteration_stores_but_the_scores():
+    """Without a scorer, the same rows and stats (the premise's failed-call credit included), each
+    row unscored: zeros for old log-probs and no scorer named. Calls compared by their decoded
+    tokens need the decoding passed on."""
+    config = dataclasses.replace(HALF, similarity_on="call")
+
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    rows, stats = render_iteration(ROLLOUTS, SEGMENTS, config, decode)
+    [stored] = purify_iteration(ROLLOUTS, SEGMENTS, [config], FakeScorer(), decode, "v7")
+    assert stats == stored.stats and stats.premise is not None
+    assert [dataclasses.replace(row, old_logprobs=scored.old_logprobs, scorer_version="v7")
+            for row, scored in zip(rows, stored.rows, strict=True)] == stored.rows
+    assert all(row.scorer_version == "" and set(row.old_logprobs) == {0.0} for row in rows)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from cleaner.engine.purify.selection import (
     answer_format_penalty,
     has_void_turn,
     roc_choice,
+    roc_penalty,
     select,
     tool_error_ratio,
     uniform_choice,
@@ -81,6 +82,27 @@ def test_the_format_penalty_is_one_without_an_answer_and_grows_with_repeated_ans
     in_code = [s if s.seq != 1 else s.__class__(**{**s.__dict__, "text": "try <tool_call>print('\\boxed{3}')"})
                for s in answered]  # inside the call: code, not an answer
     assert answer_format_penalty(in_code, "toy") == 0.0
+
+
+def test_a_turn_holding_several_answers_costs_at_most_one():
+    """Three \\boxed{} in one of three turns: (3 - 1) / 3 turns; in one turn of one, capped at 1."""
+    _, answered = selection_rollout(0, 1.0, (ERROR, OK))
+    last = answered[-1]
+    tripled = [*answered[:-1], last.__class__(**{**last.__dict__, "text": "\\boxed{1} \\boxed{2} \\boxed{3}"})]
+    assert answer_format_penalty(tripled, "toy") == pytest.approx(2 / 3)
+    assert answer_format_penalty([tripled[0], tripled[-1]], "toy") == 1.0  # the prompt and the answer turn
+
+
+@pytest.mark.parametrize(("error_ratio_on", "answer_format_on", "expected"), [
+    (True, True, 0.5 + 1 / 3), (True, False, 0.5), (False, True, 1 / 3), (False, False, 0.0)])
+def test_the_roc_penalty_adds_the_error_ratio_and_the_format_penalty_each_where_switched_on(
+        error_ratio_on, answer_format_on, expected):
+    """One failed call of two (0.5); two answers over three turns (1/3)."""
+    _, answered = selection_rollout(0, 1.0, (ERROR, OK))
+    repeated = [s if s.seq != 1 else s.__class__(**{**s.__dict__, "text": "\\boxed{3} <tool_call>x"})
+                for s in answered]
+    config = PurifyConfig(roc_error_ratio=error_ratio_on, roc_answer_format=answer_format_on)
+    assert roc_penalty(repeated, "toy", config) == pytest.approx(expected)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +195,23 @@ def test_uniform_keeps_n_members_each_about_equally_often_and_the_same_on_every_
             counts[position] += 1
     assert all(abs(count / 2000 - 0.5) < 0.05 for count in counts)  # 4.5 sigma of a fair coin
     assert uniform_choice(["a", "b"], 3) is None
+
+
+def test_select_uniform_keeps_in_each_group_the_members_uniform_choice_names():
+    """Two groups of four in sample order, two kept of each: uniform_choice over each group's
+    rollout ids; an infrastructure fault is no candidate, so its group of three keeps two of those."""
+    first, first_segments = group((1.0, (OK,)), (0.0, (ERROR,)), (1.0, ()), (0.0, ()), group_id="a")
+    second, second_segments = group((1.0, (OK,)), (1.0, (INFRA, OK)), (0.0, ()), (0.0, ()), group_id="b")
+    rollouts, segments = first + second, first_segments + second_segments
+    config = PurifyConfig(rollback_prob=0.0, down_sample="uniform", down_sample_to=2)
+    chosen = select(rollouts, grouped(segments), config, [False] * 5 + [True] + [False] * 2)
+    expected = [False] * 8
+    for position in uniform_choice([r.rollout_id for r in first], 2):
+        expected[position] = True
+    candidates = [4, 6, 7]
+    for position in uniform_choice([rollouts[i].rollout_id for i in candidates], 2):
+        expected[candidates[position]] = True
+    assert chosen.kept == tuple(expected) and sum(chosen.kept) == 4
 
 
 # ----------------------------------------------------------------------------------------------

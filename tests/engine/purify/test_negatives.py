@@ -36,6 +36,10 @@ def test_push_against_hand_values():
     far = dpo_push([-0.1], [-50.0], 1.0, 1.0, DpoCap.ABSOLUTE, 0.0)
     assert far.fix == pytest.approx(sigmoid(-49.9)) and far.fix < 1e-20
     assert with_pushes(0.5, 5, [(1, 3, 0.25), (2, 4, -1.0)]) == (0.5, 0.75, -0.25, -0.5, 0.5)
+    # a side without call tokens (nothing scored): no push either way
+    for fix, failed in (([], [-4.0]), ([-1.0], []), ([], [])):
+        push = dpo_push(fix, failed, 0.1, 1.0, DpoCap.ABSOLUTE, 0.5)
+        assert (push.delta, push.fix, push.failed) == (0.0, 0.0, 0.0)
 
 
 NEGATIVES = PurifyConfig(gamma=0.5, rollback_prob=1.0, negative_samples=True)
@@ -53,11 +57,18 @@ def test_purify_adds_one_negative_row_per_fixed_failure():
     assert neg.loss_mask == (0, 0, 0, 0, 1) and neg.advantage == 0.0
     assert neg.behavior_logprobs == pytest.approx((0, 0, 0, 0, -0.112))
     assert neg.old_logprobs == pytest.approx((0, 0, 0, 0, -1.12))  # the fake scorer: -0.01 x id
+    r1_rollout = ROLLOUTS[0]
+    assert (neg.config_id, neg.iteration, neg.group_id, neg.prompt_len, neg.reward, neg.scorer_version) == (
+        NEGATIVES.config_id, r1_rollout.iteration, r1_rollout.group_id, 2, r1_rollout.reward, "v")
+    # a row of its own: rolled back (SAAR took its call out), and no merge of its own to count
+    assert (neg.rolled_back, neg.n_shallow, neg.n_deep, neg.n_unrecovered, neg.tokens_removed) == (True, 0, 0, 0, 0)
     # The push: fix call tokens 121 122 (old mean -1.215), failed call 112 (-1.12): delta -0.095
     s = sigmoid(0.1 * 0.095)
     fix_push, failed_push = 0.1 * s / 2, 0.1 * s / 1
     r1 = positives[0]
     assert r1.token_ids == (101, 102, 110, 111, 121, 122, 123, 130)
+    assert r1.scorer_version == "v" and r1.old_logprobs == pytest.approx(
+        [-0.01 * token if mask else 0.0 for token, mask in zip(r1.token_ids, r1.loss_mask, strict=True)])
     expected = [r1.advantage] * 8
     expected[4] += fix_push
     expected[5] += fix_push

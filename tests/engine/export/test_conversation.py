@@ -7,12 +7,13 @@ tiktoken encoder, checked through a Hugging Face tokenizer built from the same r
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from cleaner.config import DEFAULT_POLICY
+from cleaner.config import DEFAULT_POLICY, ENV_POLICY
 from cleaner.engine.export.conversation import Template, assistant_message, tool_message
 from cleaner.engine.export.folder import openai_messages
 from cleaner.engine.export.policy import policy_for
@@ -23,6 +24,7 @@ from cleaner.engine.model.chat import (
     parse_tool_call,
     tool_response_text,
 )
+from cleaner.errors import JobError
 from cleaner.records import Segment, SegmentKind, ToolStatus
 from cleaner.tools.responses import TOOL_SCHEMA
 
@@ -111,6 +113,46 @@ def test_a_policys_tools_are_the_interpreter_then_the_users_tools_with_their_sch
     assert convert["description"] == "Convert a quantity from one unit to another, e.g. 3.5 km to m."
     assert convert["parameters"]["required"] == ["value", "from_unit", "to_unit"]
     assert policy_for(None, json.dumps({**config, "multi_turn": False}), 0, {}).tools == ()
+
+
+def test_a_policys_tools_by_spec_and_one_that_takes_the_interpreters_name(tmp_path):
+    """`--tool PATH.py:NAME` tools follow the interpreter; a user tool named code_interpreter takes
+    its place, with its own schema, as the collection's template showed it."""
+    examples = Path(__file__).resolve().parents[3] / "examples" / "units"
+    by_spec = policy_for(None, json.dumps({"model": str(DEFAULT_POLICY), "tool": f"{examples}/tools.py:unit_factor"}),
+                         0, {})
+    assert [tool["function"]["name"] for tool in by_spec.tools] == ["code_interpreter", "unit_factor"]
+    own = tmp_path / "own.py"
+    own.write_text("from cleaner.tools import Tool\n\n\nclass Own(Tool):\n    name = 'code_interpreter'\n"
+                   "    description = 'Our own interpreter.'\n    parameters = {'type': 'object', 'properties': {}}\n\n"
+                   "    def call(self, arguments):\n        return 'ran'\n")
+    replaced = policy_for(None, json.dumps({"model": str(DEFAULT_POLICY), "tool": f"{own}:Own"}), 0, {})
+    assert [tool["function"]["description"] for tool in replaced.tools] == ["Our own interpreter."]
+
+
+def test_a_policy_is_loaded_once_per_model_and_tools(tmp_path):
+    cache: dict = {}
+    first = policy_for(None, json.dumps({"model": str(DEFAULT_POLICY)}), 0, cache)
+    assert policy_for(DEFAULT_POLICY, None, 1, cache) is first  # --policy: the same model, the same tools
+    assert policy_for(ENV_POLICY, None, 1, cache).path == str(ENV_POLICY)
+    assert policy_for(DEFAULT_POLICY, json.dumps({"multi_turn": False}), 2, cache).tools == ()
+    assert len(cache) == 3
+
+
+def test_a_policy_that_cannot_say_what_a_conversation_looks_like_is_refused(tmp_path):
+    with pytest.raises(JobError, match=r"^iteration 3 has no saved collect config naming its policy; pass --policy "
+                                       r"DIR \(a model directory with its tokenizer\)$"):
+        policy_for(None, None, 3, {})
+    with pytest.raises(JobError, match=rf"^policy {tmp_path}: no tokenizer there; pass --policy DIR with the "
+                                       r"collecting policy's tokenizer and chat template$"):
+        policy_for(tmp_path, None, 0, {})
+    templateless = tmp_path / "templateless"
+    shutil.copytree(DEFAULT_POLICY, templateless)
+    (templateless / "chat_template.jinja").unlink()
+    with pytest.raises(JobError, match=rf"^policy {templateless}: its tokenizer has no chat template, so no "
+                                       r"conversation can be checked against it; pass --policy DIR with the "
+                                       r"collecting policy's template$"):
+        policy_for(templateless, None, 0, {})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def test_a_call_is_read_as_the_collection_read_it_and_a_turn_not_ending_in_one_c
     double = '<tool_call>\n{"name": "code_interpreter", "arguments": "{\\"code\\": \\"print(6 * 7)\\"}"}\n</tool_call>'
     assert parse_tool_call(double).code == "print(6 * 7)"
     assert assistant_message("Go.\n" + double) == {"role": "assistant", "content": "Go.", "tool_calls": [INTERPRETER_CALL]}
+    listed = '<tool_call>\n{"name": "code_interpreter", "arguments": ["print(1)"]}\n</tool_call>'
+    assert assistant_message(listed) == {"role": "assistant", "content": listed}  # arguments not an object
     payload = '{"name": "code_interpreter", "arguments": {"code": "1"}}'
     for text in ("Two.\n" + CALL + "\n" + CALL, "0123456789" + payload + "</tool_call>", "0123456789" + payload + "x" * 12):
         assert assistant_message(text) == {"role": "assistant", "content": text}
@@ -192,6 +194,18 @@ def test_the_tiny_policys_prompt_is_recovered_with_or_without_a_system_message(t
     assert tiny.prompt_messages(two_shots) == ((("user", two_shots),), False)
     cut = user_only[40:]  # a prompt cut by --truncate-prompts: kept whole, not exact
     assert tiny.prompt_messages(cut) == ((("user", cut),), False)
+    lines = "Solve:\n6 * 7\nand show the steps."
+    assert tiny.prompt_messages(tiny.render([{"role": "user", "content": lines}], generation_prompt=True)) == (
+        (("user", lines),), True)
+
+
+def test_a_template_that_refuses_a_shape_still_recovers_the_others():
+    """One that refuses system messages has no probe for them; a few-shot prompt is still recovered."""
+    refusing = Template(_OtherTokenizer(AutoTokenizer.from_pretrained(DEFAULT_POLICY), refuses="system"), [TOOL_SCHEMA])
+    few_shot = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\\boxed{4}"},
+                {"role": "user", "content": "What is 6 * 7?"}]
+    assert refusing.prompt_messages(refusing.render(few_shot, generation_prompt=True)) == (
+        (("user", "What is 2 + 2?"), ("assistant", "\\boxed{4}"), ("user", "What is 6 * 7?")), True)
 
 
 def test_a_tiny_policy_rollout_renders_back_to_its_tokens(tiny):
@@ -217,17 +231,20 @@ def test_a_tiny_policy_rollout_renders_back_to_its_tokens(tiny):
 class _OtherTokenizer:
     """The tiny policy's tokenizer with one thing changed, as another model's has it: `encode` adds
     a BOS token unless told not to (Llama's), the chat template appends `after` to a finished
-    conversation (one rendered without a generation prompt), or it cannot render one at all."""
+    conversation (one rendered without a generation prompt), or it cannot render one at all, or
+    one with a message of role `refuses`."""
 
-    def __init__(self, tokenizer, bos_id: int | None = None, after: str = "", fails: bool = False) -> None:
+    def __init__(self, tokenizer, bos_id: int | None = None, after: str = "", fails: bool = False,
+                 refuses: str | None = None) -> None:
         self._tokenizer, self._bos_id, self._after, self._fails = tokenizer, bos_id, after, fails
+        self._refuses = refuses  # a role the template raises on
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         return [self._bos_id, *ids] if add_special_tokens and self._bos_id is not None else ids
 
     def apply_chat_template(self, *args, **kwargs) -> str:
-        if self._fails:
+        if self._fails or any(message["role"] == self._refuses for message in args[0]):
             raise ValueError("this template cannot render the conversation")
         finished = not kwargs.get("add_generation_prompt")
         return self._tokenizer.apply_chat_template(*args, **kwargs) + (self._after if finished else "")

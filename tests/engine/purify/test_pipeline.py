@@ -49,6 +49,31 @@ def test_render_iteration_follows_the_draw():
     assert stats.errors_by_type == (("NameError", 3), ("timeout", 1))
 
 
+def test_errors_are_counted_by_type_most_first_ties_by_name():
+    """A failed call's exception name, else its status; the commonest first, ties alphabetical."""
+    from cleaner.engine.purify.pipeline import errors_by_type
+    from tests.factories import selection_rollout
+
+    _, segments = selection_rollout(0, 1.0, ("error", "error", "error", "timeout", "ok"))
+    tools = [s for s in segments if s.kind == "tool"]
+    names = ["ZeroDivisionError", "NameError", "ZeroDivisionError", None, None]
+    segments = [*(dataclasses.replace(s, error_type=name) for s, name in zip(tools, names, strict=True)),
+                *(dataclasses.replace(tools[0], seq=99, error_type="AssertionError"),)]
+    assert errors_by_type(segments) == (("ZeroDivisionError", 2), ("AssertionError", 1), ("NameError", 1),
+                                        ("timeout", 1))
+
+
+def test_an_infrastructure_fault_is_a_failed_generation_or_a_call_that_still_met_one():
+    from cleaner.engine.purify.pipeline import infra_fault
+    from tests.factories import selection_rollout
+
+    clean, clean_segments = selection_rollout(0, 1.0, ("error", "ok"))
+    assert not infra_fault(clean, clean_segments)
+    assert infra_fault(dataclasses.replace(clean, finish_reason="error"), clean_segments)
+    faulted, faulted_segments = selection_rollout(1, 1.0, ("infra_error", "ok"))
+    assert faulted.finish_reason == "answer" and infra_fault(faulted, faulted_segments)
+
+
 def test_advantages_per_group():
     rows, _ = render_iteration(ROLLOUTS, SEGMENTS, HALF, decode=None)
     spread = 0.5 / (math.sqrt(0.5) + HALF.advantage_eps)  # g1: rewards 1, 0; sample std sqrt(1/2)

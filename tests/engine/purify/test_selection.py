@@ -195,6 +195,7 @@ def test_uniform_keeps_n_members_each_about_equally_often_and_the_same_on_every_
             counts[position] += 1
     assert all(abs(count / 2000 - 0.5) < 0.05 for count in counts)  # 4.5 sigma of a fair coin
     assert uniform_choice(["a", "b"], 3) is None
+    assert uniform_choice(["a", "b", "c"], 3) == [0, 1, 2]  # a group of its size: kept whole
 
 
 def test_select_uniform_keeps_in_each_group_the_members_uniform_choice_names():

@@ -301,6 +301,10 @@ def test_qwen3_token_streams_render_back_token_for_token(qwen3):
     assert conversation.prompt_length == 2 and conversation.exact
     assert conversation.messages[1]["content"] == "求 793 * 358 + 571 除以 30 的余数。"
     assert conversation.messages[4]["content"] == "<think>\nThe name was wrong; fix it.\n</think>\n"  # one newline is the call's
+    # the prompt declares the collection's tools, as Qwen3's template writes them into the system turn
+    assert '"name": "code_interpreter"' in prompt
+    assert '"name": "code_interpreter"' not in Template(template.tokenizer, []).render(
+        [{"role": "user", "content": "Hi"}], generation_prompt=True)
 
 
 def test_a_qwen3_few_shot_prompt_is_recovered_message_by_message(qwen3):

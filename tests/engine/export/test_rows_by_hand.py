@@ -15,11 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from cleaner.config import DEFAULT_POLICY, SimilarityOn
+from cleaner.config import DEFAULT_POLICY, PurifyConfig, SimilarityOn
 from cleaner.engine.export.conversation import Template
 from cleaner.engine.export.job import ExportRequest, export_job
-from cleaner.engine.export.rows import chain_pairs
+from cleaner.engine.export.rows import chain_pairs, purified_conversation
 from cleaner.engine.model.chat import format_call, tool_response_text
+from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import RenderSettings
 from cleaner.records import FinishReason, Segment, SegmentKind, ToolStatus
 from cleaner.warehouse import Warehouse
@@ -168,6 +169,23 @@ def test_a_pairs_context_keeps_whole_turns_stored_text_and_decodes_what_saar_spl
     assert segments[3].call_start == 0  # the failed turn is its call alone: SAAR keeps none of it
     [pair] = chain_pairs(segments, RenderSettings(True), Template(tokenizer, []), tokenizer.decode)
     assert pair.chosen == [_message("assistant", "", "print(6 * 8)")]
+
+
+def test_a_purified_conversation_is_the_stored_row_split_where_its_loss_mask_changes(tokenizer):
+    """SAAR's row of a chain fixed at its third attempt: the first reasoning with the fixed call,
+    the fix's tool answer, the final answer; each turn decoded from the row's tokens, and the whole
+    renders back to them."""
+    chain = [("Compute.", "print(6 * 7)", ERROR, "NameError"), ("Retry.", "print(6 * 8)", ERROR, "ZeroDivisionError"),
+             ("Again.", "print(6 * 9)", OK, None)]
+    segments = _segments(tokenizer, "R3", "What is 6 * 7?", [chain], "42")
+    rows, _ = render_iteration([make_rollout("R3", reward=1.0)], segments, PurifyConfig(rollback_prob=1.0),
+                               tokenizer.decode)
+    conversation = purified_conversation(_stored_apart(segments), rows[0], Template(tokenizer, []), tokenizer.decode)
+    assert conversation.messages == [_message("user", "What is 6 * 7?"),
+                                     _message("assistant", "Compute.", "print(6 * 9)"),
+                                     _message("tool", "Tool call success\nstdout: 42\n"),
+                                     _message("assistant", "So \\boxed{42}.")]
+    assert conversation.exact and conversation.prompt_length == 1
 
 
 def test_chain_pairs_compare_calls_by_their_tokens_with_the_policys_decoding(tokenizer):

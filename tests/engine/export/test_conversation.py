@@ -141,7 +141,7 @@ def test_a_policy_is_loaded_once_per_model_and_tools(tmp_path):
     assert len(cache) == 3
 
 
-def test_a_policy_that_cannot_say_what_a_conversation_looks_like_is_refused(tmp_path):
+def test_a_policy_that_cannot_say_what_a_conversation_looks_like_is_refused(tmp_path, monkeypatch):
     with pytest.raises(JobError, match=r"^iteration 3 has no saved collect config naming its policy; pass --policy "
                                        r"DIR \(a model directory with its tokenizer\)$"):
         policy_for(None, None, 3, {})
@@ -155,6 +155,14 @@ def test_a_policy_that_cannot_say_what_a_conversation_looks_like_is_refused(tmp_
                                        r"conversation can be checked against it; pass --policy DIR with the "
                                        r"collecting policy's template$"):
         policy_for(templateless, None, 0, {})
+
+    def unfit(tokenizer, tools):  # the chat format's check on a tokenizer without its special tokens
+        raise ValueError("tokenizer must have '<tool_call>' as one special token, got ids [60, 61]")
+
+    monkeypatch.setattr("cleaner.engine.export.policy.ChatFormat", unfit)
+    with pytest.raises(JobError, match=rf"^policy {DEFAULT_POLICY}: tokenizer must have '<tool_call>' as one special "
+                                       r"token, got ids \[60, 61\]$"):
+        policy_for(DEFAULT_POLICY, None, 0, {})
 
 
 # ---------------------------------------------------------------------------------------------

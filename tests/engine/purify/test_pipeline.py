@@ -139,8 +139,24 @@ def test_negative_sample_pushes_go_on_the_whitened_advantage():
 
 
 def test_rollout_without_segments_is_an_error():
-    with pytest.raises(ValueError, match="r4"):
+    with pytest.raises(ValueError, match=r"^rollouts without segments: \['r4'\]$"):
         render_iteration(ROLLOUTS, SEGMENTS[:-6], HALF, decode=None)
+    many = [dataclasses.replace(ROLLOUTS[0], rollout_id=f"m{i}") for i in range(7)]
+    with pytest.raises(ValueError, match=r"^rollouts without segments: \['m0', 'm1', 'm2', 'm3', 'm4'\]$"):
+        render_iteration([*ROLLOUTS, *many], SEGMENTS, HALF, decode=None)  # the first five named
+
+
+def test_segments_of_rollouts_not_in_the_input_are_skipped_and_counted(caplog):
+    strays = [dataclasses.replace(segment, rollout_id="stray") for segment in SEGMENTS[:3]]
+    with caplog.at_level("WARNING", logger="cleaner.engine.purify.pipeline"):
+        rows, _ = render_iteration(ROLLOUTS, [*strays, *SEGMENTS], HALF, decode=None)
+    assert [row.rollout_id for row in rows] == ["r1", "r2", "r3", "r4"]
+    assert [record.getMessage() for record in caplog.records] == [
+        "skipping 3 segments whose rollout is not in the input"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cleaner.engine.purify.pipeline"):
+        render_iteration(ROLLOUTS, SEGMENTS, HALF, decode=None)
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("config", [PurifyConfig(negative_samples=True), PurifyConfig(rollback_is_threshold=0.5)])

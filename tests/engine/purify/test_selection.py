@@ -82,6 +82,12 @@ def test_the_format_penalty_is_one_without_an_answer_and_grows_with_repeated_ans
     in_code = [s if s.seq != 1 else s.__class__(**{**s.__dict__, "text": "try <tool_call>print('\\boxed{3}')"})
                for s in answered]  # inside the call: code, not an answer
     assert answer_format_penalty(in_code, "toy") == 0.0
+    twice = [s if s.seq != 1 else s.__class__(**{**s.__dict__, "text": "a <tool_call>'\\boxed{3}' b <tool_call>x"})
+             for s in answered]  # inside the first of two calls: still code
+    assert answer_format_penalty(twice, "toy") == 0.0
+    unparsed = [s if s.seq != 1 else s.__class__(**{**s.__dict__, "call_start": None, "text": "<tool_call>\\boxed{3}"})
+                for s in answered]  # no call read from the turn: all of its text is the turn's
+    assert answer_format_penalty(unparsed, "toy") == pytest.approx(1 / 3)
 
 
 def test_a_turn_holding_several_answers_costs_at_most_one():
@@ -152,6 +158,22 @@ def test_roc_fills_from_the_other_side_when_one_side_has_fewer_than_its_minimum(
 def test_roc_drops_a_group_smaller_than_its_target_and_keeps_one_of_its_size():
     assert roc_choice([1.0, 0.0, 1.0], [0, 0, 0], 4, 2, 2) is None
     assert roc_choice([1.0, 0.0, 1.0, 0.0], [0, 0, 0, 0], 4, 2, 2) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("rewards", "n", "min_negatives", "min_positives", "kept"), [
+    # one of a positive and a negative: round(0.5) = 0 negatives, at their minimum of 0: the positive
+    ((1.0, 0.0), 1, 0, 0, [0]),
+    # three of two positives and two negatives: round(1.5) = 2 positives, at their minimum of 2
+    ((1.0, 1.0, 0.0, 0.0), 3, 0, 2, [0, 1, 2]),
+])
+def test_roc_at_a_share_equal_to_its_minimum_keeps_what_the_reference_keeps(rewards, n, min_negatives,
+                                                                             min_positives, kept):
+    """The boundaries `<=` decides (found by brute force against the transcription, which the random
+    draws below rarely reach)."""
+    penalties = [0.0] * len(rewards)
+    assert roc_choice(list(rewards), penalties, n, min_negatives, min_positives) == kept
+    expected = resample_of_correct_mask(["g"] * len(rewards), list(rewards), penalties, n, min_negatives, min_positives)
+    assert [i in kept for i in range(len(rewards))] == expected
 
 
 @settings(max_examples=400, deadline=None)
@@ -228,6 +250,9 @@ def test_select_skips_infra_faulted_rollouts_and_counts_groups_too_small():
     assert chosen.kept == (True, True, False, True, True)  # four candidates: all kept
     small = select(rollouts, grouped(segments), ROC4, [False, True, True, False, False])
     assert small.kept == (False,) * 5 and small.groups_dropped == 1
+    other, other_segments = group((1.0, (OK,)), (0.0, ()), group_id="h")
+    both = select(rollouts + other, grouped(segments + other_segments), ROC4, [False, True, True, False, False] + [False] * 2)
+    assert both.groups_dropped == 2  # each group too small counts
 
 
 def test_a_down_sampled_config_computes_its_advantages_over_the_kept_rows_and_marks_the_others():

@@ -186,6 +186,33 @@ def test_render_iteration_renders_what_purify_iteration_stores_but_the_scores():
 # purify_iteration
 
 
+def test_an_is_gated_config_keeps_raw_each_chain_whose_merge_is_unlikely_under_the_old_policy():
+    """IS = exp(sum over the retry's kept call tokens of old - behaviour log-prob): the fake scorer's
+    -0.01 x id against the segments' -id / 1000, -0.009 x id a token. r<i>'s shallow merge keeps
+    tokens 100i + 21 and 100i + 22: IS = exp(-0.009 (200i + 43)) = 0.112, 0.0186, 0.0031, 0.0005.
+    tau 0.05 gates r2, r3 and r4 (raw rows), and r1 is purified."""
+    config = PurifyConfig(gamma=0.5, rollback_prob=1.0, rollback_is_threshold=0.05)
+    (result,) = purify_iteration(ROLLOUTS, SEGMENTS, [config], FakeScorer(), None, "v")
+    assert [math.exp(-0.009 * (200 * i + 43)) < 0.05 for i in (1, 2, 3, 4)] == [False, True, True, True]
+    assert [row.token_ids for row in result.rows] == [shallow(100), raw(200), raw(300), raw(400)]
+    assert [row.n_gated for row in result.rows] == [0, 1, 1, 1] and result.stats.n_gated == 3
+    for row in result.rows:  # each scored under the rendering it ended with
+        assert row.old_logprobs == pytest.approx(
+            [-0.01 * token if mask else 0.0 for token, mask in zip(row.token_ids, row.loss_mask, strict=True)])
+
+
+def test_an_infrastructure_fault_is_counted_marked_and_left_out_of_the_premise():
+    """r4's generation failed: its row says so, takes advantage 0, and neither it nor g2's statistics
+    count it, so the premise is r1..r3's alone."""
+    faulted = [*ROLLOUTS[:3], dataclasses.replace(ROLLOUTS[3], finish_reason="error")]
+    rows, stats = render_iteration(faulted, SEGMENTS, HALF, decode=None)
+    assert [row.infra_fault for row in rows] == [False, False, False, True] and stats.n_infra_fault == 1
+    assert rows[3].advantage == 0.0
+    _, without = render_iteration(ROLLOUTS[:3], SEGMENTS[:18], HALF, decode=None)
+    assert stats.premise == without.premise
+    assert rows[0].iteration == ROLLOUTS[0].iteration == 3
+
+
 def test_one_scorer_call_for_all_configs_and_old_logprobs_scattered():
     scorer = FakeScorer()
     results = purify_iteration(ROLLOUTS, SEGMENTS, [HALF, POSITIVE, DEEP], scorer, None, "v7")

@@ -264,7 +264,8 @@ def test_a_down_sampled_config_computes_its_advantages_over_the_kept_rows_and_ma
     assert [row.dropped for row in rows] == [False, False, True, False, False, True]
     spread = 0.5 / (math.sqrt(1 / 3) + ROC4.advantage_eps)  # kept rewards 1, 1, 0, 0: sample std sqrt(1/3)
     assert [row.advantage for row in rows] == pytest.approx([spread, spread, 0.0, -spread, -spread, 0.0])
-    assert all(set(row.loss_mask) == {0} for row in rows if row.dropped)
+    assert all(set(row.loss_mask) == {0} and set(row.behavior_logprobs) == {0.0} for row in rows if row.dropped)
+    assert all(min(row.behavior_logprobs) < 0 for row in rows if not row.dropped)  # the kept rows' own
     assert (stats.n_dropped, stats.n_void) == (2, 0)
     trained = prepare_rows(rows, TrainConfig())
     assert [row.rollout_id for row in trained] == ["g-s0", "g-s1", "g-s3", "g-s4"]  # dropped rows leave the batch

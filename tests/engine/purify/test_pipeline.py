@@ -121,6 +121,10 @@ def test_whitening_counts_every_loss_token_after_a_one_token_prompt_too():
     tokens = [sum(row.loss_mask) for row in rows]
     assert [row.advantage for row in rows] == pytest.approx(advantages(
         WHITENED, [r.group_id for r in ROLLOUTS], [r.reward for r in ROLLOUTS], tokens), rel=1e-12)
+    (scored,) = purify_iteration(ROLLOUTS, short, [WHITENED], FakeScorer(), None, "v")  # scored from position 1
+    for row in scored.rows:
+        assert row.old_logprobs == pytest.approx(
+            [-0.01 * token if mask else 0.0 for token, mask in zip(row.token_ids, row.loss_mask, strict=True)])
 
 
 def test_a_whole_batch_estimators_positive_rollouts_are_those_above_their_groups_mean():
@@ -304,7 +308,10 @@ def test_masking_rollouts_collected_purified_is_warned_about(caplog):
     purify_iteration(ROLLOUTS, SEGMENTS, [REPLACE], FakeScorer(), None, "v")
     assert "edit mask" not in caplog.text
     purify_iteration(ROLLOUTS, SEGMENTS, [MASK], FakeScorer(), None, "v")
-    assert "edit mask on rollouts collected with the purified view (4 of 4)" in caplog.text
+    assert [record.getMessage() for record in caplog.records] == [
+        "edit mask on rollouts collected with the purified view (4 of 4): their turns after a failed call were "
+        "sampled in SAAR's context, so the raw rows mask trains are off-policy there; collect with --collect-view "
+        "raw (cleaner run --edit mask does)"]
 
 
 def test_mask_and_negative_samples_are_refused():

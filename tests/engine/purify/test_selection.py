@@ -318,6 +318,7 @@ def test_untrained_rows_are_not_scored_and_the_others_equal_an_unfiltered_config
     for a, b in zip(plain.rows, roc.rows, strict=True):
         assert a.token_ids == b.token_ids
         assert b.old_logprobs == (a.old_logprobs if not b.dropped else (0.0,) * len(a.token_ids))
+    assert {row.scorer_version for row in roc.rows} == {"v"}  # a dropped row too was stored by this scorer's run
 
 
 def test_a_default_purify_config_keeps_the_id_it_had_before_down_sampling_existed():

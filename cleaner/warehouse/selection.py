@@ -21,7 +21,9 @@ Design decisions:
   later call of the same step fixed, with no unrecovered step before it in its rollout, and no
   infrastructure fault among its calls), which is the number of chain pairs;
   `OUTCOME_PAIRS` counts min(correct, incorrect) per group over the rollouts no infrastructure
-  fault decided, the number of outcome pairs.
+  fault decided, the number of outcome pairs; `OUTCOME_PAIRS_TRAINED`, the purified view's, only
+  over the rollouts whose row the config trains (not dropped by down-sampling, not masked by the
+  void-turn filter).
 """
 
 from __future__ import annotations
@@ -60,14 +62,19 @@ FIXED_CHAINS = f"""
     SELECT count(*) FROM steps s LEFT JOIN first_unrecovered u USING (rollout_id)
     WHERE s.failed AND s.fixed AND NOT s.infra AND (u.step IS NULL OR s.step < u.step)"""
 
-OUTCOME_PAIRS = f"""
+_OUTCOME_PAIRS = """
     WITH eligible AS (
-        SELECT r.group_id, r.correct FROM rollouts r SEMI JOIN {SELECTED} x ON r.rollout_id = x.rollout_id
+        SELECT r.group_id, r.correct FROM rollouts r SEMI JOIN {selected} x ON r.rollout_id = x.rollout_id
         WHERE r.finish_reason <> 'error' AND r.rollout_id NOT IN (
-            SELECT rollout_id FROM segments WHERE kind = 'tool' AND tool_status = 'infra_error'))
+            SELECT rollout_id FROM segments WHERE kind = 'tool' AND tool_status = 'infra_error'){trained})
     SELECT coalesce(sum(least(n_correct, n_incorrect)), 0)::BIGINT FROM (
         SELECT count(*) FILTER (WHERE correct) AS n_correct, count(*) FILTER (WHERE NOT correct) AS n_incorrect
         FROM eligible GROUP BY group_id)"""
+OUTCOME_PAIRS = _OUTCOME_PAIRS.format(selected=SELECTED, trained="")
+# the purified view's: a rollout whose row under the config ($config_id) trains nothing takes no part
+OUTCOME_PAIRS_TRAINED = _OUTCOME_PAIRS.format(selected=SELECTED, trained="""
+        AND r.rollout_id IN (SELECT rollout_id FROM purified WHERE config_id = $config_id
+                             AND list_contains(loss_mask, 1))""")
 
 
 @dataclass(frozen=True)
@@ -234,7 +241,7 @@ def _rows_of(dataset: schema.Dataset, tables: Iterator[pa.Table]) -> Iterator:
         yield from schema.from_table(dataset, table)
 
 
-def count(connection: duckdb.DuckDBPyConnection, query: str) -> int:
-    """One of the documented counts (FIXED_CHAINS, OUTCOME_PAIRS) over the selection."""
-    ((value,),) = connection.execute(query).fetchall()
+def count(connection: duckdb.DuckDBPyConnection, query: str, parameters: dict | None = None) -> int:
+    """One of the documented counts (FIXED_CHAINS, OUTCOME_PAIRS, OUTCOME_PAIRS_TRAINED) over the selection."""
+    ((value,),) = connection.execute(query, parameters).fetchall()
     return int(value)

@@ -45,6 +45,7 @@ class CardFacts:
     counted: int | None  # pairs by the documented SQL count
     kinds: Counter  # pairs by depth, or outcome pairs by exactness
     errors: Counter  # chain pairs by error type
+    untrained: int = 0  # purified view: rollouts the config trains nothing of, left out
 
 
 def features_yaml(schema: pa.Schema) -> list[dict]:
@@ -82,6 +83,8 @@ def _text(facts: CardFacts) -> str:
         f"- iterations: {', '.join(map(str, facts.iterations))}",
         f"- filter (`--where`): {f'`{facts.where}`' if facts.where else 'none'}",
         f"- rollouts selected: {facts.selected:,}",
+        *([f"- rollouts left out, their purified rows training nothing (down-sampled out, or masked by the "
+           f"void-turn filter): {facts.untrained:,}"] if facts.untrained else []),
         f"- view: {facts.view}",
         f"- purify config: {facts.config or 'none'}",
         f"- policies (tokenizer and chat template): {', '.join(f'`{p}`' for p in facts.policies)}",

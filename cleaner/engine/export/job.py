@@ -14,6 +14,9 @@ Design decisions:
   whole (`outputs.atomic_directory`), so an export that fails leaves nothing half-written.
 - Rows stream (warehouse/selection.py, folder.py): memory holds a batch of rollouts and a row
   group, whatever the warehouse's size; a progress bar counts the rollouts read.
+- The purified view is what the config trained: a rollout whose row trains nothing (down-sampled
+  out, or masked by the void-turn filter) has no conversation there, so it is left out, and the
+  card counts it.
 - Chain pairs use the SAAR settings (gamma, similarity) of the purify config given, or of the
   iterations' only one (several without `--config-id` are refused), else, where none was purified,
   the defaults of `cleaner purify`; the card names which. Their number
@@ -129,6 +132,7 @@ class ExportOutcome:
 class _Tally:
     rows: int = 0
     exact: int = 0
+    untrained: int = 0  # purified view: rollouts whose row the config trains nothing of, left out
     kinds: Counter = field(default_factory=Counter)  # pairs by depth, or by whether exact
     errors: Counter = field(default_factory=Counter)  # chain pairs by error type
 
@@ -191,7 +195,7 @@ def _facts(warehouse: Warehouse, request: ExportRequest, plan: _ExportPlan, tall
         policies=tuple(dict.fromkeys(policy.path for policy in plan.policies.values())),
         selected=plan.selected, rows=tally.rows, data_bytes=data_bytes, shards=shards,
         exact=tally.exact if request.form != ExportFormat.PREFERENCE else None, counted=plan.counted,
-        kinds=tally.kinds, errors=tally.errors)
+        kinds=tally.kinds, errors=tally.errors, untrained=tally.untrained)
 
 
 def _check_out(request: ExportRequest, warehouse: Warehouse) -> None:
@@ -225,8 +229,12 @@ def _plan(connection, warehouse: Warehouse, request: ExportRequest) -> _ExportPl
     policies = {i: policy_for(request.policy, warehouse.collect_config(i), i, cache) for i in request.iterations}
     counted = None
     if request.form == ExportFormat.PREFERENCE:
-        query = selection.FIXED_CHAINS if request.pairs == Pairs.CHAIN else selection.OUTCOME_PAIRS
-        counted = selection.count(connection, query)
+        if request.pairs == Pairs.CHAIN:
+            counted = selection.count(connection, selection.FIXED_CHAINS)
+        elif request.purified_rows:  # what the config trains: a rollout whose row trains nothing is no pair
+            counted = selection.count(connection, selection.OUTCOME_PAIRS_TRAINED, {"config_id": config.config_id})
+        else:
+            counted = selection.count(connection, selection.OUTCOME_PAIRS)
         if not counted:
             raise JobError(f"the {selected} selected rollouts hold no {request.pairs} pair (the documented SQL "
                            f"count is 0: {_NO_PAIRS[request.pairs]}): nothing to export")
@@ -239,6 +247,10 @@ _NO_PAIRS = {Pairs.CHAIN: "no failed call that a later call of its step fixed",
 
 def _check_written(tally: _Tally, request: ExportRequest) -> None:
     """A folder without rows is never swapped in (what `_plan` counted said there would be some)."""
+    if not tally.rows and tally.untrained:
+        raise JobError(f"the purify config trains none of the {tally.untrained} rollout(s) selected (down-sampled "
+                       "out, or masked by the void-turn filter), and the purified view is what it trained: "
+                       "nothing to export")
     if not tally.rows:
         raise JobError(f"no {request.form} row came of the selection: nothing to export")
 
@@ -307,6 +319,12 @@ def _write(connection, plan: _ExportPlan, request: ExportRequest, shards: Shards
     return tally
 
 
+def _untrained(collected) -> bool:
+    """Its purified row trains nothing (down-sampling dropped it, or the void-turn filter masked
+    it): the purified view is what the config trained, so it has no conversation there."""
+    return not any(collected.purified.loss_mask)
+
+
 def _conversation(collected, policy: Policy, purified: bool) -> rowing.Conversation:
     if purified:
         return rowing.purified_conversation(collected.segments, collected.purified, policy.template,
@@ -323,6 +341,9 @@ def _rollout_rows(collected, plan: _ExportPlan, request: ExportRequest, shards: 
             tally.rows += 1
             tally.kinds[pair.depth] += 1
             tally.errors[pair.error_type] += 1
+        return
+    if request.purified_rows and _untrained(collected):
+        tally.untrained += 1
         return
     conversation = _conversation(collected, policy, request.purified_rows)
     rollout = collected.rollout
@@ -355,6 +376,10 @@ def _dumps(value: object) -> str:
 
 def _outcome_rows(group: list, plan: _ExportPlan, request: ExportRequest, shards: Shards, tally: _Tally) -> None:
     purified = request.purified_rows
+    if purified:
+        trained = [collected for collected in group if not _untrained(collected)]
+        tally.untrained += len(group) - len(trained)
+        group = trained
     for chosen, rejected in rowing.outcome_pairs(group):
         policy = plan.policies[chosen.rollout.iteration]
         good, bad = _conversation(chosen, policy, purified), _conversation(rejected, policy, purified)

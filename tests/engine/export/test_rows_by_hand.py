@@ -22,7 +22,7 @@ from cleaner.engine.export.rows import chain_pairs, purified_conversation
 from cleaner.engine.model.chat import format_call, tool_response_text
 from cleaner.engine.purify.pipeline import render_iteration
 from cleaner.engine.saar.walk import RenderSettings
-from cleaner.records import FinishReason, Segment, SegmentKind, ToolStatus
+from cleaner.records import FinishReason, PurifyConfigRow, Segment, SegmentKind, ToolStatus
 from cleaner.warehouse import Warehouse
 from tests.factories import make_rollout
 from tests.helpers import tree_digest
@@ -186,6 +186,44 @@ def test_a_purified_conversation_is_the_stored_row_split_where_its_loss_mask_cha
                                      _message("tool", "Tool call success\nstdout: 42\n"),
                                      _message("assistant", "So \\boxed{42}.")]
     assert conversation.exact and conversation.prompt_length == 1
+
+
+def _down_sampled_warehouse(root, tokenizer) -> PurifyConfig:
+    """One group of four (two correct, two wrong) purified under RoC keeping two: a correct and a
+    wrong rollout are dropped, their rows stored with nothing trained."""
+    rollouts = [dataclasses.replace(make_rollout(f"s{i}", reward=reward), sample_index=i)
+                for i, reward in enumerate((1.0, 1.0, 0.0, 0.0))]
+    segments = [s for r in rollouts for s in _segments(tokenizer, r.rollout_id, "What is 6 * 7?",
+                                                       [[("Compute.", "print(6 * 7)", OK, None)]], "42")]
+    config = PurifyConfig(rollback_prob=1.0, down_sample="roc", down_sample_to=2, roc_min_negatives=1,
+                          roc_min_positives=1)
+    rows, _ = render_iteration(rollouts, segments, config, tokenizer.decode)
+    assert [row.dropped for row in rows] == [False, True, False, True]
+    warehouse = Warehouse(root)
+    warehouse.write_rollouts(0, rollouts, segments)
+    warehouse.write_purified(0, PurifyConfigRow(config_id=config.config_id, gamma=config.gamma,
+                                                rollback_prob=config.rollback_prob, similarity_on=config.similarity_on,
+                                                purify_when=config.purify_when, params_json=config.to_json(),
+                                                edit=config.edit), rows)
+    return config
+
+
+def test_the_purified_view_leaves_out_the_rollouts_its_config_trains_nothing_of(tmp_path, tokenizer):
+    """What the config trained: the two kept rollouts, each a conversation (never a response as one
+    tool turn); the card counts the two left out; outcome pairs pair the kept ones, as their SQL
+    count says."""
+    config = _down_sampled_warehouse(tmp_path / "wh", tokenizer)
+    outcome, rows = _export(tmp_path / "wh", tmp_path, view="purified", config_id=config.config_id)
+    assert [row["rollout_id"] for row in rows] == ["s0", "s2"] and outcome.rows == 2
+    for row in rows:
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"] and row["exact"]
+    card = (outcome.out / "README.md").read_text()
+    assert ("\n- rollouts left out, their purified rows training nothing (down-sampled out, or masked by the void-turn "
+            "filter): 2\n") in card
+    pairs, pair_rows = _export(tmp_path / "wh", tmp_path, "pairs", view="purified", config_id=config.config_id,
+                               form="preference", pairs="outcome")
+    assert pairs.rows == pairs.counted == 1
+    assert (pair_rows[0]["rollout_id"], pair_rows[0]["rejected_rollout_id"]) == ("s0", "s2")
 
 
 def test_chain_pairs_compare_calls_by_their_tokens_with_the_policys_decoding(tokenizer):

@@ -357,3 +357,39 @@ def test_sizes_that_cannot_hold_a_piece_are_refused(backend):
         PrefixTrieScorer(backend.model, max_batch_tokens=32)  # the CPU's 64-token pieces
     with pytest.raises(ValueError, match="^window_batches must be >= 1$"):
         PrefixTrieScorer(backend.model, window_batches=0)
+
+
+def _pending(name: str, depth: int, forward_length: int):
+    from types import SimpleNamespace
+
+    from cleaner.engine.model.trie_scorer import _Pending
+
+    return _Pending(SimpleNamespace(name=name, depth=depth, forward_length=forward_length), None, 0.0)
+
+
+def test_a_window_takes_edges_off_the_stack_until_their_tokens_reach_it():
+    """The window bounds what one round of forwards holds at once (a GPU's memory): prefix + edge
+    tokens, summed, worked by hand; the top edge goes in whatever its size."""
+    from cleaner.engine.model.trie_scorer import _cost, _take_window
+
+    def stack():  # costs (depth + edge tokens), bottom to top: 1, 5, 4, 3
+        return [_pending("d", 0, 1), _pending("a", 2, 3), _pending("b", 0, 4), _pending("c", 1, 2)]
+
+    assert [_cost(item) for item in stack()] == [1, 5, 4, 3]
+    for window_tokens, taken, left in [(12, "cba", "d"), (11, "cb", "da"), (13, "cbad", ""), (2, "c", "dab")]:
+        rest = stack()
+        window = _take_window(rest, window_tokens)
+        assert ("".join(i.node.name for i in window), "".join(i.node.name for i in rest)) == (taken, left), window_tokens
+
+
+def test_edges_are_batched_longest_first_so_rows_times_the_longest_prefix_and_edge_fit_the_budget():
+    """Sorted by edge tokens then prefix, longest first, and grouped while (rows) x (longest prefix
+    + longest edge) stays within the budget, as worked by hand; a batch of one may exceed it."""
+    from cleaner.engine.model.trie_scorer import _batches
+
+    window = [_pending("p", 4, 2), _pending("q", 0, 6), _pending("r", 2, 2), _pending("s", 1, 6)]
+    # order s (1, 6), q (0, 6), p (4, 2), r (2, 2); s+q: 2 x 7 = 14; +p: 3 x 10 = 30; p+r: 2 x 6 = 12
+    for budget, expected in [(20, ["sq", "pr"]), (14, ["sq", "pr"]), (13, ["s", "q", "pr"]), (12, ["s", "q", "pr"]),
+                             (11, ["s", "q", "p", "r"]), (30, ["sqp", "r"]), (40, ["sqpr"]), (1, ["s", "q", "p", "r"])]:
+        batches = _batches(list(window), budget)
+        assert ["".join(i.node.name for i in batch) for batch in batches] == expected, budget

@@ -83,7 +83,7 @@ gpu-check:
 # that lose a call's wake-up hang (mutmut's own 15x would wait minutes); 15 s where the tests build a
 # tiny model in their fixtures, which the clean time leaves out.
 # Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py
-MUTANTS_BATCHES := train model saar purify export store
+MUTANTS_BATCHES := train model saar purify export parts store
 MUTANTS_MODULES_train := cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
 	cleaner/engine/train/loss.py cleaner/engine/train/aggregation.py cleaner/engine/purify/advantages.py \
 	cleaner/tools/calls.py
@@ -118,7 +118,11 @@ MUTANTS_MODULES_export := $(wildcard cleaner/engine/export/*.py)
 MUTANTS_TESTS_export := tests/engine/export/test_conversation.py tests/engine/export/test_rows_by_hand.py \
 	tests/engine/export/test_export_job.py
 MUTANTS_TIMEOUT_export := 4 15
-MUTANTS_MODULES_store := cleaner/warehouse/parts.py cleaner/warehouse/store.py
+# parts.py over its hand-built tests (a second a mutant); store.py over the warehouse's (minutes).
+MUTANTS_MODULES_parts := cleaner/warehouse/parts.py
+MUTANTS_TESTS_parts := tests/warehouse/test_parts.py
+MUTANTS_TIMEOUT_parts := 4 15
+MUTANTS_MODULES_store := cleaner/warehouse/store.py
 MUTANTS_TESTS_store := tests/warehouse tests/test_full_disk.py
 MUTANTS_TIMEOUT_store := 4 15
 # Under mutmut's trampolines this byte-flip search runs past any timeout in the stats run (10 s

@@ -319,3 +319,24 @@ def test_mask_and_negative_samples_are_refused():
         PurifyConfig(edit="mask", negative_samples=True)
     with pytest.raises(ValueError, match="edit must be one of"):
         PurifyConfig(edit="splice")
+
+
+@pytest.mark.parametrize("config", [
+    HALF, POSITIVE, DEEP, PurifyConfig(gamma=0.5, rollback_is_threshold=0.05),
+    PurifyConfig(gamma=0.5, negative_samples=True), PurifyConfig(gamma=0.5, edit="mask"),
+    PurifyConfig(gamma=0.5, down_sample="uniform", down_sample_to=1), PurifyConfig(gamma=0.5, void_turn_filter=True),
+], ids=["half", "positive", "deep", "gated", "negatives", "mask", "uniform", "void"])
+def test_a_configs_stats_from_its_stored_rows_are_the_stats_purify_computed(config):
+    """What `cleaner purify` reports for a config purified in an earlier run (stats_from_rows,
+    masked_tokens, iteration_premise over its stored rows) is what purifying it computed, every
+    field: here on the four rollouts with r4's generation failed (an infrastructure fault)."""
+    from cleaner.engine.purify.pipeline import iteration_premise, masked_tokens, stats_from_rows
+
+    faulted = [*ROLLOUTS[:3], dataclasses.replace(ROLLOUTS[3], finish_reason="error")]
+    (result,) = purify_iteration(faulted, SEGMENTS, [config], FakeScorer(), None, "v")
+    masked = masked_tokens(result.rows, SEGMENTS) if config.edit == "mask" else 0
+    again = stats_from_rows(config.config_id, result.rows, result.stats.errors_by_type,
+                            iteration_premise(faulted, SEGMENTS, result.rows), masked)
+    assert again == result.stats
+    assert (result.stats.n_infra_fault, result.stats.n_negatives > 0, result.stats.tokens_masked > 0) == (
+        1, config.negative_samples, config.edit == "mask")

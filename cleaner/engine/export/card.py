@@ -54,11 +54,21 @@ def features_yaml(schema: pa.Schema) -> list[dict]:
 
 
 def _feature(name: str, type_: pa.DataType) -> dict:
-    if pa.types.is_list(type_) and pa.types.is_struct(type_.value_type):
-        return {"name": name, "list": [_feature(f.name, f.type) for f in type_.value_type]}
+    return {"name": name, **_shape(type_)}
+
+
+def _shape(type_: pa.DataType) -> dict:
+    """A feature's shape as `datasets` writes it: a list of structs lists their features, a list of
+    anything else its element's shape (`{"list": "int64"}`, `{"list": {"list": "string"}}`)."""
+    if pa.types.is_list(type_):
+        inner = type_.value_type
+        if pa.types.is_struct(inner):
+            return {"list": [_feature(f.name, f.type) for f in inner]}
+        shape = _shape(inner)
+        return {"list": shape.get("dtype", shape)}
     if pa.types.is_struct(type_):
-        return {"name": name, "struct": [_feature(f.name, f.type) for f in type_]}
-    return {"name": name, "dtype": _DTYPES.get(str(type_), str(type_))}
+        return {"struct": [_feature(f.name, f.type) for f in type_]}
+    return {"dtype": _DTYPES.get(str(type_), str(type_))}
 
 
 def card(facts: CardFacts) -> str:

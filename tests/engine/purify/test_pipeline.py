@@ -338,5 +338,11 @@ def test_a_configs_stats_from_its_stored_rows_are_the_stats_purify_computed(conf
     again = stats_from_rows(config.config_id, result.rows, result.stats.errors_by_type,
                             iteration_premise(faulted, SEGMENTS, result.rows), masked)
     assert again == result.stats
+    plain = stats_from_rows(config.config_id, result.rows)  # a config's stats without the iteration's
+    assert (plain.errors_by_type, plain.premise, plain.tokens_masked) == ((), None, 0)
+    # a rollout without a row of the config (another shard's) counts in the premise at advantage 0
+    zero = [dataclasses.replace(row, advantage=0.0) for row in result.rows[1:3] if not row.is_negative]
+    some = [row for row in result.rows if row.rollout_id not in {z.rollout_id for z in zero}]
+    assert iteration_premise(faulted, SEGMENTS, some) == iteration_premise(faulted, SEGMENTS, some + zero)
     assert (result.stats.n_infra_fault, result.stats.n_negatives > 0, result.stats.tokens_masked > 0) == (
         1, config.negative_samples, config.edit == "mask")

@@ -44,6 +44,8 @@ def test_a_preference_card_says_what_was_exported_from_where_word_for_word():
         "tags": ["cleaner", "tool-use", "agent", "dpo"]}
     assert list(yaml.safe_load(front)) == ["configs", "dataset_info", "tags"]  # as the Hub's cards order them
     assert list(yaml.safe_load(front)["dataset_info"]) == ["features", "splits"]
+    assert front.startswith("configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n")
+    assert list(yaml.safe_load(front)["dataset_info"]["features"][0]) == ["name", "list"]  # as datasets writes them
     assert body == """# Trajectories exported by cleaner
 
 `cleaner export` wrote 1,500 rows in 2 shard(s) of format **preference (chain pairs)** from the warehouse `/w/wh`.

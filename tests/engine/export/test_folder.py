@@ -79,6 +79,29 @@ def test_rows_go_into_shards_of_a_fixed_size_named_once_the_last_is_written(tmp_
     assert loaded.num_rows == 7 and loaded[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
         "code": "print('é')", "a": 1}
     assert loaded[6]["tools"] == [{"name": "python"}] and loaded[3]["iteration"] == 3
+    assert loaded[0]["messages"][1]["tool_calls"] == [CALL]  # the call's fields under their names
+
+
+def test_preference_rows_are_shards_of_their_own_columns(tmp_path):
+    columns = {name: None for name in schema_of(PREFERENCE).names}
+    shards = Shards(tmp_path, PREFERENCE, rows_per_shard=10)
+    stored = stored_messages(MESSAGES_OF)
+    shards.add(columns | {"prompt": stored[:1], "chosen": stored[1:], "rejected": stored[3:], "pair": "chain",
+                          "tools": "[]", "step": 2})
+    (path,) = shards.close()
+    table = pq.read_table(path)
+    assert table.schema == schema_of(PREFERENCE)
+    assert table.column("chosen").to_pylist()[0][0]["tool_calls"][0]["function"]["arguments"] == (
+        '{"code": "print(\'é\')", "a": 1}')
+    assert (table.column("pair").to_pylist(), table.column("step").to_pylist()) == (["chain"], [2])
+
+
+def test_openai_call_ids_count_every_call_of_the_conversation_several_in_one_turn_too():
+    two = {"role": "assistant", "content": "", "tool_calls": [CALL, CALL]}
+    shaped = folder.openai_messages([MESSAGES_OF[0], two, {"role": "tool", "content": "a"},
+                                     MESSAGES_OF[1], {"role": "tool", "content": "b"}])
+    assert [call["id"] for m in shaped for call in m.get("tool_calls", ())] == ["call_0", "call_1", "call_2"]
+    assert [m.get("tool_call_id") for m in shaped if m["role"] == "tool"] == ["call_1", "call_2"]
 
 
 def test_a_messages_export_is_json_lines_and_counts_the_bytes_written(tmp_path):
@@ -105,10 +128,14 @@ def test_an_export_of_no_rows_is_one_empty_shard_that_still_says_its_columns(tmp
         assert path.read_text() == ""
 
 
-def test_a_shard_ends_exactly_at_its_size_and_the_next_row_opens_the_next(tmp_path):
-    shards = Shards(tmp_path, MESSAGES, rows_per_shard=2)
+@pytest.mark.parametrize("form", [SFT, MESSAGES])
+def test_a_shard_ends_exactly_at_its_size_and_the_next_row_opens_the_next(tmp_path, form):
+    shards = Shards(tmp_path, form, rows_per_shard=2)
     for index in range(4):
-        shards.add({"id": index})
+        shards.add(_row(index) if form == SFT else {"id": index})
     assert len(shards.paths) == 2 and shards._in_shard == 0  # both closed: no empty third shard
     paths = shards.close()
-    assert [p.read_text().count("\n") for p in paths] == [2, 2]
+    if form == SFT:
+        assert [pq.read_metadata(p).num_rows for p in paths] == [2, 2]
+    else:
+        assert [p.read_text().count("\n") for p in paths] == [2, 2]

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import datasets
 import pyarrow as pa
+import pytest
 import yaml
 
 from cleaner.engine.export.card import CardFacts, card, features_yaml
 from cleaner.engine.export.folder import MESSAGES, PREFERENCE, SFT, schema_of
+
+datasets = pytest.importorskip("datasets", reason="needs the export-test extra (datasets, trl)")
 
 # a schema with every shape the card's features take: nested lists of structs, structs, JSON, floats
 SHAPES = pa.schema([("a", pa.float64()), ("b", pa.float32()), ("c", pa.struct([("x", pa.int32()), ("y", pa.json_())])),

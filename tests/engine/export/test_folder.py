@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -19,6 +18,8 @@ from cleaner.engine.export.folder import (
     schema_of,
     stored_messages,
 )
+
+datasets = pytest.importorskip("datasets", reason="needs the export-test extra (datasets, trl)")
 
 CALL = {"type": "function", "function": {"name": "python", "arguments": {"code": "print('é')", "a": 1}}}
 MESSAGES_OF = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
@@ -56,6 +57,7 @@ def test_each_format_declares_its_columns_with_json_as_arrows_json_type_once_bui
 
 def test_rows_go_into_shards_of_a_fixed_size_named_once_the_last_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(folder, "ROW_GROUP", 2)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # no hub call
     shards = Shards(tmp_path / "out", SFT, rows_per_shard=3)
     for index in range(7):
         shards.add(_row(index))
@@ -75,7 +77,8 @@ def test_rows_go_into_shards_of_a_fixed_size_named_once_the_last_is_written(tmp_
     built = [pa.Table.from_pylist([_row(i) for i in rows], schema=schema_of(SFT, building=True)).cast(schema_of(SFT))
              for rows in ([0, 1], [2], [3, 4], [5], [6])]
     assert shards.bytes == sum(t.nbytes for t in built)
-    loaded = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train")
+    loaded = datasets.load_dataset("parquet", data_files=[str(p) for p in paths], split="train",
+                                   cache_dir=str(tmp_path / "cache"))  # no cache outside the test's folder
     assert loaded.num_rows == 7 and loaded[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
         "code": "print('é')", "a": 1}
     assert loaded[6]["tools"] == [{"name": "python"}] and loaded[3]["iteration"] == 3

@@ -348,3 +348,11 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def ended_pid() -> int:
+    """The id of a process of this host that has ended (a writer that is gone, as lock and
+    temporary names record one)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

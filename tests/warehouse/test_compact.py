@@ -213,21 +213,21 @@ def test_temporaries_of_killed_writers_are_removed_and_no_running_writers(tmp_pa
     both; a temporary of a live process, or of another host's (a shared disk), stays."""
     import os
     import socket
-    import subprocess
+
+    from tests.helpers import ended_pid
 
     wh = _warehouse(tmp_path)
     directory = wh.root / "segments" / "iteration=0"
     part = sorted(directory.glob("part-*.parquet"))[0]
     host = socket.gethostname()
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # a pid no process has now
-    linked = directory / f".{part.name}.{host}.{dead.pid}.tmp"
+    dead = ended_pid()  # a pid no process has now
+    linked = directory / f".{part.name}.{host}.{dead}.tmp"
     os.link(part, linked)  # killed between the link and the unlink
-    half = directory / f".part-abc.parquet.{host}.{dead.pid}.tmp"
+    half = directory / f".part-abc.parquet.{host}.{dead}.tmp"
     half.write_bytes(b"half a part")
     running = directory / f".part-def.parquet.{host}.{os.getpid()}.tmp"
     running.write_bytes(b"being written")
-    elsewhere = directory / f".part-ghi.parquet.other-node.{dead.pid}.tmp"
+    elsewhere = directory / f".part-ghi.parquet.other-node.{dead}.tmp"
     elsewhere.write_bytes(b"being written on another node")
     compact(wh.root)
     assert (not linked.exists(), not half.exists(), running.exists(), elsewhere.exists()) == (True, True, True, True)

@@ -9,8 +9,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,6 +42,7 @@ from cleaner.warehouse.parts import (
     write_part,
 )
 from cleaner.warehouse.schema import Dataset
+from tests.helpers import ended_pid
 
 SCHEMA = pa.schema([("id", pa.string()), ("n", pa.int64()), ("tokens", pa.list_(pa.int32())), ("note", pa.string())])
 THINGS = Dataset("things", dict, SCHEMA, ("iteration",), added=(("note", "none yet"),))
@@ -155,7 +154,7 @@ def test_the_temporary_name_is_hidden_and_names_its_writer(tmp_path):
 
 def test_leftovers_go_when_linked_into_place_or_their_writer_is_gone_and_stay_otherwise(tmp_path):
     host = socket.gethostname()
-    finished = subprocess_pid()
+    finished = ended_pid()
     linked_part = write_part(tmp_path, _table("x"), name="part-linked.parquet")
     linked = tmp_path / ".part-linked.parquet.otherhost.1.tmp"
     os.link(linked_part, linked)  # killed between the link and the unlink, on any host
@@ -172,13 +171,6 @@ def test_leftovers_go_when_linked_into_place_or_their_writer_is_gone_and_stay_ot
     assert remove_leftovers(tmp_path) == 0
     assert remove_leftovers(tmp_path / "none") == 0
     assert remove_leftovers(linked_part) == 0  # a file, not a directory
-
-
-def subprocess_pid() -> int:
-    """The id of a process of this host that has ended."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def test_a_merged_part_lists_what_it_replaces_sorted_and_streams_row_groups(tmp_path, monkeypatch):
@@ -418,7 +410,7 @@ def test_a_part_is_written_under_its_temporary_name_first(tmp_path, monkeypatch)
 
 def test_leftovers_of_writers_on_hosts_with_dotted_names_are_read_by_their_last_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "node7.cluster.example")
-    gone = tmp_path / f".part-gone.parquet.node7.cluster.example.{subprocess_pid()}.tmp"
+    gone = tmp_path / f".part-gone.parquet.node7.cluster.example.{ended_pid()}.tmp"
     gone.write_bytes(b"partial")
     part = write_part(tmp_path, _table("x"), name="part-linked.parquet")
     linked = tmp_path / ".part-linked.parquet.odd.parquet.host.1.tmp"  # a host named like a part
@@ -428,7 +420,7 @@ def test_leftovers_of_writers_on_hosts_with_dotted_names_are_read_by_their_last_
 
 
 def test_a_leftover_whose_writer_finishes_meanwhile_is_passed_over_and_the_rest_still_go(tmp_path, monkeypatch):
-    host, finished = socket.gethostname(), subprocess_pid()
+    host, finished = socket.gethostname(), ended_pid()
     for name in "abc":
         (tmp_path / f".part-{name}.parquet.{host}.{finished}.tmp").write_bytes(b"partial")
     calls = []

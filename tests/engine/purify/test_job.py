@@ -244,15 +244,16 @@ def test_without_a_backend_the_requested_one_is_loaded_with_the_collecting_polic
         return loaded[-1][-1]
 
     monkeypatch.setattr(purify_module, "load_backend", load_backend)
+    monkeypatch.setattr(purify_module, "check_device", lambda device: None)  # as if this machine had the GPU
     warehouse = build(tmp_path / "wh", policy)
-    request = PurifyRequest(ITERATION, (HALF,), backend_kind="sglang", sglang_url="http://127.0.0.1:9", device="cpu",
-                            scorer_memory_gb=0.25)
+    request = PurifyRequest(ITERATION, (HALF,), backend_kind="sglang", sglang_url="http://127.0.0.1:9", device="cuda:3",
+                            scorer_memory_gb=3.0)
     outcome = purify_job(warehouse, request, progress=True)
     (kind, model_path, device, url, backend), = loaded
-    assert (kind, model_path, device, url) == ("sglang", str(policy), "cpu", "http://127.0.0.1:9")
+    assert (kind, model_path, device, url) == ("sglang", str(policy), "cuda:3", "http://127.0.0.1:9")
     assert backend.closed
     (scorer, progress, options), = backend.scorers
-    assert (progress, options) == (True, {"memory_bytes": 250_000_000})
+    assert (progress, options) == (True, {"memory_bytes": 3_000_000_000})
     assert outcome.results[0].rows == expected([HALF], warehouse)[HALF.config_id].rows
 
 
@@ -297,6 +298,58 @@ def test_a_shard_purifies_and_stores_its_share_only_and_the_iteration_reads_whol
     whole = stored_iteration(warehouse, ITERATION, HALF)
     assert whole.summary == summarize(ROLLOUTS, SEGMENTS)
     assert as_stored(whole.result.rows) == as_stored(reference.rows) and whole.result.stats == reference.stats
+    again = purify_job(warehouse, PurifyRequest(ITERATION, (HALF,), Shard(first, 4)), backend=FakeBackend(policy),
+                       progress=False)  # rebuilt from the share's stored rows and segments only
+    assert again.computed == [] and as_stored(again.results[0].rows) == as_stored(outcome.results[0].rows)
+    assert again.results[0].stats == outcome.results[0].stats
+    with pytest.raises(JobError) as raised:
+        stored_iteration(warehouse, ITERATION, DEEP)
+    assert str(raised.value) == (f"{warehouse.root}: 4 rollouts of iteration 3 have no rows under purify config "
+                                 f"{DEEP.config_id}; purify every shard first")
+
+
+def test_a_shard_is_purified_while_the_others_are_still_missing_or_being_collected(tmp_path, policy):
+    """The gate reads a shard's share: the other shards' prompts may be uncollected, or being collected."""
+    first, _ = owner_of(["g1", "g2"], 4)
+    other = next(index for index in range(4) if Shard(index, 4).owns("g2"))
+    g1 = {rollout.rollout_id for rollout in ROLLOUTS if rollout.group_id == "g1"}
+    warehouse = build(tmp_path / "wh", policy, [r for r in ROLLOUTS if r.rollout_id in g1],
+                      [s for s in SEGMENTS if s.rollout_id in g1])
+    with warehouse.writer("collect", ITERATION, (other, 4)):
+        outcome = purify_job(warehouse, PurifyRequest(ITERATION, (HALF,), Shard(first, 4)), backend=FakeBackend(policy),
+                             progress=False)
+    assert {row.rollout_id for row in outcome.results[0].rows} == g1
+    with pytest.raises(Refused, match=r"iteration 3 holds 2 of the 4 rollouts its collection planned"):
+        purify_job(warehouse, PurifyRequest(ITERATION, (HALF,)), backend=FakeBackend(policy), progress=False)
+
+
+def add_iteration(warehouse, policy, iteration):
+    """Another iteration holding the same rollouts under the same ids (ids are an iteration's own)."""
+    rollouts = [dataclasses.replace(rollout, iteration=iteration) for rollout in ROLLOUTS]
+    warehouse.write_rollouts(iteration, rollouts, [dataclasses.replace(s, iteration=iteration) for s in SEGMENTS])
+    config = CollectConfig(model=str(policy), iteration=iteration, n_prompts=2, group_size=2)
+    warehouse.save_collect_config(iteration, config.to_json())
+    warehouse.save_plan(iteration, PLAN)
+
+
+def test_another_iterations_rollouts_and_rows_are_never_read_as_this_ones(tmp_path, policy):
+    warehouse = build(tmp_path / "wh", policy)
+    add_iteration(warehouse, policy, 5)
+    purify_job(warehouse, PurifyRequest(5, (HALF, DEEP)), backend=FakeBackend(policy), progress=False)
+    reference = expected([HALF, DEEP], warehouse)
+    first = purify_job(warehouse, PurifyRequest(ITERATION, (HALF,)), backend=FakeBackend(policy), progress=False)
+    assert first.computed == [HALF.config_id] and as_stored(first.results[0].rows) == as_stored(reference[HALF.config_id].rows)
+    again = purify_job(warehouse, PurifyRequest(ITERATION, (HALF, DEEP)), backend=FakeBackend(policy), progress=False)
+    assert again.computed == [DEEP.config_id]
+    for result in again.results:
+        assert as_stored(result.rows) == as_stored(reference[result.config.config_id].rows)
+        assert result.stats == reference[result.config.config_id].stats
+    whole = stored_iteration(warehouse, ITERATION, HALF)
+    assert whole.summary == summarize(ROLLOUTS, SEGMENTS) and len(whole.result.rows) == 4
+    with pytest.raises(JobError, match="must be smaller than iteration 3's group size"):
+        purify_job(warehouse, PurifyRequest(ITERATION, (PurifyConfig(down_sample="roc", down_sample_to=2, roc_min_negatives=1,
+                                                                  roc_min_positives=1),)),
+                   backend=FakeBackend(policy), progress=False)
 
 
 def test_a_shard_that_owns_no_prompt_is_refused(tmp_path, policy):
@@ -345,11 +398,11 @@ def test_a_whole_batch_config_is_purified_whole_or_refused_when_stored_for_part_
     assert as_stored(rows) == as_stored(expected([WHOLE], whole)[WHOLE.config_id].rows)
     assert purify_job(whole, PurifyRequest(ITERATION, (WHOLE,)), backend=FakeBackend(policy)).computed == []
     part = build(tmp_path / "part", policy)
-    part.write_purified(ITERATION, make_purify_config(WHOLE.config_id), [row for row in rows if row.rollout_id == "r1"])
+    part.write_purified(ITERATION, make_purify_config(WHOLE.config_id), [row for row in rows if row.rollout_id != "r4"])
     with pytest.raises(JobError) as raised:
         purify_job(part, PurifyRequest(ITERATION, (HALF, WHOLE)), backend=FakeBackend(policy), progress=False)
     assert str(raised.value) == (
-        f"{part.root}: iteration 3 has rows under purify config {WHOLE.config_id} for 1 of its 4 rollouts, and "
+        f"{part.root}: iteration 3 has rows under purify config {WHOLE.config_id} for 3 of its 4 rollouts, and "
         "adv_estimator reinforce_plus_plus_baseline whitens over the whole iteration: rows added now would be "
         "whitened apart; purify the iteration into another warehouse, or use adv_estimator grpo or rloo")
     assert part.purified_rollout_ids(ITERATION, HALF.config_id) == frozenset()
@@ -498,7 +551,8 @@ def test_stored_segments_no_policy_produced_are_refused_naming_the_rollout(tmp_p
     with pytest.raises(JobError) as raised:
         purify_job(warehouse, PurifyRequest(ITERATION, (HALF,)), backend=FakeBackend(policy), progress=False)
     message = str(raised.value)
-    assert message.startswith(f"{warehouse.root}: iteration 3: ") and "r3" in message and why in message
+    assert message.startswith(f"{warehouse.root}: iteration 3: 1 rollout(s) hold tokens or log-probs no policy "
+                              f"produced: r3 (") and why in message
     assert message.endswith("; an older cleaner stored its engine's answers unchecked: collect the iteration again "
                             "(into another warehouse or --iteration) before purifying")
     assert warehouse.purified_rollout_ids(ITERATION, HALF.config_id) == frozenset()

@@ -339,6 +339,8 @@ def test_another_iterations_rollouts_and_rows_are_never_read_as_this_ones(tmp_pa
     reference = expected([HALF, DEEP], warehouse)
     first = purify_job(warehouse, PurifyRequest(ITERATION, (HALF,)), backend=FakeBackend(policy), progress=False)
     assert first.computed == [HALF.config_id] and as_stored(first.results[0].rows) == as_stored(reference[HALF.config_id].rows)
+    with pytest.raises(JobError, match=f"4 rollouts of iteration 3 have no rows under purify config {DEEP.config_id}"):
+        stored_iteration(warehouse, ITERATION, DEEP)  # iteration 5's rows under it are not iteration 3's
     again = purify_job(warehouse, PurifyRequest(ITERATION, (HALF, DEEP)), backend=FakeBackend(policy), progress=False)
     assert again.computed == [DEEP.config_id]
     for result in again.results:

@@ -83,7 +83,7 @@ gpu-check:
 # that lose a call's wake-up hang (mutmut's own 15x would wait minutes); 15 s where the tests build a
 # tiny model in their fixtures, which the clean time leaves out.
 # Another module: make mutants MUTANTS_MODULES=cleaner/x.py MUTANTS_TESTS=tests/test_x.py
-MUTANTS_BATCHES := train model saar purify export parts store
+MUTANTS_BATCHES := train model saar purify purify-job export parts store
 MUTANTS_MODULES_train := cleaner/engine/train/rollout_correction.py cleaner/engine/train/optim.py \
 	cleaner/engine/train/loss.py cleaner/engine/train/aggregation.py cleaner/engine/purify/advantages.py \
 	cleaner/tools/calls.py
@@ -110,10 +110,16 @@ MUTANTS_TIMEOUT_model := 4 15
 MUTANTS_MODULES_saar := $(wildcard cleaner/engine/saar/*.py)
 MUTANTS_TESTS_saar := tests/engine/saar
 MUTANTS_TIMEOUT_saar := 4 15
-MUTANTS_MODULES_purify := cleaner/engine/purify/pipeline.py cleaner/engine/purify/job.py cleaner/engine/purify/negatives.py \
+MUTANTS_MODULES_purify := cleaner/engine/purify/pipeline.py cleaner/engine/purify/negatives.py \
 	cleaner/engine/purify/selection.py
 MUTANTS_TESTS_purify := tests/engine/purify tests/engine/test_jobs.py
 MUTANTS_TIMEOUT_purify := 4 15
+# job.py over its hand-built warehouse and fake backend (a second a mutant; test_jobs.py builds a collection)
+MUTANTS_MODULES_purify-job := cleaner/engine/purify/job.py
+MUTANTS_TESTS_purify-job := tests/engine/purify/test_job.py \
+	$(addprefix tests/engine/test_jobs.py::test_,cyclic_gc_is_paused_inside_and_restored_after_an_error \
+	a_collector_disabled_by_the_caller_stays_disabled)
+MUTANTS_TIMEOUT_purify-job := 4 15
 MUTANTS_MODULES_export := $(wildcard cleaner/engine/export/*.py)
 MUTANTS_TESTS_export := tests/engine/export/test_conversation.py tests/engine/export/test_rows_by_hand.py \
 	tests/engine/export/test_export_job.py
